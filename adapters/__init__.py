@@ -1,0 +1,1 @@
+"""Multi-token head adapters: one head type per module, registered by name."""

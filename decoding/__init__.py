@@ -1,0 +1,1 @@
+"""Decoding: proposal, acceptance, back-off and the generation loop."""

@@ -1,0 +1,30 @@
+"""Load a backbone, attach heads, train, save/load, evaluate; and the ``multitoken`` CLI.
+
+Names are imported lazily so that ``import multitoken.pipeline.errors`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Backbone": "backbone",
+    "BackboneConfig": "backbone",
+    "LoraSpec": "backbone",
+    "load_backbone": "backbone",
+    "load_tokenizer": "backbone",
+    "tokenizer_fingerprint": "backbone",
+    "DataConfig": "data",
+    "iter_documents": "data",
+    "ARCHITECTURES": "backbone",
+    "convert_llama2c": "llama2c",
+    "default_base": "embedded",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,298 @@
+"""Load a causal LM and expose the pieces multi-token heads need, generically.
+
+Architectures differ only in a few names, kept in ``ARCHITECTURES`` (one row per
+``model_type``); everything else goes through standard transformers interfaces
+(``output_hidden_states``, ``get_output_embeddings()``, ``base_model_prefix``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .embedded import default_base
+from .errors import CheckpointError, UnsupportedModelError, UsageError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The per-architecture names that no generic transformers interface exposes."""
+
+    final_norm: str  # attribute of the decoder stack
+    cache_kwarg: str  # keyword a decoder layer takes its KV cache by
+    lora_targets: tuple[str, ...]  # default LoRA target modules (q/k/v, as in seed 002)
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "gpt_neox": ArchSpec("final_layer_norm", "layer_past", ("query_key_value",)),
+    "llama": ArchSpec("norm", "past_key_values", ("q_proj", "k_proj", "v_proj")),
+}
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+QUANTIZATIONS = ("8bit", "4bit")
+
+
+@dataclass
+class BackboneConfig:
+    """How to load the base model. Drives the ``--base/--dtype/--device/--quantization`` flags."""
+
+    base: str = field(
+        default_factory=default_base,
+        metadata={"help": "Hub id or local directory of the base model (default: the embedded stories260K)"},
+    )
+    dtype: str = field(default="float32", metadata={"help": "weights dtype", "choices": tuple(DTYPES)})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu, cuda, cuda:1"})
+    quantization: str | None = field(
+        default=None,
+        metadata={"help": "load the backbone in 8-bit or 4-bit (bitsandbytes)", "choices": QUANTIZATIONS},
+    )
+
+
+@dataclass
+class LoraSpec:
+    """LoRA on the backbone (peft). ``target_modules=None`` takes the architecture's q/k/v."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | None = None
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UsageError(f"unknown dtype {name!r}", f"use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_model_type(base: str) -> str:
+    """The checkpoint's ``model_type``, read from its config before any weights are loaded."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(base)
+    except (OSError, ValueError) as err:
+        raise _load_error(base, err) from err
+    return config.model_type
+
+
+def check_supported(model_type: str) -> ArchSpec:
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported",
+            f"use a checkpoint of a supported type: {', '.join(sorted(ARCHITECTURES))}",
+        )
+    return ARCHITECTURES[model_type]
+
+
+def _load_error(base: str, err: Exception) -> CheckpointError:
+    if Path(base).expanduser().exists():
+        return CheckpointError(
+            f"could not load a model from {base!r}: {err}",
+            "the directory needs a transformers config.json and *.safetensors weights",
+        )
+    return CheckpointError(
+        f"{base!r} is neither a local directory nor a reachable Hugging Face Hub model ({type(err).__name__})",
+        "check the path or Hub id; without network access, download the checkpoint first and pass its directory",
+    )
+
+
+def _quantization_config(quantization: str | None, dtype: torch.dtype):
+    if quantization is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if quantization == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    raise UsageError(f"unknown quantization {quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(
+            f"could not load a tokenizer from {path!r}: {err}",
+            "the checkpoint needs tokenizer.json (or tokenizer.model) and tokenizer_config.json",
+        ) from err
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the token -> id map (special tokens included); equal iff ids mean the same."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+class Backbone:
+    """A loaded causal LM plus generic access to its decoder stack.
+
+    ``model`` is what runs (possibly a peft ``PeftModel``); ``causal_lm`` the transformers
+    model inside it. Hidden states follow transformers' convention: ``L + 1`` tensors, the
+    embeddings first, then each layer's output (the last one after the final norm).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, name: str, config: BackboneConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.load_config = config
+        self.causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.config = self.causal_lm.config
+        self.model_type = self.config.model_type
+        self.spec = check_supported(self.model_type)
+        self.decoder = getattr(self.causal_lm, self.causal_lm.base_model_prefix)
+
+    # Generic access ---------------------------------------------------------------------
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return getattr(self.decoder, self.spec.final_norm)
+
+    @property
+    def rotary_emb(self) -> nn.Module:
+        return self.decoder.rotary_emb
+
+    @property
+    def embeddings(self) -> nn.Module:
+        return self.causal_lm.get_input_embeddings()
+
+    @property
+    def unembedding(self) -> nn.Module:
+        return self.causal_lm.get_output_embeddings()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.unembedding.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embeddings.weight.device
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.load_config.quantization is not None
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """All ``L + 1`` hidden states for ``input_ids`` # L+1 x [B, T, H]."""
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return out.hidden_states
+
+    def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """Unembed an already-normalised hidden state # [..., H] -> [..., V]."""
+        return self.unembedding(normed_hidden)
+
+    def fingerprint(self) -> dict:
+        """Identifies the base weights, robustly to dtype and quantization (embeddings are
+        never quantized): shapes plus a probe of embedding rows spread over the vocabulary."""
+        emb = self.embeddings.weight.detach()
+        rows = torch.linspace(0, emb.shape[0] - 1, 8).long()
+        probe = emb[rows.to(emb.device), :8].float().flatten().cpu()
+        return {
+            "model_type": self.model_type,
+            "vocab_size": int(emb.shape[0]),
+            "hidden_size": int(self.hidden_size),
+            "num_layers": int(self.num_layers),
+            "embedding_probe": [round(float(x), 6) for x in probe],
+        }
+
+
+def fingerprints_match(a: dict, b: dict, rtol: float = 2e-2) -> bool:
+    """Equal shapes and embedding probes equal up to half-precision rounding."""
+    keys = ("model_type", "vocab_size", "hidden_size", "num_layers")
+    if any(a.get(k) != b.get(k) for k in keys):
+        return False
+    pa, pb = torch.tensor(a["embedding_probe"]), torch.tensor(b["embedding_probe"])
+    if pa.shape != pb.shape:
+        return False
+    scale = max(float(pa.abs().max()), 1e-6)
+    return bool((pa - pb).abs().max() <= rtol * scale)
+
+
+def load_backbone(
+    config: BackboneConfig | None = None,
+    *,
+    lora: LoraSpec | None = None,
+    lora_adapter: str | None = None,
+    trainable_lora: bool = False,
+) -> Backbone:
+    """Load the base model named by ``config.base`` (Hub id or local dir).
+
+    ``lora`` wraps the model with a fresh peft LoRA adapter; ``lora_adapter`` loads a saved
+    one (peft's own format). The backbone is returned in eval mode with every parameter frozen
+    except LoRA ones when ``trainable_lora`` is set; freezing policy lives here, not in heads.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = config or BackboneConfig()
+    base = str(config.base)
+    spec = check_supported(read_model_type(base))
+    dtype = resolve_dtype(config.dtype)
+    kwargs: dict = {"dtype": dtype}
+    quant = _quantization_config(config.quantization, dtype)
+    if quant is not None:
+        kwargs.update(quantization_config=quant, device_map={"": config.device})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error(base, err) from err
+    if quant is None:
+        model = model.to(config.device)
+    model = _attach_lora(model, spec, lora, lora_adapter, trainable_lora)
+    model.eval()
+    return Backbone(model, load_tokenizer(base), base, config)
+
+
+def _attach_lora(model, spec: ArchSpec, lora: LoraSpec | None, adapter: str | None, trainable: bool):
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if lora is None and adapter is None:
+        return model
+    if lora is not None and adapter is not None:
+        raise UsageError("both a new LoRA spec and a saved LoRA adapter were given", "pass only one of them")
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter is not None:
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise CheckpointError(f"no peft adapter in {adapter!r}", "pass the directory holding adapter_config.json")
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+    else:
+        targets = list(lora.target_modules or spec.lora_targets)
+        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+        model = get_peft_model(model, cfg)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable and "lora_" in name)
+    return model
+
+
+def describe(backbone: Backbone) -> str:
+    """One-line summary, for logs and ``--help`` style output."""
+    return json.dumps(
+        {
+            "base": backbone.name,
+            "model_type": backbone.model_type,
+            "layers": backbone.num_layers,
+            "hidden": backbone.hidden_size,
+            "vocab": backbone.vocab_size,
+            "quantization": backbone.load_config.quantization,
+        }
+    )

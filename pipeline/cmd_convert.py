@@ -1,0 +1,32 @@
+"""``multitoken convert-llama2c``: import a llama2.c checkpoint as a Hugging Face Llama."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ConvertLlama2cConfig:
+    model: str = field(default="", metadata={"positional": True, "help": "llama2.c legacy .bin checkpoint"})
+    tokenizer: str = field(default="", metadata={"help": "its SentencePiece tokenizer (.model)"})
+    out: str = field(default="", metadata={"help": "output directory (must not exist or be empty)"})
+
+
+def register(sub) -> None:
+    from .cliargs import add_dataclass_args
+
+    p = sub.add_parser("convert-llama2c", help="convert a llama2.c .bin checkpoint to a Hugging Face Llama")
+    add_dataclass_args(p, ConvertLlama2cConfig)
+    p.set_defaults(func=run)
+
+
+def run(args) -> None:
+    from .cliargs import dataclass_from_args
+    from .errors import UsageError
+    from .llama2c import convert_llama2c
+
+    cfg = dataclass_from_args(ConvertLlama2cConfig, args)
+    if not cfg.tokenizer or not cfg.out:
+        raise UsageError("convert-llama2c needs --tokenizer and --out", "e.g. --tokenizer tok512.model --out my-model/")
+    out = convert_llama2c(cfg.model, cfg.tokenizer, cfg.out)
+    print(f"wrote Hugging Face Llama checkpoint to {out}")

@@ -1,0 +1,17 @@
+"""Assets shipped inside the package so that every command runs without downloads.
+
+``stories260K/`` is Andrej Karpathy's tiny pretrained Llama from llama2.c (MIT, see the
+LICENSE file beside it), converted to a Hugging Face checkpoint by ``multitoken convert-llama2c``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EMBEDDED_DIR = Path(__file__).resolve().parent
+DEFAULT_BASE = EMBEDDED_DIR / "stories260K"
+
+
+def default_base() -> str:
+    """Path of the embedded default base model (the value of every ``--base`` default)."""
+    return str(DEFAULT_BASE)

@@ -1,0 +1,1 @@
+"""Token co-occurrence statistics (unigram, bigram, trigram counts) and fast mask lookup."""

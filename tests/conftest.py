@@ -1,0 +1,88 @@
+"""Shared test fixtures: tiny models built locally from configs, and the shared fixtures dir.
+
+``../shared/fixtures`` (override with MULTITOKEN_FIXTURES) sits beside the repository on
+every machine that runs the suite, CI included; a missing fixture is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = Path(__file__).resolve().parent / "assets"
+PYTHIA_TOKENIZER = ASSETS / "pythia_tokenizer"
+FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))
+
+
+def fixture_path(*parts: str) -> Path:
+    path = FIXTURES.joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(f"shared fixture {path} is missing: clone ../shared beside the repo or set MULTITOKEN_FIXTURES")
+    return path
+
+
+def build_tiny_neox(out: Path, *, layers: int = 3, hidden: int = 32, seed: int = 0) -> Path:
+    """A random GPT-NeoX with pythia's layout (parallel residual, partial rotary) and tokenizer."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(
+        vocab_size=50304, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=4 * hidden, max_position_embeddings=512, rotary_pct=0.25,
+        use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )
+    GPTNeoXForCausalLM(cfg).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(PYTHIA_TOKENIZER / f, out / f)
+    return out
+
+
+def build_tiny_llama(out: Path, *, layers: int = 3, hidden: int = 32, seed: int = 0) -> Path:
+    """A random Llama (GQA) with the stories260K tokenizer (vocab 512)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from multitoken.pipeline.embedded import DEFAULT_BASE
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_BASE / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_neox_dir(tmp_path_factory) -> Path:
+    return build_tiny_neox(tmp_path_factory.mktemp("tiny_neox"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session", params=["gpt_neox", "llama"])
+def tiny_model_dir(request, tiny_neox_dir, tiny_llama_dir) -> Path:
+    """Both architectures, for tests that must hold for each."""
+    return {"gpt_neox": tiny_neox_dir, "llama": tiny_llama_dir}[request.param]
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    from multitoken.pipeline.embedded import DEFAULT_BASE
+
+    return DEFAULT_BASE
+
+
+@pytest.fixture(scope="session")
+def pythia_mini_dir() -> Path:
+    return fixture_path("pythia-mini")
