@@ -1,0 +1,30 @@
+"""``multitoken distill``: sample a training corpus from the base model itself."""
+
+from __future__ import annotations
+
+import json
+
+from .backbone import BackboneConfig
+from .distill import DistillConfig
+
+
+def register(sub) -> None:
+    from .cliargs import add_dataclass_args
+
+    p = sub.add_parser("distill", help="sample a self-distillation corpus (jsonl) from the base model")
+    add_dataclass_args(p, DistillConfig)
+    add_dataclass_args(p, BackboneConfig)
+    p.set_defaults(func=run)
+
+
+def run(args) -> None:
+    from .backbone import load_backbone
+    from .cliargs import dataclass_from_args, save_resolved_config
+    from .distill import distill, validate
+
+    cfg = dataclass_from_args(DistillConfig, args)
+    bb_cfg = dataclass_from_args(BackboneConfig, args)
+    validate(cfg, context=1 << 30)  # cheap checks before loading the model
+    summary = distill(load_backbone(bb_cfg), cfg)
+    save_resolved_config(cfg.out + ".config.json", "distill", cfg, bb_cfg)
+    print(json.dumps(summary))
