@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` (the main job on the embedded default) and
+# `make test` (the test suite). Both create or reuse the virtual environment in $(VENV).
+VENV ?= .venv
+PYTHON ?= python3
+# A CPU machine takes the local CPU wheel; on a GPU machine set TORCH="torch" (or your build).
+TORCH ?= torch==2.13.0
+PIP = $(VENV)/bin/python -m pip -q
+STAMP = $(VENV)/.multitoken-installed
+
+.PHONY: demo test test-all clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install "$(TORCH)"   # first, so nothing below pulls the multi-GB CUDA wheels
+	$(PIP) install -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/multitoken generate "Once upon a time"
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+test-all: $(STAMP)
+	$(VENV)/bin/python -m pytest -m ""
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,54 @@
+"""Install layout: four code folders under one import root, a console script, CLI basics."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from importlib.metadata import distribution
+
+import pytest
+
+from multitoken.pipeline.cli import main
+
+
+def test_one_import_root():
+    for pkg in ("adapters", "pipeline", "stats", "decoding"):
+        assert importlib.util.find_spec(f"multitoken.{pkg}") is not None
+    top_level = {f.parts[0] for f in distribution("multitoken").files or [] if f.suffix == ".py"}
+    assert not top_level & {"adapters", "pipeline", "stats", "decoding"}  # nothing generic at the top
+
+
+def test_console_script_lists_subcommands():
+    exe = shutil.which("multitoken") or str(__import__("pathlib").Path(sys.executable).parent / "multitoken")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("generate", "convert-llama2c"):
+        assert cmd in out
+
+
+def test_bad_usage_exits_2_without_traceback(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["no-such-command"])
+    assert exc.value.code == 2
+    assert main(["generate", "   "]) == 2
+    err = capsys.readouterr().err
+    assert "the prompt is empty" in err and "fix:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temperature", "0"], "temperature must be > 0"),
+        (["--top-k", "0"], "--top-k must be in [1, 512]"),
+        (["--max-new-tokens", "600"], "exceeds the model's context of 512"),
+    ],
+)
+def test_generate_rejects_bad_settings(capsys, argv, message):
+    assert main(["generate", "Once upon a time", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_streams_a_story(capsys):
+    assert main(["generate", "Once upon a time", "--greedy", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.startswith("Once upon a time, there was a little girl")
