@@ -132,6 +132,22 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
+@dataclass
+class LayerContext:
+    """What every decoder layer of one forward pass shares besides its hidden states."""
+
+    mask: torch.Tensor | None  # None = plain causal (SDPA's is_causal path)
+    position_ids: torch.Tensor  # [1, T]
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]  # rotary (cos, sin)
+
+
+@dataclass
+class TrunkOutput:
+    hidden: torch.Tensor  # [B, T, H] output of the last trunk layer (not normalised)
+    layer_states: tuple[torch.Tensor, ...]  # each trunk layer's output, when collected
+    ctx: LayerContext
+
+
 class Backbone:
     """A loaded causal LM plus generic access to its decoder stack.
 
@@ -200,6 +216,53 @@ class Backbone:
     def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
         """Unembed an already-normalised hidden state # [..., H] -> [..., V]."""
         return self.unembedding(normed_hidden)
+
+    # Running decoder layers by hand --------------------------------------------------------
+    # Heads run layers of the same class as the backbone's (head 1 IS its final layer), so the
+    # backbone exposes the decoder's own per-forward inputs (mask, positions, rotary) and a
+    # generic way to call one layer. This mirrors the decoder's forward, never patches it.
+    def layer_context(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None
+    ) -> "LayerContext":
+        """Mask and positions for ``hidden`` [B, T, H] (T new tokens after ``cache``'s)."""
+        from transformers.masking_utils import create_causal_mask
+
+        past = cache.get_seq_length() if cache is not None else 0
+        position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)  # [1, T]
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+            past_key_values=cache, position_ids=position_ids,
+        )
+        rotary = self.rotary_emb(hidden, position_ids=position_ids)
+        return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=rotary)
+
+    def run_layer(self, layer: nn.Module, hidden: torch.Tensor, ctx: "LayerContext", cache=None) -> torch.Tensor:
+        """One decoder layer # [B, T, H] -> [B, T, H]; ``cache`` is that layer's KV cache, if any."""
+        kwargs = {self.spec.cache_kwarg: cache, "use_cache": cache is not None}
+        out = layer(
+            hidden, attention_mask=ctx.mask, position_ids=ctx.position_ids,
+            position_embeddings=ctx.position_embeddings, **kwargs,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def run_trunk(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        num_layers: int | None = None, collect: bool = False, cache=None,
+    ) -> "TrunkOutput":
+        """Embeddings then the first ``num_layers`` layers (default: all but the last).
+
+        Returns the trunk output (un-normalised), every layer's output when ``collect``, and
+        the layer context so heads can run further layers on the same positions.
+        """
+        num_layers = self.num_layers - 1 if num_layers is None else num_layers
+        hidden = self.embeddings(input_ids)  # [B, T, H]
+        ctx = self.layer_context(hidden, attention_mask, cache)
+        states = []
+        for layer in self.layers[:num_layers]:
+            hidden = self.run_layer(layer, hidden, ctx, cache)
+            if collect:
+                states.append(hidden)
+        return TrunkOutput(hidden=hidden, layer_states=tuple(states), ctx=ctx)
 
     def fingerprint(self) -> dict:
         """Identifies the base weights, robustly to dtype and quantization (embeddings are

@@ -1,0 +1,139 @@
+"""The contract every head adapter meets, and the loss machinery they share.
+
+A head adapter turns one backbone pass (``Features``) into distributions for tokens
+t+1..t+n. Head 1 (index 0) is the base model's own next-token path: its hidden state is
+computed by the pipeline (final layer + final norm) and handed over in ``Features.base``.
+Adapters hold only their own new weights as submodules; the backbone is kept as a plain
+attribute, so ``adapter.state_dict()`` is exactly what a heads dir stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+DEFAULT_CHUNK = 1024  # tokens per unembedding chunk: bounds the [chunk, V] logits alive at once
+
+
+@dataclass
+class Features:
+    """What one backbone pass hands to the heads (all [B, T, H])."""
+
+    trunk: torch.Tensor  # output of layers[:-1] = input of the original final layer
+    base: torch.Tensor  # head 1's hidden: final_norm(final_layer(trunk)), what the unembedding sees
+    layer_states: tuple[torch.Tensor, ...]  # outputs of layers 1..L-1 (only when an adapter asks)
+    ctx: object  # backbone.LayerContext: mask / positions to run more layers on the same tokens
+
+
+@dataclass
+class LossOutput:
+    """Per-head losses for one batch. ``per_head[i]`` is the mean cross-entropy of the head
+    predicting token t+i+1 (unweighted; it may not require grad, e.g. head 1 with a frozen
+    backbone). ``aux`` is a differentiable auxiliary loss to add with its own weight."""
+
+    per_head: list[torch.Tensor]
+    aux: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """Plain unweighted sum (aux excluded): a convenience, the trainer weights its own."""
+        return torch.stack([l.float() for l in self.per_head]).sum()
+
+
+def shifted_targets(input_ids: torch.Tensor, valid: torch.Tensor, offset: int) -> torch.Tensor:
+    """Targets for a head predicting token t+offset # [B, T] -> [B, T] (IGNORE where absent)."""
+    tgt = torch.full_like(input_ids, IGNORE)
+    if offset < input_ids.shape[1]:
+        ok = valid[:, offset:] & valid[:, :-offset]  # both the source and the target are real tokens
+        tgt[:, :-offset] = torch.where(ok, input_ids[:, offset:], IGNORE)
+    return tgt
+
+
+def _ce_chunk(unembed, hidden: torch.Tensor, target: torch.Tensor):
+    logits = unembed(hidden).float()  # [C, V]
+    ce = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum")
+    with torch.no_grad():
+        top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # [C, 5]
+        hit = top == target[:, None]
+        hits = torch.stack([hit[:, 0].sum(), hit.any(-1).sum()])
+    return ce, hits
+
+
+def chunked_cross_entropy(unembed, hidden: torch.Tensor, target: torch.Tensor, chunk: int = DEFAULT_CHUNK):
+    """Mean CE of ``unembed(hidden)`` against ``target``, never holding more than ``chunk``
+    rows of logits: with grad, each chunk is checkpointed (logits recomputed in backward).
+
+    hidden [B, T, H], target [B, T] -> (mean loss [], {"top1", "top5", "count"}).
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    t = target.reshape(-1)  # [N]
+    keep = (t != IGNORE).nonzero().squeeze(-1)
+    h, t = h.index_select(0, keep), t.index_select(0, keep)  # only real targets cost an unembedding
+    total, hits = h.new_zeros((), dtype=torch.float32), torch.zeros(2, dtype=torch.long, device=h.device)
+    for start in range(0, h.shape[0], chunk):
+        hc, tc = h[start:start + chunk], t[start:start + chunk]
+        if hc.requires_grad:
+            ce, hc_hits = checkpoint(_ce_chunk, unembed, hc, tc, use_reentrant=False)
+        else:
+            ce, hc_hits = _ce_chunk(unembed, hc, tc)
+        total, hits = total + ce, hits + hc_hits
+    count = max(int(t.shape[0]), 1)
+    return total / count, {"top1": hits[0].item() / count, "top5": hits[1].item() / count, "count": t.shape[0]}
+
+
+class HeadAdapter(nn.Module):
+    """Base class. Subclasses build their modules in ``__init__(config, backbone)`` (shapes and
+    initial values only: no I/O, no freezing) and implement ``hidden``; CP-style heads whose
+    distribution is not one softmax override ``log_probs`` and ``loss``."""
+
+    needs_layer_states = False  # WHS reads every trunk layer's output
+    head1_is_base = True  # False only for variants that replace head 1 on purpose
+
+    def __init__(self, config, backbone):
+        super().__init__()
+        if config.n_future < 1:
+            raise ValueError(f"n_future must be >= 1, got {config.n_future}")
+        self.config = config
+        self.backbone = backbone  # plain attribute (not an nn.Module): base weights stay out of state_dict
+
+    @property
+    def n_future(self) -> int:
+        return self.config.n_future
+
+    def hidden(self, index: int, feats: Features) -> torch.Tensor:
+        """Normalised hidden state of head ``index`` (0-based) # [B, T, H]."""
+        raise NotImplementedError
+
+    def log_probs(self, index: int, feats: Features, last_only: bool = False) -> torch.Tensor:
+        """Log-distribution of token t+index+1 at every position # [B, T, V] ([B, 1, V])."""
+        h = self.hidden(index, feats)  # [B, T, H]: layer heads need the whole sequence
+        if last_only:
+            h = h[:, -1:]
+        return torch.log_softmax(self.backbone.logits(h).float(), dim=-1)
+
+    def copied_parameter_names(self) -> set[str]:
+        """Names of parameters initialised as copies of base weights (DynaMo trains them at LR_B)."""
+        return set()
+
+    def loss(self, feats: Features, input_ids: torch.Tensor, valid: torch.Tensor, chunk: int) -> LossOutput:
+        """Independent heads: one cross-entropy per head, computed head by head."""
+        per_head, metrics = [], {}
+        for i in range(self.n_future):
+            tgt = shifted_targets(input_ids, valid, i + 1)  # [B, T]
+            ce, m = chunked_cross_entropy(self.backbone.logits, self.hidden(i, feats), tgt, chunk)
+            per_head.append(ce)
+            metrics.update({f"head{i + 1}/loss": ce.item(), f"head{i + 1}/top1": m["top1"], f"head{i + 1}/top5": m["top5"]})
+        return LossOutput(per_head=per_head, aux=None, metrics=metrics)
+
+
+def head_dtype(backbone) -> torch.dtype:
+    """Heads compute in the backbone's compute dtype (a quantized backbone's too)."""
+    from multitoken.pipeline.backbone import resolve_dtype
+
+    return resolve_dtype(backbone.load_config.dtype)

@@ -1,0 +1,90 @@
+"""Contract every registered head type meets, on both architectures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from multitoken.pipeline.model import LossOutput, MultiTokenModel
+
+from .conftest import random_ids, small_config
+
+
+def _model(backbone, head_type, **options):
+    torch.manual_seed(0)
+    return MultiTokenModel.attach(backbone, small_config(head_type, **options))
+
+
+def test_head_logits_shapes(tiny_backbone, head_type):
+    model = _model(tiny_backbone, head_type)
+    ids = random_ids(tiny_backbone)
+    full = model.head_logits(ids, last_only=False)
+    last = model.head_logits(ids)
+    assert len(full) == len(last) == 3
+    for f, l in zip(full, last):
+        assert f.shape == (2, 12, tiny_backbone.vocab_size)
+        assert l.shape == (2, 1, tiny_backbone.vocab_size)
+        torch.testing.assert_close(f[:, -1:], l)
+        torch.testing.assert_close(f.exp().sum(-1), torch.ones(2, 12))  # proper distributions
+
+
+def test_head1_is_the_base_model(tiny_backbone, head_type):
+    model = _model(tiny_backbone, head_type)
+    ids = random_ids(tiny_backbone, seed=1)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding must not change the contract
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_backbone.model(ids, attention_mask=mask).logits.float(), -1)
+    head1 = model.head_logits(ids, mask, last_only=False)[0]
+    assert torch.equal(head1, ref)
+
+
+def test_compute_loss_contract(tiny_backbone, head_type):
+    model = _model(tiny_backbone, head_type)
+    model.train()
+    ids = random_ids(tiny_backbone, seed=2)
+    out = model.compute_loss(ids)
+    assert isinstance(out, LossOutput)
+    assert len(out.per_head) == 3
+    assert all(l.dim() == 0 and math.isfinite(l.item()) for l in out.per_head)
+    # Head 1 with a frozen backbone is the base model's own next-token loss, without autograd.
+    with torch.no_grad():
+        logits = tiny_backbone.model(ids).logits.float()
+    base_ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    if head_type != "cp":  # cp's first entry is its own eq. 11 marginal (tested in test_cp)
+        torch.testing.assert_close(out.per_head[0], base_ce)
+    # Only head weights receive gradients; the frozen backbone is untouched.
+    loss = out.total + (out.aux if out.aux is not None else 0)
+    loss.backward()
+    grads = [p.grad for p in model.head_parameters()]
+    assert grads and all(g is not None for g in grads)
+    assert all(p.grad is None for p in tiny_backbone.model.parameters())
+    assert "head2/top1" in out.metrics
+
+
+def test_features_run_without_autograd_when_frozen(tiny_backbone, head_type):
+    model = _model(tiny_backbone, head_type)
+    feats = model.features(random_ids(tiny_backbone))
+    assert not feats.trunk.requires_grad and not feats.base.requires_grad
+
+
+def test_heads_do_not_own_base_weights(tiny_backbone, head_type):
+    model = _model(tiny_backbone, head_type)
+    base_ids = {id(p) for p in tiny_backbone.model.parameters()}
+    assert not any(id(p) in base_ids for p in model.heads.parameters())
+    assert all(not p.requires_grad for p in model.base_head_parameters())
+    assert {id(p) for p in model.base_head_parameters()} <= base_ids
+    groups = model.head_parameter_groups()
+    assert len(groups["copied"]) + len(groups["new"]) == len(model.head_parameters())
+
+
+def test_long_sequences_are_chunked(tiny_backbone, head_type):
+    model = _model(tiny_backbone, head_type)
+    ids = random_ids(tiny_backbone, length=20, seed=3)
+    whole = model.compute_loss(ids)
+    model.loss_chunk = 7  # odd chunk size: the loss must not depend on chunking
+    chunked = model.compute_loss(ids)
+    for a, b in zip(whole.per_head, chunked.per_head):
+        torch.testing.assert_close(a, b)
