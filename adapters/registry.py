@@ -83,9 +83,6 @@ def _load_builtin() -> None:
     # Each built-in module registers itself on import. Imported by module name (not through the
     # package __init__), because editable installs load `multitoken.adapters` as a namespace.
     import importlib
-    import importlib.util
 
     for name in BUILTIN:
-        module = f"multitoken.adapters.{name}"
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
+        importlib.import_module(f"multitoken.adapters.{name}")
