@@ -1,0 +1,216 @@
+"""The heads directory format.
+
+    heads_config.json   format version, package version, head config, base name, model_type,
+                        tensor shapes/dtypes, base fingerprint, sha256 of heads.safetensors
+    heads.safetensors   the head weights only (never base weights, except head 1's own layer
+                        when the trainer unfroze it, stored under ``base_head.``)
+    lora/               peft's own adapter files, when the backbone carries LoRA
+
+Every file is written to a temporary name and renamed into place, the config last, so an
+interrupted save leaves either the old directory or a detectably inconsistent one (the
+checksum), never a silently mixed one. Loading uses safetensors only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from multitoken.adapters.registry import build_head, config_from_dict
+
+from .backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
+from .cliargs import atomic_write_text
+from .errors import CheckpointError, MismatchError, UsageError
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "heads_config.json"
+TENSORS_FILE = "heads.safetensors"
+LORA_DIR = "lora"
+BASE_HEAD_PREFIX = "base_head."
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# Saving ------------------------------------------------------------------------------------
+def _base_head_modules(model) -> dict[str, torch.nn.Module]:
+    return {"final_layer": model.backbone.layers[-1], "final_norm": model.backbone.final_norm}
+
+
+def _base_head_tensors(model) -> dict[str, torch.Tensor]:
+    """Head 1's own weights, only when the trainer unfroze them (DynaMo LR_B); LoRA excluded."""
+    if not any(p.requires_grad for p in model.base_head_parameters()):
+        return {}
+    if model.backbone.is_quantized:
+        raise UsageError("cannot save a trained final layer of a quantized backbone",
+                         "train head 1 on a float backbone, or keep it frozen")
+    lora = {id(p) for p in model.lora_parameters()}
+    out = {}
+    for prefix, module in _base_head_modules(model).items():
+        for name, p in module.named_parameters():
+            if id(p) not in lora:
+                out[f"{BASE_HEAD_PREFIX}{prefix}.{name}"] = p
+    return out
+
+
+def save_heads(model, out_dir: str | Path) -> Path:
+    from importlib.metadata import version
+
+    from safetensors.torch import save
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} exists and is not a directory", "pass a directory path for the heads")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {**model.heads.state_dict(), **_base_head_tensors(model)}
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    blob = save(tensors, metadata={"format": "pt"})
+    backbone = model.backbone
+    record = {
+        "format_version": FORMAT_VERSION,
+        "multitoken_version": version("multitoken"),
+        "head_config": dataclasses.asdict(model.config),
+        "base": backbone.name,
+        "model_type": backbone.model_type,
+        "dtype": backbone.load_config.dtype,
+        "shapes": {k: list(v.shape) for k, v in tensors.items()},
+        "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
+        "base_fingerprint": backbone.fingerprint(),
+        "heads_sha256": hashlib.sha256(blob).hexdigest(),
+        "lora": LORA_DIR if model.has_lora else None,
+    }
+    atomic_write_bytes(out / TENSORS_FILE, blob)
+    if model.has_lora:
+        _save_lora(model.base_model, out / LORA_DIR)
+    atomic_write_text(out / CONFIG_FILE, json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def _save_lora(peft_model, target: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        peft_model.save_pretrained(tmp)
+        old = target.with_name(f".{target.name}.old")
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# Loading -----------------------------------------------------------------------------------
+def read_heads_config(heads_dir: str | Path) -> dict:
+    path = Path(heads_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"no {CONFIG_FILE} in {str(heads_dir)!r}",
+                              "pass a directory written by `multitoken attach` or `multitoken train`")
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err})", "the heads dir is damaged; re-create it") from err
+    missing = [k for k in ("format_version", "head_config", "base_fingerprint", "heads_sha256", "shapes") if k not in record]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}", "the heads dir is damaged or from another tool")
+    if record["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {record['format_version']}, this multitoken reads up to {FORMAT_VERSION}",
+                              "upgrade multitoken")
+    return record
+
+
+def read_head_tensors(heads_dir: str | Path, record: dict) -> dict[str, torch.Tensor]:
+    """The safetensors file, verified against the config's checksum and shapes."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    path = Path(heads_dir) / TENSORS_FILE
+    if not path.is_file():
+        raise CheckpointError(f"no {TENSORS_FILE} in {str(heads_dir)!r}", "the heads dir is incomplete; re-create it")
+    blob = path.read_bytes()
+    if hashlib.sha256(blob).hexdigest() != record["heads_sha256"]:
+        raise CheckpointError(f"{path} does not match the checksum in {CONFIG_FILE} (truncated, corrupt or replaced)",
+                              "re-create the heads dir, or restore both files from the same save")
+    try:
+        tensors = load(blob)
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is not a valid safetensors file ({err})", "re-create the heads dir") from err
+    shapes = {k: list(v.shape) for k, v in tensors.items()}
+    if shapes != record["shapes"]:
+        raise CheckpointError(f"{path} holds other tensors than {CONFIG_FILE} lists", "re-create the heads dir")
+    return tensors
+
+
+def _backbone_for(base, record: dict, heads_dir: Path, quantization, dtype, device, trainable_lora) -> Backbone:
+    lora = heads_dir / record["lora"] if record.get("lora") else None
+    if isinstance(base, Backbone):
+        if lora is not None and not hasattr(base.model, "peft_config"):
+            raise UsageError("these heads were trained with a LoRA adapter but the given backbone has none",
+                             f"load the backbone with lora_adapter={str(lora)!r}, or pass the base name instead")
+        return base
+    config = base if isinstance(base, BackboneConfig) else BackboneConfig(base=str(base or record["base"]))
+    overrides = {"quantization": quantization, "dtype": dtype, "device": device}
+    if dtype is None and not isinstance(base, BackboneConfig):
+        overrides["dtype"] = record.get("dtype")
+    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    return load_backbone(config, lora_adapter=str(lora) if lora else None, trainable_lora=trainable_lora)
+
+
+def load_heads(cls, base, heads_dir, *, quantization=None, dtype=None, device=None, trainable_lora=False, **kwargs):
+    heads_dir = Path(heads_dir)
+    record = read_heads_config(heads_dir)
+    head_config = config_from_dict(record["head_config"])  # unknown type -> error naming the known ones
+    tensors = read_head_tensors(heads_dir, record)  # checked before the (slow) backbone load
+    backbone = _backbone_for(base, record, heads_dir, quantization, dtype, device, trainable_lora)
+    if not fingerprints_match(record["base_fingerprint"], backbone.fingerprint()):
+        raise MismatchError(
+            f"the heads in {str(heads_dir)!r} were trained on {record.get('base')!r} "
+            f"({record['base_fingerprint'].get('model_type')}), not on {backbone.name!r}",
+            "load them onto the base model they were trained on",
+        )
+    heads = build_head(head_config, backbone)
+    own = {k: v for k, v in tensors.items() if not k.startswith(BASE_HEAD_PREFIX)}
+    expected = {k: list(v.shape) for k, v in heads.state_dict().items()}
+    if {k: list(v.shape) for k, v in own.items()} != expected:
+        raise CheckpointError(f"the saved tensors do not fit a {head_config.head_type} head built from its config",
+                              "the heads dir is inconsistent; re-create it")
+    heads.load_state_dict(own, strict=True)
+    model = cls(backbone, heads, **kwargs)
+    _restore_base_head(model, tensors)
+    return model
+
+
+def _restore_base_head(model, tensors: dict[str, torch.Tensor]) -> None:
+    saved = {k[len(BASE_HEAD_PREFIX):]: v for k, v in tensors.items() if k.startswith(BASE_HEAD_PREFIX)}
+    if not saved:
+        return
+    if model.backbone.is_quantized:
+        raise UsageError("these heads carry a trained final layer, which cannot be loaded into a quantized backbone",
+                         "load them without --quantization")
+    params = {f"{prefix}.{name}": p for prefix, module in _base_head_modules(model).items()
+              for name, p in module.named_parameters()}
+    unknown = sorted(set(saved) - set(params))
+    if unknown:
+        raise CheckpointError(f"saved final-layer tensors {unknown[:3]} do not exist in this backbone",
+                              "load the heads onto the base (and LoRA setting) they were trained with")
+    with torch.no_grad():
+        for name, value in saved.items():
+            params[name].copy_(value)
