@@ -13,6 +13,7 @@ from .errors import MultitokenError
 COMMAND_MODULES = (
     "multitoken.pipeline.cmd_generate",
     "multitoken.pipeline.cmd_convert",
+    "multitoken.pipeline.cmd_attach",
     "multitoken.pipeline.cmd_distill",
 )
 
