@@ -13,11 +13,16 @@ import pytest
 from multitoken.pipeline.cli import main
 
 
-def test_one_import_root():
-    for pkg in ("adapters", "pipeline", "stats", "decoding"):
-        assert importlib.util.find_spec(f"multitoken.{pkg}") is not None
-    top_level = {f.parts[0] for f in distribution("multitoken").files or [] if f.suffix == ".py"}
-    assert not top_level & {"adapters", "pipeline", "stats", "decoding"}  # nothing generic at the top
+def test_one_import_root(tmp_path):
+    """From a neutral directory, the packages import as multitoken.* and not at the top level."""
+    probe = (
+        "import importlib.util as u; "
+        "print([u.find_spec('multitoken.' + p) is not None for p in ('adapters', 'pipeline', 'stats', 'decoding')]); "
+        "print([u.find_spec(p) is None for p in ('adapters', 'pipeline', 'stats', 'decoding')])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[True, True, True, True]"] * 2
+    assert distribution("multitoken").read_text("top_level.txt").split() == ["multitoken"]
 
 
 def test_console_script_lists_subcommands():
