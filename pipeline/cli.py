@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "multitoken.pipeline.cmd_convert",
     "multitoken.pipeline.cmd_attach",
     "multitoken.pipeline.cmd_distill",
+    "multitoken.stats.cli",
 )
 
 

@@ -1,0 +1,91 @@
+"""``multitoken stats build | merge | info``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MergeConfig:
+    inputs: tuple[str, ...] = field(default=(), metadata={"positional": True, "nargs": "+", "help": "directories holding partials (the --out of each `stats build --shard I/N`)"})
+    out: str = field(default="", metadata={"help": "stats directory to write"})
+    min_count: tuple[int, ...] = field(default=(1,), metadata={"help": "prune n-grams rarer than this: one value for orders 2..N, or one per order 1..N"})
+    num_proc: int = field(default=1, metadata={"help": "merge key ranges on this many processes"})
+    memory_mb: int = field(default=1024, metadata={"help": "memory bound per process"})
+
+
+@dataclass
+class InfoConfig:
+    dir: str = field(default="", metadata={"positional": True, "help": "stats directory"})
+    top: int = field(default=10, metadata={"help": "pairs to list by PMI"})
+    min_pair_count: int = field(default=10, metadata={"help": "only list pairs seen at least this often"})
+
+
+def register(sub) -> None:
+    from multitoken.pipeline.cliargs import add_dataclass_args
+    from multitoken.pipeline.data import DataConfig
+
+    from .job import BuildConfig
+
+    p = sub.add_parser("stats", help="co-occurrence statistics: build, merge, info")
+    ssub = p.add_subparsers(dest="stats_command", metavar="SUBCOMMAND", required=True)
+    b = ssub.add_parser("build", help="count unigrams..trigrams of a corpus into a stats dir (resumable)")
+    add_dataclass_args(b, BuildConfig)
+    add_dataclass_args(b, DataConfig)
+    b.set_defaults(func=run_build)
+    m = ssub.add_parser("merge", help="merge the partials of shards counted separately (--shard I/N)")
+    add_dataclass_args(m, MergeConfig)
+    m.set_defaults(func=run_merge)
+    i = ssub.add_parser("info", help="summarise a stats dir")
+    add_dataclass_args(i, InfoConfig)
+    i.set_defaults(func=run_info)
+
+
+def run_build(args) -> None:
+    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.data import DataConfig
+
+    from .job import BuildConfig, build
+
+    out = build(dataclass_from_args(BuildConfig, args), dataclass_from_args(DataConfig, args))
+    if out is not None:
+        print(f"wrote {out}")
+
+
+def run_merge(args) -> None:
+    from multitoken.pipeline.cliargs import dataclass_from_args, save_resolved_config
+    from multitoken.pipeline.errors import UsageError
+
+    from .job import merge
+
+    cfg = dataclass_from_args(MergeConfig, args)
+    if not cfg.out:
+        raise UsageError("no output directory given", "pass --out DIR")
+    merge(list(cfg.inputs), cfg.out, cfg.min_count, cfg.num_proc, cfg.memory_mb)
+    save_resolved_config(f"{cfg.out}/config.json", "stats merge", cfg)
+    print(f"wrote {cfg.out}")
+
+
+def run_info(args) -> None:
+    from multitoken.pipeline.cliargs import dataclass_from_args
+
+    from .info import summary
+    from .table import CooccurrenceTable
+
+    cfg = dataclass_from_args(InfoConfig, args)
+    name = CooccurrenceTable(cfg.dir).meta["tokenizer"]["name"]
+    print(summary(cfg.dir, cfg.top, cfg.min_pair_count, tokenizer=_try_tokenizer(name)))
+
+
+def _try_tokenizer(name: str | None):
+    """The stats' tokenizer, to show pairs as text; ids are shown if it is not available here."""
+    from multitoken.pipeline.errors import CheckpointError
+
+    if not name:
+        return None
+    try:
+        from multitoken.pipeline.backbone import load_tokenizer
+
+        return load_tokenizer(name)
+    except CheckpointError:
+        return None

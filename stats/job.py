@@ -1,0 +1,210 @@
+"""The stats job: plan local shards, count them on N processes, merge, write the stats dir.
+
+``--shard I/N`` restricts this machine to documents ``I mod N``; with ``--num-proc P`` that
+range is split again into P sub-shards ``(I + N*p) mod N*P``. Partials of all machines are
+merged later by ``multitoken stats merge``, which checks they tile the corpus exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from multitoken.pipeline.cliargs import atomic_write_text, save_resolved_config
+from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.embedded import default_base
+from multitoken.pipeline.errors import CheckpointError, UsageError
+
+from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
+from .merge import merge_orders
+from .shard import Job, check_runs, list_runs, shard_dir
+from .workers import count_shards
+
+
+@dataclass
+class BuildConfig:
+    out: str = field(default="", metadata={"help": "stats directory to write"})
+    tokenizer: str = field(default_factory=default_base, metadata={"help": "tokenizer (base model dir or Hub id) the corpus is tokenized with; default: the embedded model's"})
+    order: int = field(default=3, metadata={"help": "highest n-gram order counted (1-3)"})
+    min_count: tuple[int, ...] = field(default=(1,), metadata={"help": "prune n-grams rarer than this at merge: one value for orders 2..N, or one per order 1..N"})
+    num_proc: int = field(default=1, metadata={"help": "local worker processes"})
+    shard: str | None = field(default=None, metadata={"help": "count only shard I/N of the corpus (merge the shards later with `multitoken stats merge`)", "metavar": "I/N"})
+    memory_mb: int = field(default=1024, metadata={"help": "memory bound per process for count buffers; counts beyond it spill to disk"})
+    vocab_size: int | None = field(default=None, metadata={"help": "vocabulary size (default: the tokenizer's length)"})
+    keep_partials: bool = field(default=False, metadata={"help": "keep OUT/partials after merging (to merge again with other shards later)"})
+
+
+def parse_shard(spec: str | None) -> tuple[int, int]:
+    if spec is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError as err:
+        raise UsageError(f"--shard {spec!r} is not of the form I/N", "e.g. --shard 0/4 for the first of four shards") from err
+    if not 0 <= i < n:
+        raise UsageError(f"--shard {spec}: need 0 <= I < N", "shards are numbered from 0")
+    return i, n
+
+
+def min_counts_per_order(min_count: tuple[int, ...], order: int) -> list[int]:
+    """One minimum per order 1..order (a single value applies to orders >= 2)."""
+    values = list(min_count) if min_count else [1]
+    if any(v < 1 for v in values):
+        raise UsageError(f"--min-count values must be >= 1, got {values}")
+    if len(values) == 1:
+        return [1] + values * (order - 1)
+    if len(values) != order:
+        raise UsageError(f"--min-count takes 1 or {order} values for order {order}, got {len(values)}", f"e.g. --min-count 2 or --min-count {' '.join(['1'] + ['2'] * (order - 1))}")
+    return values
+
+
+def local_shards(shard: tuple[int, int], num_proc: int) -> list[tuple[int, int]]:
+    i, n = shard
+    return [(i + n * p, n * num_proc) for p in range(num_proc)]
+
+
+def make_job(cfg: BuildConfig, data: DataConfig) -> Job:
+    from multitoken.pipeline.backbone import load_tokenizer, tokenizer_fingerprint
+
+    if not cfg.out:
+        raise UsageError("no output directory given", "pass --out DIR")
+    check_order(cfg.order)
+    if cfg.num_proc < 1:
+        raise UsageError(f"--num-proc must be >= 1, got {cfg.num_proc}")
+    if cfg.memory_mb < 4:
+        raise UsageError(f"--memory-mb {cfg.memory_mb} is too small", "pass at least 4 (MB)")
+    if data.max_tokens is not None and data.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {data.max_tokens}")
+    tok = load_tokenizer(cfg.tokenizer)
+    vocab = cfg.vocab_size or len(tok)
+    check_vocab(vocab, cfg.order)
+    return Job(data=data, tokenizer=cfg.tokenizer, fingerprint=tokenizer_fingerprint(tok), vocab_size=vocab,
+               order=cfg.order, memory_bytes=cfg.memory_mb << 20, out=cfg.out)
+
+
+def build(cfg: BuildConfig, data: DataConfig, log=print) -> Path | None:
+    """Count (resuming if partials exist) and, unless ``--shard`` is given, merge. Returns the stats dir."""
+    job = make_job(cfg, data)
+    out = Path(cfg.out)
+    mins = min_counts_per_order(cfg.min_count, cfg.order)
+    if (out / META_NAME).exists():
+        meta = json.loads((out / META_NAME).read_text())
+        if meta.get("job") != job.identity():
+            raise UsageError(f"{out} already holds stats of another job", "pass another --out, or delete it")
+        log(f"{out} is complete already (delete it to recount)")
+        return out
+    shards = local_shards(parse_shard(cfg.shard), cfg.num_proc)
+    _check_no_foreign_shards(out, shards)
+    save_resolved_config(out / "config.json", "stats build", cfg, data)
+    t0 = time.perf_counter()
+    tokens = count_shards(job, shards, cfg.num_proc)
+    log(f"counted {tokens:,} tokens in {time.perf_counter() - t0:.1f}s")
+    if cfg.shard is not None:
+        log(f"shard {cfg.shard} done; merge all shards with: multitoken stats merge DIR... --out STATS_DIR")
+        return None
+    write_stats(out, [shard_dir(out, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log)
+    if not cfg.keep_partials:
+        shutil.rmtree(out / "partials", ignore_errors=True)
+    return out
+
+
+def _check_no_foreign_shards(out: Path, shards: list[tuple[int, int]]) -> None:
+    planned = {shard_dir(out, s).name for s in shards}
+    found = {p.name for p in (out / "partials").glob("shard-*")} if (out / "partials").exists() else set()
+    if found - planned:
+        raise UsageError(
+            f"{out}/partials holds shards {sorted(found - planned)} from a run with other --num-proc/--shard values",
+            "rerun with the original --num-proc and --shard (or delete the partials to start over)",
+        )
+
+
+def find_shard_dirs(inputs: list[str]) -> list[Path]:
+    dirs = []
+    for spec in inputs:
+        p = Path(spec)
+        if p.name.startswith("shard-") and (p / "job.json").exists():
+            dirs.append(p)
+        elif (p / "partials").is_dir():
+            dirs.extend(sorted(d for d in (p / "partials").glob("shard-*") if d.is_dir()))
+        else:
+            raise UsageError(f"{spec} holds no partial counts (no partials/ directory)", "pass directories written by `multitoken stats build --shard I/N`")
+    if not dirs:
+        raise UsageError("no shard partials found in " + ", ".join(inputs))
+    return dirs
+
+
+def check_coverage(shards: list[tuple[int, int]]) -> None:
+    """The residue classes ``i mod n`` of the shards must tile the integers exactly once."""
+    period = math.lcm(*(n for _, n in shards))
+    if period > 10_000_000:
+        raise UsageError(f"shard counts {sorted({n for _, n in shards})} are too irregular to check", "use the same N on every machine")
+    import numpy as np
+
+    cover = np.zeros(period, np.int64)
+    for i, n in shards:
+        cover[i::n] += 1
+    if (cover == 0).any() or (cover > 1).any():
+        missing = int((cover == 0).sum() * 100 / period)
+        raise UsageError(
+            f"the shards {sorted(shards)} do not cover the corpus exactly once ({missing}% of documents missing, {int((cover > 1).sum() * 100 / period)}% counted twice)",
+            "pass the partials of every shard I/N, each once",
+        )
+
+
+def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, memory_bytes: int, log=print) -> dict:
+    """Merge the finished shards ``sdirs`` into the stats dir ``out`` and write its meta.json."""
+    from importlib.metadata import version
+
+    jobs = [json.loads((d / "job.json").read_text()) for d in sdirs]
+    ident = {k: v for k, v in jobs[0].items() if k not in ("shard", "tokenizer")}
+    for d, j in zip(sdirs, jobs):
+        if {k: v for k, v in j.items() if k not in ("shard", "tokenizer")} != ident:
+            raise UsageError(f"{d} belongs to another job than {sdirs[0]} (data, tokenizer or order differ)", "merge only shards of one job")
+    order = ident["order"]
+    if len(mins) != order:
+        mins = min_counts_per_order(tuple(mins), order)
+    check_coverage([tuple(j["shard"]) for j in jobs])
+    runs, totals = [], [0] * order
+    for d in sdirs:
+        infos = check_runs(d, order)
+        if not infos or not infos[-1]["done"]:
+            raise CheckpointError(f"{d} is not finished counting", "rerun its `multitoken stats build` command to complete it")
+        runs += list_runs(d)
+        for info in infos:
+            totals = [a + b for a, b in zip(totals, info["totals"])]
+    if totals[0] == 0:
+        from multitoken.pipeline.errors import DataError
+
+        raise DataError("the corpus produced no tokens", "check --data, --column and --max-tokens")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    kept = merge_orders(runs, out, order, mins, ident["vocab_size"], memory_bytes, num_proc, log)
+    log(f"merged {len(runs)} runs in {time.perf_counter() - t0:.1f}s")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": {"name": jobs[0].get("tokenizer"), "fingerprint": ident["tokenizer_fingerprint"]},
+        "vocab_size": ident["vocab_size"],
+        "orders": list(range(1, order + 1)),
+        "total_tokens": totals[0],
+        "ngram_totals": {str(k + 1): t for k, t in enumerate(totals)},
+        "distinct": {str(k): v["distinct"] for k, v in kept.items()},
+        "count_dtypes": {str(k): v["dtype"] for k, v in kept.items()},
+        "min_counts": {str(k + 1): m for k, m in enumerate(mins)},
+        "source": ident["data"],
+        "shards": sorted(j["shard"] for j in jobs),
+        "package_version": version("multitoken"),
+        "job": ident,
+    }
+    atomic_write_text(out / META_NAME, json.dumps(meta, indent=1) + "\n")  # written last: marks the dir complete
+    return meta
+
+
+def merge(inputs: list[str], out: str, min_count: tuple[int, ...], num_proc: int, memory_mb: int, log=print) -> dict:
+    sdirs = find_shard_dirs(inputs)
+    order = json.loads((sdirs[0] / "job.json").read_text())["order"]
+    return write_stats(Path(out), sdirs, min_counts_per_order(min_count, order), num_proc, memory_mb << 20, log)
+

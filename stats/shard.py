@@ -1,0 +1,216 @@
+"""Map step: count one shard of the corpus into sorted runs spilled to disk, resumably.
+
+A shard ``(i, n)`` is documents ``i, i+n, ...`` (``pipeline.data`` numbering). Counts are
+held in memory until they reach the memory bound (or a checkpoint interval passes), then
+merged and written as one run dir ``run-NNNNNN`` that also records where counting stopped:
+``next = (doc index, tokens of that document consumed)``. Runs cover disjoint stretches of
+the shard, so after a kill -9 a rerun counts from the last run's ``next`` and nothing is
+counted twice; the final run carries ``done``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import shutil
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from multitoken.pipeline.cliargs import atomic_write_text
+from multitoken.pipeline.data import DataConfig, iter_documents
+from multitoken.pipeline.errors import CheckpointError, UsageError
+
+from .counting import ChunkBuilder, count_chunk, merge_runs
+from .format import load_array, read_info, write_array_dir
+
+BYTES_PER_CHUNK_TOKEN = 1000   # chunk buffers take ~150 B/token; a chunk gets ~15% of the bound
+HELD_FRACTION = 0.25           # merging held runs peaks at ~2.5x their size
+
+
+@dataclass
+class Job:
+    """Everything a worker needs to count a shard (picklable, for spawned processes)."""
+
+    data: DataConfig
+    tokenizer: str
+    fingerprint: str
+    vocab_size: int
+    order: int
+    memory_bytes: int
+    out: str
+    checkpoint_seconds: float = 600.0
+
+    def identity(self) -> dict:
+        """What must agree between a rerun and the partials it resumes (or merges with)."""
+        return {"data": dataclasses.asdict(self.data), "tokenizer_fingerprint": self.fingerprint,
+                "vocab_size": self.vocab_size, "order": self.order}
+
+    @property
+    def chunk_tokens(self) -> int:
+        return int(min(max(self.memory_bytes // BYTES_PER_CHUNK_TOKEN, 1024), 1 << 20))
+
+    @property
+    def held_bytes(self) -> int:
+        return int(self.memory_bytes * HELD_FRACTION)
+
+
+class LazyTokenizer:
+    """Loads the tokenizer on first use, so id-column corpora never import transformers."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._tok = None
+
+    def __call__(self, *args, **kwargs):
+        if self._tok is None:
+            from multitoken.pipeline.backbone import load_tokenizer
+
+            self._tok = load_tokenizer(self.path)
+        return self._tok(*args, **kwargs)
+
+
+def shard_dir(out: str | Path, shard: tuple[int, int]) -> Path:
+    return Path(out) / "partials" / f"shard-{shard[0]:05d}-of-{shard[1]:05d}"
+
+
+def shard_budget(max_tokens: int | None, shard: tuple[int, int]) -> int | None:
+    """This shard's share of a global token budget (split evenly, remainder to the first)."""
+    if max_tokens is None:
+        return None
+    i, n = shard
+    return max_tokens // n + (1 if i < max_tokens % n else 0)
+
+
+def list_runs(sdir: Path) -> list[Path]:
+    """Finished run dirs of a shard, in order; leftovers of killed writes are removed."""
+    for tmp in sdir.glob(".run-*.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(p for p in sdir.glob("run-*") if p.is_dir())
+
+
+def run_arrays(order: int) -> list[str]:
+    return ["o1"] + [f"{x}{k}" for k in range(2, order + 1) for x in ("k", "c")]
+
+
+def check_runs(sdir: Path, order: int) -> list[dict]:
+    """Infos of all runs of a shard, every array opened and length-checked."""
+    infos = []
+    for run in list_runs(sdir):
+        info = read_info(run)
+        for name in run_arrays(order):
+            if name not in info["arrays"]:
+                raise CheckpointError(f"{run}: no array {name!r} (partial of another order?)", f"delete {sdir} and rerun")
+            load_array(run, name, info)
+        infos.append(info)
+    return infos
+
+
+@contextmanager
+def shard_lock(sdir: Path):
+    """Exclusive lock on a shard dir; released by the OS even on kill -9."""
+    sdir.mkdir(parents=True, exist_ok=True)
+    with open(sdir / ".lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise UsageError(f"another process is counting {sdir}", "wait for it to finish (or kill it), then rerun") from err
+        yield
+
+
+def check_identity(sdir: Path, job: Job, shard: tuple[int, int]) -> None:
+    want = {**job.identity(), "shard": list(shard)}
+    path = sdir / "job.json"
+    if path.exists():
+        have = json.loads(path.read_text())
+        have.pop("tokenizer", None)  # a path, may differ between machines; the fingerprint decides
+        if have != want:
+            raise UsageError(
+                f"{sdir} holds partial counts of a different job ({_diff(have, want)})",
+                "rerun with the original options, or use another --out (or delete that directory)",
+            )
+        return
+    atomic_write_text(path, json.dumps({**want, "tokenizer": job.tokenizer}, indent=1) + "\n")
+
+
+def _diff(have: dict, want: dict) -> str:
+    keys = [k for k in want if have.get(k) != want[k]]
+    return ", ".join(f"{k}: {have.get(k)!r} there, {want[k]!r} now" for k in keys)
+
+
+class _Held:
+    """Counts held in memory since the last spill."""
+
+    def __init__(self, order: int, vocab_size: int):
+        self.unigrams = np.zeros(vocab_size, np.uint64)
+        self.runs: dict[int, list] = {k: [] for k in range(2, order + 1)}
+        self.totals = [0] * order
+        self.nbytes = 0
+        self.since = time.monotonic()
+
+    def add(self, chunk) -> None:
+        self.unigrams += chunk.unigrams
+        for k, (keys, counts) in chunk.runs.items():
+            self.runs[k].append((keys, counts))
+            self.nbytes += keys.nbytes + counts.nbytes
+        self.totals = [a + b for a, b in zip(self.totals, chunk.totals)]
+
+
+def count_shard(job: Job, shard: tuple[int, int], progress: Callable[[int], None] | None = None) -> dict:
+    """Count shard ``(i, n)`` into ``job.out/partials``; resume if runs exist. Returns the last run's info."""
+    sdir = shard_dir(job.out, shard)
+    with shard_lock(sdir):
+        check_identity(sdir, job, shard)
+        infos = check_runs(sdir, job.order)
+        if infos and infos[-1]["done"]:
+            return infos[-1]
+        tokens = infos[-1]["tokens"] if infos else 0
+        doc, offset = infos[-1]["next"] if infos else (0, 0)
+        if progress and tokens:
+            progress(tokens)
+        budget = shard_budget(job.data.max_tokens, shard)
+        # iter_documents re-yields the first `offset` tokens of the resumed document
+        data = dataclasses.replace(job.data, max_tokens=None if budget is None else budget - tokens + offset)
+        state = {"sdir": sdir, "run": len(infos), "tokens": tokens, "next": [doc, offset]}
+        held = _Held(job.order, job.vocab_size)
+        builder = ChunkBuilder(job.order, job.chunk_tokens)
+        if budget is None or tokens < budget:
+            docs = iter_documents(data, LazyTokenizer(job.tokenizer), vocab_size=job.vocab_size, shard=shard, start=doc)
+            for index, ids in docs:
+                for chunk in builder.add(index, ids, offset if index == doc else 0):
+                    _count(job, chunk, builder.position, held, state, progress)
+        _count(job, builder.take(), builder.position, held, state, progress)
+        return _spill(job, held, state, done=True)
+
+
+def _count(job: Job, chunk, position, held: _Held, state: dict, progress) -> None:
+    if chunk is not None:
+        counted = count_chunk(*chunk, job.order, job.vocab_size)
+        held.add(counted)
+        state["tokens"] += counted.totals[0]
+        if progress:
+            progress(counted.totals[0])
+    if position is not None:
+        state["next"] = list(position)
+    if held.nbytes > job.held_bytes or time.monotonic() - held.since > job.checkpoint_seconds:
+        _spill(job, held, state, done=False)
+        held.__init__(job.order, job.vocab_size)
+
+
+def _spill(job: Job, held: _Held, state: dict, done: bool) -> dict:
+    """Write held counts as the next run dir (atomic); the resume point goes with them."""
+    arrays = {"o1": held.unigrams}
+    for k, runs in held.runs.items():
+        runs_copy = list(runs)
+        runs.clear()  # drop references so merging does not hold two copies
+        arrays[f"k{k}"], arrays[f"c{k}"] = merge_runs(runs_copy)
+        del runs_copy
+    info = {"next": state["next"], "tokens": state["tokens"], "totals": held.totals, "done": done}
+    write_array_dir(state["sdir"] / f"run-{state['run']:06d}", arrays, info)
+    state["run"] += 1
+    return info

@@ -1,0 +1,164 @@
+"""``CooccurrenceTable``: the co-occurrence mask of DynaMo (seed 003, eq. 3 and eq. 6).
+
+For candidate token lists per position ``x1 in A, x2 in B[, x3 in C]`` the mask grid is
+
+    mask[i, j(, l)] = ( p_hat(x1, x2(, x3)) / (p_hat(x1) p_hat(x2) (p_hat(x3))) ) ** alpha
+
+with ``p_hat(n-gram) = count / (n-gram occurrences of that order in the corpus)`` and
+``p_hat(token) = unigram count / tokens``. ``alpha = 0`` switches masking off (all ones),
+``alpha = 1`` is the paper's default.
+
+**Absent n-grams.** An n-gram missing from the table (never seen, or pruned below the
+build's ``--min-count``), or one with a never-seen token, has no estimate. Its ratio is the
+``absent`` value (default 0.0: eq. 3 read literally, an unseen combination gets no mass;
+1.0 makes such cells neutral, i.e. left to the heads). ``absent`` is a ratio, so it is
+raised to ``alpha`` like the others (and ``0 ** 0 = 1``: alpha 0 is always "no mask").
+
+Lookups are vectorised (see ``hashindex``); the index of an order is built on first use
+from the memory-mapped count arrays and kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from multitoken.pipeline.errors import CheckpointError, DataError, MismatchError, UsageError
+
+from .format import FORMAT_VERSION, META_NAME, encode
+from .hashindex import PrefixBlockIndex
+
+
+class CooccurrenceTable:
+    """Open a stats dir; ``mask(cands, alpha)`` gives the co-occurrence grid."""
+
+    def __init__(self, path: str | Path, *, absent: float = 0.0, fingerprint: str | None = None):
+        self.path = Path(path)
+        self.meta = _read_meta(self.path)
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            raise MismatchError(
+                f"stats {self.path} were counted with tokenizer {self.meta['tokenizer']['name']!r} "
+                f"(fingerprint {self.fingerprint[:12]}), the model's tokenizer differs ({fingerprint[:12]})",
+                "build stats with the model's own tokenizer: multitoken stats build --tokenizer MODEL ...",
+            )
+        if not np.isfinite(absent) or absent < 0:
+            raise UsageError(f"absent must be a finite ratio >= 0, got {absent}")
+        self.absent = float(absent)
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.max_order = max(self.meta["orders"])
+        self.totals = {int(k): int(v) for k, v in self.meta["ngram_totals"].items()}
+        self.unigrams = self._load("counts1.npy", self.vocab_size)
+        self._index: dict[int, PrefixBlockIndex] = {}
+
+    @classmethod
+    def for_tokenizer(cls, path: str | Path, tokenizer, **kwargs) -> CooccurrenceTable:
+        """Open ``path`` checking it was counted with ``tokenizer`` (MismatchError if not)."""
+        from multitoken.pipeline.backbone import tokenizer_fingerprint
+
+        return cls(path, fingerprint=tokenizer_fingerprint(tokenizer), **kwargs)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["tokenizer"]["fingerprint"]
+
+    def _load(self, name: str, length: int | None = None) -> np.ndarray:
+        file = self.path / name
+        try:
+            arr = np.load(file, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{file}: missing or unreadable ({err})", "rebuild the stats dir with multitoken stats build") from err
+        if length is not None and arr.shape != (length,):
+            raise CheckpointError(f"{file}: shape {arr.shape}, expected ({length},)", "rebuild the stats dir")
+        return arr
+
+    def arrays(self, order: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted keys and counts of ``order`` (memory-mapped)."""
+        self._check_order(order)
+        n = int(self.meta["distinct"][str(order)])
+        return self._load(f"keys{order}.npy", n), self._load(f"counts{order}.npy", n)
+
+    def index(self, order: int) -> PrefixBlockIndex:
+        if order not in self._index:
+            keys, counts = self.arrays(order)
+            self._index[order] = PrefixBlockIndex(keys, counts, self.vocab_size)
+        return self._index[order]
+
+    def _check_order(self, order: int) -> None:
+        if not 2 <= order <= self.max_order:
+            raise UsageError(
+                f"a mask of {order} positions needs order-{order} counts; {self.path} holds orders up to {self.max_order}",
+                f"pass 2..{self.max_order} candidate lists, or rebuild with --order {order}",
+            )
+
+    def _ids(self, cand, pos: int) -> np.ndarray:
+        ids = cand.detach().cpu().numpy() if hasattr(cand, "detach") else np.asarray(cand)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise DataError(f"candidate list {pos} must be a non-empty 1-D array of token ids, got shape {ids.shape} {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise DataError(
+                f"candidate list {pos} holds token ids outside the vocabulary [0, {self.vocab_size}) (min {ids.min()}, max {ids.max()})",
+                "use stats counted with the model's tokenizer",
+            )
+        return ids.astype(np.int64)
+
+    def counts(self, cands) -> np.ndarray:
+        """Joint counts grid ``[k1, .., kn]`` of the candidate lists (0 where absent)."""
+        ids = [self._ids(c, i) for i, c in enumerate(cands)]
+        self._check_order(len(ids))
+        prefix = ids[0].astype(np.uint64)
+        for col in ids[1:-1]:  # mixed-radix prefix keys of the grid's leading axes
+            prefix = (prefix[..., None] * np.uint64(self.vocab_size) + col.astype(np.uint64)).reshape(-1)
+        grid = self.index(len(ids)).grid(prefix, ids[-1])
+        return grid.reshape([len(x) for x in ids])
+
+    def ratio(self, cands) -> np.ndarray:
+        """``p_hat(joint) / prod p_hat(marginals)`` grid (float32), ``absent`` where unknown."""
+        ids = [self._ids(c, i) for i, c in enumerate(cands)]
+        n = len(ids)
+        joint = self.counts(ids).astype(np.float64)
+        marg = np.ones([1] * n)
+        for axis, x in enumerate(ids):  # outer product of unigram probabilities
+            shape = [1] * n
+            shape[axis] = len(x)
+            marg = marg * (self.unigrams[x] / self.totals[1]).reshape(shape)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = (joint / self.totals[n]) / marg
+        r[(joint == 0) | (marg == 0)] = self.absent
+        return r.astype(np.float32)
+
+    def mask(self, cands, alpha: float = 1.0):
+        """The co-occurrence mask ``ratio ** alpha`` (seed 003 eq. 6) over the candidate grid.
+
+        ``cands``: 2 or 3 (up to the table's order) 1-D int arrays or torch tensors of token ids.
+        Returns float32, a numpy array, or a torch tensor on the candidates' device if they are tensors.
+        """
+        if not np.isfinite(alpha) or alpha < 0:
+            raise UsageError(f"alpha must be >= 0, got {alpha}")
+        out = np.power(self.ratio(cands), np.float32(alpha))
+        first = cands[0] if len(cands) else None
+        if hasattr(first, "detach"):
+            import torch
+
+            return torch.from_numpy(out).to(first.device)
+        return out
+
+    def encode(self, ngrams: np.ndarray) -> np.ndarray:
+        """Token ids ``[m, n]`` -> keys ``[m]`` in this table's radix."""
+        ngrams = np.asarray(ngrams)
+        return encode([ngrams[:, j] for j in range(ngrams.shape[1])], self.vocab_size)
+
+
+def _read_meta(path: Path) -> dict:
+    file = path / META_NAME
+    if not file.exists():
+        hint = " (counting is unfinished: rerun the build command)" if (path / "partials").exists() else ""
+        raise CheckpointError(f"{path} is not a stats dir: no {META_NAME}{hint}", "build one with multitoken stats build")
+    try:
+        meta = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})", "rebuild the stats dir") from err
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: stats format {meta.get('format_version')}, this multitoken reads {FORMAT_VERSION}", "rebuild the stats dir")
+    return meta

@@ -1,0 +1,54 @@
+"""Run shard counting on local processes with one tqdm bar (tokens/s) for all of them."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+from tqdm import tqdm
+
+from .shard import Job, count_shard
+
+_COUNTERS = None  # per-worker token counters shared with the parent (set in each worker)
+
+
+def _init(counters) -> None:
+    global _COUNTERS
+    _COUNTERS = counters
+
+
+def _count_in_worker(job: Job, shard: tuple[int, int], slot: int) -> int:
+    def progress(n: int) -> None:
+        with _COUNTERS.get_lock():
+            _COUNTERS[slot] += n
+
+    return count_shard(job, shard, progress)["tokens"]
+
+
+def count_shards(job: Job, shards: list[tuple[int, int]], num_proc: int) -> int:
+    """Count every shard (resuming finished work); returns the tokens counted in total."""
+    bar = tqdm(desc="counting", unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5)
+    try:
+        if num_proc <= 1:
+            return sum(count_shard(job, s, bar.update)["tokens"] for s in shards)
+        return _count_parallel(job, shards, num_proc, bar)
+    finally:
+        bar.close()
+
+
+def _count_parallel(job: Job, shards, num_proc: int, bar) -> int:
+    # spawn, not fork: the parent holds a loaded tokenizer (threads) and maybe torch
+    ctx = mp.get_context("spawn")
+    counters = ctx.Array("q", len(shards))
+    with ProcessPoolExecutor(max_workers=num_proc, mp_context=ctx, initializer=_init, initargs=(counters,)) as pool:
+        futures = [pool.submit(_count_in_worker, job, s, i) for i, s in enumerate(shards)]
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+            bar.update(sum(counters[:]) - bar.n)
+            for f in done:
+                if f.exception() is not None:
+                    for p in pending:
+                        p.cancel()
+                    raise f.exception()
+        return sum(f.result() for f in futures)
