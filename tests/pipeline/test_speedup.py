@@ -1,0 +1,34 @@
+"""Seed 004's speed-up table, reproduced exactly from the formulas (c = c_hat = 0)."""
+
+import pytest
+
+from multitoken.pipeline.speedup import (
+    acceptance_from_tokens, expected_tokens, operations_factor, speedup_table, walltime_improvement,
+)
+
+# (a, g) -> (operations, speed) as printed in seed 004, Table 1.
+SEED_TABLE = {
+    (0.6, 2): (1.53, 1.96), (0.7, 3): (1.58, 2.53), (0.8, 2): (1.23, 2.44),
+    (0.8, 5): (1.63, 3.69), (0.9, 2): (1.11, 2.71), (0.9, 10): (1.60, 6.86),
+}
+
+
+def test_reproduces_seed_table():
+    rows = speedup_table(list(SEED_TABLE))
+    for row in rows:
+        ops, speed = SEED_TABLE[(row["a"], row["g"])]
+        assert round(row["speed"], 2) == speed
+        assert round(row["operations"], 2) == ops
+
+
+def test_hand_values_and_limits():
+    # a = 0.5, g = 2: 1 + 0.5 + 0.25 tokens; with c = 0.1 the wall time divides by 1.2.
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert walltime_improvement(0.5, 2, c=0.1) == pytest.approx(1.75 / 1.2)
+    assert operations_factor(0.5, 2, c_hat=0.5) == pytest.approx(4.0 / 1.75)
+    assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
+    assert acceptance_from_tokens(1.75, 2) == pytest.approx(0.5, abs=1e-8)
+    with pytest.raises(ValueError):
+        expected_tokens(1.5, 2)
+    with pytest.raises(ValueError):
+        acceptance_from_tokens(4.0, 2)
