@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from .unembed import target_log_probs
 
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # tokens per unembedding chunk: bounds the [chunk, V] logits alive at once
@@ -55,19 +55,9 @@ def shifted_targets(input_ids: torch.Tensor, valid: torch.Tensor, offset: int) -
     return tgt
 
 
-def _ce_chunk(unembed, hidden: torch.Tensor, target: torch.Tensor):
-    logits = unembed(hidden).float()  # [C, V]
-    ce = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum")
-    with torch.no_grad():
-        top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # [C, 5]
-        hit = top == target[:, None]
-        hits = torch.stack([hit[:, 0].sum(), hit.any(-1).sum()])
-    return ce, hits
-
-
-def chunked_cross_entropy(unembed, hidden: torch.Tensor, target: torch.Tensor, chunk: int = DEFAULT_CHUNK):
+def chunked_cross_entropy(unembed: nn.Module, hidden: torch.Tensor, target: torch.Tensor, chunk: int = DEFAULT_CHUNK):
     """Mean CE of ``unembed(hidden)`` against ``target``, never holding more than ``chunk``
-    rows of logits: with grad, each chunk is checkpointed (logits recomputed in backward).
+    rows of logits (see ``unembed.target_log_probs``).
 
     hidden [B, T, H], target [B, T] -> (mean loss [], {"top1", "top5", "count"}).
     """
@@ -75,16 +65,10 @@ def chunked_cross_entropy(unembed, hidden: torch.Tensor, target: torch.Tensor, c
     t = target.reshape(-1)  # [N]
     keep = (t != IGNORE).nonzero().squeeze(-1)
     h, t = h.index_select(0, keep), t.index_select(0, keep)  # only real targets cost an unembedding
-    total, hits = h.new_zeros((), dtype=torch.float32), torch.zeros(2, dtype=torch.long, device=h.device)
-    for start in range(0, h.shape[0], chunk):
-        hc, tc = h[start:start + chunk], t[start:start + chunk]
-        if hc.requires_grad:
-            ce, hc_hits = checkpoint(_ce_chunk, unembed, hc, tc, use_reentrant=False)
-        else:
-            ce, hc_hits = _ce_chunk(unembed, hc, tc)
-        total, hits = total + ce, hits + hc_hits
+    logp, hits = target_log_probs(unembed, h, t, chunk)
     count = max(int(t.shape[0]), 1)
-    return total / count, {"top1": hits[0].item() / count, "top5": hits[1].item() / count, "count": t.shape[0]}
+    top1, top5 = (hits.float() / count).tolist()
+    return -logp.sum() / count, {"top1": top1, "top5": top5, "count": int(t.shape[0])}
 
 
 class HeadAdapter(nn.Module):
@@ -121,12 +105,20 @@ class HeadAdapter(nn.Module):
         """Names of parameters initialised as copies of base weights (DynaMo trains them at LR_B)."""
         return set()
 
+    # Incremental decoding ---------------------------------------------------------------
+    num_head_layers = 0  # transformer layers of the heads' own: each needs a KV cache when decoding
+
+    def layer_slot(self, index: int) -> int | None:
+        """Which head layer (and KV cache) head ``index`` runs, or None when it reads one
+        position only (base path, Medusa, CP): those need no cache of their own."""
+        return None
+
     def loss(self, feats: Features, input_ids: torch.Tensor, valid: torch.Tensor, chunk: int) -> LossOutput:
         """Independent heads: one cross-entropy per head, computed head by head."""
         per_head, metrics = [], {}
         for i in range(self.n_future):
             tgt = shifted_targets(input_ids, valid, i + 1)  # [B, T]
-            ce, m = chunked_cross_entropy(self.backbone.logits, self.hidden(i, feats), tgt, chunk)
+            ce, m = chunked_cross_entropy(self.backbone.unembedding, self.hidden(i, feats), tgt, chunk)
             per_head.append(ce)
             metrics.update({f"head{i + 1}/loss": ce.item(), f"head{i + 1}/top1": m["top1"], f"head{i + 1}/top5": m["top5"]})
         return LossOutput(per_head=per_head, aux=None, metrics=metrics)

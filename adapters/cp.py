@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .base import IGNORE, Features, HeadAdapter, LossOutput, head_dtype, shifted_targets
 from .registry import register_head
+from .unembed import target_log_probs
 
 
 @dataclass
@@ -65,29 +65,19 @@ class CPHeads(HeadAdapter):
 
     def expert_log_probs(self, s: int, a: int, e: torch.Tensor) -> torch.Tensor:
         """log P_s(. | a) # [..., H] -> [..., V]."""
-        h = e + F.silu(F.linear(e, self.weight[s, a], self.bias[s, a]))
-        return torch.log_softmax(self.backbone.logits(h).float(), dim=-1)
+        return torch.log_softmax(self.backbone.logits(self.expert_hidden(s, a, e)).float(), dim=-1)
 
-    def _target_chunk(self, e: torch.Tensor, x: torch.Tensor, s: int, a: int) -> torch.Tensor:
-        return self.expert_log_probs(s, a, e).gather(-1, x[:, None]).squeeze(-1)  # [C]
+    def expert_hidden(self, s: int, a: int, e: torch.Tensor) -> torch.Tensor:
+        """f_{s,a}(e) = e + SiLU(W_{s,a} e + b_{s,a}) # [..., H]."""
+        return e + F.silu(F.linear(e, self.weight[s, a], self.bias[s, a]))
 
     def target_log_probs(self, e: torch.Tensor, x: torch.Tensor, chunk: int) -> torch.Tensor:
         """C[., s, a] = log P_s(x_s | a) for real targets # e [N, H], x [N, n] -> [N, n, r].
-        Chunked and checkpointed: only [chunk, V] logits live at a time."""
-        out = []
-        for s in range(self.n_future):
-            per_expert = []
-            for a in range(self.rank):
-                parts = []
-                for i in range(0, e.shape[0], chunk):
-                    ec, xc = e[i:i + chunk], x[i:i + chunk, s]
-                    if torch.is_grad_enabled():
-                        parts.append(checkpoint(self._target_chunk, ec, xc, s, a, use_reentrant=False))
-                    else:
-                        parts.append(self._target_chunk(ec, xc, s, a))
-                per_expert.append(torch.cat(parts) if parts else e.new_zeros(0, dtype=torch.float32))
-            out.append(torch.stack(per_expert, -1))
-        return torch.stack(out, 1)
+        Chunked through the frozen unembedding: only [chunk, V] logits live at a time."""
+        unembed = self.backbone.unembedding
+        out = [[target_log_probs(unembed, self.expert_hidden(s, a, e), x[:, s], chunk)[0]
+                for a in range(self.rank)] for s in range(self.n_future)]
+        return torch.stack([torch.stack(per_expert, -1) for per_expert in out], 1)
 
     # Distributions -----------------------------------------------------------------------------
     def log_probs(self, index: int, feats: Features, last_only: bool = False) -> torch.Tensor:
