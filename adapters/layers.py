@@ -42,9 +42,17 @@ def _copy_dense_weights(dst: nn.Module, src: nn.Module) -> None:
 
 
 def _dense(module: nn.Module, pname: str) -> torch.Tensor:
+    """A parameter as a dense tensor, dequantizing bitsandbytes weights without touching the
+    module (peft's helper re-assigns the weight on CPU, which drops the 8-bit scales)."""
     tensor = getattr(module, pname)
-    if pname == "weight" and type(tensor).__name__ in ("Params4bit", "Int8Params"):
-        from peft.utils.integrations import dequantize_module_weight
+    kind = type(tensor).__name__
+    if pname == "weight" and kind == "Params4bit":
+        import bitsandbytes as bnb
 
-        return dequantize_module_weight(module).detach().cpu()
+        return bnb.functional.dequantize_4bit(tensor.data, tensor.quant_state).detach().cpu()
+    if pname == "weight" and kind == "Int8Params":
+        import bitsandbytes as bnb
+
+        scales = tensor.SCB if tensor.SCB is not None else module.state.SCB  # per-row absmax
+        return bnb.functional.int8_vectorwise_dequant(tensor.data, scales).detach().cpu()
     return tensor.detach().cpu()
