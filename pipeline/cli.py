@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "multitoken.pipeline.cmd_attach",
     "multitoken.pipeline.cmd_distill",
     "multitoken.stats.cli",
+    "multitoken.pipeline.cmd_eval",
 )
 
 

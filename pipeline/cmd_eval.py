@@ -1,0 +1,107 @@
+"""``multitoken eval``: multi-token metrics of a heads dir on a text dataset.
+
+Writes ``report.json``, ``logit_lens.png`` (when the lens part runs) and the resolved config
+``eval_config.json`` to ``--out``, and prints a readable table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+RESOLVED_CONFIG = "eval_config.json"
+REPORT = "report.json"
+LENS_PNG = "logit_lens.png"
+
+
+def register(sub) -> None:
+    from .cliargs import add_dataclass_args
+    from .data import DataConfig
+    from .evaluate import EvalConfig
+
+    p = sub.add_parser("eval", help="PPL_n, PPL_1:n, PPL_d, top-k, marginalization baseline, logit lens")
+    add_dataclass_args(p, EvalConfig)
+    add_dataclass_args(p, DataConfig)
+    p.set_defaults(func=run)
+
+
+def default_heads() -> str:
+    """The embedded trained heads, when the package ships them."""
+    from .embedded import EMBEDDED_DIR
+
+    path = EMBEDDED_DIR / "stories260K-heads"
+    return str(path) if (path / "heads_config.json").is_file() else ""
+
+
+def load_model(heads: str, base: str | None, dtype: str = "float32", device: str = "cpu"):
+    from .errors import UsageError
+    from .model import MultiTokenModel
+
+    heads = heads or default_heads()
+    if not heads:
+        raise UsageError("no heads dir given and no embedded heads found", "pass --heads DIR (made by `multitoken attach` or `train`)")
+    return MultiTokenModel.from_pretrained(base, heads, dtype=dtype, device=device), heads
+
+
+def run(args) -> None:
+    from .cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
+    from .data import DataConfig
+    from .errors import UsageError
+    from .evaluate import EvalConfig, evaluate
+
+    cfg = dataclass_from_args(EvalConfig, args)
+    data_cfg = dataclass_from_args(DataConfig, args)
+    cfg.validate()
+    if not cfg.out:
+        raise UsageError("--out is required", "pass a directory for the report, e.g. --out eval/")
+    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device)
+    out = Path(cfg.out)
+    report = evaluate(model, cfg, data_cfg)
+    report = {"heads_dir": heads, "base": model.backbone.name, "head_type": model.config.head_type, **report}
+    if "logit_lens" in report:
+        from .lens import plot_lens
+
+        path = plot_lens(report["logit_lens"]["kl_per_layer"], out / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
+        report["logit_lens"]["png"] = str(path)
+    atomic_write_text(out / REPORT, json.dumps(report, indent=2, default=_json_default) + "\n")
+    save_resolved_config(out / RESOLVED_CONFIG, "eval", cfg, data_cfg)
+    print(format_report(report))
+    print(f"\nreport: {out / REPORT}")
+
+
+def _json_default(value):
+    return float(value) if hasattr(value, "__float__") else str(value)
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def format_report(r: dict) -> str:
+    """Plain-text tables of a report (what ``multitoken eval`` prints)."""
+    lines = [f"{r.get('base', '')} + {r.get('head_type', '')} heads: {r['tokens']} tokens, {r['sequences']} sequences", ""]
+    lines.append(f"{'head':>4} {'PPL_n':>10} {'top-1':>7} {'top-5':>7} {'PPL_1:n':>10}")
+    for h in r["heads"]:
+        joint = r["ppl_joint"][f"PPL_1:{h['head']}"]
+        lines.append(f"{h['head']:>4} {_f(h['ppl'], 2):>10} {_f(h['top1']):>7} {_f(h['top5']):>7} {_f(joint, 2):>10}")
+    a = r["accept_length"]
+    lines += ["", "expected tokens per step from draft top-1 accuracies (heads 2..n):",
+              f"  formula 1 + sum_k prod acc: {_f(a['formula_with_base_token'])} (drafts only: {_f(a['formula_without_base_token'])})",
+              f"  empirical chain:            {_f(a['empirical_with_base_token'])} (drafts only: {_f(a['empirical_without_base_token'])})"]
+    if "dynamic" in r:
+        lines += ["", f"{'eps_b':>6} {'PPL_d':>10} {'tokens/step':>12}"]
+        lines += [f"{d['eps_b']:>6.2f} {_f(d['ppl_d'], 2):>10} {_f(d['tokens_per_step']):>12}" for d in r["dynamic"]]
+    if "marginal" in r:
+        m = r["marginal"]
+        lines += ["", f"marginalization baseline for t+2 ({m['positions']} positions, nucleus {m['top_p']} capped at "
+                      f"{m['max_candidates']}: mean {_f(m['mean_nucleus_size'], 1)} tokens holding {_f(m['mean_nucleus_mass'])} of the mass)",
+                  f"  marginal: PPL_2 {_f(m['ppl_2'], 2)}  top-1 {_f(m['top1'])}  top-5 {_f(m['top5'])}"]
+        if "head2_same_positions" in m:
+            h = m["head2_same_positions"]
+            lines.append(f"  head 2:   PPL_2 {_f(h['ppl_2'], 2)}  top-1 {_f(h['top1'])}  top-5 {_f(h['top5'])}")
+    if "logit_lens" in r:
+        kl = " ".join(_f(v, 2) for v in r["logit_lens"]["kl_per_layer"])
+        lines += ["", f"logit-lens KL(layer || final) per layer 0..L: {kl}"]
+    lines += ["", "seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["seconds"].items())]
+    return "\n".join(lines)
