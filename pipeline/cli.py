@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "multitoken.pipeline.cmd_generate",
     "multitoken.pipeline.cmd_convert",
     "multitoken.pipeline.cmd_attach",
+    "multitoken.pipeline.cmd_train",
     "multitoken.pipeline.cmd_distill",
     "multitoken.stats.cli",
     "multitoken.pipeline.cmd_eval",

@@ -1,0 +1,35 @@
+"""``multitoken train``: train heads (optionally with LoRA on the backbone) on a dataset.
+
+Run it under ``torchrun --nproc-per-node N $(which multitoken) train ...`` for data-parallel
+training; the flags are the same.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .data import DataConfig
+from .trainer_config import TrainConfig
+
+
+def register(sub) -> None:
+    from .cliargs import add_dataclass_args
+
+    p = sub.add_parser("train", help="train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)")
+    add_dataclass_args(p, TrainConfig)
+    add_dataclass_args(p, DataConfig)
+    p.set_defaults(func=run)
+
+
+def run(args) -> None:
+    from .cliargs import dataclass_from_args
+    from .errors import UsageError
+    from .train import train
+
+    cfg = dataclass_from_args(TrainConfig, args)
+    data = dataclass_from_args(DataConfig, args)
+    if not data.data:
+        raise UsageError("no training data given", "pass --data FILE|DIR|GLOB|HUB_ID")
+    summary = train(cfg, data)
+    if summary["eval"]:
+        print(json.dumps(summary))

@@ -1,0 +1,279 @@
+"""``multitoken train``: train a heads dir on a dataset, resumably, on one or several processes.
+
+One optimizer step = ``grad_accum`` micro-batches of ``batch_size`` packed sequences per process.
+Under ``torchrun`` (gloo on CPU, nccl on GPU) every rank reads the same global sequence stream
+and takes its own slice of each step's rows, so the data position is one value for the whole
+job; gradients are averaged by DDP. Rank 0 evaluates, checkpoints and writes the output, which
+is built in a hidden staging directory and moved over ``--out`` only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import optim
+from .checkpoint import list_checkpoints, load_checkpoint, publish_dir, save_checkpoint
+from .data import DataConfig
+from .errors import UsageError
+from .packing import PackedStream, PackPosition, take_sequences
+from .trainer_config import TrainConfig, validate
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg: TrainConfig) -> Dist:
+    """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        tdist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+    return Dist(tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _device(cfg: TrainConfig, dist: Dist) -> str:
+    if cfg.device == "cuda" and dist.world > 1:
+        return f"cuda:{dist.local_rank}"
+    return cfg.device
+
+
+# Model ----------------------------------------------------------------------------------
+def load_model(cfg: TrainConfig, dist: Dist):
+    """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes."""
+    from .backbone import BackboneConfig, LoraSpec, load_backbone
+    from .heads_io import read_heads_config
+    from .model import MultiTokenModel
+
+    record = read_heads_config(cfg.heads)
+    base = cfg.base or record["base"]
+    dtype = cfg.dtype or record.get("dtype") or "float32"
+    bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization)
+    lora_kwargs: dict = {}
+    if record.get("lora"):  # continue training (or keep using) the LoRA saved with the heads
+        lora_kwargs = {"lora_adapter": str(Path(cfg.heads) / record["lora"]), "trainable_lora": cfg.uses_lora}
+    elif cfg.uses_lora:
+        spec = LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, target_modules=cfg.lora_targets)
+        lora_kwargs = {"lora": spec, "trainable_lora": True}
+    backbone = load_backbone(bb_cfg, **lora_kwargs)
+    model = MultiTokenModel.from_pretrained(backbone, cfg.heads)
+    if cfg.dynamo and not model.heads.head1_is_base:
+        raise UsageError("DynaMo rates need head 1 to be the base path", "use --lr/--head-lr-mult with this head variant")
+    if cfg.train_base_head:
+        for p in model.base_head_parameters():
+            p.requires_grad_(True)
+    return model
+
+
+def set_backbone_trainable(model, trainable: bool) -> None:
+    """Switch LoRA training on or off (head warm-up); frozen LoRA means no backbone autograd."""
+    for p in model.lora_parameters():
+        p.requires_grad_(trainable)
+
+
+# Data -----------------------------------------------------------------------------------
+def _separator(tokenizer, cfg: TrainConfig) -> int:
+    tok_id = tokenizer.bos_token_id if cfg.separator == "bos" else tokenizer.eos_token_id
+    if tok_id is None:
+        raise UsageError(f"the tokenizer has no {cfg.separator.upper()} token to join documents with",
+                         f"pass --separator {'eos' if cfg.separator == 'bos' else 'bos'}")
+    return int(tok_id)
+
+
+def make_streams(cfg: TrainConfig, data: DataConfig, model, position: dict | None):
+    """(train stream iterator, eval batches # list of [B, T] arrays, epoch start)."""
+    tok = model.backbone.tokenizer
+    sep, vocab = _separator(tok, cfg), model.backbone.vocab_size
+    n_eval = cfg.eval_batches * cfg.batch_size
+    if cfg.eval_data:
+        eval_cfg = DataConfig(data=cfg.eval_data, split=data.split, column=data.column)
+        eval_it = iter(PackedStream(eval_cfg, tok, cfg.seq_len, sep, vocab_size=vocab, loop=False))
+        rows = [s for s, _ in (next(eval_it, (None, None)) for _ in range(n_eval)) if s is not None]
+        if not rows:
+            raise UsageError(f"--eval-data {cfg.eval_data!r} holds fewer than {cfg.seq_len} tokens")
+        epoch_start = PackPosition()
+    else:  # hold out the head of the training stream
+        head = iter(PackedStream(data, tok, cfg.seq_len, sep, vocab_size=vocab, loop=False))
+        rows, epoch_start = [], PackPosition()
+        for seq, pos in head:
+            rows.append(seq)
+            epoch_start = pos
+            if len(rows) == n_eval:
+                break
+        if len(rows) < n_eval:
+            raise UsageError(f"the data holds fewer than {n_eval + 1} sequences of {cfg.seq_len} tokens",
+                             "pass more data, --eval-data, or fewer --eval-batches")
+    eval_batches = [np.stack(rows[i:i + cfg.batch_size]) for i in range(0, len(rows), cfg.batch_size)]
+    start = PackPosition.from_dict(position) if position else epoch_start
+    stream = PackedStream(data, tok, cfg.seq_len, sep, vocab_size=vocab, position=start, epoch_start=epoch_start)
+    return iter(stream), eval_batches, epoch_start
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[np.ndarray]) -> dict[str, float]:
+    """Per-head loss and top-1/top-5 accuracy, averaged over equally sized batches."""
+    was_training = model.training
+    model.train(False)
+    sums: dict[str, float] = {}
+    for rows in batches:
+        out = model.compute_loss(torch.from_numpy(rows).to(model.backbone.device))
+        for k, v in out.metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    model.train(was_training)
+    return {k: v / len(batches) for k, v in sums.items()}
+
+
+# Loop -----------------------------------------------------------------------------------
+class Runner:
+    """The model as the step sees it: wrapped in DDP when several processes train."""
+
+    def __init__(self, model, dist: Dist):
+        self.model, self.dist, self.ddp = model, dist, None
+        self.rewrap()
+
+    def rewrap(self) -> None:
+        """(Re)build DDP over the currently trainable weights (after a warm-up switch)."""
+        if self.dist.world == 1:
+            return
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Ranks load identical weights from disk and seed identically: no initial broadcast
+        # (it would also touch quantized base weights, which gloo cannot send).
+        self.ddp = DistributedDataParallel(self.model, init_sync=False, forward_sync_buffers=False)
+
+    def __call__(self, ids):
+        return (self.ddp or self.model)(ids)
+
+    def no_sync(self, last: bool):
+        return self.ddp.no_sync() if (self.ddp is not None and not last) else nullcontext()
+
+
+def train_step(runner: Runner, optimizer, rows: np.ndarray, cfg: TrainConfig, step: int) -> dict[str, float]:
+    """One optimizer step on this rank's rows # [grad_accum * B, T]."""
+    model = runner.model
+    backbone_trains = any(p.requires_grad for p in model.lora_parameters() + model.base_head_parameters())
+    scale = optim.stem_scale(cfg, backbone_trains)
+    optim.set_lr(optimizer, optim.lr_factor(step, cfg))
+    optimizer.zero_grad(set_to_none=True)
+    metrics: dict[str, float] = {}
+    for k in range(cfg.grad_accum):
+        ids = torch.from_numpy(rows[k * cfg.batch_size:(k + 1) * cfg.batch_size]).to(model.backbone.device)  # [B, T]
+        with runner.no_sync(last=k == cfg.grad_accum - 1):
+            out = runner(ids)
+            loss = optim.combine_losses(out, cfg, scale) / cfg.grad_accum
+            loss.backward()
+        for key, v in out.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + float(v) / cfg.grad_accum
+    optim.unscale_head_grads(optimizer.param_groups, scale)
+    if cfg.grad_clip:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+    optimizer.step()
+    return metrics
+
+
+def _rank_rows(rows: np.ndarray, cfg: TrainConfig, dist: Dist) -> np.ndarray:
+    """This rank's micro-batches of a step's global rows # [accum*world*B, T] -> [accum*B, T]."""
+    b = cfg.batch_size
+    per_micro = rows.reshape(cfg.grad_accum, dist.world, b, -1)  # micro-step k, rank r
+    return per_micro[:, dist.rank].reshape(cfg.grad_accum * b, -1)
+
+
+def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
+    """Run training; returns the final evaluation and run facts. ``model`` may be given
+    (library use); otherwise it is loaded from ``cfg.heads``."""
+    validate(cfg)
+    dist = init_distributed(cfg)
+    ckpt_root = cfg.ckpt_dir()
+    existing = list_checkpoints(ckpt_root)
+    if existing and not cfg.resume:
+        raise UsageError(f"{ckpt_root} already holds checkpoints", "pass --resume to continue, or another --checkpoint-dir")
+    torch.manual_seed(cfg.seed)
+    model = model if model is not None else load_model(cfg, dist)
+    set_backbone_trainable(model, cfg.joint_at(0))
+    optimizer = torch.optim.AdamW(optim.param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    state: dict = {}
+    if cfg.resume and existing:
+        state = load_checkpoint(existing[-1], model, optimizer)
+    step = int(state.get("step", 0))
+    set_backbone_trainable(model, cfg.joint_at(step))
+    stream, eval_batches, epoch_start = make_streams(cfg, data, model, state.get("position"))
+    runner = Runner(model, dist)
+    model.train(True)
+    history = state.get("history", [])
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not (cfg.progress and dist.main))
+    position = state.get("position")
+    while step < cfg.max_steps:
+        if cfg.mode == "warmup" and step == cfg.head_warmup_steps:
+            set_backbone_trainable(model, True)  # head warm-up over: joint from here on
+            runner.rewrap()
+        rows, pos = take_sequences(stream, cfg.batch_size * cfg.grad_accum * dist.world, cfg.seq_len)
+        metrics = train_step(runner, optimizer, _rank_rows(rows, cfg, dist), cfg, step)
+        step, position = step + 1, pos.to_dict()
+        bar.update(1)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k.endswith("/loss")})
+        if dist.main and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+            history.append({"step": step, **evaluate(model, eval_batches)})
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+            _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history)
+    bar.close()
+    final = evaluate(model, eval_batches) if dist.main else {}
+    history.append({"step": step, **final})
+    _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history)
+    if dist.main:
+        _write_output(cfg, data, model, history)
+    _barrier(dist)
+    return {"step": step, "eval": final, "checkpoint_dir": str(ckpt_root), "out": cfg.out}
+
+
+def _barrier(dist: Dist) -> None:
+    if dist.world > 1:
+        import torch.distributed as tdist
+
+        tdist.barrier()
+
+
+def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, history) -> None:
+    if dist.main:
+        state = {"position": position, "epoch_start": epoch_start.to_dict(), "history": history,
+                 "mode_phase": "joint" if cfg.joint_at(step) else "heads"}
+        save_checkpoint(root, step, model, optimizer, state, cfg.keep_checkpoints)
+    _barrier(dist)
+
+
+def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict]) -> None:
+    """Save heads, resolved config and metrics into a staging dir, then swap it in."""
+    from .cliargs import save_resolved_config
+
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_heads(staging)
+        save_resolved_config(staging / "train_config.json", "train", cfg, data)
+        (staging / "train_metrics.json").write_text(json.dumps(history, indent=2) + "\n")
+        publish_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

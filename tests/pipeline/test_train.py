@@ -1,0 +1,168 @@
+"""``pipeline.train``: heads-only and joint LoRA training, warm-up, resume, output atomicity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from train_helpers import head_state, load_trained, make_heads_dir, phrase_corpus, train_cfg
+
+from multitoken.pipeline import train as train_mod
+from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.errors import DataError
+from multitoken.pipeline.train import train
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return phrase_corpus(tmp_path_factory.mktemp("corpus") / "phrases.jsonl")
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tiny_llama_dir, tmp_path_factory):
+    return make_heads_dir(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "untrained")
+
+
+def _base_weights(model) -> dict[str, torch.Tensor]:
+    """Base weights by their plain transformers names (peft's wrapping names stripped)."""
+    named = model.backbone.causal_lm.named_parameters()
+    return {k.replace(".base_layer", ""): v.detach().clone() for k, v in named if "lora_" not in k}
+
+
+def test_heads_only_training_lowers_the_loss_and_leaves_the_base_alone(stories_dir, corpus, tmp_path):
+    out = tmp_path / "trained"
+    heads_dir = make_heads_dir(stories_dir, tmp_path / "untrained")
+    before = load_trained(stories_dir, heads_dir)
+    summary = train(train_cfg(heads_dir, out, max_steps=20, eval_every=5), DataConfig(data=str(corpus)))
+    history = json.loads((out / "train_metrics.json").read_text())
+    assert [h["step"] for h in history] == [5, 10, 15, 20]
+    # Heads 2 and 3 learn the phrase structure; head 1 (the frozen base path) does not move.
+    first, last = history[0], history[-1]
+    assert last["head2/loss"] < first["head2/loss"] - 1.0
+    assert last["head3/loss"] < first["head3/loss"] - 1.0
+    assert last["head1/loss"] == pytest.approx(first["head1/loss"], abs=1e-5)
+    assert summary["eval"]["head2/top5"] == last["head2/top5"]
+    after = load_trained(stories_dir, out)
+    for k, v in _base_weights(before).items():
+        torch.testing.assert_close(_base_weights(after)[k], v, rtol=0, atol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(head_state(before).values(), head_state(after).values()))
+    resolved = json.loads((out / "train_config.json").read_text())
+    assert resolved["command"] == "train" and resolved["TrainConfig"]["max_steps"] == 20
+    assert resolved["DataConfig"]["data"] == str(corpus)
+
+
+def test_backbone_pass_runs_without_autograd_in_heads_mode(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):
+    seen = []
+    from multitoken.pipeline.model import MultiTokenModel
+
+    real = MultiTokenModel.features
+
+    def spy(self, *a, **k):
+        feats = real(self, *a, **k)
+        seen.append((feats.trunk.requires_grad, feats.base.requires_grad))
+        return feats
+
+    monkeypatch.setattr(MultiTokenModel, "features", spy)
+    train(train_cfg(heads_dir, tmp_path / "o", max_steps=2), DataConfig(data=str(corpus)))
+    assert seen and not any(a or b for a, b in seen)
+
+
+def test_joint_lora_trains_only_lora_and_heads(tiny_llama_dir, heads_dir, corpus, tmp_path):
+    out = tmp_path / "joint"
+    before = load_trained(tiny_llama_dir, heads_dir)
+    train(train_cfg(heads_dir, out, mode="joint", max_steps=4, lr=1e-2), DataConfig(data=str(corpus)))
+    assert (out / "lora" / "adapter_config.json").is_file()
+    after = load_trained(tiny_llama_dir, out)
+    assert after.has_lora
+    base_after = _base_weights(after)
+    assert base_after.keys() == _base_weights(before).keys()
+    for k, v in _base_weights(before).items():
+        torch.testing.assert_close(base_after[k], v, rtol=0, atol=0)
+    # LoRA B starts at zero (peft), so any non-zero B means the adapter trained.
+    lora_b = [p for n, p in after.base_model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)
+    assert any(not torch.equal(a, b) for a, b in zip(head_state(before).values(), head_state(after).values()))
+
+
+def test_warmup_trains_heads_first_then_lora(heads_dir, corpus, tmp_path, monkeypatch):
+    phases = []
+    real = train_mod.train_step
+
+    def spy(runner, optimizer, rows, cfg, step):
+        lora = runner.model.lora_parameters()
+        phases.append((step, all(p.requires_grad for p in lora), [p.detach().clone() for p in lora]))
+        return real(runner, optimizer, rows, cfg, step)
+
+    monkeypatch.setattr(train_mod, "train_step", spy)
+    train(train_cfg(heads_dir, tmp_path / "w", mode="warmup", head_warmup_steps=3, max_steps=5), DataConfig(data=str(corpus)))
+    assert [(s, trains) for s, trains, _ in phases] == [(0, False), (1, False), (2, False), (3, True), (4, True)]
+    # LoRA weights stay at their initial values during warm-up and move afterwards.
+    init = phases[0][2]
+    assert all(torch.equal(a, b) for a, b in zip(init, phases[3][2]))
+    assert any(not torch.equal(a, b) for a, b in zip(init, phases[4][2]))
+
+
+@pytest.mark.parametrize("mode", ["heads", "warmup"])
+def test_resume_reproduces_an_uninterrupted_run(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch, mode):
+    data = DataConfig(data=str(corpus))
+    kw = dict(max_steps=6, save_every=3, grad_accum=2, batch_size=2, loss_balance="rms", eval_every=2,
+              mode=mode, head_warmup_steps=2 if mode == "warmup" else 0)
+    train(train_cfg(heads_dir, tmp_path / "a", **kw), data)
+
+    real, calls = train_mod.train_step, []
+
+    def dies_after_four(*a, **k):
+        calls.append(1)
+        if len(calls) == 5:  # killed during step 5, after the step-3 checkpoint
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "train_step", dies_after_four)
+    with pytest.raises(KeyboardInterrupt):
+        train(train_cfg(heads_dir, tmp_path / "b", **kw), data)
+    assert not (tmp_path / "b").exists()  # no output before the run completes
+    monkeypatch.setattr(train_mod, "train_step", real)
+    train(train_cfg(heads_dir, tmp_path / "b", resume=True, **kw), data)
+
+    a, b = load_trained(tiny_llama_dir, tmp_path / "a"), load_trained(tiny_llama_dir, tmp_path / "b")
+    for (ka, va), (kb, vb) in zip(head_state(a).items(), head_state(b).items()):
+        assert ka == kb and torch.equal(va, vb), ka
+    if mode == "warmup":
+        for (na, pa), (nb, pb) in zip(a.base_model.named_parameters(), b.base_model.named_parameters()):
+            assert na == nb and torch.equal(pa, pb), na
+    ma = json.loads((tmp_path / "a" / "train_metrics.json").read_text())
+    mb = json.loads((tmp_path / "b" / "train_metrics.json").read_text())
+    assert ma == mb  # same evaluations at the same steps, the resumed half included
+
+
+def test_existing_checkpoints_need_resume(heads_dir, corpus, tmp_path):
+    from multitoken.pipeline.errors import UsageError
+
+    data = DataConfig(data=str(corpus))
+    train(train_cfg(heads_dir, tmp_path / "o", max_steps=1), data)
+    with pytest.raises(UsageError, match="--resume"):
+        train(train_cfg(heads_dir, tmp_path / "o", max_steps=1), data)
+
+
+def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    train(train_cfg(heads_dir, out, max_steps=1), DataConfig(data=str(corpus)))
+    snapshot = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 99999]}\n')
+    with pytest.raises(DataError):
+        train(train_cfg(heads_dir, out, max_steps=1, checkpoint_dir=str(tmp_path / "c1")), DataConfig(data=str(bad)))
+
+    from multitoken.pipeline.model import MultiTokenModel
+
+    def broken_save(self, d):
+        (d / "heads.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(MultiTokenModel, "save_heads", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        train(train_cfg(heads_dir, out, max_steps=1, checkpoint_dir=str(tmp_path / "c2")), DataConfig(data=str(corpus)))
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == snapshot
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
