@@ -70,3 +70,12 @@ def test_medusa_blocks_are_distinct_modules(tiny_backbone):
     model = MultiTokenModel.attach(tiny_backbone, make_config("medusa", n_future=3, num_blocks=2))
     linears = [b.linear for seq in model.heads.blocks for b in seq]
     assert len(linears) == 4 and len({id(l.weight) for l in linears}) == 4
+
+
+def test_parameter_groups_separate_copied_from_new(tiny_backbone):
+    whs = MultiTokenModel.attach(tiny_backbone, make_config("whs", n_future=3))
+    groups = whs.head_parameter_groups()
+    assert any(p is whs.heads.layer_weights for p in groups["new"])
+    assert {id(p) for p in groups["copied"]} == {id(p) for p in whs.heads.layers.parameters()}
+    medusa = MultiTokenModel.attach(tiny_backbone, make_config("medusa", n_future=3))
+    assert medusa.head_parameter_groups()["copied"] == []
