@@ -88,3 +88,14 @@ def test_long_sequences_are_chunked(tiny_backbone, head_type):
     chunked = model.compute_loss(ids)
     for a, b in zip(whole.per_head, chunked.per_head):
         torch.testing.assert_close(a, b)
+
+
+def test_padding_is_ignored_by_the_loss(tiny_backbone, head_type):
+    model = _model(tiny_backbone, head_type)
+    ids = random_ids(tiny_backbone, batch=1, length=12, seed=4)
+    mask = torch.ones_like(ids)
+    mask[:, 8:] = 0  # right padding: the last 4 tokens are not data
+    padded = model.compute_loss(ids, mask)
+    alone = model.compute_loss(ids[:, :8])
+    for a, b in zip(padded.per_head, alone.per_head):
+        torch.testing.assert_close(a, b)

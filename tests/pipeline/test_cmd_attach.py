@@ -24,7 +24,8 @@ def test_attach_creates_a_loadable_heads_dir(tiny_model_dir, tmp_path, capsys):
     assert "attached cp heads (n=2" in capsys.readouterr().out
     resolved = json.loads((out / "attach_config.json").read_text())
     assert resolved["command"] == "attach" and resolved["CPConfig"]["rank"] == 2
-    model = MultiTokenModel.from_pretrained(str(tiny_model_dir), out)
+    model = MultiTokenModel.from_pretrained(None, out)  # the base recorded in the heads dir
+    assert model.backbone.name == str(tiny_model_dir)
     assert model.config.head_type == "cp" and model.config.rank == 2 and model.n_future == 2
 
 
