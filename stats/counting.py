@@ -32,16 +32,20 @@ def sorted_unique_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def merge_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """Sorted (keys, counts) runs -> one sorted run with counts of equal keys summed.
 
+    Empties ``runs`` once they are concatenated, so callers that pass their only reference
+    free the inputs before the sort (this is what keeps merging within the memory bound).
     A stable argsort of the concatenation is a timsort, which merges presorted runs in
     O(m log runs) rather than sorting from scratch.
     """
-    runs = [r for r in runs if r[0].size]
-    if not runs:
+    nonempty = [r for r in runs if r[0].size]
+    runs.clear()
+    if not nonempty:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    if len(runs) == 1:
-        return np.asarray(runs[0][0]), np.asarray(runs[0][1])
-    keys = np.concatenate([r[0] for r in runs])
-    counts = np.concatenate([r[1] for r in runs])
+    if len(nonempty) == 1:
+        return np.asarray(nonempty[0][0]), np.asarray(nonempty[0][1])
+    keys = np.concatenate([r[0] for r in nonempty])
+    counts = np.concatenate([r[1] for r in nonempty])
+    del nonempty
     order = np.argsort(keys, kind="stable")
     keys = keys[order]
     counts = counts[order]
@@ -50,6 +54,7 @@ def merge_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, n
     starts[0] = True
     np.not_equal(keys[1:], keys[:-1], out=starts[1:])
     idx = np.flatnonzero(starts)
+    del starts
     return keys[idx], np.add.reduceat(counts, idx).astype(np.uint64, copy=False)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from .counting import merge_runs
 from .format import load_array, read_info, write_array_dir
 
-MERGE_BYTES_PER_ENTRY = 48   # slices + concatenation + argsort order + output, per entry
+MERGE_BYTES_PER_ENTRY = 64   # concatenation + argsort order + sorted copies + output, per entry
 SAMPLE_PER_RANGE = 64        # sampled keys per range when choosing cut points
 
 
@@ -74,8 +74,7 @@ def run_range(task: RangeTask) -> int:
         counts = load_array(run, f"c{task.order}", info)
         lo, hi = np.searchsorted(keys, np.array([task.lo, task.hi], dtype=np.uint64))
         slices.append((np.array(keys[lo:hi]), np.array(counts[lo:hi])))
-    keys, counts = merge_runs(slices)
-    del slices
+    keys, counts = merge_runs(slices)  # empties `slices`
     keep = counts >= task.min_count
     keys, counts = keys[keep], counts[keep]
     write_array_dir(part, {"keys": keys, "counts": counts}, {"order": task.order, "range": [task.lo, task.hi]})

@@ -206,10 +206,7 @@ def _spill(job: Job, held: _Held, state: dict, done: bool) -> dict:
     """Write held counts as the next run dir (atomic); the resume point goes with them."""
     arrays = {"o1": held.unigrams}
     for k, runs in held.runs.items():
-        runs_copy = list(runs)
-        runs.clear()  # drop references so merging does not hold two copies
-        arrays[f"k{k}"], arrays[f"c{k}"] = merge_runs(runs_copy)
-        del runs_copy
+        arrays[f"k{k}"], arrays[f"c{k}"] = merge_runs(runs)  # empties `runs`, freeing chunks early
     info = {"next": state["next"], "tokens": state["tokens"], "totals": held.totals, "done": done}
     write_array_dir(state["sdir"] / f"run-{state['run']:06d}", arrays, info)
     state["run"] += 1
