@@ -23,7 +23,7 @@ import torch
 from . import optim
 from .checkpoint import list_checkpoints, load_checkpoint, publish_dir, save_checkpoint
 from .data import DataConfig
-from .errors import UsageError
+from .errors import DataError, UsageError
 from .packing import PackedStream, PackPosition, take_sequences
 from .trainer_config import TrainConfig, validate
 
@@ -109,7 +109,7 @@ def make_streams(cfg: TrainConfig, data: DataConfig, model, position: dict | Non
         eval_it = iter(PackedStream(eval_cfg, tok, cfg.seq_len, sep, vocab_size=vocab, loop=False))
         rows = [s for s, _ in (next(eval_it, (None, None)) for _ in range(n_eval)) if s is not None]
         if not rows:
-            raise UsageError(f"--eval-data {cfg.eval_data!r} holds fewer than {cfg.seq_len} tokens")
+            raise DataError(f"--eval-data {cfg.eval_data!r} holds fewer than {cfg.seq_len} tokens")
         epoch_start = PackPosition()
     else:  # hold out the head of the training stream
         head = iter(PackedStream(data, tok, cfg.seq_len, sep, vocab_size=vocab, loop=False))
@@ -120,7 +120,7 @@ def make_streams(cfg: TrainConfig, data: DataConfig, model, position: dict | Non
             if len(rows) == n_eval:
                 break
         if len(rows) < n_eval:
-            raise UsageError(f"the data holds fewer than {n_eval + 1} sequences of {cfg.seq_len} tokens",
+            raise DataError(f"the data holds fewer than {n_eval + 1} sequences of {cfg.seq_len} tokens",
                              "pass more data, --eval-data, or fewer --eval-batches")
     eval_batches = [np.stack(rows[i:i + cfg.batch_size]) for i in range(0, len(rows), cfg.batch_size)]
     start = PackPosition.from_dict(position) if position else epoch_start

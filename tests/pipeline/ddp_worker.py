@@ -1,0 +1,34 @@
+"""Run by ``torchrun`` from test_train_cli.py: train, then dump this rank's trainable weights.
+
+    ddp_worker.py HEADS DATA OUT DUMP_PREFIX MODE BATCH
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.train import Dist, init_distributed, load_model, train
+from multitoken.pipeline.trainer_config import TrainConfig
+
+
+def main() -> None:
+    heads, data, out, dump, mode, batch = sys.argv[1:7]
+    torch.set_num_threads(1)
+    cfg = TrainConfig(heads=heads, out=out, eval_data=data, max_steps=4, seq_len=32, batch_size=int(batch), lr=5e-3, mode=mode,
+                      head_warmup_steps=2 if mode == "warmup" else 0, eval_every=2, eval_batches=1, save_every=2,
+                      progress=False, seed=0)
+    torch.manual_seed(cfg.seed)
+    dist = init_distributed(cfg) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else Dist()
+    model = load_model(cfg, dist)
+    train(cfg, DataConfig(data=data), model=model)
+    state = {n: p.detach().contiguous() for n, p in model.named_parameters() if "lora_" in n or n.startswith("heads.")}
+    save_file(state, f"{dump}-rank{dist.rank}.safetensors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""``multitoken train`` from the command line: end to end, errors, and DDP under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import make_heads_dir, phrase_corpus
+
+from multitoken.pipeline.cli import main
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return phrase_corpus(tmp_path_factory.mktemp("corpus") / "phrases.jsonl")
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tiny_llama_dir, tmp_path_factory):
+    return make_heads_dir(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "untrained")
+
+
+def _train(*args: str) -> int:
+    return main(["train", "--no-progress", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", *args])
+
+
+def test_attach_then_train_from_the_cli(tiny_llama_dir, corpus, tmp_path, capsys):
+    heads = tmp_path / "heads"
+    assert main(["attach", "--base", str(tiny_llama_dir), "--head", "replicated", "--n", "3", "--out", str(heads)]) == 0
+    out = tmp_path / "trained"
+    assert _train("--heads", str(heads), "--data", str(corpus), "--max-steps", "3", "--out", str(out),
+                  "--mode", "warmup", "--head-warmup-steps", "1", "--head-lr-mult", "4", "--loss-balance", "rms") == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["step"] == 3 and "head2/top5" in summary["eval"]
+    assert {"heads.safetensors", "heads_config.json", "train_config.json", "train_metrics.json", "lora"} <= {p.name for p in out.iterdir()}
+    assert (tmp_path / "trained.checkpoints" / "step-00000003" / "state.json").is_file()
+    # Training again into the same dir needs --resume; with it, the finished run is a no-op.
+    assert _train("--heads", str(heads), "--data", str(corpus), "--max-steps", "3", "--out", str(out)) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--heads", "NOPE", "--data", "CORPUS", "--out", "OUT"], 2, "does not exist"),
+    (["--heads", "HEADS", "--out", "OUT"], 2, "no training data"),
+    (["--heads", "HEADS", "--data", "MISSING.jsonl", "--out", "OUT"], 1, "MISSING.jsonl"),
+    (["--heads", "HEADS", "--data", "CORPUS", "--out", "OUT", "--mode", "warmup"], 2, "head-warmup-steps"),
+    (["--heads", "HEADS", "--data", "CORPUS", "--out", "OUT", "--seq-len", "100000", "--max-steps", "1"], 1, "fewer than"),
+    (["--heads", "CORPUS", "--data", "CORPUS", "--out", "OUT"], 2, "does not exist"),
+    (["--heads", "EMPTY", "--data", "CORPUS", "--out", "OUT"], 1, "heads_config.json"),
+])
+def test_cli_errors_are_clear_and_leave_no_output(heads_dir, corpus, tmp_path, capsys, args, code, message):
+    (tmp_path / "empty").mkdir()
+    subst = {"HEADS": str(heads_dir), "CORPUS": str(corpus), "OUT": str(tmp_path / "out"),
+             "MISSING.jsonl": str(tmp_path / "MISSING.jsonl"), "NOPE": str(tmp_path / "nope"), "EMPTY": str(tmp_path / "empty")}
+    assert _train(*[subst.get(a, a) for a in args]) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def _run_worker(tmp_path: Path, heads: Path, corpus: Path, tag: str, mode: str, batch: int, nproc: int | None):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [*launcher, str(WORKER), str(heads), str(corpus), str(tmp_path / f"out-{tag}"), str(tmp_path / tag), mode, str(batch)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("mode", ["heads", "warmup"])
+def test_ddp_two_ranks_end_equal_and_match_one_process(heads_dir, corpus, tmp_path, mode):
+    _run_worker(tmp_path, heads_dir, corpus, "ddp", mode, batch=2, nproc=2)
+    _run_worker(tmp_path, heads_dir, corpus, "single", mode, batch=4, nproc=None)
+    r0, r1 = load_file(str(tmp_path / "ddp-rank0.safetensors")), load_file(str(tmp_path / "ddp-rank1.safetensors"))
+    single = load_file(str(tmp_path / "single-rank0.safetensors"))
+    assert r0.keys() == r1.keys() == single.keys() and any("lora_" in k for k in r0) == (mode == "warmup")
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k
+        # Two ranks of batch 2 average to the gradient of one process with batch 4 (the same rows).
+        torch.testing.assert_close(r0[k], single[k], rtol=1e-4, atol=1e-5)
+    assert (tmp_path / "out-ddp" / "heads.safetensors").is_file()
