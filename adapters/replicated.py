@@ -40,6 +40,16 @@ class LayerHeads(HeadAdapter):
         super().__init__(config, backbone)
         self.layers = nn.ModuleList([new_layer_like_final(backbone, config.init) for _ in range(n_layers)])
 
+    first_layer_head = 1  # head index run by layers[0] (WHS "all heads": 0)
+
+    @property
+    def num_head_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_slot(self, index: int) -> int | None:
+        slot = index - self.first_layer_head
+        return slot if 0 <= slot < len(self.layers) else None
+
     def copied_parameter_names(self) -> set[str]:
         if self.config.init != "copy":
             return set()

@@ -52,6 +52,10 @@ class WHSHeads(LayerHeads):
         init = torch.full((len(self.layers), n_states), float(config.init_weight), dtype=head_dtype(backbone))
         self.layer_weights = nn.Parameter(init.to(backbone.device))
 
+    @property
+    def first_layer_head(self) -> int:
+        return self.first
+
     def mixing(self, head: int) -> torch.Tensor:
         """softmax(W_s / T) for WHS head ``head`` (0-based among WHS heads) # [L-1]."""
         return torch.softmax(self.layer_weights[head].float() / self.config.temperature, dim=-1)

@@ -1,73 +1,127 @@
-"""``multitoken generate``: sample a continuation of a prompt from the base model.
+"""``multitoken generate``: continue a prompt with multi-token decoding (``DecodeConfig`` modes).
 
-For now this is plain one-token-per-step sampling through transformers' ``generate``; the
-multi-token decoding modes plug in here.
+With only a prompt it runs the embedded model with the embedded heads and stats (when shipped);
+``--base/--heads/--stats`` choose others. Text streams to stdout as tokens become final and the
+trace summary goes to stderr; ``--json`` prints one JSON object instead (token ids, text, trace,
+resolved configs), for scripts.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .backbone import BackboneConfig
+from .embedded import DEFAULT_BASE, EMBEDDED_DIR
+
+EMBEDDED_HEADS = EMBEDDED_DIR / "stories260K-heads"
+EMBEDDED_STATS = EMBEDDED_DIR / "stories260K-stats"
 
 
 @dataclass
 class GenerateConfig:
     prompt: str = field(default="", metadata={"positional": True, "help": "text to continue"})
-    max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (> 0)"})
-    top_k: int = field(default=50, metadata={"help": "sample among the k most likely tokens"})
-    greedy: bool = field(default=False, metadata={"help": "argmax decoding instead of sampling"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
+    heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded heads with the embedded base)"})
+    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir for dynamic masking (default: the embedded stats with the embedded base)"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
 
 
-def validate(cfg: GenerateConfig, vocab_size: int, context: int, prompt_len: int) -> None:
+def _embedded(base: str, given: str | None, shipped: Path) -> str | None:
+    if given is not None:
+        return given
+    same_base = Path(base).resolve() == DEFAULT_BASE.resolve()
+    return str(shipped) if same_base and shipped.is_dir() else None
+
+
+def load_model(base_cfg: BackboneConfig, heads: str | None):
+    """Backbone + heads; without heads, the base alone (one token per forward in every mode)."""
+    from .backbone import load_backbone
+    from .model import MultiTokenModel
+
+    if heads is not None:
+        return MultiTokenModel.from_pretrained(base_cfg, heads)
+    return MultiTokenModel.attach(load_backbone(base_cfg), {"head_type": "medusa", "n_future": 1})
+
+
+def load_table(stats: str | None, model):
+    if stats is None:
+        return None
+    from multitoken.stats.table import CooccurrenceTable
+
+    return CooccurrenceTable.for_tokenizer(stats, model.backbone.tokenizer)
+
+
+def check_prompt(n_prompt: int, max_new: int, context: int) -> None:
     from .errors import UsageError
 
-    if not cfg.greedy and cfg.temperature <= 0:
-        raise UsageError(f"temperature must be > 0 when sampling, got {cfg.temperature}", "pass --greedy for argmax decoding")
-    if not 1 <= cfg.top_k <= vocab_size:
-        raise UsageError(f"--top-k must be in [1, {vocab_size}] (the vocabulary size), got {cfg.top_k}")
-    if cfg.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    if prompt_len + cfg.max_new_tokens > context:
+    if n_prompt >= context:
+        raise UsageError(f"the prompt has {n_prompt} tokens, the model's context is {context}", "shorten the prompt")
+    if n_prompt + max_new > context:
         raise UsageError(
-            f"prompt ({prompt_len} tokens) + --max-new-tokens ({cfg.max_new_tokens}) exceeds the model's context of {context}",
+            f"prompt ({n_prompt} tokens) + --max-new-tokens ({max_new}) exceeds the model's context of {context}",
             "shorten the prompt or lower --max-new-tokens",
         )
 
 
 def register(sub) -> None:
+    from multitoken.decoding.config import DecodeConfig
+
     from .cliargs import add_dataclass_args
 
-    p = sub.add_parser("generate", help="generate text from a prompt (default: the embedded model)")
+    p = sub.add_parser("generate", help="generate text from a prompt with multi-token decoding (default: the embedded model)")
     add_dataclass_args(p, GenerateConfig)
+    add_dataclass_args(p, DecodeConfig)
     add_dataclass_args(p, BackboneConfig)
     p.set_defaults(func=run)
 
 
-def run(args) -> None:
-    import torch
-    from transformers import TextStreamer
+class _Streamer:
+    """Prints the text of the tokens generated so far, as it grows (whole-sequence decoding,
+    so multi-token characters and sentencepiece spaces come out right)."""
 
-    from .backbone import load_backbone
-    from .cliargs import dataclass_from_args
+    def __init__(self, tokenizer, prompt: str):
+        self.tok, self.ids, self.shown = tokenizer, [], 0
+        print(prompt, end="", flush=True)
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        print(text[self.shown:], end="", flush=True)
+        self.shown = len(text)
+
+
+def run(args) -> None:
+    from multitoken.decoding.config import DecodeConfig
+    from multitoken.decoding.loop import generate
+
+    from .cliargs import config_dict, dataclass_from_args
     from .errors import UsageError
 
     cfg = dataclass_from_args(GenerateConfig, args)
+    decode = dataclass_from_args(DecodeConfig, args)
+    base_cfg = dataclass_from_args(BackboneConfig, args)
     if not cfg.prompt.strip():
         raise UsageError("the prompt is empty", 'pass the text to continue, e.g. multitoken generate "Once upon a time"')
-    backbone = load_backbone(dataclass_from_args(BackboneConfig, args))
-    tok = backbone.tokenizer
-    ids = tok(cfg.prompt, return_tensors="pt").input_ids.to(backbone.device)
-    validate(cfg, backbone.vocab_size, backbone.config.max_position_embeddings, ids.shape[1])
-    torch.manual_seed(cfg.seed)
-    streamer = TextStreamer(tok, skip_special_tokens=True)
-    sample = {} if cfg.greedy else {"temperature": cfg.temperature, "top_k": cfg.top_k}
-    with torch.inference_mode():
-        backbone.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
-            do_sample=not cfg.greedy, streamer=streamer, pad_token_id=tok.eos_token_id, **sample,
-        )
-    sys.stdout.flush()
+    heads = _embedded(base_cfg.base, cfg.heads, EMBEDDED_HEADS)
+    stats = _embedded(base_cfg.base, cfg.stats, EMBEDDED_STATS)
+    model = load_model(base_cfg, heads)
+    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future)
+    table = load_table(stats, model) if decode.mode == "dynamic" or decode.drafter == "joint" else None
+    tok = model.backbone.tokenizer
+    ids = tok(cfg.prompt, return_tensors="pt").input_ids
+    check_prompt(ids.shape[1], decode.max_new_tokens, model.backbone.config.max_position_embeddings)
+    if heads is None and not cfg.json:
+        print("note: no heads (pass --heads DIR): decoding one token per forward pass", file=sys.stderr)
+    streamer = None if cfg.json else _Streamer(tok, cfg.prompt)
+    result = generate(model, ids, decode, table=table, on_tokens=streamer)
+    if cfg.json:
+        record = result.as_dict()
+        record.update(heads=heads, stats=stats, config=config_dict(cfg, decode, base_cfg))
+        print(json.dumps(record))
+    else:
+        print(flush=True)
+        print(result.trace.summary(), file=sys.stderr)

@@ -143,6 +143,21 @@ class MultiTokenModel(nn.Module):
         feats = self.features(input_ids, attention_mask)
         return [self.heads.log_probs(i, feats, last_only=last_only) for i in range(self.n_future)]
 
+    # Incremental decoding (see incremental.py) --------------------------------------------
+    def new_caches(self):
+        """Empty KV caches for one decoding run: the backbone's plus one per head layer."""
+        from .incremental import new_caches
+
+        return new_caches(self)
+
+    def step(self, new_ids: torch.Tensor, caches):
+        """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
+        returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
+        ``caches.crop(m)`` drops the last m positions (rejected drafts)."""
+        from .incremental import step
+
+        return step(self, new_ids, caches)
+
 
 def _any_grad(*modules: nn.Module) -> bool:
     return any(p.requires_grad for m in modules for p in m.parameters())

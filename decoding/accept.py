@@ -1,0 +1,72 @@
+"""Verification of drafts by the base model: one function per rule, one signature.
+
+``accept(drafts, draft_probs, target_probs, sampler) -> Verdict``
+- drafts [g] token ids proposed for positions 1..g after the last committed token,
+- draft_probs [g, V] the distributions they were drawn from (q; None for greedy drafts),
+- target_probs [g + 1, V] the base model's (processed) distributions after the last committed
+  token and after each draft: row i judges draft i, row g gives the bonus token.
+The verdict is how many drafts are kept and the token that follows them (the bonus token, or
+the replacement of the first rejected draft), which is final.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verdict:
+    accepted: int
+    next_token: int
+
+
+def _leading_true(ok: torch.Tensor) -> int:
+    """Length of the run of True at the start of ``ok`` [g]."""
+    return int(ok.long().cumprod(0).sum()) if ok.numel() else 0
+
+
+def greedy_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
+    """Keep drafts while they equal the base model's argmax; then the base argmax."""
+    best = target_probs.argmax(-1)  # [g + 1]
+    m = _leading_true(drafts == best[: drafts.numel()])
+    return Verdict(m, int(best[m]))
+
+
+def speculative_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
+    """Leviathan et al.: keep draft i with probability min(1, p_i(d)/q_i(d)); at the first
+    rejection draw from norm(max(0, p_i - q_i)); if all are kept draw the bonus from p_g.
+    The emitted tokens are then distributed exactly as the target (seed 004)."""
+    if sampler.greedy:
+        return greedy_accept(drafts, draft_probs, target_probs, sampler)
+    g = drafts.numel()
+    rows = torch.arange(g)
+    p = target_probs[rows, drafts].double()  # [g]
+    q = draft_probs[rows, drafts].double()  # [g] > 0: each draft was drawn from its q
+    m = _leading_true(sampler.uniform(g) * q < p)  # u < p/q without dividing
+    if m == g:
+        return Verdict(g, sampler.draw(target_probs[g]))
+    residual = (target_probs[m].double() - draft_probs[m].double()).clamp_(min=0)
+    if not residual.sum() > 0:  # p == q up to rounding: rejection had probability ~0
+        residual = target_probs[m].double()
+    return Verdict(m, sampler.draw(residual / residual.sum()))
+
+
+def typical_accept(drafts, draft_probs, target_probs, sampler, eps: float = 0.09, delta: float = 0.3) -> Verdict:
+    """Medusa's typical acceptance: keep draft i if p_i(d) > min(eps, delta * exp(-H(p_i)));
+    the token after the kept drafts is drawn from the base (argmax when greedy). Lossy."""
+    g = drafts.numel()
+    p = target_probs[:g].double()  # [g, V]
+    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [g]
+    bound = torch.clamp(delta * torch.exp(-entropy), max=eps)
+    m = _leading_true(p[torch.arange(g), drafts] > bound)
+    return Verdict(m, sampler.draw(target_probs[m]))
+
+
+def typical_rule(eps: float, delta: float):
+    """``typical_accept`` with its thresholds bound, in the common signature."""
+    if not (0 < eps <= 1 and delta > 0 and math.isfinite(delta)):
+        raise ValueError("typical acceptance needs 0 < eps <= 1 and delta > 0")
+    return lambda d, q, p, s: typical_accept(d, q, p, s, eps=eps, delta=delta)

@@ -1,0 +1,64 @@
+"""``DecodeConfig``: every decoding knob, one dataclass (it also drives ``multitoken generate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from multitoken.pipeline.errors import UsageError
+
+MODES = ("ar", "dynamic", "speculative", "typical")
+DRAFTERS = ("auto", "independent", "cp", "joint")
+
+
+@dataclass
+class DecodeConfig:
+    mode: str = field(default="speculative", metadata={"help": "ar | dynamic (DynaMo, lossy) | speculative (lossless) | typical (Medusa)", "choices": MODES})
+    max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate"})
+    n: int | None = field(default=None, metadata={"help": "tokens per forward at most (default: every head)"})
+    greedy: bool = field(default=False, metadata={"help": "argmax decoding instead of sampling"})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (> 0 unless --greedy)"})
+    top_k: int = field(default=50, metadata={"help": "k most likely tokens per head (0 in ar/speculative: whole vocabulary)"})
+    # dynamic (seed 003 Alg. 1)
+    eps_b: float = field(default=0.5, metadata={"help": "back-off threshold in [0, 1]: order n needs a cell > eps_b^(n-1)"})
+    alpha_c: float = field(default=1.0, metadata={"help": "co-occurrence mask exponent (0 = no mask)"})
+    repetition_penalty: float = field(default=1.1, metadata={"help": "divide cells that repeat the context or themselves (1 = off)"})
+    static_threshold: bool = field(default=True, metadata={"help": "zero cells <= eps_b^(n-1)"})
+    adaptive_threshold: bool = field(default=True, metadata={"help": "Otsu adaptive thresholding of the joint grid"})
+    blur_kernel: int = field(default=3, metadata={"help": "Gaussian blur kernel before Otsu (odd; 0 or 1 = no blur)"})
+    # speculative / typical
+    drafter: str = field(default="auto", metadata={"help": "drafts: independent heads, cp (sequential), joint (dynamic grid); auto = cp for cp heads", "choices": DRAFTERS})
+    typical_eps: float = field(default=0.09, metadata={"help": "typical acceptance: posterior threshold eps"})
+    typical_delta: float = field(default=0.3, metadata={"help": "typical acceptance: entropy factor delta"})
+    stop_at_eos: bool = field(default=True, metadata={"help": "stop after the tokenizer's end-of-sequence token"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+
+    def validate(self, *, vocab_size: int, n_heads: int) -> None:
+        """Reject settings that cannot work with this model (clear message + fix)."""
+        if self.mode not in MODES:
+            raise UsageError(f"unknown mode {self.mode!r}", f"use one of {', '.join(MODES)}")
+        if self.drafter not in DRAFTERS:
+            raise UsageError(f"unknown drafter {self.drafter!r}", f"use one of {', '.join(DRAFTERS)}")
+        if self.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.eps_b <= 1.0:
+            raise UsageError(f"--eps-b must be in [0, 1], got {self.eps_b}", "0 always emits n tokens, 1 always one")
+        low = 0 if self.mode in ("ar", "speculative", "typical") else 1
+        if not low <= self.top_k <= vocab_size:
+            raise UsageError(f"--top-k must be in [{low}, {vocab_size}] (the vocabulary size), got {self.top_k}")
+        if not self.greedy and not self.temperature > 0:
+            raise UsageError(f"temperature must be > 0 when sampling, got {self.temperature}", "pass --greedy for argmax decoding")
+        if self.n is not None and not 1 <= self.n <= n_heads:
+            raise UsageError(f"--n {self.n} needs {self.n} heads, the model's heads predict {n_heads} token(s) per position",
+                             f"pass --n between 1 and {n_heads}, or heads trained for more tokens (--heads DIR)")
+        if self.alpha_c < 0:
+            raise UsageError(f"--alpha-c must be >= 0, got {self.alpha_c}")
+        if self.repetition_penalty < 1:
+            raise UsageError(f"--repetition-penalty must be >= 1, got {self.repetition_penalty}")
+        if self.blur_kernel > 1 and self.blur_kernel % 2 == 0:
+            raise UsageError(f"--blur-kernel must be odd, got {self.blur_kernel}")
+        if not (0 < self.typical_eps <= 1 and self.typical_delta > 0):
+            raise UsageError("typical acceptance needs 0 < --typical-eps <= 1 and --typical-delta > 0")
+
+    def order(self, n_heads: int) -> int:
+        """Tokens per forward at most: 1 in ar mode, else ``n`` (default every head)."""
+        return 1 if self.mode == "ar" else (self.n or n_heads)

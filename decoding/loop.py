@@ -1,0 +1,146 @@
+"""The generation loop: one forward pass per step over the tokens decided in the previous step
+(plus any drafts), then propose -> accept -> commit -> crop caches.
+
+State between steps: ``out`` (the last pass), ``anchor`` (its position whose heads predict the
+next tokens) and ``forced`` (a token already decided by the last verification). Batch size 1;
+the state is per sequence, so a batch version keeps one of each per row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .accept import greedy_accept, speculative_accept, typical_rule
+from .config import DecodeConfig
+from .dynamic import dynamic_propose
+from .proposal import Drafts, pick_drafter
+from .sampling import Sampler
+from .trace import Trace
+
+
+@dataclass
+class RunState:
+    """What proposal and acceptance functions may read."""
+
+    model: object
+    cfg: DecodeConfig
+    sampler: Sampler
+    table: object  # co-occurrence table with .mask(cands, alpha), or None
+    seen: np.ndarray  # [V] bool: tokens in the context (repetition penalty)
+    rng: np.random.Generator | None  # grid sampling; None = greedy
+    vocab_size: int
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]  # the generated tokens (prompt excluded)
+    text: str
+    trace: Trace
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "trace": self.trace.as_dict()}
+
+
+def _eos_ids(model) -> set[int]:
+    eos = getattr(model.backbone.causal_lm.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.backbone.config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+def _acceptor(cfg: DecodeConfig):
+    if cfg.mode == "typical":
+        return typical_rule(cfg.typical_eps, cfg.typical_delta)
+    return greedy_accept if cfg.greedy else speculative_accept
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, on_tokens=None,
+             drafter=None, acceptor=None) -> DecodeResult:
+    """Continue ``prompt_ids`` (list or [1, T] tensor) with ``model`` (a ``MultiTokenModel``).
+
+    ``table``: co-occurrence stats for dynamic masking; ``on_tokens(list[int])`` is called as
+    tokens become final (streaming). ``drafter`` / ``acceptor`` override the proposal and
+    acceptance functions (same signatures as in ``proposal`` / ``accept``).
+    """
+    cfg = cfg or DecodeConfig()
+    vocab = model.backbone.vocab_size
+    cfg.validate(vocab_size=vocab, n_heads=model.n_future)
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1).to(model.backbone.device)
+    if ids.shape[1] == 0:
+        from multitoken.pipeline.errors import UsageError
+
+        raise UsageError("the prompt is empty", "pass at least one token")
+    speculative = cfg.mode in ("speculative", "typical")
+    run = RunState(model, cfg, Sampler(cfg.greedy, cfg.temperature, cfg.top_k, cfg.seed), table,
+                   np.zeros(vocab, dtype=bool), None if cfg.greedy else np.random.default_rng(cfg.seed), vocab)
+    run.seen[ids[0].cpu().numpy()] = True
+    drafter = drafter or (pick_drafter(cfg.drafter, model.heads) if speculative else None)
+    acceptor = acceptor or _acceptor(cfg)
+    order, eos = cfg.order(model.n_future), _eos_ids(model)
+    trace, out_ids = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1]), []
+
+    def emit(tokens: list[int]) -> bool:
+        """Commit final tokens; True when generation is over (budget or end of sequence)."""
+        tokens = tokens[: cfg.max_new_tokens - len(out_ids)]
+        if cfg.stop_at_eos:
+            stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+            tokens = tokens if stop is None else tokens[: stop + 1]
+        out_ids.extend(tokens)
+        run.seen[tokens] = True
+        if on_tokens and tokens:
+            on_tokens(tokens)
+        return len(out_ids) >= cfg.max_new_tokens or (cfg.stop_at_eos and bool(tokens) and tokens[-1] in eos)
+
+    def forward(new: list[int] | torch.Tensor):
+        start = time.perf_counter()
+        new = torch.as_tensor(new, dtype=torch.long, device=ids.device).reshape(1, -1)
+        result = model.step(new, caches)
+        trace.model_s += time.perf_counter() - start
+        trace.forward_passes += 1
+        return result
+
+    t0 = time.perf_counter()
+    caches = model.new_caches()
+    out = forward(ids)
+    trace.prefill_s = trace.model_s
+    anchor, forced = ids.shape[1] - 1, None
+    while True:
+        # propose: the tokens decided for the next positions (+ drafts to verify)
+        if cfg.mode == "dynamic":
+            logps = [out.head_log_probs(i, anchor)[0] for i in range(order)]
+            choice = dynamic_propose(logps, cfg, table, run.seen, run.rng)
+            commit, drafts = choice.tokens, Drafts.empty()
+            trace.orders[choice.order] += 1
+            trace.backoffs.update(choice.backed_off)
+        else:
+            commit = [forced if forced is not None else run.sampler.draw(run.sampler.target(out.head_log_probs(0, anchor)[0]))]
+            budget = cfg.max_new_tokens - len(out_ids) - 1
+            g = min(order - 1, budget) if speculative else 0
+            drafts = drafter(out, anchor, commit[0], g, run) if g > 0 else Drafts.empty()
+        trace.model_s, out.model_s = trace.model_s + out.model_s, 0.0  # head distributions: model time
+        if emit(commit):
+            break
+        # one forward pass over the decided tokens and the drafts
+        out = forward(commit + drafts.tokens.tolist())
+        anchor, forced = len(commit) - 1, None
+        if drafts.tokens.numel():
+            # accept: the base judges draft i by its distribution after position anchor + i
+            target = run.sampler.target(out.base_log_probs()[0, anchor:])  # [g + 1, V]
+            verdict = acceptor(drafts.tokens, drafts.probs, target, run.sampler)
+            trace.accepted_lengths[verdict.accepted] += 1
+            caches.crop(drafts.tokens.numel() - verdict.accepted)  # commit: forget rejected drafts
+            anchor, forced = anchor + verdict.accepted, verdict.next_token
+            if emit(drafts.tokens[: verdict.accepted].tolist()):
+                break
+    trace.model_s += out.model_s
+    trace.wall_s = time.perf_counter() - t0
+    trace.new_tokens = len(out_ids)
+    tok = model.backbone.tokenizer
+    text = tok.decode(out_ids, skip_special_tokens=True) if tok is not None else ""
+    return DecodeResult(out_ids, text, trace, ids[0].tolist())

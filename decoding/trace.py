@@ -1,0 +1,59 @@
+"""What one decoding call reports besides its tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Trace:
+    mode: str = ""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    forward_passes: int = 0  # model.step calls, the prompt's included
+    accepted_lengths: Counter = field(default_factory=Counter)  # drafts kept per verification
+    orders: Counter = field(default_factory=Counter)  # dynamic: tokens emitted per step -> steps
+    backoffs: Counter = field(default_factory=Counter)  # dynamic: order backed off from -> count
+    wall_s: float = 0.0
+    model_s: float = 0.0  # forward passes + head distributions
+    prefill_s: float = 0.0  # the prompt's forward pass (part of model_s)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / max(self.forward_passes, 1)
+
+    @property
+    def decoding_s(self) -> float:
+        """Everything but the model: proposal, grids, acceptance, sampling, bookkeeping."""
+        return max(self.wall_s - self.model_s, 0.0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        for key in ("accepted_lengths", "orders", "backoffs"):
+            d[key] = {str(k): v for k, v in sorted(getattr(self, key).items())}
+        d.update(tokens_per_forward=round(self.tokens_per_forward, 4), decoding_s=self.decoding_s,
+                 tokens_per_s=self.tokens_per_s)
+        return d
+
+    def summary(self) -> str:
+        lines = [
+            f"mode {self.mode}: {self.new_tokens} tokens in {self.forward_passes} forward passes "
+            f"({self.tokens_per_forward:.2f} tokens/forward), {self.wall_s:.3f} s ({self.tokens_per_s:.1f} tokens/s)",
+            f"time: model {self.model_s:.3f} s, decoding logic {self.decoding_s:.3f} s",
+        ]
+        if self.accepted_lengths:
+            lines.append("accepted drafts per verification: " + _hist(self.accepted_lengths))
+        if self.orders:
+            lines.append("tokens per step: " + _hist(self.orders))
+        if self.backoffs:
+            lines.append("back-offs from order: " + _hist(self.backoffs))
+        return "\n".join(lines)
+
+
+def _hist(counter: Counter) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counter.items()))

@@ -1,0 +1,109 @@
+"""Incremental forward passes for decoding: explicit KV caches for the backbone and every head layer.
+
+``MultiTokenModel.step(new_ids, caches)`` runs only the new tokens: the trunk and the original
+final layer read and extend the backbone cache; each head layer (replicated / WHS heads) reads and
+extends its own cache. Every cache always covers the same positions, so one ``LayerContext``
+(mask, positions, rotary) serves all of them, and cropping removes the same suffix everywhere.
+Everything goes through ``Backbone.run_layer`` / ``layer_context``: no patched transformers code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from multitoken.adapters.base import Features
+
+
+def _new_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+@dataclass
+class DecodeCaches:
+    """KV caches of one decoding run. ``length`` = positions held by every cache.
+
+    A head layer keeps the final layer's index (it is built as its replica), so it writes to that
+    slot of its *own* cache; that cache's other slots stay empty, hence ``length`` is tracked here.
+    """
+
+    backbone: object
+    heads: list = field(default_factory=list)
+    length: int = 0
+
+    def crop(self, remove: int) -> None:
+        """Drop the last ``remove`` positions (rejected drafts) from every cache."""
+        if remove <= 0:
+            return
+        for cache in (self.backbone, *self.heads):
+            cache.crop(-remove)  # transformers 5: a negative count removes that many positions
+        self.length -= remove
+
+
+def new_caches(model) -> DecodeCaches:
+    return DecodeCaches(backbone=_new_cache(), heads=[_new_cache() for _ in range(model.heads.num_head_layers)])
+
+
+class StepOutput:
+    """One incremental pass over T new tokens. Distributions are computed on demand, at the
+    positions the decoder asks for: the base at every position (verification), the other heads
+    only at the anchor position the next proposal starts from. ``model_s`` accumulates the time
+    spent in these head computations (it counts as model time, not decoding logic)."""
+
+    def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor]):
+        self.model = model
+        self.feats = feats
+        self.hiddens = hiddens  # head index -> [B, T, H] normalised (layer heads only)
+        self.model_s = 0.0
+        self._base = None
+
+    @property
+    def length(self) -> int:
+        return self.feats.base.shape[1]
+
+    def base_log_probs(self) -> torch.Tensor:
+        """Base (head 1) log-distribution after every new position # [B, T, V] float32."""
+        if self._base is None:
+            start = time.perf_counter()
+            self._base = torch.log_softmax(self.model.backbone.logits(self.feats.base).float(), dim=-1)
+            self.model_s += time.perf_counter() - start
+        return self._base
+
+    def head_log_probs(self, index: int, pos: int) -> torch.Tensor:
+        """Log-distribution of head ``index`` at position ``pos`` # [B, V] float32. Head 0 is the
+        base path unless an adapter replaces it on purpose (WHS ``all_heads``)."""
+        if index == 0 and index not in self.hiddens:
+            return self.base_log_probs()[:, pos]
+        start = time.perf_counter()
+        if index in self.hiddens:
+            out = torch.log_softmax(self.model.backbone.logits(self.hiddens[index][:, pos]).float(), dim=-1)
+        else:  # one-position heads (Medusa, CP) read only this position's base hidden state
+            f = self.feats
+            sliced = Features(f.trunk[:, pos:pos + 1], f.base[:, pos:pos + 1], (), f.ctx)
+            out = self.model.heads.log_probs(index, sliced)[:, 0]
+        self.model_s += time.perf_counter() - start
+        return out
+
+    def anchor_hidden(self, pos: int) -> torch.Tensor:
+        """Base hidden state at ``pos`` (what CP experts condition on) # [B, H]."""
+        return self.feats.base[:, pos]
+
+
+@torch.no_grad()
+def step(model, new_ids: torch.Tensor, caches: DecodeCaches) -> StepOutput:
+    """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache."""
+    bb, heads = model.backbone, model.heads
+    trunk = bb.run_trunk(new_ids, collect=heads.needs_layer_states, cache=caches.backbone)
+    base = bb.final_norm(bb.run_layer(bb.layers[-1], trunk.hidden, trunk.ctx, caches.backbone))  # [B, T, H]
+    feats = Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
+    hiddens = {}
+    for index in range(heads.n_future):
+        slot = heads.layer_slot(index)
+        if slot is not None:  # layer heads attend over the sequence: run them on every new position
+            hiddens[index] = heads.hidden(index, feats, cache=caches.heads[slot])
+    caches.length += new_ids.shape[1]
+    return StepOutput(model, feats, hiddens)

@@ -1,0 +1,76 @@
+"""``multitoken generate``: modes from the command line, JSON output, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from multitoken.pipeline.cli import main
+
+from .conftest import attach
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory, stories_dir):
+    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+
+    out = tmp_path_factory.mktemp("heads") / "medusa"
+    attach(load_backbone(BackboneConfig(base=str(stories_dir))), "medusa", n_future=3).save_heads(out)
+    return out
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["generate", "Once upon a time", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("mode", ["ar", "speculative", "dynamic", "typical"])
+def test_every_mode_runs_from_the_cli(capsys, heads_dir, mode):
+    out = run_json(capsys, "--heads", str(heads_dir), "--mode", mode, "--max-new-tokens", "10", "--eps-b", "0.0")
+    assert len(out["token_ids"]) == 10 and out["text"]
+    trace = out["trace"]
+    assert trace["forward_passes"] >= 1 and trace["tokens_per_forward"] == pytest.approx(10 / trace["forward_passes"], abs=1e-3)
+    assert out["config"]["DecodeConfig"]["mode"] == mode
+    if mode == "dynamic":
+        assert trace["orders"] == {"3": 4}  # eps_b = 0: three tokens every step (the last one truncated)
+
+
+def test_greedy_speculative_cli_equals_ar(capsys, heads_dir):
+    spec = run_json(capsys, "--heads", str(heads_dir), "--greedy", "--max-new-tokens", "16")
+    ar = run_json(capsys, "--heads", str(heads_dir), "--greedy", "--mode", "ar", "--max-new-tokens", "16")
+    assert spec["token_ids"] == ar["token_ids"]
+
+
+def test_streams_text_and_prints_the_trace(capsys, heads_dir):
+    assert main(["generate", "Once upon a time", "--heads", str(heads_dir), "--greedy", "--max-new-tokens", "8"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("Once upon a time,") and "tokens/forward" in cap.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "4"], "--n 4 needs 4 heads"),
+    (["--mode", "dynamic", "--top-k", "600"], "--top-k must be in [1, 512]"),
+    (["--eps-b", "-0.1"], "--eps-b must be in [0, 1]"),
+    (["--temperature", "-1"], "temperature must be > 0"),
+])
+def test_bad_settings_fail_clearly(capsys, heads_dir, argv, message):
+    assert main(["generate", "Once upon a time", "--heads", str(heads_dir), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_prompt_longer_than_the_context(capsys):
+    assert main(["generate", "Once upon a time " * 200, "--max-new-tokens", "1"]) == 2
+    assert "the model's context is 512" in capsys.readouterr().err
+
+
+def test_stats_of_another_tokenizer_are_refused(capsys, tmp_path, heads_dir):
+    from multitoken.stats.format import FORMAT_VERSION, META_NAME
+
+    meta = {"format_version": FORMAT_VERSION, "tokenizer": {"name": "pythia", "fingerprint": "0" * 64}, "vocab_size": 50304,
+            "orders": [1, 2, 3], "ngram_totals": {"1": 1, "2": 1, "3": 1}, "distinct": {"1": 1, "2": 1, "3": 1}}
+    (tmp_path / META_NAME).write_text(json.dumps(meta))
+    assert main(["generate", "Once upon a time", "--heads", str(heads_dir), "--mode", "dynamic", "--stats", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "tokenizer" in err and "fix:" in err

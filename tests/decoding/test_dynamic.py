@@ -1,0 +1,128 @@
+"""DynaMo dynamic decoding (seed 003 Alg. 1): back-off extremes, the emitted distribution at n = 2,
+and the image operations (opencv for 2-D, scipy + numpy Otsu for 3-D agree with opencv)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.dynamic import dynamic_propose, gaussian_blur, otsu_threshold
+from multitoken.decoding.loop import generate
+
+from .conftest import attach
+
+
+class RatioTable:
+    """A co-occurrence table stand-in: mask = ratio(x1, x2(, x3)) ** alpha, from a fixed array
+    (order 2) or a cheap hash of the ids (any order)."""
+
+    def __init__(self, ratio: np.ndarray | None = None):
+        self.ratio = ratio
+
+    def mask(self, cands, alpha: float = 1.0):
+        if self.ratio is not None:
+            return self.ratio[np.ix_(*cands)] ** alpha
+        grid = sum(np.asarray(c).reshape([-1 if a == i else 1 for a in range(len(cands))]) * (7 + 6 * i)
+                   for i, c in enumerate(cands))
+        return (0.5 + (grid % 11) / 5.0) ** alpha
+
+
+@pytest.mark.parametrize("eps_b,expected", [(0.0, "n"), (1.0, 1)])
+def test_eps_b_extremes(tiny_backbones, arch, eps_b, expected):
+    model = attach(tiny_backbones[arch], "replicated", n_future=3)
+    for seed in range(2):
+        res = generate(model, [1, 5, 9], DecodeConfig(mode="dynamic", eps_b=eps_b, max_new_tokens=15, seed=seed,
+                                                      stop_at_eos=False), table=RatioTable())
+        want = 3 if expected == "n" else 1
+        assert set(res.trace.orders) == {want}
+        assert len(res.token_ids) == 15
+        assert res.trace.forward_passes == 15 // want  # the last step's tokens are never fed
+
+
+def test_eps_b_one_backs_off_every_step_and_zero_never(tiny_backbones):
+    model = attach(tiny_backbones["llama"], "medusa", n_future=3)
+    res = generate(model, [1, 2], DecodeConfig(mode="dynamic", eps_b=1.0, max_new_tokens=6, stop_at_eos=False))
+    assert res.trace.backoffs == Counter({3: 6, 2: 6}) and res.trace.tokens_per_forward == 1.0
+    res = generate(model, [1, 2], DecodeConfig(mode="dynamic", eps_b=0.0, max_new_tokens=6, stop_at_eos=False))
+    assert not res.trace.backoffs and res.trace.orders == Counter({3: 2})
+
+
+def reference_grid(logps, cfg, ratio, seen):
+    """Alg. 1 at n = 2 written out directly: the distribution the sampler must follow."""
+    k, t, thr = cfg.top_k, cfg.temperature, cfg.eps_b
+    tops = [torch.topk(lp, k) for lp in logps]
+    probs = [torch.softmax(v.double() / t, -1).numpy() for v, _ in tops]
+    ids = [i.numpy() for _, i in tops]
+    grid = np.outer(*probs) * ratio[np.ix_(*ids)] ** cfg.alpha_c
+    grid = grid / grid.sum()
+    grid[grid <= thr] = 0
+    blurred = cv2.GaussianBlur(grid, (3, 3), 0)
+    img = np.rint(blurred * 255 / blurred.max()).astype(np.uint8)
+    otsu, _ = cv2.threshold(img, 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
+    grid = np.where(img > otsu, grid, 0)
+    rep = seen[ids[0]][:, None] | seen[ids[1]][None, :] | (ids[0][:, None] == ids[1][None, :])
+    grid = np.where(rep, grid / cfg.repetition_penalty, grid)
+    return ids, grid / grid.sum()
+
+
+def test_emitted_pairs_follow_the_masked_thresholded_grid():
+    rng = np.random.default_rng(3)
+    v = 12
+    logps = [torch.log_softmax(torch.tensor(rng.normal(0, 0.5, v)), -1).float() for _ in range(2)]
+    ratio = rng.uniform(0.2, 3.0, size=(v, v))
+    seen = np.zeros(v, dtype=bool)
+    seen[[2, 5]] = True
+    cfg = DecodeConfig(mode="dynamic", top_k=6, temperature=1.0, eps_b=0.01, repetition_penalty=1.5)
+    ids, grid = reference_grid(logps, cfg, ratio, seen)
+    assert (grid > 0).sum() >= 4, "the test needs several live cells"
+    sampler = np.random.default_rng(0)
+    draws = Counter()
+    runs = 6000
+    for _ in range(runs):
+        choice = dynamic_propose(logps, cfg, RatioTable(ratio), seen, sampler)
+        assert choice.order == 2
+        draws[tuple(choice.tokens)] += 1
+    cells = [(int(ids[0][i]), int(ids[1][j])) for i, j in zip(*np.nonzero(grid))]
+    assert set(draws) <= set(cells), "a thresholded-away cell was emitted"
+    obs = np.array([draws[c] for c in cells], dtype=float)
+    exp = np.array([grid[i, j] for i, j in zip(*np.nonzero(grid))]) * runs
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_order_one_is_top_k_sampling_with_penalty():
+    logp = torch.log_softmax(torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]), -1)
+    cfg = DecodeConfig(mode="dynamic", top_k=3, temperature=1.0, eps_b=1.0, repetition_penalty=2.0)
+    seen = np.array([True, False, False, False, False])
+    rng = np.random.default_rng(0)
+    draws = Counter(dynamic_propose([logp, logp], cfg, None, seen, rng).tokens[0] for _ in range(4000))
+    p = torch.softmax(logp[:3], -1).numpy()
+    p[0] /= 2.0
+    assert set(draws) <= {0, 1, 2}
+    assert chisquare([draws[i] for i in range(3)], p / p.sum() * 4000).pvalue > 1e-3
+
+
+def test_greedy_dynamic_takes_the_best_cell():
+    logps = [torch.log_softmax(torch.tensor([0.0, 3.0, 1.0]), -1), torch.log_softmax(torch.tensor([2.0, 0.0, 1.0]), -1)]
+    cfg = DecodeConfig(mode="dynamic", greedy=True, top_k=3, eps_b=0.0, repetition_penalty=1.0)
+    assert dynamic_propose(logps, cfg, None, np.zeros(3, dtype=bool), None).tokens == [1, 0]
+
+
+def test_numpy_otsu_matches_opencv():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        img = np.clip(rng.gamma(0.5, 40, size=(30, 40)), 0, 255).astype(np.uint8)
+        ref, _ = cv2.threshold(img, 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
+        assert otsu_threshold(np.bincount(img.ravel(), minlength=256)) == int(ref)
+
+
+def test_3d_blur_uses_the_2d_kernel():
+    rng = np.random.default_rng(0)
+    plane = rng.random((7, 9))
+    cube = np.repeat(plane[:, :, None], 5, axis=2)  # constant along the third axis
+    np.testing.assert_allclose(gaussian_blur(cube, 3)[:, :, 2], cv2.GaussianBlur(plane, (3, 3), 0), atol=1e-12)

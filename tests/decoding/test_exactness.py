@@ -1,0 +1,111 @@
+"""Lossless modes reproduce the base model: greedy token for token against transformers'
+``generate``, sampling in distribution (chi-square on an enumerable vocabulary)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.loop import generate
+from multitoken.decoding.proposal import Drafts
+
+from .conftest import attach
+
+PROMPTS = ["Once upon a time", "The little dog", "She said"]
+
+
+def hf_greedy(backbone, ids: torch.Tensor, new: int) -> list[int]:
+    out = backbone.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                  pad_token_id=backbone.tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_speculative_and_ar_equal_transformers_generate(tiny_backbones, arch, head_type):
+    backbone = tiny_backbones[arch]
+    model = attach(backbone, head_type)
+    for prompt in PROMPTS:
+        ids = backbone.tokenizer(prompt, return_tensors="pt").input_ids
+        ref = hf_greedy(backbone, ids, 24)
+        for mode in ("speculative", "ar"):
+            got = generate(model, ids, DecodeConfig(mode=mode, greedy=True, max_new_tokens=24)).token_ids
+            assert got == ref, (mode, prompt)
+
+
+def test_greedy_speculative_with_perfect_drafts_equals_generate(tiny_backbones, arch):
+    """A drafter that knows the answer: every draft is accepted, caches are never cropped
+    mid-run, and the output is still the base model's (n tokens per forward)."""
+    backbone = tiny_backbones[arch]
+    model = attach(backbone, "medusa")
+    ids = backbone.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    ref = hf_greedy(backbone, ids, 30)
+    full = ids[0].tolist() + ref
+
+    def oracle(out, anchor, first, g, run):
+        pos = len(full) - len(ref) + run_len[0]  # index of ``first`` in ``full``
+        return Drafts(torch.tensor(full[pos + 1: pos + 1 + g]), None)
+
+    run_len = [0]
+
+    def track(tokens):
+        run_len[0] += len(tokens)
+
+    res = generate(model, ids, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=30), drafter=oracle, on_tokens=track)
+    assert res.token_ids == ref
+    assert res.trace.tokens_per_forward > 2.3  # 3 per verification pass, prompt pass excluded
+
+
+def exact_pairs(backbone, prompt: list[int]) -> torch.Tensor:
+    """p(x1, x2 | prompt) for every pair # -> [V, V]."""
+    v = backbone.vocab_size
+    with torch.no_grad():
+        p1 = backbone.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        seqs = torch.tensor([prompt + [a] for a in range(v)])
+        p2 = backbone.model(seqs).logits[:, -1].softmax(-1)  # [V, V]
+    return p1[:, None] * p2
+
+
+def sampled_pairs(model, prompt, runs: int, **kwargs):
+    v = model.backbone.vocab_size
+    counts = torch.zeros(v, v)
+    accepted = torch.zeros(2)
+    for seed in range(runs):
+        res = generate(model, prompt, DecodeConfig(mode="speculative", temperature=1.0, top_k=0, max_new_tokens=2,
+                                                   n=2, seed=seed, stop_at_eos=False), **{k: w for k, w in kwargs.items()})
+        a, b = res.token_ids
+        counts[a, b] += 1
+        for length, c in res.trace.accepted_lengths.items():
+            accepted[length] += c
+    return counts, accepted
+
+
+def merge_small_cells(obs: torch.Tensor, exp: torch.Tensor, least: float = 5.0):
+    """Pool the cells expected fewer than ``least`` times (chi-square's validity condition)."""
+    keep = exp >= least
+    o, e = obs[keep], exp[keep].double()
+    if (~keep).any():
+        o = torch.cat([o, obs[~keep].sum(0, keepdim=True)])
+        e = torch.cat([e, exp[~keep].sum(0, keepdim=True).double()])
+    return o.double().numpy(), (e * o.sum() / e.sum()).numpy()
+
+
+def rigged(out, anchor, first, g, run):
+    """A drafter blind to the context that prefers token 0: many drafts get rejected."""
+    q = torch.tensor([0.7, 0.1, 0.1, 0.1]).expand(g, 4)
+    tokens = torch.multinomial(q, 1, generator=run.sampler.gen).reshape(-1)
+    return Drafts(tokens, q.clone())
+
+
+@pytest.mark.parametrize("drafter", ["heads", "rigged"])
+def test_sampled_speculative_matches_base_distribution(small_vocab_backbone, drafter):
+    model = attach(small_vocab_backbone, "medusa", n_future=2)
+    with torch.no_grad():  # a head clearly different from the base: q != p
+        model.heads.blocks[0][0].linear.weight.normal_(0, 1.0)
+    prompt = [0, 3, 1]
+    kwargs = {"drafter": rigged} if drafter == "rigged" else {}
+    counts, accepted = sampled_pairs(model, prompt, 600, **kwargs)
+    expected = exact_pairs(small_vocab_backbone, prompt) * counts.sum()
+    stat = chisquare(*merge_small_cells(counts.flatten(), expected.flatten()))
+    assert stat.pvalue > 1e-3, (counts, expected)
+    assert accepted[0] > 30 and accepted[1] > 30  # acceptance was partial: both branches ran
