@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .base import Features, HeadAdapter
 from .layers import INITS, new_layer_like_final
@@ -55,9 +56,16 @@ class LayerHeads(HeadAdapter):
             return set()
         return {name for name, _ in self.named_parameters() if name.startswith("layers.")}
 
+    # Training recomputes each head layer in backward instead of keeping its activations, so
+    # memory does not grow with n; a layer forward costs ~1% of the head's unembedding.
+    checkpoint_layers = True
+
     def run_head_layer(self, layer: nn.Module, inp: torch.Tensor, feats: Features, cache=None) -> torch.Tensor:
         """One head layer plus the shared final norm # [B, T, H] -> [B, T, H]."""
-        out = self.backbone.run_layer(layer, inp, feats.ctx, cache)
+        if self.checkpoint_layers and cache is None and torch.is_grad_enabled():
+            out = checkpoint(self.backbone.run_layer, layer, inp, feats.ctx, use_reentrant=False)
+        else:
+            out = self.backbone.run_layer(layer, inp, feats.ctx, cache)
         return self.backbone.final_norm(out)
 
 
