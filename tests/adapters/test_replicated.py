@@ -38,3 +38,17 @@ def test_bad_options_are_usage_errors():
         make_config("replicated", rank=2)
     with pytest.raises(UsageError, match="registered|use one of"):
         make_config("nope")
+
+
+def test_layer_checkpointing_gives_the_same_gradients(tiny_backbone):
+    torch.manual_seed(0)
+    model = MultiTokenModel.attach(tiny_backbone, make_config("replicated", n_future=2, init="random"))
+    ids = random_ids(tiny_backbone, seed=5)
+    grads = []
+    for flag in (True, False):
+        model.heads.checkpoint_layers = flag
+        model.zero_grad()
+        model.compute_loss(ids).per_head[1].backward()
+        grads.append([p.grad.clone() for p in model.head_parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
