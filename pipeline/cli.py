@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "multitoken.pipeline.cmd_distill",
     "multitoken.stats.cli",
     "multitoken.pipeline.cmd_eval",
+    "multitoken.pipeline.cmd_sweep",
 )
 
 

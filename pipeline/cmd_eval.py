@@ -26,28 +26,11 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def default_heads() -> str:
-    """The embedded trained heads, when the package ships them."""
-    from .embedded import EMBEDDED_DIR
-
-    path = EMBEDDED_DIR / "stories260K-heads"
-    return str(path) if (path / "heads_config.json").is_file() else ""
-
-
-def load_model(heads: str, base: str | None, dtype: str = "float32", device: str = "cpu"):
-    from .errors import UsageError
-    from .model import MultiTokenModel
-
-    heads = heads or default_heads()
-    if not heads:
-        raise UsageError("no heads dir given and no embedded heads found", "pass --heads DIR (made by `multitoken attach` or `train`)")
-    return MultiTokenModel.from_pretrained(base, heads, dtype=dtype, device=device), heads
-
-
 def run(args) -> None:
     from .cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
     from .data import DataConfig
     from .errors import UsageError
+    from .assets import default_stats, load_model
     from .evaluate import EvalConfig, evaluate
 
     cfg = dataclass_from_args(EvalConfig, args)
@@ -56,6 +39,7 @@ def run(args) -> None:
     if not cfg.out:
         raise UsageError("--out is required", "pass a directory for the report, e.g. --out eval/")
     model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device)
+    cfg.stats = cfg.stats or default_stats(model.backbone)
     out = Path(cfg.out)
     report = evaluate(model, cfg, data_cfg)
     report = {"heads_dir": heads, "base": model.backbone.name, "head_type": model.config.head_type, **report}

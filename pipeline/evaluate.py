@@ -20,7 +20,7 @@ import torch
 from . import metrics as M
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
-DEFAULT_PARTS = ("ppl", "marginal", "lens")
+DEFAULT_PARTS = PARTS
 
 
 @dataclass
@@ -32,6 +32,8 @@ class EvalConfig:
     batch_size: int = field(default=4, metadata={"help": "sequences per forward pass"})
     parts: tuple[str, ...] = field(default=DEFAULT_PARTS, metadata={"help": f"parts to run, among {', '.join(PARTS)}"})
     eps_b: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0), metadata={"help": "back-off thresholds for PPL_d"})
+    stats: str = field(default="", metadata={"help": "co-occurrence stats dir for PPL_d's masking (default: the embedded stats; none: no mask)"})
+    dynamic_tokens: int = field(default=4096, metadata={"help": "tokens walked for PPL_d (each step builds a k^n grid)"})
     marginal_every: int = field(default=1000, metadata={"help": "one marginalization position every N tokens"})
     top_p: float = field(default=0.99, metadata={"help": "nucleus of token t+1 marginalized over (seed 002: 0.99)"})
     max_candidates: int = field(default=256, metadata={"help": "cap on the nucleus size (the covered mass is reported)"})
@@ -67,16 +69,14 @@ class HeadAccumulator:
         self._lp: list[torch.Tensor] = []
         self._top1: list[torch.Tensor] = []
 
-    def add_head(self, i: int, logp: torch.Tensor, ids: torch.Tensor) -> None:
-        """Head i (0-based) log-probs # [B, T, V] for tokens t+i+1 of ids [B, T]."""
-        lp = M.target_logprobs(logp, ids, i + 1)  # [B, T-i-1]
-        hits = M.topk_hits(logp, ids, i + 1)
-        self.nll[i] -= float(lp.double().sum())
-        self.count[i] += lp.numel()
-        for k in (1, 5):
-            self.hits[i][k] += int(hits[k].sum())
-        self._lp.append(lp)
-        self._top1.append(hits[1])
+    def add_head(self, i: int, sc) -> None:
+        """Head i's (0-based) ``HeadScores`` for one batch."""
+        self.nll[i] -= float(sc.lp.double().sum())
+        self.count[i] += sc.lp.numel()
+        self.hits[i][1] += int(sc.top1.sum())
+        self.hits[i][5] += int(sc.top5.sum())
+        self._lp.append(sc.lp)
+        self._top1.append(sc.top1)
 
     def end_batch(self) -> None:
         """Joint terms need every head of the batch: PPL_1:k and the top-1 chain."""
@@ -142,7 +142,7 @@ class _Timer:
 def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
     """Run the selected parts over the data; returns the JSON-ready report."""
     from .errors import DataError
-    from .marginal import marginal_second_token
+    from .headscores import score_head
 
     bb, n = model.backbone, model.n_future
     acc, timer = HeadAccumulator(n), _Timer()
@@ -153,16 +153,12 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
         tokens, sequences = tokens + ids.numel(), sequences + ids.shape[0]
         start = time.perf_counter()
         feats = model.features(ids)
-        head2 = None
+        k = dyn.k if dyn is not None and not dyn.full else None
         for i in range(n):
-            logp = model.heads.log_probs(i, feats)  # [B, T, V]
-            acc.add_head(i, logp, ids)
-            if dyn is not None:
-                dyn.add_head(i, logp)
-            if i == 0:
-                base_logp = logp
-            if i == 1:
-                head2 = logp
+            sc = score_head(model, i, feats, ids, k=k)
+            acc.add_head(i, sc)
+            if k is not None:
+                dyn.add_head(i, sc)
         acc.end_batch()
         timer.add("ppl", start)
         if dyn is not None:
@@ -171,7 +167,7 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
             timer.add("dynamic", start)
         if "marginal" in cfg.parts:
             start = time.perf_counter()
-            marg.add(bb, ids, base_logp, head2, cfg, tokens - ids.numel(), marginal_second_token)
+            marg.add(model, feats, ids, cfg, tokens - ids.numel())
             timer.add("marginal", start)
         if "lens" in cfg.parts and lens_count < cfg.lens_tokens:
             from .lens import lens_kl_sums
@@ -205,18 +201,22 @@ class _MarginalSums:
         self.count = 0
         self.size = self.mass = 0.0
 
-    def add(self, bb, ids, base_logp, head2, cfg: EvalConfig, offset: int, marginal_fn) -> None:
+    def add(self, model, feats, ids: torch.Tensor, cfg: EvalConfig, offset: int) -> None:
+        from .headscores import logp_at
+        from .marginal import marginal_second_token
+
         for b in range(ids.shape[0]):
             first = offset + b * ids.shape[1]  # global index of this sequence's first token
             t0 = (-first) % cfg.marginal_every
             if t0 >= ids.shape[1] - 2:  # token t+2 must lie inside the sequence
                 continue
             pos = torch.arange(t0, ids.shape[1] - 2, cfg.marginal_every, device=ids.device)  # [P]
-            out = marginal_fn(bb, ids[b], pos, top_p=cfg.top_p, max_candidates=cfg.max_candidates, base_logp=base_logp[b])
+            out = marginal_second_token(model.backbone, ids[b], pos, top_p=cfg.top_p, max_candidates=cfg.max_candidates,
+                                        p1_logp=logp_at(model, 0, feats, b, pos))
             target = ids[b, pos + 2]  # [P]
             self._score(out.logq, target, self.hits, "nll")
-            if head2 is not None:
-                self._score(head2[b, pos], target, self.head_hits, "head_nll")
+            if model.n_future > 1:
+                self._score(logp_at(model, 1, feats, b, pos), target, self.head_hits, "head_nll")
             self.count += pos.numel()
             self.size += float(out.nucleus_size.float().sum())
             self.mass += float(out.nucleus_mass.double().sum())
@@ -239,6 +239,8 @@ class _MarginalSums:
 
 
 def _dynamic_state(cfg: EvalConfig, model):
+    from .assets import load_stats
     from .dynamic_ppl import DynamicPPL
 
-    return DynamicPPL(cfg.eps_b, model)
+    table = load_stats(cfg.stats, model.backbone.tokenizer)
+    return DynamicPPL(cfg.eps_b, model, table=table, budget=cfg.dynamic_tokens)

@@ -59,16 +59,17 @@ def _next_logprobs(backbone, ids: torch.Tensor, cand_tok: torch.Tensor, cand_pos
 @torch.no_grad()
 def marginal_second_token(
     backbone, ids: torch.Tensor, positions: torch.Tensor, *, top_p: float = 0.99,
-    max_candidates: int | None = 256, chunk: int = 512, base_logp: torch.Tensor | None = None,
+    max_candidates: int | None = 256, chunk: int = 512, p1_logp: torch.Tensor | None = None,
 ) -> MarginalOutput:
     """Marginal distribution of token t+2 at each t in ``positions`` # ids [T], positions [P].
 
-    ``base_logp`` [T, V] (the base model's next-token log-probs over ``ids``) is recomputed
+    ``p1_logp`` [P, V] (the base model's next-token log-probs at ``positions``) is computed
     when not given. ``max_candidates`` caps the nucleus (the mass actually covered is reported).
     """
-    if base_logp is None:
-        base_logp = torch.log_softmax(backbone.logits(backbone.decoder(input_ids=ids[None]).last_hidden_state[0]).float(), -1)
-    p1 = base_logp[positions].exp()  # [P, V]
+    if p1_logp is None:
+        hidden = backbone.decoder(input_ids=ids[None]).last_hidden_state[0, positions]  # [P, H]
+        p1_logp = torch.log_softmax(backbone.logits(hidden).float(), -1)
+    p1 = p1_logp.exp()  # [P, V]
     cand, prob, size = nucleus(p1, top_p, max_candidates)  # [P, K], [P, K], [P]
     keep = prob > 0
     row = torch.arange(len(positions), device=ids.device)[:, None].expand_as(cand)[keep]  # [N]

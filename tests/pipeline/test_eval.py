@@ -9,6 +9,7 @@ import torch
 from multitoken.pipeline.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.data import DataConfig
 from multitoken.pipeline.evaluate import EvalConfig, HeadAccumulator, evaluate
+from multitoken.pipeline.headscores import score_head
 from multitoken.pipeline.lens import lens_kl_sums
 from multitoken.pipeline.marginal import marginal_second_token
 from multitoken.pipeline.model import MultiTokenModel
@@ -28,9 +29,10 @@ def ids():
 
 def test_accumulator_matches_hand_computation(tiny_model, ids):
     logps = tiny_model.head_logits(ids, last_only=False)  # 3 x [B, T, V]
+    feats = tiny_model.features(ids)
     acc = HeadAccumulator(3)
-    for i, lp in enumerate(logps):
-        acc.add_head(i, lp, ids)
+    for i in range(3):
+        acc.add_head(i, score_head(tiny_model, i, feats, ids, chunk=7))  # chunks cut across sequences
     acc.end_batch()
     rep = acc.report()
     # PPL_1 is the base model's ordinary perplexity: transformers' own shifted LM loss.
@@ -87,7 +89,9 @@ def test_evaluate_end_to_end(tiny_model, tmp_path):
     cfg = EvalConfig(seq_len=32, batch_size=2, marginal_every=40, max_candidates=8, lens_tokens=64)
     rep = evaluate(tiny_model, cfg, DataConfig(data=str(text), max_tokens=300))
     assert rep["tokens"] == rep["sequences"] * 32 and rep["sequences"] == 9
-    assert set(rep["seconds"]) == {"ppl", "marginal", "lens"}
+    assert set(rep["seconds"]) == {"ppl", "dynamic", "marginal", "lens"}
+    assert [d["eps_b"] for d in rep["dynamic"]] == [0.0, 0.25, 0.5, 0.75, 1.0] and rep["dynamic"][-1]["tokens_per_step"] == 1.0
+    assert rep["heads"][0]["count"] == 9 * 31 and rep["heads"][2]["count"] == 9 * 29
     assert rep["marginal"]["positions"] == len(range(0, 9 * 32, 40))
     assert len(rep["logit_lens"]["kl_per_layer"]) == tiny_model.backbone.num_layers + 1
     assert rep["logit_lens"]["tokens"] == 64
@@ -111,3 +115,18 @@ def test_cli_eval_writes_report_plot_and_config(tiny_model, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "PPL_1:n" in printed and "marginalization baseline" in printed
     assert main(["eval", "--heads", str(heads), "--data", str(text), "--out", str(out), "--parts", "bogus"]) == 2
+
+
+@pytest.mark.parametrize("head_type", ["replicated", "cp"])
+def test_score_head_matches_full_log_probs(tiny_model, ids, head_type):
+    from multitoken.pipeline.metrics import target_logprobs, topk_hits
+
+    model = tiny_model if head_type == "replicated" else MultiTokenModel.attach(
+        tiny_model.backbone, {"head_type": "cp", "n_future": 2, "rank": 2})
+    feats = model.features(ids)
+    for i in range(model.n_future):
+        full = model.heads.log_probs(i, feats)  # [B, T, V]
+        sc = score_head(model, i, feats, ids, k=4, chunk=5)
+        assert torch.allclose(sc.lp, target_logprobs(full, ids, i + 1), atol=1e-5)
+        assert torch.equal(sc.top5, topk_hits(full, ids, i + 1)[5])
+        assert torch.allclose(sc.top_vals, full.topk(4, dim=-1).values, atol=1e-5)

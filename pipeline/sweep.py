@@ -1,0 +1,202 @@
+"""``sweep``: dynamic decoding over prompts x seeds x an eps_b grid, against ``ar`` sampling.
+
+Every (configuration, eps_b) point generates a continuation of each prompt with each seed,
+and ``ar`` does the same once at the same settings (temperature, top-k, budget). Per run:
+tokens per forward (the trace), seconds per generated token, and quality measured without an
+external judge: the base model's mean NLL of the continuation given the prompt (temperature
+1, full vocabulary), distinct-2/3 and the repetition rate (share of repeated 4-grams). Each
+point reports means with 95% Student-t intervals over the prompt x seed runs; the wall-clock
+speed-up of a run is ar's seconds per token over the point's, on the same prompt and seed.
+
+``same_quality_speedup``: among points whose NLL interval overlaps ar's, the one with the most
+tokens per forward (its wall-clock speed-up is reported beside it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import metrics as M
+from .speedup import acceptance_from_tokens, walltime_improvement
+
+# Seed 003 Table 7: the sentence-completion benchmark.
+TABLE7_PROMPTS = (
+    "I am a student at the", "This is going to be a very", "He wanted to play, but", "How can we", "What will",
+    "Will you", "Please explain", "Do not", "Wow! I can't believe that", "This is amazing! We",
+)
+# Seed 003 Table 8 ablations: CO = co-occurrence mask (alpha_c), AT = adaptive (Otsu)
+# thresholding, G-3 = Gaussian blur with kernel 3 before Otsu.
+TABLE8 = {
+    "CO+AT+G-3": {"alpha_c": 1.0, "adaptive_threshold": True, "blur_kernel": 3},
+    "CO+AT": {"alpha_c": 1.0, "adaptive_threshold": True, "blur_kernel": 0},
+    "CO": {"alpha_c": 1.0, "adaptive_threshold": False, "blur_kernel": 0},
+    "CO-0.5+AT+G-3": {"alpha_c": 0.5, "adaptive_threshold": True, "blur_kernel": 3},
+    "AT+G-3": {"alpha_c": 0.0, "adaptive_threshold": True, "blur_kernel": 3},
+}
+DEFAULT_CONFIG = "CO+AT+G-3"
+QUALITY = ("nll", "distinct2", "distinct3", "repetition")
+
+
+@dataclass
+class SweepConfig:
+    heads: str = field(default="", metadata={"help": "heads dir (default: the embedded trained heads)"})
+    base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
+    stats: str = field(default="", metadata={"help": "co-occurrence stats dir (default: the embedded stats for the embedded base; 'none': no mask)"})
+    prompts: str = field(default="", metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: seed 003 Table 7)"})
+    eps_b: str = field(default="0:1:0.1", metadata={"help": "eps_b grid: a list 0,0.5,1 or a range start:stop:step (stop included)"})
+    seeds: int = field(default=3, metadata={"help": "sampling seeds per prompt"})
+    max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per run"})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (seed 003: 0.7)"})
+    top_k: int = field(default=50, metadata={"help": "top-k per head (seed 003: 50)"})
+    repetition_penalty: float = field(default=1.1, metadata={"help": "dynamic mode's repetition penalty (seed 003: 1.1)"})
+    ablations: bool = field(default=False, metadata={"help": f"also run the seed 003 Table 8 ablations ({', '.join(TABLE8)})"})
+    out: str = field(default="", metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})
+    dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads (0: torch's default). Batch-1 decoding of a small model is latency-bound: one thread avoids sync costs and noisy timings on a shared machine"})
+    quiet: bool = field(default=False, metadata={"help": "no progress lines"})
+
+    def configs(self) -> list[str]:
+        return list(TABLE8) if self.ablations else [DEFAULT_CONFIG]
+
+
+def parse_grid(spec: str) -> list[float]:
+    """``"0,0.25,1"`` or ``"0:1:0.1"`` (inclusive range) -> sorted unique values in [0, 1]."""
+    from .errors import UsageError
+
+    try:
+        if ":" in spec:
+            start, stop, step = (float(x) for x in spec.split(":"))
+            if step <= 0:
+                raise ValueError("step must be > 0")
+            count = int(round((stop - start) / step)) + 1
+            values = [round(start + i * step, 10) for i in range(count) if start + i * step <= stop + 1e-9]
+        else:
+            values = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError as err:
+        raise UsageError(f"bad --eps-b {spec!r} ({err})", "use a list like 0,0.5,1 or a range like 0:1:0.1") from err
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise UsageError(f"--eps-b {spec!r} must give values in [0, 1]")
+    return sorted(set(values))
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a text file (one per non-empty line) or jsonl (``prompt`` or ``text``)."""
+    import json
+    from pathlib import Path
+
+    from .errors import DataError
+
+    if not path:
+        return list(TABLE7_PROMPTS)
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"prompts file {path!r} not found")
+    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if p.suffix in (".jsonl", ".json"):
+        rows = [json.loads(line) for line in lines]
+        lines = [r.get("prompt", r.get("text", "")) for r in rows]
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise DataError(f"prompts file {path!r} holds no prompt")
+    return prompts
+
+
+def continuation_nll(backbone, prompt_ids: list[int], new_ids: list[int]) -> float:
+    """Base model's mean -log p(x_t | x_<t) over the continuation (temperature 1, full vocab)."""
+    if not new_ids:
+        return float("nan")
+    ids = torch.tensor([prompt_ids + new_ids], device=backbone.device)  # [1, P + N]
+    with torch.no_grad():
+        logits = backbone.causal_lm(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()  # [N, V]
+    logp = torch.log_softmax(logits, -1)
+    target = torch.tensor(new_ids, device=logp.device)
+    return float(-logp.gather(-1, target[:, None]).mean())
+
+
+def run_once(model, prompt_ids: list[int], decode_cfg, table) -> dict:
+    """One generation and its per-run measurements."""
+    from multitoken.decoding.loop import generate
+
+    result = generate(model, prompt_ids, decode_cfg, table=table)
+    new, trace = result.token_ids, result.trace
+    return {
+        "tokens": len(new), "tokens_per_forward": trace.tokens_per_forward,
+        "sec_per_token": trace.wall_s / max(len(new), 1),
+        "nll": continuation_nll(model.backbone, prompt_ids, new),
+        "distinct2": M.distinct_n(new, 2), "distinct3": M.distinct_n(new, 3), "repetition": M.repetition_rate(new, 4),
+    }
+
+
+def _summarise(runs: list[dict], ar_runs: list[dict] | None) -> dict:
+    point = {key: M.mean_ci([r[key] for r in runs]) for key in ("tokens_per_forward",) + QUALITY}
+    if ar_runs is not None:
+        ratios = [a["sec_per_token"] / r["sec_per_token"] for a, r in zip(ar_runs, runs) if r["sec_per_token"] > 0]
+        point["wall_speedup"] = M.mean_ci(ratios)
+    point["sec_per_token"] = M.mean_ci([r["sec_per_token"] for r in runs])
+    return point
+
+
+def draft_cost_ratio(model) -> float:
+    """c of seed 004: one draft's cost relative to one base forward, estimated as the head
+    parameters per draft over the base model's parameters (FLOPs per token scale with them)."""
+    g = max(model.n_future - 1, 1)
+    heads = sum(p.numel() for p in model.heads.parameters())
+    base = sum(p.numel() for p in model.backbone.causal_lm.parameters())
+    return heads / g / base
+
+
+def theory(point: dict, n_future: int, c: float) -> dict:
+    """Acceptance implied by the measured tokens per forward, and seed 004's wall-time speed-up
+    predicted from it with the draft cost ratio c (decoding logic costs nothing in the model)."""
+    g = n_future - 1
+    tpf = min(max(point["tokens_per_forward"]["mean"], 1.0), g + 1.0)
+    if g < 1:
+        return {"implied_acceptance": 0.0, "predicted_wall_speedup": 1.0}
+    a = acceptance_from_tokens(tpf, g)
+    return {"implied_acceptance": a, "predicted_wall_speedup": walltime_improvement(a, g, c)}
+
+
+def same_quality(points: list[dict], ar: dict) -> dict | None:
+    """The point with the most tokens per forward whose NLL interval overlaps ar's."""
+    ok = [p for p in points if M.intervals_overlap(p["nll"], ar["nll"])]
+    if not ok:
+        return None
+    best = max(ok, key=lambda p: p["tokens_per_forward"]["mean"])
+    return {"config": best["config"], "eps_b": best["eps_b"], "tokens_per_forward": best["tokens_per_forward"]["mean"],
+            "wall_clock": best["wall_speedup"]["mean"], "nll": best["nll"]["mean"], "ar_nll": ar["nll"]["mean"]}
+
+
+def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=None, log=print) -> dict:
+    """Run the whole grid; returns the JSON-ready result (``points``, ``ar``, ``same_quality_speedup``)."""
+    from multitoken.decoding.config import DecodeConfig
+
+    tok = model.backbone.tokenizer
+    prompt_ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    base_cfg = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            top_k=cfg.top_k, repetition_penalty=cfg.repetition_penalty)
+    pairs = [(i, s) for i in range(len(prompts)) for s in range(cfg.seeds)]
+    started = time.perf_counter()
+
+    def runs_for(dcfg) -> list[dict]:
+        return [run_once(model, prompt_ids[i], replace(dcfg, seed=s), table) for i, s in pairs]
+
+    ar_runs = runs_for(base_cfg)
+    ar = {"config": "ar", **_summarise(ar_runs, None)}
+    log(f"ar: NLL {ar['nll']['mean']:.3f}, {ar['sec_per_token']['mean'] * 1e3:.2f} ms/token")
+    c = draft_cost_ratio(model)
+    points = []
+    for name in cfg.configs():
+        for eps in grid:
+            dcfg = replace(base_cfg, mode="dynamic", eps_b=eps, **TABLE8[name])
+            point = {"config": name, "eps_b": eps, **_summarise(runs_for(dcfg), ar_runs)}
+            point["theory"] = theory(point, model.n_future, c)
+            points.append(point)
+            log(f"{name} eps_b {eps:.2f}: {point['tokens_per_forward']['mean']:.2f} tokens/forward, "
+                f"wall x{point['wall_speedup']['mean']:.2f}, NLL {point['nll']['mean']:.3f}")
+    return {"prompts": prompts, "seeds": cfg.seeds, "eps_b": grid, "n_future": model.n_future, "draft_cost_ratio": c,
+            "ar": ar, "points": points, "same_quality_speedup": same_quality(points, ar),
+            "seconds": round(time.perf_counter() - started, 2)}

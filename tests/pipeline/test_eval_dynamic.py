@@ -1,0 +1,47 @@
+"""PPL_d against hand computations at the two ends of eps_b (0: order n every step, 1: order 1)."""
+
+import math
+
+import pytest
+import torch
+
+from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.dynamic_ppl import DynamicPPL
+from multitoken.pipeline.headscores import score_head
+from multitoken.pipeline.model import MultiTokenModel
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_dir):
+    torch.manual_seed(0)
+    bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
+    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
+
+
+def test_ppl_d_ends_and_middle(tiny_model):
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    logps = tiny_model.head_logits(ids, last_only=False)  # 3 x [B, T, V]
+    dyn = DynamicPPL([0.0, 0.5, 1.0], tiny_model, budget=10_000)
+    feats = tiny_model.features(ids)
+    for i in range(3):
+        dyn.add_head(i, score_head(tiny_model, i, feats, ids, k=dyn.k))
+    dyn.end_batch(ids)
+    rows = {r["eps_b"]: r for r in dyn.report()}
+    # eps_b = 1: one token per step, PPL_d is the base perplexity over the 2 x 15 targets.
+    nll1 = -sum(float(logps[0][b, t, ids[b, t + 1]]) for b in range(2) for t in range(15))
+    assert rows[1.0]["tokens_per_step"] == 1.0 and rows[1.0]["ppl_d"] == pytest.approx(math.exp(nll1 / 30), rel=1e-6)
+    # eps_b = 0: steps at t = 0, 3, 6, 9, 12 emit 3 tokens each, scored by heads 1, 2, 3.
+    nll0 = -sum(float(logps[i][b, t, ids[b, t + i + 1]]) for b in range(2) for t in (0, 3, 6, 9, 12) for i in range(3))
+    assert rows[0.0]["tokens_per_step"] == 3.0 and rows[0.0]["steps"] == 10
+    assert rows[0.0]["ppl_d"] == pytest.approx(math.exp(nll0 / 30), rel=1e-6)
+    assert 1.0 <= rows[0.5]["tokens_per_step"] <= 3.0 and rows[0.5]["tokens"] == 30
+
+
+def test_budget_stops_walking(tiny_model):
+    ids = torch.randint(3, 512, (3, 8), generator=torch.Generator().manual_seed(3))
+    dyn = DynamicPPL([1.0], tiny_model, budget=8)
+    feats = tiny_model.features(ids)
+    for i in range(3):
+        dyn.add_head(i, score_head(tiny_model, i, feats, ids, k=dyn.k))
+    dyn.end_batch(ids)
+    assert dyn.report()[0]["tokens"] == 7 and dyn.full
