@@ -166,7 +166,9 @@ def _backbone_for(base, record: dict, heads_dir: Path, quantization, dtype, devi
             raise UsageError("these heads were trained with a LoRA adapter but the given backbone has none",
                              f"load the backbone with lora_adapter={str(lora)!r}, or pass the base name instead")
         return base
-    config = base if isinstance(base, BackboneConfig) else BackboneConfig(base=str(base or record["base"]))
+    from .embedded import resolve_base
+
+    config = base if isinstance(base, BackboneConfig) else BackboneConfig(base=resolve_base(str(base or record["base"])))
     overrides = {"quantization": quantization, "dtype": dtype, "device": device}
     if dtype is None and not isinstance(base, BackboneConfig):
         overrides["dtype"] = record.get("dtype")

@@ -61,11 +61,12 @@ def _device(cfg: TrainConfig, dist: Dist) -> str:
 def load_model(cfg: TrainConfig, dist: Dist):
     """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes."""
     from .backbone import BackboneConfig, LoraSpec, load_backbone
+    from .embedded import resolve_base
     from .heads_io import read_heads_config
     from .model import MultiTokenModel
 
     record = read_heads_config(cfg.heads)
-    base = cfg.base or record["base"]
+    base = resolve_base(cfg.base or record["base"])
     dtype = cfg.dtype or record.get("dtype") or "float32"
     bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization)
     lora_kwargs: dict = {}

@@ -15,3 +15,14 @@ DEFAULT_BASE = EMBEDDED_DIR / "stories260K"
 def default_base() -> str:
     """Path of the embedded default base model (the value of every ``--base`` default)."""
     return str(DEFAULT_BASE)
+
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+def resolve_base(name: str) -> str:
+    """``embedded:NAME`` -> the packaged model's directory. Heads shipped in the package name
+    their base this way, since the install path differs between machines."""
+    if name.startswith(EMBEDDED_PREFIX):
+        return str(EMBEDDED_DIR / name[len(EMBEDDED_PREFIX):])
+    return name

@@ -1,0 +1,126 @@
+"""Build the trained ``replicated`` heads (n = 3) shipped beside the embedded stories260K model.
+
+Steps (each skipped when its output already exists in --work-dir):
+1. distill a training corpus and a held-out corpus (other seed) from stories260K itself;
+2. attach untrained replicated heads (heads 2..3 start as copies of the final layer);
+3. train them with the backbone frozen (``multitoken train --mode heads``), documents joined
+   by BOS, the way stories260K saw its training stories;
+4. evaluate per-head loss and top-1/top-5 accuracy on the held-out distilled text;
+5. copy the heads (heads.safetensors + heads_config.json) into the package and write a JSON
+   report plus a README beside them.
+
+    python scripts/build_embedded_heads.py --work-dir /tmp/embedded_build
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEST = REPO / "pipeline" / "embedded" / "stories260K-heads"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work-dir", default="/tmp/embedded_build")
+    p.add_argument("--train-tokens", type=int, default=1_000_000)
+    p.add_argument("--heldout-tokens", type=int, default=60_000)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--eval-batches", type=int, default=24)
+    p.add_argument("--dest", default=str(DEST))
+    p.add_argument("--json", default=None, help="report path (default: WORK_DIR/embedded_heads_report.json)")
+    return p.parse_args(argv)
+
+
+def distill_corpora(args, work: Path, backbone) -> tuple[Path, Path]:
+    from multitoken.pipeline.distill import DistillConfig, distill
+
+    paths = []
+    for name, tokens, seed in (("train", args.train_tokens, 0), ("heldout", args.heldout_tokens, 1)):
+        path = work / f"{name}.jsonl"
+        if not path.is_file():
+            distill(backbone, DistillConfig(num_tokens=tokens, out=str(path), batch_size=64, max_new_tokens=256, seed=seed))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def heldout_accuracy(heads_dir: Path, heldout: Path, args) -> dict[str, float]:
+    from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.packing import PackedStream
+    from multitoken.pipeline.train import evaluate
+
+    model = MultiTokenModel.from_pretrained(None, heads_dir)
+    tok = model.backbone.tokenizer
+    stream = PackedStream(DataConfig(data=str(heldout)), tok, args.seq_len, tok.bos_token_id, loop=False)
+    rows = [seq for seq, _ in stream]
+    import numpy as np
+
+    batches = [np.stack(rows[i:i + args.batch_size]) for i in range(0, len(rows) - args.batch_size + 1, args.batch_size)]
+    metrics = evaluate(model, batches)
+    metrics["heldout_tokens"] = len(batches) * args.batch_size * args.seq_len
+    return metrics
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.train import train
+    from multitoken.pipeline.trainer_config import TrainConfig
+
+    args = parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    backbone = load_backbone(BackboneConfig())
+    train_data, heldout = distill_corpora(args, work, backbone)
+    untrained = work / "untrained"
+    if not (untrained / "heads_config.json").is_file():
+        torch.manual_seed(0)
+        MultiTokenModel.attach(backbone, {"head_type": "replicated", "n_future": 3, "init": "copy"}).save_heads(untrained)
+    trained = work / "trained"
+    cfg = TrainConfig(
+        heads=str(untrained), out=str(trained), separator="bos", mode="heads", max_steps=args.steps,
+        seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, lr_warmup_steps=max(args.steps // 50, 1),
+        eval_every=max(args.steps // 6, 1), eval_batches=4, save_every=max(args.steps // 4, 1),
+        resume=True, seed=0,
+    )
+    train_started = time.time()
+    train(cfg, DataConfig(data=str(train_data)))
+    train_seconds = time.time() - train_started
+    before = heldout_accuracy(untrained, heldout, args)
+    after = heldout_accuracy(trained, heldout, args)
+    dest = Path(args.dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    (dest / "heads.safetensors").write_bytes((trained / "heads.safetensors").read_bytes())
+    record = json.loads((trained / "heads_config.json").read_text())
+    record["base"] = "embedded:stories260K"  # resolved to the packaged model wherever it is installed
+    (dest / "heads_config.json").write_text(json.dumps(record, indent=2) + "\n")
+    report = {
+        "heldout_trained": after, "heldout_untrained": before, "train_steps": args.steps,
+        "train_tokens_seen": args.steps * args.batch_size * args.seq_len, "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.time() - started, 1), "train_config": json.loads((trained / "train_config.json").read_text()),
+        "corpus": {"train_tokens": args.train_tokens, "heldout_tokens": args.heldout_tokens},
+    }
+    out = Path(args.json or work / "embedded_heads_report.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    (dest / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in after.items() if "/" in k}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

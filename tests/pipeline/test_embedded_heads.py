@@ -1,0 +1,47 @@
+"""The trained heads shipped beside the embedded stories260K model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from multitoken.pipeline.embedded import EMBEDDED_DIR
+
+HEADS = EMBEDDED_DIR / "stories260K-heads"
+
+
+@pytest.fixture(scope="module")
+def model():
+    from multitoken.pipeline.model import MultiTokenModel
+
+    return MultiTokenModel.from_pretrained(None, HEADS)  # base named "embedded:stories260K" in the dir
+
+
+def test_shipped_heads_are_small_and_name_the_packaged_base(model):
+    record = json.loads((HEADS / "heads_config.json").read_text())
+    assert record["base"] == "embedded:stories260K" and record["head_config"]["head_type"] == "replicated"
+    assert model.n_future == 3
+    assert (HEADS / "heads.safetensors").stat().st_size < 1_000_000
+
+
+def test_shipped_heads_predict_fresh_samples_of_the_base(model, stories_dir, tmp_path):
+    """Accuracy on new self-samples (another seed than the build's corpora): head 2 must be
+    far better than chance, and head 1 is exactly the base model."""
+    from multitoken.pipeline.distill import DistillConfig, distill
+    from multitoken.pipeline.train import evaluate
+
+    out = tmp_path / "fresh.jsonl"
+    distill(model.backbone, DistillConfig(num_tokens=4 * 128, out=str(out), batch_size=4, max_new_tokens=128, seed=123, progress=False, format="ids"))
+    flat = np.concatenate([json.loads(line)["input_ids"] for line in out.read_text().splitlines()])
+    rows = flat[: 4 * 128].reshape(4, 128)  # [4, 128]
+    metrics = evaluate(model, [rows])
+    assert metrics["head2/top5"] > 0.35 and metrics["head3/top5"] > 0.2
+
+    ids = torch.from_numpy(rows)
+    with torch.no_grad():
+        base = torch.log_softmax(model.backbone.model(ids).logits.float(), -1)  # [4, 128, V]
+    head1 = model.head_logits(ids, last_only=False)[0]
+    torch.testing.assert_close(head1, base, rtol=1e-4, atol=1e-4)
