@@ -179,3 +179,23 @@ def test_heads_train_on_a_quantized_backbone(tiny_llama_dir, heads_dir, corpus, 
     assert after.backbone.is_quantized
     assert any(not torch.equal(a, b) for a, b in zip(head_state(before).values(), head_state(after).values()))
     assert all(v.dtype == torch.float32 for v in head_state(after).values())  # heads stay in full precision
+
+
+@pytest.mark.parametrize("head_type", ["replicated", "whs", "medusa", "cp"])
+def test_every_head_type_trains(tiny_llama_dir, corpus, tmp_path, head_type, monkeypatch):
+    """Two steps per registered type; CP's aux balancing loss enters with its weight."""
+    from multitoken.pipeline import optim
+
+    heads = make_heads_dir(tiny_llama_dir, tmp_path / "h", head_type=head_type, **({"rank": 2} if head_type == "cp" else {}))
+    seen_aux = []
+    real = optim.combine_losses
+
+    def spy(out, cfg, scale):
+        seen_aux.append(out.aux is not None)
+        return real(out, cfg, scale)
+
+    monkeypatch.setattr(optim, "combine_losses", spy)
+    train(train_cfg(heads, tmp_path / "o", max_steps=2, aux_weight=0.1), DataConfig(data=str(corpus)))
+    before, after = load_trained(tiny_llama_dir, heads), load_trained(tiny_llama_dir, tmp_path / "o")
+    assert any(not torch.equal(a, b) for a, b in zip(head_state(before).values(), head_state(after).values()))
+    assert all(seen_aux) == (head_type == "cp") and seen_aux
