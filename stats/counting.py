@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .format import encode
 
 
 def sorted_unique_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -34,8 +33,6 @@ def merge_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, n
 
     Empties ``runs`` once they are concatenated, so callers that pass their only reference
     free the inputs before the sort (this is what keeps merging within the memory bound).
-    A stable argsort of the concatenation is a timsort, which merges presorted runs in
-    O(m log runs) rather than sorting from scratch.
     """
     nonempty = [r for r in runs if r[0].size]
     runs.clear()
@@ -44,18 +41,28 @@ def merge_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, n
     if len(nonempty) == 1:
         return np.asarray(nonempty[0][0]), np.asarray(nonempty[0][1])
     keys = np.concatenate([r[0] for r in nonempty])
-    counts = np.concatenate([r[1] for r in nonempty])
+    counts = np.concatenate([r[1] for r in nonempty]).astype(np.uint64, copy=False)
     del nonempty
-    order = np.argsort(keys, kind="stable")
-    keys = keys[order]
-    counts = counts[order]
-    del order
+    return _merge_argsort(keys, counts)
+
+
+def _reduce_sorted(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted keys with duplicates -> distinct keys, summed counts."""
     starts = np.empty(keys.size, dtype=bool)
     starts[0] = True
     np.not_equal(keys[1:], keys[:-1], out=starts[1:])
     idx = np.flatnonzero(starts)
     del starts
     return keys[idx], np.add.reduceat(counts, idx).astype(np.uint64, copy=False)
+
+
+def _merge_argsort(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # a stable argsort of concatenated sorted runs is a timsort: O(m log runs)
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    counts = counts[order]
+    del order
+    return _reduce_sorted(keys, counts)
 
 
 @dataclass
@@ -75,25 +82,32 @@ def count_chunk(tokens: np.ndarray, piece_starts: np.ndarray, context: np.ndarra
     context      [P]  how many leading tokens of each piece were counted before
     """
     n = tokens.size
+    has_ctx = bool(context.any())
     new = np.ones(n, dtype=bool)        # token is counted here for the first time
+    for start, ctx in zip(piece_starts.tolist(), context.tolist()):
+        if ctx:
+            new[start:start + ctx] = False
     boundary = np.zeros(n, dtype=bool)  # token starts a piece (nothing joins across it)
     boundary[piece_starts] = True
-    for start, ctx in zip(piece_starts.tolist(), context.tolist()):
-        new[start:start + ctx] = False
-    uni = np.bincount(tokens[new], minlength=vocab_size).astype(np.uint64)
+    uni = np.bincount(tokens[new] if has_ctx else tokens, minlength=vocab_size).astype(np.uint64)
     out = ChunkCounts(unigrams=uni, totals=[int(new.sum())])
+    tu = tokens.astype(np.uint64)
+    keys = tu                           # keys of order k at every start position, built incrementally
     for k in range(2, order + 1):
         m = n - k + 1
         if m <= 0:
             out.runs[k] = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
             out.totals.append(0)
             continue
+        keys = keys[:m] * np.uint64(vocab_size)
+        keys += tu[k - 1:]
         valid = new[k - 1:].copy()      # [m] the n-gram ends on a new token ...
         for j in range(1, k):           # ... and no piece starts inside it
             valid &= ~boundary[j:j + m]
-        keys = encode([tokens[j:j + m][valid] for j in range(k)], vocab_size)
-        out.runs[k] = sorted_unique_counts(keys)
-        out.totals.append(int(valid.sum()))
+        counted = int(valid.sum())
+        run = keys[valid] if counted < m else keys.copy()  # a copy: sorting must not disturb `keys`
+        out.runs[k] = sorted_unique_counts(run)
+        out.totals.append(counted)
     return out
 
 

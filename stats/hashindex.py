@@ -111,8 +111,12 @@ class PrefixBlockIndex:
     def _h(last: np.ndarray) -> np.ndarray:
         return _mix(last).astype(np.int64) & np.int64(2**62 - 1)
 
-    def grid(self, prefix_keys: np.ndarray, last: np.ndarray) -> np.ndarray:
-        """Counts ``[P, C]`` of n-grams ``prefix_keys[p] + last[c]`` (0 where absent)."""
+    def grid(self, prefix_keys: np.ndarray, last: np.ndarray, possible: np.ndarray | None = None) -> np.ndarray:
+        """Counts ``[P, C]`` of n-grams ``prefix_keys[p] + last[c]`` (0 where absent).
+
+        ``possible [P, C]`` (optional): False where the caller knows the n-gram is absent;
+        those cells skip the probe chains, which is where most of the time goes.
+        """
         prefix_keys = np.asarray(prefix_keys, np.uint64).ravel()
         last = np.asarray(last).astype(np.uint32).ravel()
         out = np.zeros((prefix_keys.size, last.size), dtype=self.counts.dtype)
@@ -128,7 +132,9 @@ class PrefixBlockIndex:
         found = self.last.take(slot)
         hit = found == last[None, :]
         out[rows] = np.where(hit, self.counts.take(slot), 0)
-        more = ~hit & (found != EMPTY32)                          # probe on: rare at load <= 1/2
+        more = ~hit & (found != EMPTY32)                          # probe on (load <= 1/2)
+        if possible is not None:
+            more &= possible[rows]
         if not more.any():
             return out
         r, c = np.nonzero(more)

@@ -96,6 +96,8 @@ def build(cfg: BuildConfig, data: DataConfig, log=print) -> Path | None:
         if meta.get("job") != job.identity():
             raise UsageError(f"{out} already holds stats of another job", "pass another --out, or delete it")
         log(f"{out} is complete already (delete it to recount)")
+        if not cfg.keep_partials:  # a kill between writing meta.json and the clean-up
+            shutil.rmtree(out / "partials", ignore_errors=True)
         return out
     shards = local_shards(parse_shard(cfg.shard), cfg.num_proc)
     _check_no_foreign_shards(out, shards)

@@ -15,7 +15,7 @@ import fcntl
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,8 +161,12 @@ class _Held:
         self.totals = [a + b for a, b in zip(self.totals, chunk.totals)]
 
 
-def count_shard(job: Job, shard: tuple[int, int], progress: Callable[[int], None] | None = None) -> dict:
-    """Count shard ``(i, n)`` into ``job.out/partials``; resume if runs exist. Returns the last run's info."""
+def count_shard(job: Job, shard: tuple[int, int], progress: Callable[[int], None] | None = None,
+                documents: Callable[[DataConfig, int], Iterable[tuple[int, np.ndarray]]] | None = None) -> dict:
+    """Count shard ``(i, n)`` into ``job.out/partials``; resume if runs exist. Returns the last run's info.
+
+    ``documents(data, start)`` replaces the corpus reader (benchmarks feed in-memory token arrays).
+    """
     sdir = shard_dir(job.out, shard)
     with shard_lock(sdir):
         check_identity(sdir, job, shard)
@@ -180,7 +184,8 @@ def count_shard(job: Job, shard: tuple[int, int], progress: Callable[[int], None
         held = _Held(job.order, job.vocab_size)
         builder = ChunkBuilder(job.order, job.chunk_tokens)
         if budget is None or tokens < budget:
-            docs = iter_documents(data, LazyTokenizer(job.tokenizer), vocab_size=job.vocab_size, shard=shard, start=doc)
+            docs = documents(data, doc) if documents else iter_documents(
+                data, LazyTokenizer(job.tokenizer), vocab_size=job.vocab_size, shard=shard, start=doc)
             for index, ids in docs:
                 for chunk in builder.add(index, ids, offset if index == doc else 0):
                     _count(job, chunk, builder.position, held, state, progress)

@@ -129,23 +129,41 @@ class CooccurrenceTable:
         prefix = ids[0].astype(np.uint64)
         for col in ids[1:-1]:  # mixed-radix prefix keys of the grid's leading axes
             prefix = (prefix[..., None] * np.uint64(self.vocab_size) + col.astype(np.uint64)).reshape(-1)
-        grid = self.index(len(ids)).grid(prefix, ids[-1])
+        possible = None
+        if len(ids) == 3 and self._suffix_filter:
+            # a kept trigram (a, b, c) implies a kept bigram (b, c): probe only those cells
+            bc = self.index(2).grid(ids[1].astype(np.uint64), ids[2]) > 0   # [k2, k3]
+            possible = np.tile(bc, (len(ids[0]), 1))                      # [k1*k2, k3]
+        grid = self.index(len(ids)).grid(prefix, ids[-1], possible)
         return grid.reshape([len(x) for x in ids])
+
+    @property
+    def _suffix_filter(self) -> bool:
+        """True when every kept trigram's suffix bigram is kept too (pruning no harsher for bigrams)."""
+        mins = self.meta["min_counts"]
+        return int(mins["2"]) <= int(mins["3"])
 
     def ratio(self, cands) -> np.ndarray:
         """``p_hat(joint) / prod p_hat(marginals)`` grid (float32), ``absent`` where unknown."""
         ids = [self._ids(c, i) for i, c in enumerate(cands)]
         n = len(ids)
-        joint = self.counts(ids).astype(np.float64)
-        marg = np.ones([1] * n)
-        for axis, x in enumerate(ids):  # outer product of unigram probabilities
+        joint = self.counts(ids)
+        # ratio = count * N1^n / N_n / prod(unigram counts): in place, one axis at a time
+        r = joint.astype(np.float32)
+        r *= np.float32(self.totals[1] ** n / self.totals[n])
+        unknown = []
+        for axis, x in enumerate(ids):
+            u = np.asarray(self.unigrams[x], dtype=np.float64)
             shape = [1] * n
             shape[axis] = len(x)
-            marg = marg * (self.unigrams[x] / self.totals[1]).reshape(shape)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = (joint / self.totals[n]) / marg
-        r[(joint == 0) | (marg == 0)] = self.absent
-        return r.astype(np.float32)
+            r *= np.where(u > 0, 1.0 / np.maximum(u, 1), 0.0).astype(np.float32).reshape(shape)
+            unknown.append(np.flatnonzero(u == 0))
+        if self.absent != 0.0:  # with absent 0 the zeros above are already right
+            r[joint == 0] = self.absent
+            for axis, idx in enumerate(unknown):
+                if idx.size:
+                    r[(slice(None),) * axis + (idx,)] = self.absent
+        return r
 
     def mask(self, cands, alpha: float = 1.0):
         """The co-occurrence mask ``ratio ** alpha`` (seed 003 eq. 6) over the candidate grid.
@@ -155,7 +173,11 @@ class CooccurrenceTable:
         """
         if not np.isfinite(alpha) or alpha < 0:
             raise UsageError(f"alpha must be >= 0, got {alpha}")
-        out = np.power(self.ratio(cands), np.float32(alpha))
+        out = self.ratio(cands)
+        if alpha == 0:
+            out = np.ones_like(out)  # 0 ** 0 = 1: alpha 0 is "no mask", absent cells included
+        elif alpha != 1:
+            np.power(out, np.float32(alpha), out=out)
         first = cands[0] if len(cands) else None
         if hasattr(first, "detach"):
             import torch

@@ -85,3 +85,14 @@ def test_cli_build_info_and_errors(tmp_path, corpus, capsys):
     assert "outside the vocabulary" in capsys.readouterr().err
     assert main(["stats", "info", str(tmp_path / "y")]) == 1
     assert "not a stats dir" in capsys.readouterr().err
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path):
+    from multitoken.pipeline.errors import DataError
+
+    data = write_jsonl_ids(tmp_path / "empty.jsonl", [[], []])
+    with pytest.raises(DataError, match="no tokens"):
+        build_ids(tmp_path, str(data), "e", 10)
+    (tmp_path / "none.jsonl").write_text("")
+    with pytest.raises(DataError, match="no rows"):
+        build_ids(tmp_path, str(tmp_path / "none.jsonl"), "n", 10)

@@ -1,0 +1,183 @@
+"""Benchmark the stats job and the mask lookup; prints and writes JSON.
+
+Figures (issue 4 targets in brackets):
+* counting throughput, orders 1-3 together, on pre-tokenized input held in memory
+  (synthetic Zipf tokens over a 50k vocabulary, and the tinyshakespeare fixture tokenized
+  with the Pythia tokenizer): 1 process [>= 8M tokens/s] and 2 processes [>= 1.7x one];
+* peak memory of a counting process vs its ``--memory-mb`` bound [under the bound];
+* merge time of the 2-process partials;
+* mask lookup latency for k = 50 grids against the merged table [>= 10M distinct trigrams;
+  2-D <= 0.5 ms, 3-D <= 5 ms], with a sorted-array searchsorted baseline for the 3-D grid.
+
+    .venv/bin/python scripts/bench_stats.py --out bench_stats.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import resource
+import shutil
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+from multitoken.pipeline.data import DataConfig
+from multitoken.stats.job import write_stats
+from multitoken.stats.shard import Job, count_shard, shard_dir
+from multitoken.stats.table import CooccurrenceTable
+
+VOCAB = 50_000
+PYTHIA_VOCAB = 50_277
+DOC_LEN = 2048  # the Pile sample's rows
+
+
+def zipf_docs(tokens: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    flat = ((rng.zipf(1.2, size=tokens) - 1) % VOCAB).astype(np.int64)
+    return np.split(flat, np.arange(DOC_LEN, tokens, DOC_LEN))
+
+
+def text_docs(tokens: int) -> list[np.ndarray]:
+    """tinyshakespeare tokenized with the Pythia tokenizer, repeated up to ``tokens``."""
+    from multitoken.pipeline.backbone import load_tokenizer
+    from multitoken.pipeline.data import iter_documents
+
+    repo = Path(__file__).resolve().parents[1]
+    text = repo.parent / "shared" / "fixtures" / "tinyshakespeare" / "input.txt"
+    if not text.exists():
+        raise SystemExit(f"fixture {text} is missing")
+    tok = load_tokenizer(str(repo / "tests" / "assets" / "pythia_tokenizer"))
+    ids = np.concatenate([d for _, d in iter_documents(DataConfig(data=str(text)), tok)])
+    flat = np.resize(ids, tokens)
+    return np.split(flat, np.arange(DOC_LEN, tokens, DOC_LEN))
+
+
+def count_worker(args) -> dict:
+    """Count in-memory documents as shard (i, n) of a job; time only the counting."""
+    out, shard, tokens, seed, memory_mb, source = args
+    docs = zipf_docs(tokens, seed) if source == "zipf" else text_docs(tokens)
+    vocab = VOCAB if source == "zipf" else PYTHIA_VOCAB
+    job = Job(data=DataConfig(data="bench"), tokenizer="bench", fingerprint="bench", vocab_size=vocab,
+              order=3, memory_bytes=memory_mb << 20, out=out)
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tracemalloc.start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    info = count_shard(job, shard, documents=lambda _data, start: ((i, d) for i, d in enumerate(docs) if i >= start))
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"tokens": info["tokens"], "seconds": seconds, "cpu_seconds": cpu, "start": t0, "traced_peak_mb": peak / 2**20,
+            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mb": base_rss / 1024}
+
+
+def bench_counting(work: Path, tokens: int, memory_mb: int, source: str) -> dict:
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        one = pool.map(count_worker, [(str(work / f"one-{source}"), (0, 1), tokens, 0, memory_mb, source)])[0]
+    with ctx.Pool(2) as pool:
+        t0 = time.perf_counter()
+        two = pool.map(count_worker, [(str(work / f"two-{source}"), (i, 2), tokens, 1 + i, memory_mb, source) for i in range(2)])
+        wall = time.perf_counter() - t0
+    span = max(w["start"] + w["seconds"] for w in two) - min(w["start"] for w in two)  # counting only, both overlapped
+    tps1 = one["tokens"] / one["seconds"]
+    tps2 = sum(w["tokens"] for w in two) / span
+    return {
+        "source": source, "tokens_per_process": tokens, "memory_mb": memory_mb,
+        "one_process_tokens_per_s": round(tps1), "two_processes_tokens_per_s": round(tps2),
+        "two_vs_one": round(tps2 / tps1, 2),
+        # CPU-time rates: what each process achieves when it has a core to itself (the machine is shared)
+        "one_process_tokens_per_cpu_s": round(one["tokens"] / one["cpu_seconds"]),
+        "two_processes_tokens_per_cpu_s_each": [round(w["tokens"] / w["cpu_seconds"]) for w in two],
+        "two_processes_wall_s_incl_spawn_and_data_gen": round(wall, 2),
+        "per_process": [one] + two,
+        "peak_traced_mb": round(max(w["traced_peak_mb"] for w in [one] + two), 1),
+        "peak_rss_mb": round(max(w["maxrss_mb"] for w in [one] + two), 1),
+    }
+
+
+def bench_merge(work: Path, memory_mb: int, num_proc: int) -> tuple[dict, Path]:
+    out = work / "merged"
+    sdirs = [shard_dir(work / "two-zipf", (i, 2)) for i in range(2)]
+    t0 = time.perf_counter()
+    meta = write_stats(out, sdirs, [1, 1, 1], num_proc, memory_mb << 20, log=lambda *_: None)
+    return {"seconds": round(time.perf_counter() - t0, 2), "num_proc": num_proc, "memory_mb": memory_mb,
+            "distinct": meta["distinct"], "tokens": meta["total_tokens"]}, out
+
+
+def candidates(rng, probs: np.ndarray, k: int) -> np.ndarray:
+    """k distinct tokens drawn by corpus frequency: stand-ins for a head's top-k."""
+    return rng.choice(probs.size, size=k, replace=False, p=probs)
+
+
+def bench_lookup(stats: Path, k: int, trials: int) -> dict:
+    table = CooccurrenceTable(stats)
+    t0 = time.perf_counter()
+    for order in (2, 3):
+        table.index(order)
+    build = time.perf_counter() - t0
+    uni = np.asarray(table.unigrams, dtype=np.float64)
+    probs = uni / uni.sum()
+    rng = np.random.default_rng(0)
+    res = {"k": k, "trials": trials, "distinct_trigrams": int(table.meta["distinct"]["3"]), "index_build_s": round(build, 2),
+           "index_mb": round(sum(table.index(o).nbytes for o in (2, 3)) / 2**20, 1)}
+    keys3, counts3 = (np.asarray(a) for a in table.arrays(3))
+    for n in (2, 3):
+        times, naive, filled = [], [], []
+        for _ in range(trials):
+            cands = [candidates(rng, probs, k) for _ in range(n)]
+            t = time.perf_counter()
+            grid = table.mask(cands, alpha=1.0)
+            times.append(time.perf_counter() - t)
+            filled.append(float((grid > 0).mean()))
+            if n == 3:  # the naive baseline: binary search of every cell's key in the sorted array
+                t = time.perf_counter()
+                q = table.encode(np.stack(np.meshgrid(*cands, indexing="ij"), -1).reshape(-1, 3))
+                pos = np.minimum(np.searchsorted(keys3, q), keys3.size - 1)
+                naive_counts = np.where(keys3[pos] == q, counts3[pos], 0)
+                naive.append(time.perf_counter() - t)
+                assert np.array_equal(naive_counts.reshape(grid.shape), table.counts(cands))
+        res[f"{n}d_ms_median"] = round(float(np.median(times)) * 1e3, 3)
+        res[f"{n}d_ms_min"] = round(float(np.min(times)) * 1e3, 3)
+        res[f"{n}d_ms_p90"] = round(float(np.percentile(times, 90)) * 1e3, 3)
+        res[f"{n}d_nonzero_fraction"] = round(float(np.mean(filled)), 4)
+        if naive:
+            res["3d_naive_searchsorted_ms_median"] = round(float(np.median(naive)) * 1e3, 2)
+            res["3d_naive_searchsorted_ms_min"] = round(float(np.min(naive)) * 1e3, 2)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16_000_000, help="tokens per counting process (synthetic)")
+    ap.add_argument("--text-tokens", type=int, default=8_000_000, help="tokens per process for the real-text run")
+    ap.add_argument("--memory-mb", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=50)
+    ap.add_argument("--trials", type=int, default=50)
+    ap.add_argument("--out", default="bench_stats.json")
+    ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir, removed)")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-stats-"))
+    try:
+        record = {"machine": {"cpus": mp.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+                              "loadavg_at_start": list(map(float, open("/proc/loadavg").read().split()[:3]))}}
+        record["counting_zipf"] = bench_counting(work, args.tokens, args.memory_mb, "zipf")
+        record["counting_text"] = bench_counting(work, args.text_tokens, args.memory_mb, "text")
+        record["merge"], stats = bench_merge(work, args.memory_mb, 2)
+        record["lookup"] = bench_lookup(stats, args.k, args.trials)
+        record["machine"]["loadavg_at_end"] = list(map(float, open("/proc/loadavg").read().split()[:3]))
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(record, indent=1)
+    print(text)
+    Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
