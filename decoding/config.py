@@ -26,7 +26,7 @@ class DecodeConfig:
     adaptive_threshold: bool = field(default=True, metadata={"help": "Otsu adaptive thresholding of the joint grid"})
     blur_kernel: int = field(default=3, metadata={"help": "Gaussian blur kernel before Otsu (odd; 0 or 1 = no blur)"})
     # speculative / typical
-    drafter: str = field(default="auto", metadata={"help": "drafts: independent heads, cp (sequential), joint (dynamic grid); auto = cp for cp heads", "choices": DRAFTERS})
+    drafter: str = field(default="auto", metadata={"help": "drafts: independent heads, cp (sequential), joint (co-occurrence-masked joint); auto = cp for cp heads, else joint with stats, else independent", "choices": DRAFTERS})
     typical_eps: float = field(default=0.09, metadata={"help": "typical acceptance: posterior threshold eps"})
     typical_delta: float = field(default=0.3, metadata={"help": "typical acceptance: entropy factor delta"})
     stop_at_eos: bool = field(default=True, metadata={"help": "stop after the tokenizer's end-of-sequence token"})

@@ -3,8 +3,8 @@
 For order n: top-k of heads 1..n (with temperature), joint grid = outer product, times the
 co-occurrence mask ** alpha_c (eq. 6) and renormalised, static threshold, Gaussian blur + Otsu
 adaptive threshold, repetition penalty; if no cell exceeds eps_b^(n-1) back off to n-1; order 1 is
-ordinary top-k sampling. The grid is small (k^n cells) and lives in numpy; opencv blurs and
-thresholds 2-D grids, scipy blurs 3-D ones (same separable kernel, Otsu on the same histogram).
+ordinary top-k sampling. The grid is small (k^n cells) and lives in numpy (float32); opencv
+blurs and thresholds it (2-D and 3-D, same separable kernel; scipy past 512 cells per axis).
 
 Reading of the paper's thresholds (its text says both "eps_b" and "eps_b^(n-1)"): an order-n grid
 keeps the cells > eps_b^(n-1) and the order is used iff one exists. So eps_b = 0 never backs off
@@ -24,13 +24,13 @@ class Candidates:
     """Top-k of one head: token ids and their renormalised probabilities (decreasing)."""
 
     ids: np.ndarray  # [k] int64
-    probs: np.ndarray  # [k] float64, sums to 1
+    probs: np.ndarray  # [k] float32, sums to 1
 
 
 def top_candidates(logp: torch.Tensor, k: int, temperature: float) -> Candidates:
     """Top-k of a log-distribution with temperature # [V] -> k ids + probs."""
     vals, idx = torch.topk(logp, k)  # sorted: the grid's axes run from most to least likely
-    probs = torch.softmax(vals.double() / temperature, dim=-1)
+    probs = torch.softmax(vals.double() / temperature, dim=-1).float()  # the grid is float32: k^3 cells stay cheap
     return Candidates(idx.cpu().numpy(), probs.cpu().numpy())
 
 
@@ -47,94 +47,120 @@ def apply_mask(grid: np.ndarray, cands: list[Candidates], table, alpha: float) -
     combination seen in the corpus) carries no information: the grid is then left as it is."""
     if table is None or alpha == 0:
         return grid
-    masked = grid * table.mask([c.ids for c in cands], alpha)
-    total = masked.sum()
-    return masked / total if total > 0 else grid
+    masked = grid * _lookup(table, cands, alpha)
+    total = masked.sum(dtype=np.float64)
+    return masked / np.float32(total) if total > 0 else grid
+
+
+def _lookup(table, cands: list[Candidates], alpha: float) -> np.ndarray:
+    """The table's mask; ids past the tokenizer's vocabulary (embedding-matrix padding, e.g.
+    pythia's 50277..50303) never occur in a corpus, so their cells get the "absent" ratio."""
+    limit = getattr(table, "vocab_size", None)
+    if limit is None or all(c.ids.max() < limit for c in cands):
+        return table.mask([c.ids for c in cands], alpha)
+    mask = table.mask([np.where(c.ids < limit, c.ids, 0) for c in cands], alpha)
+    absent = np.float32(getattr(table, "absent", 0.0)) ** np.float32(alpha)
+    for axis, c in enumerate(cands):
+        index = [slice(None)] * len(cands)
+        index[axis] = c.ids >= limit
+        mask[tuple(index)] = absent
+    return mask
 
 
 def gaussian_blur(grid: np.ndarray, kernel: int) -> np.ndarray:
-    """Gaussian blur, opencv's kernel for ``kernel`` (sigma from the size), reflect-101 borders."""
+    """Gaussian blur with opencv's kernel for ``kernel`` (sigma from the size), reflect-101
+    borders, separable over every axis. 2-D: one opencv call. 3-D: opencv blurs the first two
+    axes treating the last as channels, then the last axis as a 2-D view (about 5x faster than
+    scipy's three passes, identical values); scipy serves grids past opencv's 512 channels."""
     import cv2
 
+    grid = np.ascontiguousarray(grid, dtype=np.float32)
     if grid.ndim == 2:
         return cv2.GaussianBlur(grid, (kernel, kernel), 0)
+    weights = cv2.getGaussianKernel(kernel, 0).ravel()
+    if grid.ndim == 3 and grid.shape[2] <= 512:
+        out = cv2.GaussianBlur(grid, (kernel, kernel), 0)  # axes 0 and 1
+        flat = out.reshape(-1, grid.shape[2])
+        return cv2.sepFilter2D(flat, -1, weights, np.ones(1), borderType=cv2.BORDER_REFLECT_101).reshape(grid.shape)
     from scipy.ndimage import correlate1d
 
-    weights = cv2.getGaussianKernel(kernel, 0).ravel()
     out = grid
-    for axis in range(grid.ndim):  # separable: one 1-D pass per axis
+    for axis in range(grid.ndim):
         out = correlate1d(out, weights, axis=axis, mode="mirror")
     return out
 
 
 def otsu_keep(image: np.ndarray) -> np.ndarray:
-    """Boolean map of the cells above Otsu's threshold of ``image`` scaled to 8 bits."""
-    top = image.max()
+    """Boolean map of the cells above Otsu's threshold of ``image`` scaled to 8 bits. Otsu reads
+    only the histogram, so a grid of any rank is thresholded through a 2-D view (opencv)."""
+    import cv2
+
+    top = float(image.max())
     if top <= 0:
         return np.ones(image.shape, dtype=bool)
-    img = np.rint(image * (255.0 / top)).astype(np.uint8)
-    if img.ndim == 2:
-        import cv2
-
-        t, _ = cv2.threshold(img, 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
-    else:
-        t = otsu_threshold(np.bincount(img.ravel(), minlength=256))
-    return img > t
+    flat = np.ascontiguousarray(image, dtype=np.float32).reshape(-1, image.shape[-1])
+    img = cv2.convertScaleAbs(flat, alpha=255.0 / top)  # rounds to uint8
+    t, _ = cv2.threshold(img, 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
+    return (img > t).reshape(image.shape)
 
 
-def otsu_threshold(hist: np.ndarray) -> int:
-    """Otsu (1979) on a 256-bin histogram: the level maximising between-class variance."""
-    p = hist / hist.sum()
-    levels = np.arange(hist.size)
-    w0 = np.cumsum(p)  # class "<= t" weight
-    mu = np.cumsum(p * levels)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        between = (mu[-1] * w0 - mu) ** 2 / (w0 * (1 - w0))
-    between[~np.isfinite(between)] = -1.0
-    return int(np.argmax(between))  # first maximum, like opencv
-
-
-def repetition_cells(cands: list[Candidates], seen: np.ndarray) -> np.ndarray:
-    """Cells whose tokens repeat the context (``seen`` [V] bool) or each other # -> [k]*n bool."""
-    n = len(cands)
-    rep = np.zeros([len(c.ids) for c in cands], dtype=bool)
-    for axis, c in enumerate(cands):
-        shape = [1] * n
-        shape[axis] = len(c.ids)
-        rep |= seen[c.ids].reshape(shape)
-        for other in range(axis + 1, n):  # the cell repeats itself: x_a == x_b
-            eq = np.equal.outer(c.ids, cands[other].ids)  # [k_a, k_b]
-            shape = [1] * n
-            shape[axis], shape[other] = eq.shape
-            rep |= eq.reshape(shape)
+def repetition_cells(cands: list[Candidates], seen: np.ndarray, cells: tuple[np.ndarray, ...]) -> np.ndarray:
+    """Which of the ``cells`` (per-axis candidate indices, each [m]) repeat the context (``seen``
+    [V] bool) or themselves (x_a == x_b) # -> [m] bool."""
+    tokens = [c.ids[i] for c, i in zip(cands, cells)]  # n x [m] token ids
+    rep = np.zeros(tokens[0].shape, dtype=bool)
+    for a, x in enumerate(tokens):
+        rep |= seen[x]
+        for y in tokens[a + 1:]:
+            rep |= x == y
     return rep
 
 
-def joint_grid(cands: list[Candidates], cfg, table=None, seen: np.ndarray | None = None) -> np.ndarray:
-    """The thresholded, masked, penalised joint grid of order len(cands) (unnormalised)."""
+@dataclass
+class Cells:
+    """The live (non-zero) cells of a joint grid: after thresholding few of the k^n remain, so
+    the penalty, the back-off test and sampling run on them alone."""
+
+    shape: tuple[int, ...]
+    flat: np.ndarray  # [m] flat indices into the grid
+    values: np.ndarray  # [m] float32 weights (unnormalised)
+
+    def dense(self) -> np.ndarray:
+        grid = np.zeros(self.shape, dtype=np.float32)
+        grid.flat[self.flat] = self.values
+        return grid
+
+
+def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | None = None) -> Cells:
+    """Alg. 1 lines 6-10 for order len(cands): outer product, co-occurrence mask, static
+    threshold, blur + Otsu, repetition penalty. Returns the live cells (unnormalised)."""
     order = len(cands)
-    threshold = cfg.eps_b ** (order - 1)
+    threshold = np.float32(cfg.eps_b ** (order - 1))
     grid = apply_mask(outer(cands), cands, table, cfg.alpha_c)
     if cfg.static_threshold:
-        grid = np.where(grid > threshold, grid, 0.0)
+        grid[grid <= threshold] = 0.0
     if cfg.adaptive_threshold and grid.max() > 0:
         blurred = gaussian_blur(grid, cfg.blur_kernel) if cfg.blur_kernel > 1 else grid
-        kept = np.where(otsu_keep(blurred), grid, 0.0)
+        kept = np.where(otsu_keep(blurred), grid, np.float32(0.0))
         grid = kept if kept.max() > 0 else grid  # never let the filter erase the whole grid
-    if cfg.repetition_penalty != 1 and seen is not None:
-        grid = np.where(repetition_cells(cands, seen), grid / cfg.repetition_penalty, grid)
-    return grid
+    flat = np.flatnonzero(grid)
+    values = grid.ravel()[flat]
+    if cfg.repetition_penalty != 1 and seen is not None and flat.size:
+        values[repetition_cells(cands, seen, np.unravel_index(flat, grid.shape))] /= np.float32(cfg.repetition_penalty)
+    return Cells(grid.shape, flat, values)
 
 
-def sample_cell(grid: np.ndarray, rng: np.random.Generator | None) -> tuple[int, ...]:
-    """A cell drawn proportionally to ``grid`` (argmax when ``rng`` is None)."""
-    flat = grid.ravel()
+def joint_grid(cands: list[Candidates], cfg, table=None, seen: np.ndarray | None = None) -> np.ndarray:
+    """``joint_cells`` as a dense [k]*n grid (unnormalised, float32)."""
+    return joint_cells(cands, cfg, table, seen).dense()
+
+
+def sample_index(weights: np.ndarray, rng: np.random.Generator | None) -> int:
+    """An index drawn proportionally to ``weights`` [m] (argmax when ``rng`` is None)."""
     if rng is None:
-        index = int(flat.argmax())
-    else:
-        cdf = np.cumsum(flat)
-        index = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), flat.size - 1)
-    return np.unravel_index(index, grid.shape)
+        return int(weights.argmax())
+    cdf = np.cumsum(weights, dtype=np.float64)
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), weights.size - 1)
 
 
 @dataclass
@@ -155,12 +181,11 @@ def dynamic_propose(head_logps: list[torch.Tensor], cfg, table, seen: np.ndarray
     cands = [top_candidates(lp, k, temperature) for lp in head_logps]
     backed_off = []
     for order in range(len(cands), 1, -1):
-        grid = joint_grid(cands[:order], cfg, table, seen)
-        if (grid > cfg.eps_b ** (order - 1)).any():
-            cell = sample_cell(grid, rng)
+        cells = joint_cells(cands[:order], cfg, table, seen)
+        if (cells.values > np.float32(cfg.eps_b ** (order - 1))).any():
+            cell = np.unravel_index(cells.flat[sample_index(cells.values, rng)], cells.shape)
             return DynamicChoice([int(cands[a].ids[i]) for a, i in enumerate(cell)], order, backed_off)
         backed_off.append(order)
     first = cands[0]
     probs = np.where(seen[first.ids], first.probs / cfg.repetition_penalty, first.probs)
-    (i,) = sample_cell(probs, rng)
-    return DynamicChoice([int(first.ids[i])], 1, backed_off)
+    return DynamicChoice([int(first.ids[sample_index(probs, rng)])], 1, backed_off)

@@ -59,7 +59,7 @@ def _acceptor(cfg: DecodeConfig):
     return greedy_accept if cfg.greedy else speculative_accept
 
 
-@torch.no_grad()
+@torch.inference_mode()  # cheaper than no_grad per op: a small model's step is mostly op overhead
 def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, on_tokens=None,
              drafter=None, acceptor=None) -> DecodeResult:
     """Continue ``prompt_ids`` (list or [1, T] tensor) with ``model`` (a ``MultiTokenModel``).
@@ -80,7 +80,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     run = RunState(model, cfg, Sampler(cfg.greedy, cfg.temperature, cfg.top_k, cfg.seed), table,
                    np.zeros(vocab, dtype=bool), None if cfg.greedy else np.random.default_rng(cfg.seed), vocab)
     run.seen[ids[0].cpu().numpy()] = True
-    drafter = drafter or (pick_drafter(cfg.drafter, model.heads) if speculative else None)
+    drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative else None)
     acceptor = acceptor or _acceptor(cfg)
     order, eos = cfg.order(model.n_future), _eos_ids(model)
     trace, out_ids = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1]), []
@@ -100,7 +100,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     def forward(new: list[int] | torch.Tensor):
         start = time.perf_counter()
         new = torch.as_tensor(new, dtype=torch.long, device=ids.device).reshape(1, -1)
-        result = model.step(new, caches)
+        result = model.step(new, caches, heads_upto=order)  # heads past the order are never read
         trace.model_s += time.perf_counter() - start
         trace.forward_passes += 1
         return result

@@ -10,12 +10,12 @@ loop (config, sampler, stats table, context).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from .dynamic import joint_grid, top_candidates
+from .dynamic import Candidates, joint_grid, top_candidates
 
 
 @dataclass
@@ -37,7 +37,7 @@ def _draw(logp: torch.Tensor, run) -> tuple[int, torch.Tensor]:
 def _pack(tokens: list[int], probs: list[torch.Tensor]) -> Drafts:
     if not tokens:
         return Drafts.empty()
-    return Drafts(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
+    return Drafts(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
 
 
 def independent_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
@@ -69,26 +69,32 @@ def cp_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
 
 
 def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
-    """Drafts from DynaMo's joint grid (masked, thresholded) conditioned on ``first``: the grid's
-    slice at ``first`` is drawn axis by axis, each draft's q being that slice's conditional."""
+    """Drafts from DynaMo's co-occurrence-masked joint (eq. 6) conditioned on ``first``:
+    J(x2..x_{g+1} | first) ~ prod_i p_i(x_i) * ratio(first, x2, ...)^alpha_c over the heads' top-k,
+    with the repetition penalty, drawn axis by axis (each draft's q is its conditional).
+    No thresholds: they exist to back off, and here the verifier already guards the output.
+    Without a table this is the independent drafter."""
     cfg = run.cfg
     k = min(cfg.top_k or 50, run.vocab_size)
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-    cands = [top_candidates(out.head_log_probs(i, anchor)[0], k, temperature) for i in range(g + 1)]
-    hit = np.flatnonzero(cands[0].ids == first)
-    if hit.size == 0:  # the grid has nothing to say after a token outside head 1's top-k
-        return independent_drafts(out, anchor, first, g, run)
-    grid = joint_grid(cands, cfg, run.table, run.seen)[hit[0]]  # [k]*g
+    cands = [Candidates(np.array([first]), np.ones(1, dtype=np.float32))]
+    cands += [top_candidates(out.head_log_probs(i, anchor)[0], k, temperature) for i in range(1, g + 1)]
+    grid_cfg = replace(cfg, static_threshold=False, adaptive_threshold=False)
+    grid = joint_grid(cands, grid_cfg, run.table, run.seen)[0]  # [k]*g
     tokens, probs = [], []
     for axis in range(1, g + 1):
-        marginal = grid.reshape(grid.shape[0], -1).sum(-1)  # [k]
+        marginal = grid.reshape(grid.shape[0], -1).sum(-1, dtype=np.float64)  # [k]
         if not marginal.sum() > 0:
             break
-        q = torch.zeros(run.vocab_size, dtype=torch.float64)
-        q[torch.from_numpy(cands[axis].ids)] = torch.from_numpy(marginal / marginal.sum())
-        i = int(marginal.argmax()) if run.sampler.greedy else int(torch.multinomial(q[torch.from_numpy(cands[axis].ids)], 1, generator=run.sampler.gen))
+        if run.sampler.greedy:  # greedy verification reads the drafts only, not their q
+            i = int(marginal.argmax())
+        else:
+            ids = torch.from_numpy(cands[axis].ids)
+            q = torch.zeros(run.vocab_size, dtype=torch.float64)
+            q[ids] = torch.from_numpy(marginal / marginal.sum())
+            i = int(torch.multinomial(q[ids], 1, generator=run.sampler.gen))
+            probs.append(q.float())
         tokens.append(int(cands[axis].ids[i]))
-        probs.append(q.float())
         grid = grid[i]
     return _pack(tokens, probs)
 
@@ -96,10 +102,11 @@ def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
 DRAFTERS = {"independent": independent_drafts, "cp": cp_drafts, "joint": joint_drafts}
 
 
-def pick_drafter(name: str, heads):
-    """``auto``: CP heads draft sequentially, every other type independently."""
+def pick_drafter(name: str, heads, table=None):
+    """``auto``: CP heads draft sequentially; other heads from the masked joint when a
+    co-occurrence table is at hand (it raises acceptance), else independently."""
     if name == "auto":
-        name = "cp" if hasattr(heads, "conditional_log_probs") else "independent"
+        name = "cp" if hasattr(heads, "conditional_log_probs") else "joint" if table is not None else "independent"
     if name == "cp" and not hasattr(heads, "conditional_log_probs"):
         from multitoken.pipeline.errors import UsageError
 

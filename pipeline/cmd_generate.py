@@ -110,7 +110,7 @@ def run(args) -> None:
     stats = _embedded(base_cfg.base, cfg.stats, EMBEDDED_STATS)
     model = load_model(base_cfg, heads)
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future)
-    table = load_table(stats, model) if decode.mode == "dynamic" or decode.drafter == "joint" else None
+    table = load_table(stats, model) if decode.mode != "ar" else None  # dynamic masking, joint drafts
     tok = model.backbone.tokenizer
     ids = tok(cfg.prompt, return_tensors="pt").input_ids
     check_prompt(ids.shape[1], decode.max_new_tokens, model.backbone.config.max_position_embeddings)

@@ -93,15 +93,35 @@ class StepOutput:
         return self.feats.base[:, pos]
 
 
+def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
+    """Mask, positions and rotary for the new tokens. One new token attends to every cached
+    position, so it needs no mask (batch 1, no padding): skipping the mask builder is a
+    measurable share of a small model's decoding step."""
+    if hidden.shape[1] > 1:
+        return bb.layer_context(hidden, None, caches.backbone)
+    from .backbone import LayerContext
+
+    position_ids = torch.full((1, 1), caches.length, dtype=torch.long, device=hidden.device)  # [1, 1]
+    return LayerContext(mask=None, position_ids=position_ids, position_embeddings=bb.rotary_emb(hidden, position_ids=position_ids))
+
+
 @torch.no_grad()
-def step(model, new_ids: torch.Tensor, caches: DecodeCaches) -> StepOutput:
-    """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache."""
+def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None) -> StepOutput:
+    """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
+    ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
+    layer runs); a run must use the same value throughout, its head caches cover those heads only."""
     bb, heads = model.backbone, model.heads
-    trunk = bb.run_trunk(new_ids, collect=heads.needs_layer_states, cache=caches.backbone)
-    base = bb.final_norm(bb.run_layer(bb.layers[-1], trunk.hidden, trunk.ctx, caches.backbone))  # [B, T, H]
-    feats = Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
+    hidden = bb.embeddings(new_ids)  # [B, T, H]
+    ctx = _layer_context(bb, hidden, caches)
+    states = []
+    for layer in bb.layers[:-1]:
+        hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)
+        if heads.needs_layer_states:
+            states.append(hidden)
+    base = bb.final_norm(bb.run_layer(bb.layers[-1], hidden, ctx, caches.backbone))  # [B, T, H]
+    feats = Features(trunk=hidden, base=base, layer_states=tuple(states), ctx=ctx)
     hiddens = {}
-    for index in range(heads.n_future):
+    for index in range(heads.n_future if heads_upto is None else min(heads_upto, heads.n_future)):
         slot = heads.layer_slot(index)
         if slot is not None:  # layer heads attend over the sequence: run them on every new position
             hiddens[index] = heads.hidden(index, feats, cache=caches.heads[slot])

@@ -150,13 +150,14 @@ class MultiTokenModel(nn.Module):
 
         return new_caches(self)
 
-    def step(self, new_ids: torch.Tensor, caches):
+    def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None):
         """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
         returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
-        ``caches.crop(m)`` drops the last m positions (rejected drafts)."""
+        ``caches.crop(m)`` drops the last m positions (rejected drafts); ``heads_upto`` skips
+        the layers of heads a run never reads."""
         from .incremental import step
 
-        return step(self, new_ids, caches)
+        return step(self, new_ids, caches, heads_upto)
 
 
 def _any_grad(*modules: nn.Module) -> bool:

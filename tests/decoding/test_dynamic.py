@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import dynamic_propose, gaussian_blur, otsu_threshold
+from multitoken.decoding.dynamic import dynamic_propose, gaussian_blur, otsu_keep
 from multitoken.decoding.loop import generate
 
 from .conftest import attach
@@ -63,7 +63,7 @@ def reference_grid(logps, cfg, ratio, seen):
     grid = grid / grid.sum()
     grid[grid <= thr] = 0
     blurred = cv2.GaussianBlur(grid, (3, 3), 0)
-    img = np.rint(blurred * 255 / blurred.max()).astype(np.uint8)
+    img = cv2.convertScaleAbs(blurred.astype(np.float32), alpha=255.0 / blurred.max())
     otsu, _ = cv2.threshold(img, 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
     grid = np.where(img > otsu, grid, 0)
     rep = seen[ids[0]][:, None] | seen[ids[1]][None, :] | (ids[0][:, None] == ids[1][None, :])
@@ -113,16 +113,25 @@ def test_greedy_dynamic_takes_the_best_cell():
     assert dynamic_propose(logps, cfg, None, np.zeros(3, dtype=bool), None).tokens == [1, 0]
 
 
-def test_numpy_otsu_matches_opencv():
+def test_3d_blur_equals_scipy_separable_filter_and_2d_kernel():
+    from scipy.ndimage import correlate1d
+
     rng = np.random.default_rng(0)
-    for _ in range(20):
-        img = np.clip(rng.gamma(0.5, 40, size=(30, 40)), 0, 255).astype(np.uint8)
-        ref, _ = cv2.threshold(img, 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
-        assert otsu_threshold(np.bincount(img.ravel(), minlength=256)) == int(ref)
+    cube = rng.random((6, 7, 9)).astype(np.float32)
+    ref = cube
+    for axis in range(3):
+        ref = correlate1d(ref, cv2.getGaussianKernel(3, 0).ravel(), axis=axis, mode="mirror")
+    np.testing.assert_allclose(gaussian_blur(cube, 3), ref, atol=1e-6)
+    plane = rng.random((7, 9)).astype(np.float32)
+    flat = np.repeat(plane[:, :, None], 5, axis=2)  # constant along the third axis
+    np.testing.assert_allclose(gaussian_blur(flat, 3)[:, :, 2], cv2.GaussianBlur(plane, (3, 3), 0), atol=1e-6)
 
 
-def test_3d_blur_uses_the_2d_kernel():
-    rng = np.random.default_rng(0)
-    plane = rng.random((7, 9))
-    cube = np.repeat(plane[:, :, None], 5, axis=2)  # constant along the third axis
-    np.testing.assert_allclose(gaussian_blur(cube, 3)[:, :, 2], cv2.GaussianBlur(plane, (3, 3), 0), atol=1e-12)
+def test_otsu_on_a_3d_grid_equals_otsu_of_its_histogram():
+    rng = np.random.default_rng(1)
+    cube = rng.gamma(0.5, 1.0, size=(8, 8, 8)).astype(np.float32)
+    keep = otsu_keep(cube)
+    img = cv2.convertScaleAbs(cube.reshape(64, 8), alpha=255.0 / cube.max())
+    t, _ = cv2.threshold(img.reshape(-1, 1), 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
+    np.testing.assert_array_equal(keep, (img > t).reshape(cube.shape))
+    assert 0 < keep.sum() < keep.size
