@@ -16,9 +16,7 @@ from multitoken.pipeline.train import Dist, init_distributed, load_model, train
 from multitoken.pipeline.trainer_config import TrainConfig
 
 
-def main() -> None:
-    heads, data, out, dump, mode, batch = sys.argv[1:7]
-    torch.set_num_threads(1)
+def run(heads: str, data: str, out: str, dump: str, mode: str, batch: str) -> None:
     cfg = TrainConfig(heads=heads, out=out, eval_data=data, max_steps=4, seq_len=32, batch_size=int(batch), lr=5e-3, mode=mode,
                       head_warmup_steps=2 if mode == "warmup" else 0, eval_every=2, eval_batches=1, save_every=2,
                       progress=False, seed=0)
@@ -31,4 +29,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    torch.set_num_threads(1)
+    run(*sys.argv[1:7])
