@@ -66,6 +66,10 @@ def load_model(cfg: TrainConfig, dist: Dist):
     from .model import MultiTokenModel
 
     record = read_heads_config(cfg.heads)
+    if any(k.startswith("base_head.") for k in record["shapes"]) and not cfg.train_base_head:
+        # Saving frozen heads would drop the trained final layer (only trained weights are saved).
+        raise UsageError(f"the heads in {cfg.heads!r} carry a trained final layer (head 1)",
+                         "pass --train-base-head to keep training it")
     base = resolve_base(cfg.base or record["base"])
     dtype = cfg.dtype or record.get("dtype") or "float32"
     bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization)

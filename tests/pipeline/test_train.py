@@ -199,3 +199,21 @@ def test_every_head_type_trains(tiny_llama_dir, corpus, tmp_path, head_type, mon
     before, after = load_trained(tiny_llama_dir, heads), load_trained(tiny_llama_dir, tmp_path / "o")
     assert any(not torch.equal(a, b) for a, b in zip(head_state(before).values(), head_state(after).values()))
     assert all(seen_aux) == (head_type == "cp") and seen_aux
+
+
+def test_dynamo_run_trains_head1_and_keeps_it(tiny_llama_dir, heads_dir, corpus, tmp_path):
+    """DynaMo rates with head 1's final layer trained at LR_B: the trained layer is saved, and
+    continuing without --train-base-head is refused rather than silently dropping it."""
+    from multitoken.pipeline.errors import UsageError
+
+    data = DataConfig(data=str(corpus))
+    dynamo = dict(mode="joint", lr_b=1e-3, lr_m=1e-2, lr_mb=1e-4, train_base_head=True, max_steps=2)
+    train(train_cfg(heads_dir, tmp_path / "d", **dynamo), data)
+    record = json.loads((tmp_path / "d" / "heads_config.json").read_text())
+    assert any(k.startswith("base_head.final_layer.") for k in record["shapes"])
+    before, after = load_trained(tiny_llama_dir, heads_dir), load_trained(tiny_llama_dir, tmp_path / "d")
+    changed = [k for k, v in _base_weights(before).items() if not torch.equal(v, _base_weights(after)[k])]
+    assert changed and all(k.startswith(("model.layers.2.", "model.norm.")) for k in changed)  # only the final layer + norm
+    with pytest.raises(UsageError, match="--train-base-head"):
+        train(train_cfg(tmp_path / "d", tmp_path / "e", max_steps=1), data)
+    train(train_cfg(tmp_path / "d", tmp_path / "e", max_steps=1, train_base_head=True), data)
