@@ -83,9 +83,6 @@ def load_model(cfg: TrainConfig, dist: Dist):
     model = MultiTokenModel.from_pretrained(backbone, cfg.heads)
     if cfg.dynamo and not model.heads.head1_is_base:
         raise UsageError("DynaMo rates need head 1 to be the base path", "use --lr/--head-lr-mult with this head variant")
-    if cfg.train_base_head:
-        for p in model.base_head_parameters():
-            p.requires_grad_(True)
     return model
 
 
@@ -214,6 +211,8 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
         raise UsageError(f"{ckpt_root} already holds checkpoints", "pass --resume to continue, or another --checkpoint-dir")
     torch.manual_seed(cfg.seed)
     model = model if model is not None else load_model(cfg, dist)
+    for p in model.base_head_parameters():  # head 1's own layer: base weights unless asked for
+        p.requires_grad_(cfg.train_base_head)
     set_backbone_trainable(model, cfg.joint_at(0))
     optimizer = torch.optim.AdamW(optim.param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     state: dict = {}
