@@ -72,7 +72,8 @@ def count_worker(args) -> dict:
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return {"tokens": info["tokens"], "seconds": seconds, "cpu_seconds": cpu, "start": t0, "traced_peak_mb": peak / 2**20,
+    return {"tokens": info["tokens"], "seconds": seconds, "cpu_seconds": cpu, "start": t0,
+            "cpu_seconds_counting_chunks": info["cpu_seconds"]["count"], "cpu_seconds_spilling_runs": info["cpu_seconds"]["spill"], "traced_peak_mb": peak / 2**20,
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mb": base_rss / 1024}
 
 
@@ -94,6 +95,8 @@ def bench_counting(work: Path, tokens: int, memory_mb: int, source: str) -> dict
         # CPU-time rates: what each process achieves when it has a core to itself (the machine is shared)
         "one_process_tokens_per_cpu_s": round(one["tokens"] / one["cpu_seconds"]),
         "two_processes_tokens_per_cpu_s_each": [round(w["tokens"] / w["cpu_seconds"]) for w in two],
+        # the counting itself, without merging held counts into runs and writing them
+        "one_process_chunk_counting_tokens_per_cpu_s": round(one["tokens"] / one["cpu_seconds_counting_chunks"]),
         "two_processes_wall_s_incl_spawn_and_data_gen": round(wall, 2),
         "per_process": [one] + two,
         "peak_traced_mb": round(max(w["traced_peak_mb"] for w in [one] + two), 1),

@@ -39,7 +39,7 @@ def merge_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, n
     if not nonempty:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     if len(nonempty) == 1:
-        return np.asarray(nonempty[0][0]), np.asarray(nonempty[0][1])
+        return np.asarray(nonempty[0][0]), np.asarray(nonempty[0][1], dtype=np.uint64)
     keys = np.concatenate([r[0] for r in nonempty])
     counts = np.concatenate([r[1] for r in nonempty]).astype(np.uint64, copy=False)
     del nonempty

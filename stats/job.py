@@ -14,10 +14,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from multitoken.pipeline.cliargs import atomic_write_text, save_resolved_config
 from multitoken.pipeline.data import DataConfig
 from multitoken.pipeline.embedded import default_base
-from multitoken.pipeline.errors import CheckpointError, UsageError
+from multitoken.pipeline.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
 from .merge import merge_orders
@@ -144,8 +146,6 @@ def check_coverage(shards: list[tuple[int, int]]) -> None:
     period = math.lcm(*(n for _, n in shards))
     if period > 10_000_000:
         raise UsageError(f"shard counts {sorted({n for _, n in shards})} are too irregular to check", "use the same N on every machine")
-    import numpy as np
-
     cover = np.zeros(period, np.int64)
     for i, n in shards:
         cover[i::n] += 1
@@ -179,8 +179,6 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
         for info in infos:
             totals = [a + b for a, b in zip(totals, info["totals"])]
     if totals[0] == 0:
-        from multitoken.pipeline.errors import DataError
-
         raise DataError("the corpus produced no tokens", "check --data, --column and --max-tokens")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -72,8 +72,12 @@ def run_range(task: RangeTask) -> int:
         info = read_info(run)
         keys = load_array(run, f"k{task.order}", info)
         counts = load_array(run, f"c{task.order}", info)
-        lo, hi = np.searchsorted(keys, np.array([task.lo, task.hi], dtype=np.uint64))
-        slices.append((np.array(keys[lo:hi]), np.array(counts[lo:hi])))
+        starts = np.array(load_array(run, f"s{task.order}", info))
+        bounds = np.array([task.lo, task.hi], dtype=np.uint64)
+        for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):  # each sorted sub-run
+            lo, hi = a + np.searchsorted(keys[a:b], bounds)
+            if hi > lo:
+                slices.append((np.array(keys[lo:hi]), np.array(counts[lo:hi])))
     keys, counts = merge_runs(slices)  # empties `slices`
     keep = counts >= task.min_count
     keys, counts = keys[keep], counts[keep]

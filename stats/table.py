@@ -104,6 +104,12 @@ class CooccurrenceTable:
             self._index[order] = PrefixBlockIndex(keys, counts, self.vocab_size)
         return self._index[order]
 
+    def prepare(self) -> CooccurrenceTable:
+        """Build every order's lookup index now (else the first ``mask`` call pays for it)."""
+        for order in range(2, self.max_order + 1):
+            self.index(order)
+        return self
+
     def _check_order(self, order: int) -> None:
         if not 2 <= order <= self.max_order:
             raise UsageError(
