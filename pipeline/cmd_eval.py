@@ -87,5 +87,6 @@ def format_report(r: dict) -> str:
     if "logit_lens" in r:
         kl = " ".join(_f(v, 2) for v in r["logit_lens"]["kl_per_layer"])
         lines += ["", f"logit-lens KL(layer || final) per layer 0..L: {kl}"]
-    lines += ["", "seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["seconds"].items())]
+    lines += ["", "wall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["seconds"].items()),
+              "CPU seconds:  " + ", ".join(f"{k} {v:.1f}" for k, v in r.get("cpu_seconds", {}).items())]
     return "\n".join(lines)

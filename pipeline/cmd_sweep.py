@@ -2,7 +2,7 @@
 
 Writes ``sweep.json``, ``sweep.csv``, ``sweep.png`` and ``sweep_config.json`` to ``--out`` and
 prints the table. How to read the plot: each curve is one decoding configuration, each dot one
-eps_b (eps_b = 1, the rightmost-left dot, always emits one token per step); x is the speed-up,
+eps_b (eps_b = 1 always emits one token per step, so it sits at x = 1 on the left panel); x is a speed-up,
 y the base model's NLL of what was generated (lower = text the base model finds likelier); the
 grey band is ar sampling's 95% interval. Dots inside the band are "same quality".
 """
@@ -59,7 +59,7 @@ def run(args) -> None:
     print(f"\nwrote {', '.join(str(out / f) for f in FILES)}")
 
 
-CSV_KEYS = ("tokens_per_forward", "wall_speedup", "nll", "distinct2", "distinct3", "repetition")
+CSV_KEYS = ("tokens_per_forward", "wall_speedup", "cpu_speedup", "nll", "distinct2", "distinct3", "repetition")
 
 
 def to_csv(result: dict) -> str:
@@ -84,37 +84,38 @@ def _ci(ci: dict, digits: int = 2) -> str:
 
 def format_table(result: dict) -> str:
     ar = result["ar"]
-    head = (f"{'config':<14} {'eps_b':>5} {'tok/fwd':>11} {'wall x':>11} {'pred x':>6} {'NLL':>11} "
+    head = (f"{'config':<14} {'eps_b':>5} {'tok/fwd':>11} {'wall x':>11} {'cpu x':>11} {'pred x':>6} {'NLL':>11} "
             f"{'dist-2':>6} {'dist-3':>6} {'rep':>5}")
     lines = [f"{len(result['prompts'])} prompts x {result['seeds']} seeds, 95% intervals; ar reference: "
              f"NLL {_ci(ar['nll'], 3)}, {ar['sec_per_token']['mean'] * 1e3:.2f} ms/token", "", head]
     for p in result["points"]:
         lines.append(f"{p['config']:<14} {p['eps_b']:>5.2f} {_ci(p['tokens_per_forward']):>11} {_ci(p['wall_speedup']):>11} "
-                     f"{p['theory']['predicted_wall_speedup']:>6.2f} {_ci(p['nll'], 2):>11} {p['distinct2']['mean']:>6.3f} "
+                     f"{_ci(p['cpu_speedup']):>11} {p['theory']['predicted_wall_speedup']:>6.2f} {_ci(p['nll'], 2):>11} {p['distinct2']['mean']:>6.3f} "
                      f"{p['distinct3']['mean']:>6.3f} {p['repetition']['mean']:>5.3f}")
-    lines.append(f"{'ar':<14} {'':>5} {'1.00':>11} {'1.00':>11} {'':>6} {_ci(ar['nll'], 2):>11} "
+    lines.append(f"{'ar':<14} {'':>5} {'1.00':>11} {'1.00':>11} {'1.00':>11} {'':>6} {_ci(ar['nll'], 2):>11} "
                  f"{ar['distinct2']['mean']:>6.3f} {ar['distinct3']['mean']:>6.3f} {ar['repetition']['mean']:>5.3f}")
     sq = result["same_quality_speedup"]
     lines.append("")
     if sq is None:
         lines.append("same_quality_speedup: none (no point's NLL interval overlaps ar's)")
     else:
-        lines.append(f"same_quality_speedup: {sq['tokens_per_forward']:.2f} tokens/forward, wall-clock x{sq['wall_clock']:.2f} "
+        lines.append(f"same_quality_speedup: {sq['tokens_per_forward']:.2f} tokens/forward, wall-clock x{sq['wall_clock']:.2f}, CPU-time x{sq['cpu_time']:.2f} "
                      f"({sq['config']}, eps_b {sq['eps_b']:.2f}; NLL {sq['nll']:.3f} vs ar {sq['ar_nll']:.3f})")
     return "\n".join(lines)
 
 
 def plot_sweep(result: dict, path: str | Path) -> Path:
-    """Two panels: NLL vs tokens per forward, NLL vs wall-clock speed-up; ar's band in grey."""
+    """NLL vs tokens per forward, vs wall-clock and vs CPU-time speed-up; ar's band in grey."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ar = result["ar"]["nll"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120, sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=110, sharey=True)
     for ax, key, label in ((axes[0], "tokens_per_forward", "tokens per forward pass"),
-                           (axes[1], "wall_speedup", "wall-clock speed-up over ar")):
+                           (axes[1], "wall_speedup", "wall-clock speed-up over ar"),
+                           (axes[2], "cpu_speedup", "CPU-time speed-up over ar")):
         ax.axhspan(ar["lo"], ar["hi"], color="0.85", label="ar sampling (95% CI)")
         ax.axhline(ar["mean"], color="0.5", lw=0.8)
         for name in dict.fromkeys(p["config"] for p in result["points"]):
@@ -132,7 +133,7 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     axes[0].set_ylabel("base-model NLL of the continuation (lower = likelier)")
     axes[0].legend(fontsize=7)
     sq = result["same_quality_speedup"]
-    note = "" if sq is None else f" — same-quality: {sq['tokens_per_forward']:.2f} tok/fwd, x{sq['wall_clock']:.2f} wall"
+    note = "" if sq is None else f" — same-quality: {sq['tokens_per_forward']:.2f} tok/fwd, x{sq['wall_clock']:.2f} wall, x{sq['cpu_time']:.2f} CPU"
     fig.suptitle(f"eps_b sweep: {Path(result['base']).name}, numbers = eps_b{note}", fontsize=9)
     fig.tight_layout()
     path = Path(path)

@@ -131,11 +131,21 @@ def _batches(cfg: EvalConfig, data_cfg, tokenizer, device):
 
 
 class _Timer:
+    """Wall seconds per part, and process CPU seconds (all threads) that other processes on a
+    shared machine cannot inflate."""
+
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._cpu0 = 0.0
+
+    def start(self) -> float:
+        self._cpu0 = time.process_time()
+        return time.perf_counter()
 
     def add(self, part: str, start: float) -> None:
         self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
+        self.cpu[part] = self.cpu.get(part, 0.0) + time.process_time() - self._cpu0
 
 
 @torch.no_grad()
@@ -151,7 +161,7 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
     tokens = sequences = 0
     for ids in _batches(cfg, data_cfg, bb.tokenizer, bb.device):  # [B, T]
         tokens, sequences = tokens + ids.numel(), sequences + ids.shape[0]
-        start = time.perf_counter()
+        start = timer.start()
         feats = model.features(ids)
         k = dyn.k if dyn is not None and not dyn.full else None
         for i in range(n):
@@ -162,17 +172,17 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
         acc.end_batch()
         timer.add("ppl", start)
         if dyn is not None:
-            start = time.perf_counter()
+            start = timer.start()
             dyn.end_batch(ids)
             timer.add("dynamic", start)
         if "marginal" in cfg.parts:
-            start = time.perf_counter()
+            start = timer.start()
             marg.add(model, feats, ids, cfg, tokens - ids.numel())
             timer.add("marginal", start)
         if "lens" in cfg.parts and lens_count < cfg.lens_tokens:
             from .lens import lens_kl_sums
 
-            start = time.perf_counter()
+            start = timer.start()
             take = max(1, min(ids.shape[0], -(-(cfg.lens_tokens - lens_count) // ids.shape[1])))
             sums = lens_kl_sums(bb, ids[:take])
             lens_sum = sums if lens_sum is None else lens_sum + sums
@@ -188,6 +198,7 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
     if lens_sum is not None:
         report["logit_lens"] = {"kl_per_layer": (lens_sum / lens_count).tolist(), "tokens": lens_count}
     report["seconds"] = {k: round(v, 3) for k, v in timer.seconds.items()}
+    report["cpu_seconds"] = {k: round(v, 3) for k, v in timer.cpu.items()}
     return report
 
 

@@ -2,11 +2,13 @@
 
 Every (configuration, eps_b) point generates a continuation of each prompt with each seed,
 and ``ar`` does the same once at the same settings (temperature, top-k, budget). Per run:
-tokens per forward (the trace), seconds per generated token, and quality measured without an
+tokens per forward (the trace), wall and CPU seconds per generated token, and quality measured without an
 external judge: the base model's mean NLL of the continuation given the prompt (temperature
 1, full vocabulary), distinct-2/3 and the repetition rate (share of repeated 4-grams). Each
 point reports means with 95% Student-t intervals over the prompt x seed runs; the wall-clock
-speed-up of a run is ar's seconds per token over the point's, on the same prompt and seed.
+speed-up of a run is ar's seconds per token over the point's, on the same prompt and seed;
+the CPU-time speed-up (process time, one thread by default) is the same ratio measured in a
+way other processes on a shared machine cannot inflate.
 
 ``same_quality_speedup``: among points whose NLL interval overlaps ar's, the one with the most
 tokens per forward (its wall-clock speed-up is reported beside it).
@@ -121,11 +123,13 @@ def run_once(model, prompt_ids: list[int], decode_cfg, table) -> dict:
     """One generation and its per-run measurements."""
     from multitoken.decoding.loop import generate
 
+    cpu = time.process_time()
     result = generate(model, prompt_ids, decode_cfg, table=table)
+    cpu = time.process_time() - cpu  # immune to other processes' load, unlike wall time
     new, trace = result.token_ids, result.trace
     return {
         "tokens": len(new), "tokens_per_forward": trace.tokens_per_forward,
-        "sec_per_token": trace.wall_s / max(len(new), 1),
+        "sec_per_token": trace.wall_s / max(len(new), 1), "cpu_per_token": cpu / max(len(new), 1),
         "nll": continuation_nll(model.backbone, prompt_ids, new),
         "distinct2": M.distinct_n(new, 2), "distinct3": M.distinct_n(new, 3), "repetition": M.repetition_rate(new, 4),
     }
@@ -134,8 +138,9 @@ def run_once(model, prompt_ids: list[int], decode_cfg, table) -> dict:
 def _summarise(runs: list[dict], ar_runs: list[dict] | None) -> dict:
     point = {key: M.mean_ci([r[key] for r in runs]) for key in ("tokens_per_forward",) + QUALITY}
     if ar_runs is not None:
-        ratios = [a["sec_per_token"] / r["sec_per_token"] for a, r in zip(ar_runs, runs) if r["sec_per_token"] > 0]
-        point["wall_speedup"] = M.mean_ci(ratios)
+        for key, per_token in (("wall_speedup", "sec_per_token"), ("cpu_speedup", "cpu_per_token")):
+            ratios = [a[per_token] / r[per_token] for a, r in zip(ar_runs, runs) if r[per_token] > 0]
+            point[key] = M.mean_ci(ratios)
     point["sec_per_token"] = M.mean_ci([r["sec_per_token"] for r in runs])
     return point
 
@@ -167,7 +172,7 @@ def same_quality(points: list[dict], ar: dict) -> dict | None:
         return None
     best = max(ok, key=lambda p: p["tokens_per_forward"]["mean"])
     return {"config": best["config"], "eps_b": best["eps_b"], "tokens_per_forward": best["tokens_per_forward"]["mean"],
-            "wall_clock": best["wall_speedup"]["mean"], "nll": best["nll"]["mean"], "ar_nll": ar["nll"]["mean"]}
+            "wall_clock": best["wall_speedup"]["mean"], "cpu_time": best["cpu_speedup"]["mean"], "nll": best["nll"]["mean"], "ar_nll": ar["nll"]["mean"]}
 
 
 def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=None, log=print) -> dict:
@@ -196,7 +201,7 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
             point["theory"] = theory(point, model.n_future, c)
             points.append(point)
             log(f"{name} eps_b {eps:.2f}: {point['tokens_per_forward']['mean']:.2f} tokens/forward, "
-                f"wall x{point['wall_speedup']['mean']:.2f}, NLL {point['nll']['mean']:.3f}")
+                f"wall x{point['wall_speedup']['mean']:.2f}, cpu x{point['cpu_speedup']['mean']:.2f}, NLL {point['nll']['mean']:.3f}")
     return {"prompts": prompts, "seeds": cfg.seeds, "eps_b": grid, "n_future": model.n_future, "draft_cost_ratio": c,
             "ar": ar, "points": points, "same_quality_speedup": same_quality(points, ar),
             "seconds": round(time.perf_counter() - started, 2)}

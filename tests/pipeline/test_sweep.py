@@ -55,7 +55,7 @@ def test_continuation_nll_is_hf_loss(tiny_model):
 def _pt(tpf, nll_lo, nll_hi, wall=1.0, eps=0.5, config="CO+AT+G-3"):
     ci = lambda m, lo, hi: {"mean": m, "lo": lo, "hi": hi, "n": 3}  # noqa: E731
     return {"config": config, "eps_b": eps, "tokens_per_forward": ci(tpf, tpf, tpf),
-            "wall_speedup": ci(wall, wall, wall), "nll": ci((nll_lo + nll_hi) / 2, nll_lo, nll_hi)}
+            "wall_speedup": ci(wall, wall, wall), "cpu_speedup": ci(wall, wall, wall), "nll": ci((nll_lo + nll_hi) / 2, nll_lo, nll_hi)}
 
 
 def test_same_quality_picks_fastest_overlapping_point():
@@ -92,6 +92,6 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     res = json.loads((out / "sweep.json").read_text())
     assert "same_quality_speedup" in res and len(res["points"]) == 2
     rows = (out / "sweep.csv").read_text().splitlines()
-    assert rows[0].startswith("config,eps_b,tokens_per_forward_mean") and len(rows) == 4
+    assert rows[0].startswith("config,eps_b,tokens_per_forward_mean") and "cpu_speedup_lo" in rows[0] and len(rows) == 4
     assert (out / "sweep.png").stat().st_size > 5000
     assert "same_quality_speedup" in capsys.readouterr().out
