@@ -73,6 +73,10 @@ def format_report(r: dict) -> str:
     lines += ["", "expected tokens per step from draft top-1 accuracies (heads 2..n):",
               f"  formula 1 + sum_k prod acc: {_f(a['formula_with_base_token'])} (drafts only: {_f(a['formula_without_base_token'])})",
               f"  empirical chain:            {_f(a['empirical_with_base_token'])} (drafts only: {_f(a['empirical_without_base_token'])})"]
+    if "speedup_theory" in r:
+        t = r["speedup_theory"]
+        lines.append(f"  seed 004 theory at the implied acceptance a = {_f(t['a'])}, g = {t['g']}, c = {_f(t['c'], 4)}: "
+                     f"wall-time x{_f(t['speed'], 2)}, operations x{_f(t['operations'], 2)}")
     if "dynamic" in r:
         lines += ["", f"{'eps_b':>6} {'PPL_d':>10} {'tokens/step':>12}"]
         lines += [f"{d['eps_b']:>6.2f} {_f(d['ppl_d'], 2):>10} {_f(d['tokens_per_step']):>12}" for d in r["dynamic"]]

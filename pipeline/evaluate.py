@@ -153,6 +153,7 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
     """Run the selected parts over the data; returns the JSON-ready report."""
     from .errors import DataError
     from .headscores import score_head
+    from .speedup import draft_cost_ratio, theory_from_tokens
 
     bb, n = model.backbone, model.n_future
     acc, timer = HeadAccumulator(n), _Timer()
@@ -191,6 +192,8 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
     if sequences == 0:
         raise DataError(f"the data holds fewer than {cfg.seq_len} tokens: no evaluation sequence", "pass more data or a smaller --seq-len")
     report = {"tokens": tokens, "sequences": sequences, "n_future": n, **acc.report()}
+    report["speedup_theory"] = theory_from_tokens(report["accept_length"]["empirical_with_base_token"], n - 1,
+                                                  draft_cost_ratio(model))
     if dyn is not None:
         report["dynamic"] = dyn.report()
     if "marginal" in cfg.parts:

@@ -64,6 +64,24 @@ def speedup_table(points, c: float = 0.0, c_hat: float = 0.0) -> list[dict]:
     return [asdict(speedup_row(a, g, c, c_hat)) for a, g in points]
 
 
+def draft_cost_ratio(model) -> float:
+    """c for multi-token heads: one draft's cost relative to one base forward, estimated as the
+    head parameters per draft over the base model's parameters (FLOPs per token scale with them)."""
+    g = max(model.n_future - 1, 1)
+    heads = sum(p.numel() for p in model.heads.parameters())
+    base = sum(p.numel() for p in model.backbone.causal_lm.parameters())
+    return heads / g / base
+
+
+def theory_from_tokens(tokens_per_step: float, g: int, c: float = 0.0) -> dict:
+    """The acceptance a a measured tokens-per-step implies (clamped to [1, g + 1]) and what the
+    formulas then predict for the wall time and the operations (c_hat = c)."""
+    if g < 1:
+        return asdict(SpeedupRow(0.0, 0, c, c, 1.0, 1.0, 1.0))
+    a = acceptance_from_tokens(min(max(tokens_per_step, 1.0), g + 1.0), g)
+    return asdict(speedup_row(a, g, c, c))
+
+
 def _check(a: float, g: int) -> None:
     if not 0.0 <= a <= 1.0:
         raise ValueError(f"acceptance rate must be in [0, 1], got {a}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import metrics as M
-from .speedup import acceptance_from_tokens, walltime_improvement
+from .speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
 
 # Seed 003 Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (
@@ -143,15 +143,6 @@ def _summarise(runs: list[dict], ar_runs: list[dict] | None) -> dict:
             point[key] = M.mean_ci(ratios)
     point["sec_per_token"] = M.mean_ci([r["sec_per_token"] for r in runs])
     return point
-
-
-def draft_cost_ratio(model) -> float:
-    """c of seed 004: one draft's cost relative to one base forward, estimated as the head
-    parameters per draft over the base model's parameters (FLOPs per token scale with them)."""
-    g = max(model.n_future - 1, 1)
-    heads = sum(p.numel() for p in model.heads.parameters())
-    base = sum(p.numel() for p in model.backbone.causal_lm.parameters())
-    return heads / g / base
 
 
 def theory(point: dict, n_future: int, c: float) -> dict:

@@ -95,6 +95,8 @@ def test_evaluate_end_to_end(tiny_model, tmp_path):
     assert rep["marginal"]["positions"] == len(range(0, 9 * 32, 40))
     assert len(rep["logit_lens"]["kl_per_layer"]) == tiny_model.backbone.num_layers + 1
     assert rep["logit_lens"]["tokens"] == 64
+    assert rep["speedup_theory"]["g"] == 2 and rep["speedup_theory"]["tokens_per_step"] == pytest.approx(
+        rep["accept_length"]["empirical_with_base_token"])
     json.dumps(rep)  # JSON-ready
 
 

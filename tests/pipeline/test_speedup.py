@@ -32,3 +32,13 @@ def test_hand_values_and_limits():
         expected_tokens(1.5, 2)
     with pytest.raises(ValueError):
         acceptance_from_tokens(4.0, 2)
+
+
+def test_theory_from_measured_tokens():
+    from multitoken.pipeline.speedup import theory_from_tokens
+
+    row = theory_from_tokens(1.75, 2, c=0.1)  # a = 0.5 gives 1.75 tokens per step
+    assert row["a"] == pytest.approx(0.5, abs=1e-8)
+    assert row["speed"] == pytest.approx(1.75 / 1.2)
+    assert row["operations"] == pytest.approx((2 * 0.1 + 2 + 1) / 1.75)  # c_hat = c
+    assert theory_from_tokens(0.5, 2)["a"] == pytest.approx(0.0, abs=1e-8)  # clamped to one token
