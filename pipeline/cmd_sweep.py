@@ -119,7 +119,8 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
         ax.axhspan(ar["lo"], ar["hi"], color="0.85", label="ar sampling (95% CI)")
         ax.axhline(ar["mean"], color="0.5", lw=0.8)
         for name in dict.fromkeys(p["config"] for p in result["points"]):
-            pts = sorted((p for p in result["points"] if p["config"] == name), key=lambda p: p[key]["mean"])
+            # the curve is parametrised by eps_b: join the dots in eps_b order on every panel
+            pts = sorted((p for p in result["points"] if p["config"] == name), key=lambda p: p["eps_b"])
             x = [p[key]["mean"] for p in pts]
             y = [p["nll"]["mean"] for p in pts]
             yerr = [[p["nll"]["mean"] - p["nll"]["lo"] for p in pts], [p["nll"]["hi"] - p["nll"]["mean"] for p in pts]]
