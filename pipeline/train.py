@@ -218,6 +218,9 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     state: dict = {}
     if cfg.resume and existing:
         state = load_checkpoint(existing[-1], model, optimizer)
+        if state.get("stream", _stream_key(cfg, dist)) != _stream_key(cfg, dist):
+            raise UsageError(f"{existing[-1]} was made with other data settings: {state['stream']}",
+                             "resume with the same --data, --seq-len, --batch-size, --grad-accum, --separator and process count")
     step = int(state.get("step", 0))
     set_backbone_trainable(model, cfg.joint_at(step))
     stream, eval_batches, epoch_start = make_streams(cfg, data, model, state.get("position"))
@@ -251,6 +254,12 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     return {"step": step, "eval": final, "checkpoint_dir": str(ckpt_root), "out": cfg.out}
 
 
+def _stream_key(cfg: TrainConfig, dist: Dist) -> dict:
+    """What the saved data position means: resuming under other values would not continue it."""
+    return {"seq_len": cfg.seq_len, "rows_per_step": cfg.batch_size * cfg.grad_accum * dist.world,
+            "separator": cfg.separator, "eval_data": cfg.eval_data, "eval_batches": cfg.eval_batches}
+
+
 def _barrier(dist: Dist) -> None:
     if dist.world > 1:
         import torch.distributed as tdist
@@ -260,7 +269,7 @@ def _barrier(dist: Dist) -> None:
 
 def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, history) -> None:
     if dist.main:
-        state = {"position": position, "epoch_start": epoch_start.to_dict(), "history": history,
+        state = {"position": position, "epoch_start": epoch_start.to_dict(), "history": history, "stream": _stream_key(cfg, dist),
                  "mode_phase": "joint" if cfg.joint_at(step) else "heads"}
         save_checkpoint(root, step, model, optimizer, state, cfg.keep_checkpoints)
     _barrier(dist)

@@ -143,6 +143,8 @@ def test_existing_checkpoints_need_resume(heads_dir, corpus, tmp_path):
     train(train_cfg(heads_dir, tmp_path / "o", max_steps=1), data)
     with pytest.raises(UsageError, match="--resume"):
         train(train_cfg(heads_dir, tmp_path / "o", max_steps=1), data)
+    with pytest.raises(UsageError, match="other data settings"):
+        train(train_cfg(heads_dir, tmp_path / "o", max_steps=2, seq_len=16, resume=True), data)
 
 
 def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):

@@ -88,7 +88,7 @@ def test_rms_balance_gives_every_head_head1s_magnitude():
     out = LossOutput(per_head=losses, aux=torch.tensor(3.0, requires_grad=True))
     cfg = train_cfg("h", "o", loss_balance="rms", aux_weight=0.5)
     total = optim.combine_losses(out, cfg, scale=1.0)
-    assert float(total) == pytest.approx(2.0 * 3 + 0.5 * 3.0)
+    assert total.item() == pytest.approx(2.0 * 3 + 0.5 * 3.0)
     total.backward()
     assert [float(l.grad) for l in losses] == pytest.approx([1.0, 0.5, 0.25])  # w_i = L_1 / L_i, detached
     plain = optim.combine_losses(LossOutput(per_head=[l.detach() for l in losses]), train_cfg("h", "o", aux_weight=0.5), 1.0)
