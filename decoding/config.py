@@ -62,3 +62,14 @@ class DecodeConfig:
     def order(self, n_heads: int) -> int:
         """Tokens per forward at most: 1 in ar mode, else ``n`` (default every head)."""
         return 1 if self.mode == "ar" else (self.n or n_heads)
+
+
+def check_context(n_prompt: int, max_new: int, context: int) -> None:
+    """The prompt and the generated tokens must fit the model's context."""
+    if n_prompt >= context:
+        raise UsageError(f"the prompt has {n_prompt} tokens, the model's context is {context}", "shorten the prompt")
+    if n_prompt + max_new > context:
+        raise UsageError(
+            f"prompt ({n_prompt} tokens) + --max-new-tokens ({max_new}) exceeds the model's context of {context}",
+            "shorten the prompt or lower --max-new-tokens",
+        )

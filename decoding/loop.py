@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .accept import greedy_accept, speculative_accept, typical_rule
-from .config import DecodeConfig
+from .config import DecodeConfig, check_context
 from .dynamic import dynamic_propose
 from .proposal import Drafts, pick_drafter
 from .sampling import Sampler
@@ -76,6 +76,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         from multitoken.pipeline.errors import UsageError
 
         raise UsageError("the prompt is empty", "pass at least one token")
+    check_context(ids.shape[1], cfg.max_new_tokens, model.backbone.config.max_position_embeddings)
     speculative = cfg.mode in ("speculative", "typical")
     run = RunState(model, cfg, Sampler(cfg.greedy, cfg.temperature, cfg.top_k, cfg.seed), table,
                    np.zeros(vocab, dtype=bool), None if cfg.greedy else np.random.default_rng(cfg.seed), vocab)

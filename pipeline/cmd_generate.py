@@ -53,18 +53,6 @@ def load_table(stats: str | None, model):
     return CooccurrenceTable.for_tokenizer(stats, model.backbone.tokenizer)
 
 
-def check_prompt(n_prompt: int, max_new: int, context: int) -> None:
-    from .errors import UsageError
-
-    if n_prompt >= context:
-        raise UsageError(f"the prompt has {n_prompt} tokens, the model's context is {context}", "shorten the prompt")
-    if n_prompt + max_new > context:
-        raise UsageError(
-            f"prompt ({n_prompt} tokens) + --max-new-tokens ({max_new}) exceeds the model's context of {context}",
-            "shorten the prompt or lower --max-new-tokens",
-        )
-
-
 def register(sub) -> None:
     from multitoken.decoding.config import DecodeConfig
 
@@ -95,7 +83,7 @@ class _Streamer:
 
 
 def run(args) -> None:
-    from multitoken.decoding.config import DecodeConfig
+    from multitoken.decoding.config import DecodeConfig, check_context
     from multitoken.decoding.loop import generate
 
     from .cliargs import config_dict, dataclass_from_args
@@ -113,7 +101,7 @@ def run(args) -> None:
     table = load_table(stats, model) if decode.mode != "ar" else None  # dynamic masking, joint drafts
     tok = model.backbone.tokenizer
     ids = tok(cfg.prompt, return_tensors="pt").input_ids
-    check_prompt(ids.shape[1], decode.max_new_tokens, model.backbone.config.max_position_embeddings)
+    check_context(ids.shape[1], decode.max_new_tokens, model.backbone.config.max_position_embeddings)
     if heads is None and not cfg.json:
         print("note: no heads (pass --heads DIR): decoding one token per forward pass", file=sys.stderr)
     streamer = None if cfg.json else _Streamer(tok, cfg.prompt)

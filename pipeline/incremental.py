@@ -94,15 +94,23 @@ class StepOutput:
 
 
 def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
-    """Mask, positions and rotary for the new tokens. One new token attends to every cached
-    position, so it needs no mask (batch 1, no padding): skipping the mask builder is a
-    measurable share of a small model's decoding step."""
-    if hidden.shape[1] > 1:
+    """Mask, positions and rotary for the T new tokens after ``caches.length`` cached ones
+    (batch 1, no padding). One token attends to everything: no mask. Several tokens under SDPA
+    get the boolean causal mask transformers' builder would return ([1, 1, T, past + T], True =
+    attend), built directly: the generic builder is a measurable share of a small model's
+    verification step. Other attention kernels go through the builder."""
+    past, t = caches.length, hidden.shape[1]
+    if t > 1 and bb.config._attn_implementation != "sdpa":
         return bb.layer_context(hidden, None, caches.backbone)
     from .backbone import LayerContext
 
-    position_ids = torch.full((1, 1), caches.length, dtype=torch.long, device=hidden.device)  # [1, 1]
-    return LayerContext(mask=None, position_ids=position_ids, position_embeddings=bb.rotary_emb(hidden, position_ids=position_ids))
+    position_ids = torch.arange(past, past + t, device=hidden.device).unsqueeze(0)  # [1, T]
+    mask = None
+    if t > 1:
+        keys = torch.arange(past + t, device=hidden.device)
+        mask = (keys[None, :] <= position_ids[0, :, None])[None, None]  # [1, 1, T, past + T]
+    rotary = bb.rotary_emb(hidden, position_ids=position_ids)
+    return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=rotary)
 
 
 @torch.no_grad()

@@ -95,6 +95,8 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
         "hf_prompt_lookup": hf_runner(model, True, args.max_new_tokens),
         "ar": our_runner(model, DecodeConfig(mode="ar", greedy=True, max_new_tokens=args.max_new_tokens), table),
         "speculative_greedy": our_runner(model, DecodeConfig(mode="speculative", greedy=True, **base), table),
+        # two tokens per pass at most, but one head layer fewer per verification pass
+        "speculative_greedy_n2": our_runner(model, DecodeConfig(mode="speculative", greedy=True, **{**base, "n": min(2, n)}), table),
     }
     for eps in (0.25, 0.5, 0.75):
         methods[f"dynamic_eps{eps}"] = our_runner(model, DecodeConfig(mode="dynamic", eps_b=eps, **base), table)
@@ -120,7 +122,7 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
                        model_s=round(sum(t.model_s for t in r["traces"]), 4),
                        decoding_logic_s=round(sum(t.decoding_s for t in r["traces"]), 4),
                        logic_ms_per_forward=round(1000 * sum(t.decoding_s for t in r["traces"]) / fw, 3))
-        if label in ("ar", "speculative_greedy", "hf_prompt_lookup"):
+        if label in ("ar", "speculative_greedy", "speculative_greedy_n2", "hf_prompt_lookup"):
             row["identical_to_hf_greedy"] = r["outputs"] == hf["outputs"]
         rows[label] = row
     return {"model": name, "heads": heads_label, "stats": bool(table), "n": n, "prompts": prompts, "methods": rows}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,3 +71,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class RatioTable:
+    """A co-occurrence table stand-in: mask = ratio(x1, x2(, x3)) ** alpha, from a fixed array
+    (order 2) or a cheap hash of the ids (any order)."""
+
+    def __init__(self, ratio: np.ndarray | None = None):
+        self.ratio = ratio
+
+    def mask(self, cands, alpha: float = 1.0):
+        if self.ratio is not None:
+            return self.ratio[np.ix_(*cands)] ** alpha
+        grid = sum(np.asarray(c).reshape([-1 if a == i else 1 for a in range(len(cands))]) * (7 + 6 * i)
+                   for i, c in enumerate(cands))
+        return (0.5 + (grid % 11) / 5.0) ** alpha

@@ -15,22 +15,7 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.dynamic import dynamic_propose, gaussian_blur, otsu_keep
 from multitoken.decoding.loop import generate
 
-from .conftest import attach
-
-
-class RatioTable:
-    """A co-occurrence table stand-in: mask = ratio(x1, x2(, x3)) ** alpha, from a fixed array
-    (order 2) or a cheap hash of the ids (any order)."""
-
-    def __init__(self, ratio: np.ndarray | None = None):
-        self.ratio = ratio
-
-    def mask(self, cands, alpha: float = 1.0):
-        if self.ratio is not None:
-            return self.ratio[np.ix_(*cands)] ** alpha
-        grid = sum(np.asarray(c).reshape([-1 if a == i else 1 for a in range(len(cands))]) * (7 + 6 * i)
-                   for i, c in enumerate(cands))
-        return (0.5 + (grid % 11) / 5.0) ** alpha
+from .conftest import RatioTable, attach
 
 
 @pytest.mark.parametrize("eps_b,expected", [(0.0, "n"), (1.0, 1)])
@@ -83,7 +68,7 @@ def test_emitted_pairs_follow_the_masked_thresholded_grid():
     assert (grid > 0).sum() >= 4, "the test needs several live cells"
     sampler = np.random.default_rng(0)
     draws = Counter()
-    runs = 6000
+    runs = 3000
     for _ in range(runs):
         choice = dynamic_propose(logps, cfg, RatioTable(ratio), seen, sampler)
         assert choice.order == 2

@@ -1,0 +1,67 @@
+"""Acceptance rules on synthetic distributions: Leviathan's rule emits exactly the target
+distribution whatever the drafts' q, greedy keeps argmax matches, typical thresholds entropy."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from multitoken.decoding.accept import greedy_accept, speculative_accept, typical_accept
+from multitoken.decoding.sampling import Sampler, processed_probs
+
+
+def test_first_emitted_token_follows_the_target_for_any_draft_distribution():
+    g = torch.Generator().manual_seed(0)
+    v, runs = 5, 6000
+    p = torch.softmax(torch.randn(3, v, generator=g) * 1.5, -1)  # targets after positions 0..2
+    q = torch.softmax(torch.randn(2, v, generator=g) * 1.5, -1)  # the drafts' distributions
+    sampler = Sampler(greedy=False, temperature=1.0, top_k=0, seed=1)
+    first, lengths = Counter(), Counter()
+    for _ in range(runs):
+        drafts = torch.multinomial(q, 1, generator=sampler.gen).reshape(-1)
+        verdict = speculative_accept(drafts, q, p, sampler)
+        lengths[verdict.accepted] += 1
+        first[int(drafts[0]) if verdict.accepted > 0 else verdict.next_token] += 1
+    expected = p[0].double() / p[0].double().sum() * runs
+    assert chisquare([first[i] for i in range(v)], expected.numpy()).pvalue > 1e-3
+    assert set(lengths) == {0, 1, 2}
+
+
+def test_identical_draft_and_target_accepts_everything():
+    p = torch.softmax(torch.randn(3, 7), -1)
+    sampler = Sampler(greedy=False, temperature=1.0, top_k=0)
+    for _ in range(50):
+        drafts = torch.multinomial(p[:2], 1, generator=sampler.gen).reshape(-1)
+        assert speculative_accept(drafts, p[:2], p, sampler).accepted == 2
+
+
+def test_greedy_keeps_the_matching_prefix_then_the_argmax():
+    p = torch.eye(4)[[2, 0, 3]] * 0.9 + 0.025  # argmax 2, 0, 3
+    sampler = Sampler(greedy=True, temperature=1.0, top_k=0)
+    assert greedy_accept(torch.tensor([2, 0]), None, p, sampler).__dict__ == {"accepted": 2, "next_token": 3}
+    assert greedy_accept(torch.tensor([2, 1]), None, p, sampler).__dict__ == {"accepted": 1, "next_token": 0}
+    assert greedy_accept(torch.tensor([1, 0]), None, p, sampler).__dict__ == {"accepted": 0, "next_token": 2}
+
+
+def test_typical_acceptance_threshold():
+    sharp = torch.tensor([0.97, 0.01, 0.01, 0.01])  # low entropy: bound = min(eps, delta e^-H) = eps
+    flat = torch.full((4,), 0.25)  # H = log 4: bound = min(0.09, 0.3 / 4) = 0.075
+    sampler = Sampler(greedy=True, temperature=1.0, top_k=0)
+    p = torch.stack([flat, sharp, sharp])
+    # 0.25 > 0.075 accepted; then token 1 has p = 0.01 < 0.09 rejected; next = argmax of row 1
+    assert typical_accept(torch.tensor([3, 1]), None, p, sampler).__dict__ == {"accepted": 1, "next_token": 0}
+    assert typical_accept(torch.tensor([3, 0]), None, p, sampler).accepted == 2
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_processed_probs_temperature_and_top_k(top_k):
+    logp = torch.log_softmax(torch.tensor([1.0, 2.0, 0.5, -1.0]), -1)
+    got = processed_probs(logp, 0.5, top_k)
+    ref = torch.softmax(logp / 0.5, -1)
+    if top_k:
+        ref = torch.where(torch.isin(torch.arange(4), torch.tensor([0, 1])), ref, 0.0)
+        ref = ref / ref.sum()
+    torch.testing.assert_close(got, ref)
