@@ -46,6 +46,8 @@ def init_distributed(cfg: TrainConfig) -> Dist:
         return Dist()
     import torch.distributed as tdist
 
+    if cfg.device.startswith("cuda"):  # one GPU per process, as NCCL expects
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not tdist.is_initialized():
         tdist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
     return Dist(tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
