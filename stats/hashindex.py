@@ -22,6 +22,7 @@ import numpy as np
 EMPTY64 = np.uint64(2**64 - 1)          # never a key: keys are < V^order < 2^64 - 1
 EMPTY32 = np.uint32(2**32 - 1)          # never a token id (vocabularies are < 2^21 at order 3)
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier
+DENSE_PREFIXES = 1 << 22                # one-token prefixes get a dense table up to this vocabulary
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -88,7 +89,7 @@ class HashIndex:
 class PrefixBlockIndex:
     """Counts of n-grams (sorted mixed-radix keys), looked up as a grid prefix x last token."""
 
-    def __init__(self, keys: np.ndarray, counts: np.ndarray, vocab_size: int):
+    def __init__(self, keys: np.ndarray, counts: np.ndarray, vocab_size: int, order: int):
         v = np.uint64(vocab_size)
         keys = np.asarray(keys, np.uint64)
         prefix, last = keys // v, (keys % v).astype(np.uint32)
@@ -106,7 +107,14 @@ class PrefixBlockIndex:
         where = _place(self.last, EMPTY32, last, first, lambda s, who: base[who] + ((s - base[who] + 1) & mask[who]))
         self.counts = np.zeros(self.last.size, dtype=np.asarray(counts).dtype)
         self.counts[where] = counts
-        self.prefixes = HashIndex(prefix[starts], np.arange(starts.size, dtype=np.int64))
+        block_prefix = prefix[starts]
+        if order == 2 and vocab_size <= DENSE_PREFIXES:
+            # order 2: a prefix is one token, so a dense token -> block table is one gather
+            self.dense = np.full(vocab_size, -1, dtype=np.int64)
+            self.dense[block_prefix.astype(np.int64)] = np.arange(starts.size)
+        else:
+            self.dense = None
+            self.prefixes = HashIndex(block_prefix, np.arange(starts.size, dtype=np.int64))
 
     @staticmethod
     def _h(last: np.ndarray) -> np.ndarray:
@@ -121,7 +129,10 @@ class PrefixBlockIndex:
         prefix_keys = np.asarray(prefix_keys, np.uint64).ravel()
         last = np.asarray(last).astype(np.uint32).ravel()
         out = np.zeros((prefix_keys.size, last.size), dtype=self.counts.dtype)
-        blk = self.prefixes.lookup(prefix_keys, missing=-1)
+        if self.dense is not None:
+            blk = self.dense.take(prefix_keys.astype(np.intp))
+        else:
+            blk = self.prefixes.lookup(prefix_keys, missing=-1)
         rows = np.flatnonzero(blk >= 0)               # prefixes never seen: the whole row is 0
         if rows.size == 0 or last.size == 0:
             return out
@@ -154,4 +165,5 @@ class PrefixBlockIndex:
 
     @property
     def nbytes(self) -> int:
-        return int(self.last.nbytes + self.counts.nbytes + self.size.nbytes + self.base.nbytes + self.prefixes.nbytes)
+        prefixes = self.dense.nbytes if self.dense is not None else self.prefixes.nbytes
+        return int(self.last.nbytes + self.counts.nbytes + self.size.nbytes + self.base.nbytes + prefixes)

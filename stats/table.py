@@ -68,7 +68,7 @@ class CooccurrenceTable:
         self.vocab_size = int(self.meta["vocab_size"])
         self.max_order = max(self.meta["orders"])
         self.totals = {int(k): int(v) for k, v in self.meta["ngram_totals"].items()}
-        self.unigrams = self._load("counts1.npy", self.vocab_size)
+        self.unigrams = np.array(self._load("counts1.npy", self.vocab_size))  # [V], small: in RAM
         self._index: dict[int, PrefixBlockIndex] = {}
 
     @classmethod
@@ -101,7 +101,7 @@ class CooccurrenceTable:
     def index(self, order: int) -> PrefixBlockIndex:
         if order not in self._index:
             keys, counts = self.arrays(order)
-            self._index[order] = PrefixBlockIndex(keys, counts, self.vocab_size)
+            self._index[order] = PrefixBlockIndex(keys, counts, self.vocab_size, order)
         return self._index[order]
 
     def prepare(self) -> CooccurrenceTable:

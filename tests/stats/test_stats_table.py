@@ -92,5 +92,10 @@ def test_hash_structures_agree_with_binary_search(vocab):
     want = np.where(keys[pos] == queries, counts[pos], 0)
     np.testing.assert_array_equal(HashIndex(keys, counts).lookup(queries), want)
     prefix, last = queries // np.uint64(vocab), (queries % np.uint64(vocab)).astype(np.int64)
-    grid = PrefixBlockIndex(keys, counts, vocab).grid(prefix, last)  # [m, m]; its diagonal is the queries
+    grid = PrefixBlockIndex(keys, counts, vocab, 3).grid(prefix, last)  # [m, m]; its diagonal is the queries
     np.testing.assert_array_equal(np.diagonal(grid), want)
+    bigrams = np.unique(rng.integers(0, vocab**2, 5000).astype(np.uint64))  # order 2: dense prefix table
+    q2 = np.concatenate([bigrams[:300], rng.integers(0, vocab**2, 300).astype(np.uint64)])
+    pos2 = np.minimum(np.searchsorted(bigrams, q2), bigrams.size - 1)
+    grid2 = PrefixBlockIndex(bigrams, np.ones(bigrams.size, np.uint32), vocab, 2).grid(q2 // np.uint64(vocab), (q2 % np.uint64(vocab)).astype(np.int64))
+    np.testing.assert_array_equal(np.diagonal(grid2), (bigrams[pos2] == q2).astype(np.uint32))
