@@ -17,7 +17,7 @@ class DecodeConfig:
     n: int | None = field(default=None, metadata={"help": "tokens per forward at most (default: every head)"})
     greedy: bool = field(default=False, metadata={"help": "argmax decoding instead of sampling"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (> 0 unless --greedy)"})
-    top_k: int = field(default=50, metadata={"help": "k most likely tokens per head (0 in ar/speculative: whole vocabulary)"})
+    top_k: int = field(default=50, metadata={"help": "sample among the k most likely tokens of each head (the vocabulary size: no cut)"})
     # dynamic (seed 003 Alg. 1)
     eps_b: float = field(default=0.5, metadata={"help": "back-off threshold in [0, 1]: order n needs a cell > eps_b^(n-1)"})
     alpha_c: float = field(default=1.0, metadata={"help": "co-occurrence mask exponent (0 = no mask)"})
@@ -42,9 +42,9 @@ class DecodeConfig:
             raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 0.0 <= self.eps_b <= 1.0:
             raise UsageError(f"--eps-b must be in [0, 1], got {self.eps_b}", "0 always emits n tokens, 1 always one")
-        low = 0 if self.mode in ("ar", "speculative", "typical") else 1
-        if not low <= self.top_k <= vocab_size:
-            raise UsageError(f"--top-k must be in [{low}, {vocab_size}] (the vocabulary size), got {self.top_k}")
+        if not 1 <= self.top_k <= vocab_size:
+            raise UsageError(f"--top-k must be in [1, {vocab_size}] (the vocabulary size), got {self.top_k}",
+                             f"--top-k {vocab_size} samples from the whole vocabulary")
         if not self.greedy and not self.temperature > 0:
             raise UsageError(f"temperature must be > 0 when sampling, got {self.temperature}", "pass --greedy for argmax decoding")
         if self.n is not None and not 1 <= self.n <= n_heads:

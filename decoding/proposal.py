@@ -75,7 +75,7 @@ def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
     No thresholds: they exist to back off, and here the verifier already guards the output.
     Without a table this is the independent drafter."""
     cfg = run.cfg
-    k = min(cfg.top_k or 50, run.vocab_size)
+    k = min(cfg.top_k, run.vocab_size)
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
     cands = [Candidates(np.array([first]), np.ones(1, dtype=np.float32))]
     cands += [top_candidates(out.head_log_probs(i, anchor)[0], k, temperature) for i in range(1, g + 1)]

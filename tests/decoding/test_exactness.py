@@ -80,7 +80,7 @@ def sampled_pairs(model, prompt, runs: int, **kwargs):
     counts = torch.zeros(v, v)
     accepted = torch.zeros(2)
     for seed in range(runs):
-        res = generate(model, prompt, DecodeConfig(mode="speculative", temperature=1.0, top_k=0, max_new_tokens=2,
+        res = generate(model, prompt, DecodeConfig(mode="speculative", temperature=1.0, top_k=v, max_new_tokens=2,
                                                    n=2, seed=seed, stop_at_eos=False), **kwargs)
         a, b = res.token_ids
         counts[a, b] += 1
