@@ -33,7 +33,7 @@ class EvalConfig:
     parts: tuple[str, ...] = field(default=DEFAULT_PARTS, metadata={"help": f"parts to run, among {', '.join(PARTS)}"})
     eps_b: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0), metadata={"help": "back-off thresholds for PPL_d"})
     stats: str = field(default="", metadata={"help": "co-occurrence stats dir for PPL_d's masking (default: the embedded stats; none: no mask)"})
-    dynamic_tokens: int = field(default=4096, metadata={"help": "tokens walked for PPL_d (each step builds a k^n grid)"})
+    dynamic_tokens: int = field(default=2048, metadata={"help": "tokens walked for PPL_d (each step builds a k^n grid)"})
     marginal_every: int = field(default=1000, metadata={"help": "one marginalization position every N tokens"})
     top_p: float = field(default=0.99, metadata={"help": "nucleus of token t+1 marginalized over (seed 002: 0.99)"})
     max_candidates: int = field(default=256, metadata={"help": "cap on the nucleus size (the covered mass is reported)"})

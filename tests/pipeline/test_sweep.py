@@ -95,3 +95,10 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     assert rows[0].startswith("config,eps_b,tokens_per_forward_mean") and "cpu_speedup_lo" in rows[0] and len(rows) == 4
     assert (out / "sweep.png").stat().st_size > 5000
     assert "same_quality_speedup" in capsys.readouterr().out
+
+
+def test_ablations_add_one_curve_each(tiny_model):
+    res = sweep(tiny_model, SweepConfig(seeds=1, max_new_tokens=4, ablations=True), ["Once"], [0.5],
+                table=None, log=lambda m: None)
+    assert [p["config"] for p in res["points"]] == list(TABLE8)
+    assert all(p["theory"]["predicted_wall_speedup"] > 0 for p in res["points"])
