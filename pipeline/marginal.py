@@ -44,8 +44,8 @@ def candidate_mask(seq_len: int, cand_pos: torch.Tensor, dtype: torch.dtype) -> 
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def _next_logprobs(backbone, ids: torch.Tensor, cand_tok: torch.Tensor, cand_pos: torch.Tensor) -> torch.Tensor:
-    """Base-model log p(. | x_<=t, y) for each candidate # ids [T], cand [C] -> [C, V]."""
+def _next_probs(backbone, ids: torch.Tensor, cand_tok: torch.Tensor, cand_pos: torch.Tensor) -> torch.Tensor:
+    """Base-model p(. | x_<=t, y) for each candidate # ids [T], cand [C] -> [C, V]."""
     seq_len = ids.shape[0]
     tokens = torch.cat([ids, cand_tok])[None]  # [1, T + C]
     positions = torch.cat([torch.arange(seq_len, device=ids.device), cand_pos + 1])[None]  # [1, T + C]
@@ -53,7 +53,7 @@ def _next_logprobs(backbone, ids: torch.Tensor, cand_tok: torch.Tensor, cand_pos
     mask = candidate_mask(seq_len, cand_pos, dtype if dtype.is_floating_point else torch.float32)
     out = backbone.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions)
     hidden = out.last_hidden_state[0, seq_len:]  # [C, H], already final-normed
-    return torch.log_softmax(backbone.logits(hidden).float(), dim=-1)
+    return torch.softmax(backbone.logits(hidden).float(), dim=-1)
 
 
 @torch.no_grad()
@@ -77,8 +77,8 @@ def marginal_second_token(
     q = torch.zeros(len(positions), p1.shape[-1], dtype=torch.float32, device=ids.device)
     for start in range(0, tok.shape[0], chunk):
         sl = slice(start, start + chunk)
-        logp2 = _next_logprobs(backbone, ids, tok[sl], positions[row[sl]])  # [C, V]
-        q.index_add_(0, row[sl], weight[sl, None].float() * logp2.exp())
+        p2 = _next_probs(backbone, ids, tok[sl], positions[row[sl]]).mul_(weight[sl, None].float())  # [C, V]
+        q.index_add_(0, row[sl], p2)
     mass = prob.sum(-1)  # [P]
     logq = (q / mass[:, None]).clamp_min(1e-30).log()  # renormalised over the nucleus
     return MarginalOutput(logq=logq, nucleus_size=size, nucleus_mass=mass)
