@@ -27,6 +27,7 @@ class DecodeConfig:
     blur_kernel: int = field(default=3, metadata={"help": "Gaussian blur kernel before Otsu (odd; 0 or 1 = no blur)"})
     # speculative / typical
     drafter: str = field(default="auto", metadata={"help": "drafts: independent heads, cp (sequential), joint (co-occurrence-masked joint); auto = cp for cp heads, else joint with stats, else independent", "choices": DRAFTERS})
+    draft_k: int = field(default=20, metadata={"help": "joint drafter: candidates per head (acceptance barely moves past ~20, lookup cost does)"})
     typical_eps: float = field(default=0.09, metadata={"help": "typical acceptance: posterior threshold eps"})
     typical_delta: float = field(default=0.3, metadata={"help": "typical acceptance: entropy factor delta"})
     stop_at_eos: bool = field(default=True, metadata={"help": "stop after the tokenizer's end-of-sequence token"})
@@ -50,6 +51,8 @@ class DecodeConfig:
         if self.n is not None and not 1 <= self.n <= n_heads:
             raise UsageError(f"--n {self.n} needs {self.n} heads, the model's heads predict {n_heads} token(s) per position",
                              f"pass --n between 1 and {n_heads}, or heads trained for more tokens (--heads DIR)")
+        if self.draft_k < 1:
+            raise UsageError(f"--draft-k must be >= 1, got {self.draft_k}")
         if self.alpha_c < 0:
             raise UsageError(f"--alpha-c must be >= 0, got {self.alpha_c}")
         if self.repetition_penalty < 1:

@@ -9,7 +9,7 @@ the state is per sequence, so a batch version keeps one of each per row.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ class RunState:
     seen: np.ndarray  # [V] bool: tokens in the context (repetition penalty)
     rng: np.random.Generator | None  # grid sampling; None = greedy
     vocab_size: int
+    draft_cfg: DecodeConfig | None = None  # the joint drafter's grid: no thresholds (set once)
 
 
 @dataclass
@@ -81,6 +82,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     run = RunState(model, cfg, Sampler(cfg.greedy, cfg.temperature, cfg.top_k, cfg.seed), table,
                    np.zeros(vocab, dtype=bool), None if cfg.greedy else np.random.default_rng(cfg.seed), vocab)
     run.seen[ids[0].cpu().numpy()] = True
+    run.draft_cfg = replace(cfg, static_threshold=False, adaptive_threshold=False)
     drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative else None)
     acceptor = acceptor or _acceptor(cfg)
     order, eos = cfg.order(model.n_future), _eos_ids(model)

@@ -10,7 +10,7 @@ loop (config, sampler, stats table, context).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -75,12 +75,11 @@ def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
     No thresholds: they exist to back off, and here the verifier already guards the output.
     Without a table this is the independent drafter."""
     cfg = run.cfg
-    k = min(cfg.top_k, run.vocab_size)
+    k = min(cfg.draft_k, cfg.top_k, run.vocab_size)  # a draft outside the target's top-k is always rejected
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
     cands = [Candidates(np.array([first]), np.ones(1, dtype=np.float32))]
     cands += [top_candidates(out.head_log_probs(i, anchor)[0], k, temperature) for i in range(1, g + 1)]
-    grid_cfg = replace(cfg, static_threshold=False, adaptive_threshold=False)
-    grid = joint_grid(cands, grid_cfg, run.table, run.seen)[0]  # [k]*g
+    grid = joint_grid(cands, run.draft_cfg, run.table, run.seen)[0]  # [k]*g
     tokens, probs = [], []
     for axis in range(1, g + 1):
         marginal = grid.reshape(grid.shape[0], -1).sum(-1, dtype=np.float64)  # [k]
