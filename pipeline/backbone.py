@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .embedded import default_base
+from .embedded import default_base, resolve_base
 from .errors import CheckpointError, UnsupportedModelError, UsageError
 
 
@@ -42,7 +42,7 @@ class BackboneConfig:
 
     base: str = field(
         default_factory=default_base,
-        metadata={"help": "Hub id or local directory of the base model (default: the embedded stories260K)"},
+        metadata={"help": "Hub id, local directory, or embedded:NAME of the base model (default: the embedded stories260K)"},
     )
     dtype: str = field(default="float32", metadata={"help": "weights dtype", "choices": tuple(DTYPES)})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu, cuda, cuda:1"})
@@ -307,7 +307,7 @@ def load_backbone(
     from transformers import AutoModelForCausalLM
 
     config = config or BackboneConfig()
-    base = str(config.base)
+    base = resolve_base(str(config.base))
     spec = check_supported(read_model_type(base))
     dtype = resolve_dtype(config.dtype)
     kwargs: dict = {"dtype": dtype}

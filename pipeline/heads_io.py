@@ -27,6 +27,7 @@ from multitoken.adapters.registry import build_head, config_from_dict
 
 from .backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
 from .cliargs import atomic_write_text
+from .embedded import portable_base
 from .errors import CheckpointError, MismatchError, UsageError
 
 FORMAT_VERSION = 1
@@ -87,7 +88,7 @@ def save_heads(model, out_dir: str | Path) -> Path:
         "format_version": FORMAT_VERSION,
         "multitoken_version": version("multitoken"),
         "head_config": dataclasses.asdict(model.config),
-        "base": backbone.name,
+        "base": portable_base(backbone.name),
         "model_type": backbone.model_type,
         "dtype": backbone.load_config.dtype,
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
@@ -166,9 +167,7 @@ def _backbone_for(base, record: dict, heads_dir: Path, quantization, dtype, devi
             raise UsageError("these heads were trained with a LoRA adapter but the given backbone has none",
                              f"load the backbone with lora_adapter={str(lora)!r}, or pass the base name instead")
         return base
-    from .embedded import resolve_base
-
-    config = base if isinstance(base, BackboneConfig) else BackboneConfig(base=resolve_base(str(base or record["base"])))
+    config = base if isinstance(base, BackboneConfig) else BackboneConfig(base=str(base or record["base"]))
     overrides = {"quantization": quantization, "dtype": dtype, "device": device}
     if dtype is None and not isinstance(base, BackboneConfig):
         overrides["dtype"] = record.get("dtype")

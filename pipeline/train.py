@@ -63,7 +63,6 @@ def _device(cfg: TrainConfig, dist: Dist) -> str:
 def load_model(cfg: TrainConfig, dist: Dist):
     """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes."""
     from .backbone import BackboneConfig, LoraSpec, load_backbone
-    from .embedded import resolve_base
     from .heads_io import read_heads_config
     from .model import MultiTokenModel
 
@@ -72,7 +71,7 @@ def load_model(cfg: TrainConfig, dist: Dist):
         # Saving frozen heads would drop the trained final layer (only trained weights are saved).
         raise UsageError(f"the heads in {cfg.heads!r} carry a trained final layer (head 1)",
                          "pass --train-base-head to keep training it")
-    base = resolve_base(cfg.base or record["base"])
+    base = cfg.base or record["base"]  # load_backbone resolves embedded:NAME
     dtype = cfg.dtype or record.get("dtype") or "float32"
     bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization)
     lora_kwargs: dict = {}

@@ -26,3 +26,12 @@ def resolve_base(name: str) -> str:
     if name.startswith(EMBEDDED_PREFIX):
         return str(EMBEDDED_DIR / name[len(EMBEDDED_PREFIX):])
     return name
+
+
+def portable_base(name: str) -> str:
+    """Inverse of ``resolve_base``: a packaged model's directory -> ``embedded:NAME``, so that
+    files recording their base (heads dirs) stay valid on every install."""
+    path = Path(name).expanduser()
+    if path.exists() and path.resolve().parent == EMBEDDED_DIR:
+        return EMBEDDED_PREFIX + path.resolve().name
+    return name

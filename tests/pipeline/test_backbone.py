@@ -30,9 +30,14 @@ def test_generic_access_reproduces_the_model(tiny_model_dir):
     assert not any(p.requires_grad for p in bb.model.parameters())
 
 
-def test_embedded_default_is_used_without_arguments(stories_dir):
+def test_embedded_default_is_used_without_arguments(stories_dir, tmp_path):
+    from multitoken.pipeline.embedded import portable_base
+
     bb = load_backbone()
     assert bb.name == str(stories_dir) and bb.model_type == "llama" and bb.vocab_size == 512
+    assert load_backbone(BackboneConfig(base="embedded:stories260K")).name == str(stories_dir)
+    assert portable_base(str(stories_dir)) == "embedded:stories260K"  # what heads dirs record
+    assert portable_base(str(tmp_path)) == str(tmp_path)
 
 
 def test_lora_wraps_with_qkv_targets_and_starts_as_identity(tiny_model_dir):
