@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import tempfile
 import types
 import typing
 from pathlib import Path
+
+from .atomic import atomic_write_text
 
 
 def _base_type(tp):
@@ -67,29 +67,6 @@ def dataclass_from_args(cls, ns: argparse.Namespace, prefix: str = "", **overrid
 def config_dict(*configs) -> dict:
     """JSON-ready view of resolved dataclass configs, keyed by class name."""
     return {type(c).__name__: dataclasses.asdict(c) for c in configs}
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` so readers see either the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_resolved_config(path: str | Path, command: str, *configs) -> None:

@@ -10,13 +10,12 @@ and/or text), atomically: the output file appears only once it is complete.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_open
 from .errors import UsageError
 
 FORMATS = ("both", "ids", "text")
@@ -89,11 +88,10 @@ def distill(backbone, cfg: DistillConfig) -> dict:
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     written = docs = 0
     bar = tqdm(total=cfg.num_tokens, unit="tok", desc="distill", disable=not cfg.progress)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with atomic_open(out, "w") as fh:
             while written < cfg.num_tokens:
                 for ids in sample_batch(backbone, cfg, cfg.batch_size):
                     ids = ids[: cfg.num_tokens - written]
@@ -105,12 +103,6 @@ def distill(backbone, cfg: DistillConfig) -> dict:
                     bar.update(len(ids))
                     if written >= cfg.num_tokens:
                         break
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     finally:
         bar.close()
     return {"out": str(out), "tokens": written, "documents": docs}

@@ -26,7 +26,7 @@ import torch
 from multitoken.adapters.registry import build_head, config_from_dict
 
 from .backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
-from .cliargs import atomic_write_text
+from .atomic import atomic_write_bytes, atomic_write_text
 from .embedded import portable_base
 from .errors import CheckpointError, MismatchError, UsageError
 
@@ -35,19 +35,6 @@ CONFIG_FILE = "heads_config.json"
 TENSORS_FILE = "heads.safetensors"
 LORA_DIR = "lora"
 BASE_HEAD_PREFIX = "base_head."
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # Saving ------------------------------------------------------------------------------------
