@@ -122,7 +122,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             trace.orders[choice.order] += 1
             trace.backoffs.update(choice.backed_off)
         else:
-            commit = [forced if forced is not None else run.sampler.draw(run.sampler.target(out.head_log_probs(0, anchor)[0]))]
+            # the next token comes from the base model itself (head 1 may differ: WHS all_heads)
+            commit = [forced if forced is not None else run.sampler.draw(run.sampler.target(out.base_log_probs()[0, anchor]))]
             budget = cfg.max_new_tokens - len(out_ids) - 1
             g = min(order - 1, budget) if speculative else 0
             drafts = drafter(out, anchor, commit[0], g, run) if g > 0 else Drafts.empty()

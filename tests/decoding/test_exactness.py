@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.decoding.proposal import Drafts
+from multitoken.pipeline.model import MultiTokenModel
 
 from .conftest import RatioTable, attach
 
@@ -40,6 +41,16 @@ def test_greedy_speculative_with_joint_drafts_equals_generate(tiny_backbones, ar
     ids = backbone.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
     res = generate(model, ids, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=24, drafter="joint"), table=RatioTable())
     assert res.token_ids == hf_greedy(backbone, ids, 24)
+
+
+def test_whs_all_heads_still_verifies_with_the_base(tiny_backbones):
+    """WHS "all heads" replaces head 1; lossless modes must still follow the base model."""
+    backbone = tiny_backbones["llama"]
+    model = MultiTokenModel.attach(backbone, {"head_type": "whs", "n_future": 3, "all_heads": True, "init": "random"})
+    ids = backbone.tokenizer(PROMPTS[2], return_tensors="pt").input_ids
+    ref = hf_greedy(backbone, ids, 16)
+    for mode in ("ar", "speculative"):
+        assert generate(model, ids, DecodeConfig(mode=mode, greedy=True, max_new_tokens=16)).token_ids == ref
 
 
 def test_greedy_speculative_with_perfect_drafts_equals_generate(tiny_backbones, arch):
