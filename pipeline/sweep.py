@@ -6,7 +6,8 @@ tokens per forward (the trace), wall and CPU seconds per generated token, and qu
 external judge: the base model's mean NLL of the continuation given the prompt (temperature
 1, full vocabulary), distinct-2/3 and the repetition rate (share of repeated 4-grams). Each
 point reports means with 95% Student-t intervals over the prompt x seed runs; the wall-clock
-speed-up of a run is ar's seconds per token over the point's, on the same prompt and seed;
+speed-up of a run is ar's seconds per token over the point's, on the same prompt and seed
+(ar runs just before and after that prompt and seed's points; the mean of the two is used);
 the CPU-time speed-up (process time, one thread by default) is the same ratio measured in a
 way other processes on a shared machine cannot inflate.
 
@@ -135,6 +136,11 @@ def run_once(model, prompt_ids: list[int], decode_cfg, table) -> dict:
     }
 
 
+def _average_timing(a: dict, b: dict) -> dict:
+    """Two runs of the same (deterministic) generation: same tokens, mean of the timings."""
+    return {**a, **{k: (a[k] + b[k]) / 2 for k in ("sec_per_token", "cpu_per_token")}}
+
+
 def _summarise(runs: list[dict], ar_runs: list[dict] | None) -> dict:
     point = {key: M.mean_ci([r[key] for r in runs]) for key in ("tokens_per_forward",) + QUALITY}
     if ar_runs is not None:
@@ -175,24 +181,25 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
     base_cfg = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                             top_k=cfg.top_k, repetition_penalty=cfg.repetition_penalty)
     pairs = [(i, s) for i in range(len(prompts)) for s in range(cfg.seeds)]
+    grid_cfgs = [(name, eps, replace(base_cfg, mode="dynamic", eps_b=eps, **TABLE8[name]))
+                 for name in cfg.configs() for eps in grid]
     started = time.perf_counter()
-
-    def runs_for(dcfg) -> list[dict]:
-        return [run_once(model, prompt_ids[i], replace(dcfg, seed=s), table) for i, s in pairs]
-
-    ar_runs = runs_for(base_cfg)
+    # Pair-major order: a prompt/seed's ar reference runs just before and just after its grid
+    # points, so on a shared machine the load the timings see changes little between them.
+    ar_runs, point_runs = [], [[] for _ in grid_cfgs]
+    for done, (i, s) in enumerate(pairs, 1):
+        before = run_once(model, prompt_ids[i], replace(base_cfg, seed=s), table)
+        for runs, (_, _, dcfg) in zip(point_runs, grid_cfgs):
+            runs.append(run_once(model, prompt_ids[i], replace(dcfg, seed=s), table))
+        ar_runs.append(_average_timing(before, run_once(model, prompt_ids[i], replace(base_cfg, seed=s), table)))
+        log(f"prompt {i + 1}/{len(prompts)} seed {s}: done ({done}/{len(pairs)}, {time.perf_counter() - started:.0f} s)")
     ar = {"config": "ar", **_summarise(ar_runs, None)}
-    log(f"ar: NLL {ar['nll']['mean']:.3f}, {ar['sec_per_token']['mean'] * 1e3:.2f} ms/token")
     c = draft_cost_ratio(model)
     points = []
-    for name in cfg.configs():
-        for eps in grid:
-            dcfg = replace(base_cfg, mode="dynamic", eps_b=eps, **TABLE8[name])
-            point = {"config": name, "eps_b": eps, **_summarise(runs_for(dcfg), ar_runs)}
-            point["theory"] = theory(point, model.n_future, c)
-            points.append(point)
-            log(f"{name} eps_b {eps:.2f}: {point['tokens_per_forward']['mean']:.2f} tokens/forward, "
-                f"wall x{point['wall_speedup']['mean']:.2f}, cpu x{point['cpu_speedup']['mean']:.2f}, NLL {point['nll']['mean']:.3f}")
+    for runs, (name, eps, _) in zip(point_runs, grid_cfgs):
+        point = {"config": name, "eps_b": eps, **_summarise(runs, ar_runs)}
+        point["theory"] = theory(point, model.n_future, c)
+        points.append(point)
     return {"prompts": prompts, "seeds": cfg.seeds, "eps_b": grid, "n_future": model.n_future, "draft_cost_ratio": c,
             "ar": ar, "points": points, "same_quality_speedup": same_quality(points, ar),
             "seconds": round(time.perf_counter() - started, 2)}

@@ -102,3 +102,11 @@ def test_ablations_add_one_curve_each(tiny_model):
                 table=None, log=lambda m: None)
     assert [p["config"] for p in res["points"]] == list(TABLE8)
     assert all(p["theory"]["predicted_wall_speedup"] > 0 for p in res["points"])
+
+
+def test_ar_reference_timing_is_the_mean_of_its_two_runs():
+    from multitoken.pipeline.sweep import _average_timing
+
+    a = {"nll": 1.0, "sec_per_token": 0.010, "cpu_per_token": 0.008}
+    b = {"nll": 1.0, "sec_per_token": 0.030, "cpu_per_token": 0.010}
+    assert _average_timing(a, b) == pytest.approx({"nll": 1.0, "sec_per_token": 0.020, "cpu_per_token": 0.009})
