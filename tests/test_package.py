@@ -17,10 +17,13 @@ def test_one_import_root(tmp_path):
     probe = (
         "import importlib.util as u; "
         "print([u.find_spec('multitoken.' + p) is not None for p in ('adapters', 'pipeline', 'stats', 'decoding')]); "
-        "print([u.find_spec(p) is None for p in ('adapters', 'pipeline', 'stats', 'decoding')])"
+        "print([u.find_spec(p) is None for p in ('adapters', 'pipeline', 'stats', 'decoding')]); "
+        "import importlib; "  # regular packages: each __init__.py runs (no namespace fallback)
+        "print([importlib.import_module('multitoken.' + p).__file__.endswith('__init__.py') "
+        "for p in ('adapters', 'pipeline', 'stats', 'decoding')])"
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["[True, True, True, True]"] * 2
+    assert out.stdout.split("\n")[:3] == ["[True, True, True, True]"] * 3
     assert distribution("multitoken").read_text("top_level.txt").split() == ["multitoken"]
 
 
