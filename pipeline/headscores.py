@@ -49,8 +49,12 @@ def _score_rows(logp: torch.Tensor, target: torch.Tensor, k: int | None):
 
 
 @torch.no_grad()
-def score_head(model, i: int, feats, ids: torch.Tensor, k: int | None = None, chunk: int = 512) -> HeadScores:
-    """Scores of head ``i`` (0-based, predicting token t+i+1) on ids [B, T]."""
+def score_head(model, i: int, feats, ids: torch.Tensor, k: int | None = None, chunk: int = 128) -> HeadScores:
+    """Scores of head ``i`` (0-based, predicting token t+i+1) on ids [B, T].
+
+    ``chunk`` = 128 rows: a [128, 50k] float32 block (26 MB) stays under glibc's mmap
+    threshold, so blocks are reused instead of freshly page-faulted (512 rows measured ~40% more
+    wall time on pythia-mini, mostly system time)."""
     heads, bb = model.heads, model.backbone
     B, T = ids.shape
     generic = single_softmax(heads)

@@ -17,7 +17,7 @@ from .metrics import kl_divergence
 
 
 @torch.no_grad()
-def lens_kl_sums(backbone, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def lens_kl_sums(backbone, ids: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     """Sum over positions of KL(p_l || p_L) for l = 0..L # ids [B, T] -> [L + 1] (float64)."""
     states = backbone.hidden_states(ids)  # L+1 x [B, T, H]; the last is already normed
     flat = [s.reshape(-1, s.shape[-1]) for s in states]  # L+1 x [N, H]

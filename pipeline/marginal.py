@@ -59,7 +59,7 @@ def _next_probs(backbone, ids: torch.Tensor, cand_tok: torch.Tensor, cand_pos: t
 @torch.no_grad()
 def marginal_second_token(
     backbone, ids: torch.Tensor, positions: torch.Tensor, *, top_p: float = 0.99,
-    max_candidates: int | None = 256, chunk: int = 512, p1_logp: torch.Tensor | None = None,
+    max_candidates: int | None = 256, chunk: int = 256, p1_logp: torch.Tensor | None = None,
 ) -> MarginalOutput:
     """Marginal distribution of token t+2 at each t in ``positions`` # ids [T], positions [P].
 
