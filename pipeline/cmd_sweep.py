@@ -106,11 +106,9 @@ def format_table(result: dict) -> str:
 
 def plot_sweep(result: dict, path: str | Path) -> Path:
     """NLL vs tokens per forward, vs wall-clock and vs CPU-time speed-up; ar's band in grey."""
-    import matplotlib
+    from .plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ar = result["ar"]["nll"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=110, sharey=True)
     for ax, key, label in ((axes[0], "tokens_per_forward", "tokens per forward pass"),
@@ -137,8 +135,4 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     note = "" if sq is None else f" — same-quality: {sq['tokens_per_forward']:.2f} tok/fwd, x{sq['wall_clock']:.2f} wall, x{sq['cpu_time']:.2f} CPU"
     fig.suptitle(f"eps_b sweep: {Path(result['base']).name}, numbers = eps_b{note}", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -32,11 +32,9 @@ def lens_kl_sums(backbone, ids: torch.Tensor, chunk: int = 128) -> torch.Tensor:
 
 def plot_lens(kl: list[float], path: str | Path, title: str = "") -> Path:
     """Line plot of mean KL per layer (log scale when every value is positive)."""
-    import matplotlib
+    from .plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
     ax.plot(range(len(kl)), kl, marker="o")
     ax.set_xlabel("layer (0 = embeddings)")
@@ -46,8 +44,4 @@ def plot_lens(kl: list[float], path: str | Path, title: str = "") -> Path:
     ax.set_title(title or "logit lens")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
