@@ -63,7 +63,10 @@ class SweepConfig:
     quiet: bool = field(default=False, metadata={"help": "no progress lines"})
 
     def configs(self) -> list[str]:
-        return list(TABLE8) if self.ablations else [DEFAULT_CONFIG]
+        names = list(TABLE8) if self.ablations else [DEFAULT_CONFIG]
+        if self.stats == "none":  # no table, no co-occurrence mask: only the CO-free rows apply
+            names = [n for n in names if TABLE8[n]["alpha_c"] == 0.0] or ["AT+G-3"]
+        return names
 
 
 def parse_grid(spec: str) -> list[float]:

@@ -41,6 +41,9 @@ def test_table8_ablations_map_to_decode_switches():
     assert TABLE8["CO"] == {"alpha_c": 1.0, "adaptive_threshold": False, "blur_kernel": 0}
     assert TABLE8["AT+G-3"]["alpha_c"] == 0.0 and TABLE8["CO-0.5+AT+G-3"]["alpha_c"] == 0.5
     assert SweepConfig(ablations=True).configs() == list(TABLE8)
+    # without stats there is no co-occurrence mask, so no CO configuration is claimed
+    assert SweepConfig(stats="none", ablations=True).configs() == ["AT+G-3"]
+    assert SweepConfig(stats="none").configs() == ["AT+G-3"]
 
 
 def test_continuation_nll_is_hf_loss(tiny_model):
@@ -91,6 +94,7 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     assert code == 0
     res = json.loads((out / "sweep.json").read_text())
     assert "same_quality_speedup" in res and len(res["points"]) == 2
+    assert {p["config"] for p in res["points"]} == {"AT+G-3"}  # --stats none: no CO label
     rows = (out / "sweep.csv").read_text().splitlines()
     assert rows[0].startswith("config,eps_b,tokens_per_forward_mean") and "cpu_speedup_lo" in rows[0] and len(rows) == 4
     assert (out / "sweep.png").stat().st_size > 5000
