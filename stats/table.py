@@ -69,6 +69,11 @@ class CooccurrenceTable:
         self.max_order = max(self.meta["orders"])
         self.totals = {int(k): int(v) for k, v in self.meta["ngram_totals"].items()}
         self.unigrams = np.array(self._load("counts1.npy", self.vocab_size))  # [V], small: in RAM
+        # per-token 1/count (0 for never-seen tokens) once, in float32 as the grid uses it:
+        # the same float64 -> float32 rounding as computing it per call, without the per-call cost
+        u = self.unigrams.astype(np.float64)
+        self._inv_uni = np.where(u > 0, 1.0 / np.maximum(u, 1), 0.0).astype(np.float32)
+        self._unseen = u == 0
         self._index: dict[int, PrefixBlockIndex] = {}
 
     @classmethod
@@ -119,7 +124,7 @@ class CooccurrenceTable:
 
     def _ids(self, cand, pos: int) -> np.ndarray:
         ids = cand.detach().cpu().numpy() if hasattr(cand, "detach") else np.asarray(cand)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":  # kind: np.issubdtype is slow per call
             raise DataError(f"candidate list {pos} must be a non-empty 1-D array of token ids, got shape {ids.shape} {ids.dtype}")
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise DataError(
@@ -130,7 +135,10 @@ class CooccurrenceTable:
 
     def counts(self, cands) -> np.ndarray:
         """Joint counts grid ``[k1, .., kn]`` of the candidate lists (0 where absent)."""
-        ids = [self._ids(c, i) for i, c in enumerate(cands)]
+        return self._counts([self._ids(c, i) for i, c in enumerate(cands)])
+
+    def _counts(self, ids: list[np.ndarray]) -> np.ndarray:
+        """``counts`` of already validated int64 id lists."""
         self._check_order(len(ids))
         prefix = ids[0].astype(np.uint64)
         for col in ids[1:-1]:  # mixed-radix prefix keys of the grid's leading axes
@@ -153,20 +161,18 @@ class CooccurrenceTable:
         """``p_hat(joint) / prod p_hat(marginals)`` grid (float32), ``absent`` where unknown."""
         ids = [self._ids(c, i) for i, c in enumerate(cands)]
         n = len(ids)
-        joint = self.counts(ids)
+        joint = self._counts(ids)
         # ratio = count * N1^n / N_n / prod(unigram counts): in place, one axis at a time
         r = joint.astype(np.float32)
         r *= np.float32(self.totals[1] ** n / self.totals[n])
-        unknown = []
         for axis, x in enumerate(ids):
-            u = np.asarray(self.unigrams[x], dtype=np.float64)
             shape = [1] * n
             shape[axis] = len(x)
-            r *= np.where(u > 0, 1.0 / np.maximum(u, 1), 0.0).astype(np.float32).reshape(shape)
-            unknown.append(np.flatnonzero(u == 0))
+            r *= self._inv_uni.take(x).reshape(shape)
         if self.absent != 0.0:  # with absent 0 the zeros above are already right
             r[joint == 0] = self.absent
-            for axis, idx in enumerate(unknown):
+            for axis, x in enumerate(ids):
+                idx = np.flatnonzero(self._unseen.take(x))
                 if idx.size:
                     r[(slice(None),) * axis + (idx,)] = self.absent
         return r
