@@ -136,18 +136,28 @@ def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | Non
     threshold, blur + Otsu, repetition penalty. Returns the live cells (unnormalised)."""
     order = len(cands)
     threshold = np.float32(cfg.eps_b ** (order - 1))
-    grid = apply_mask(outer(cands), cands, table, cfg.alpha_c)
-    if cfg.static_threshold:
+    grid = apply_mask(outer(cands), cands, table, cfg.alpha_c)  # [k]*order, cells >= 0
+    if cfg.static_threshold and threshold > 0:  # cells are >= 0: a zero threshold zeroes nothing
         grid[grid <= threshold] = 0.0
-    if cfg.adaptive_threshold and grid.max() > 0:
-        blurred = gaussian_blur(grid, cfg.blur_kernel) if cfg.blur_kernel > 1 else grid
-        kept = np.where(otsu_keep(blurred), grid, np.float32(0.0))
-        grid = kept if kept.max() > 0 else grid  # never let the filter erase the whole grid
-    flat = np.flatnonzero(grid)
-    values = grid.ravel()[flat]
+    flat, values = _live(grid, cfg)
     if cfg.repetition_penalty != 1 and seen is not None and flat.size:
         values[repetition_cells(cands, seen, np.unravel_index(flat, grid.shape))] /= np.float32(cfg.repetition_penalty)
     return Cells(grid.shape, flat, values)
+
+
+def _live(grid: np.ndarray, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices [m] and values [m] (a copy) of the non-zero cells Otsu keeps; all non-zero
+    cells when Otsu is off or would keep none. Indexing through Otsu's boolean map is ~30x
+    cheaper than np.flatnonzero on the float grid, and yields the same ascending indices."""
+    if cfg.adaptive_threshold and grid.max() > 0:
+        blurred = gaussian_blur(grid, cfg.blur_kernel) if cfg.blur_kernel > 1 else grid
+        flat = np.flatnonzero(otsu_keep(blurred))
+        values = grid.ravel()[flat]
+        nonzero = values != 0  # a kept cell may have been zeroed by the static threshold
+        if nonzero.any():  # never let the filter erase the whole grid
+            return flat[nonzero], values[nonzero]
+    flat = np.flatnonzero(grid)
+    return flat, grid.ravel()[flat]
 
 
 def joint_grid(cands: list[Candidates], cfg, table=None, seen: np.ndarray | None = None) -> np.ndarray:
@@ -170,6 +180,24 @@ class DynamicChoice:
     backed_off: list[int]  # orders tried and rejected, e.g. [3, 2]
 
 
+def cannot_reach(cands, order: int, cfg, table) -> bool:
+    """True when no cell of the order-``order`` grid can exceed eps_b^(order-1), so building it
+    is wasted work (the result is the same back-off). Exact bounds, because the repetition
+    penalty (>= 1) only lowers cells and the thresholds only drop cells: a masked grid is
+    renormalised, so every cell is <= 1; an unmasked grid's largest cell is the float32 product
+    of the heads' top-1 probabilities (its [0, ..., 0] cell, computed in the same order).
+    ``cands`` is called lazily (head index -> Candidates) so eps_b = 1 needs no top-k at all."""
+    threshold = np.float32(cfg.eps_b ** (order - 1))
+    if cfg.repetition_penalty < 1 or (threshold < 1 and table is not None and cfg.alpha_c != 0):
+        return threshold >= 1 and cfg.static_threshold  # >= 1 zeroes every cell of a masked grid
+    if threshold >= 1:
+        return True
+    top = np.float32(1.0)
+    for head in range(order):
+        top = top * cands(head).probs[0]  # float32 * float32, as np.multiply.outer does
+    return bool(top <= threshold)
+
+
 def dynamic_propose(head_logps: list[torch.Tensor], cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
     """Alg. 1: try order n, n-1, ..., 2 and fall back to top-k sampling of head 1.
 
@@ -178,14 +206,24 @@ def dynamic_propose(head_logps: list[torch.Tensor], cfg, table, seen: np.ndarray
     """
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
     k = min(cfg.top_k, head_logps[0].shape[-1])
-    cands = [top_candidates(lp, k, temperature) for lp in head_logps]
+    cache: dict[int, Candidates] = {}
+
+    def cand(head: int) -> Candidates:  # top-k only for the heads an order actually reads
+        if head not in cache:
+            cache[head] = top_candidates(head_logps[head], k, temperature)
+        return cache[head]
+
     backed_off = []
-    for order in range(len(cands), 1, -1):
-        cells = joint_cells(cands[:order], cfg, table, seen)
+    for order in range(len(head_logps), 1, -1):
+        if cannot_reach(cand, order, cfg, table):
+            backed_off.append(order)
+            continue
+        cands = [cand(h) for h in range(order)]
+        cells = joint_cells(cands, cfg, table, seen)
         if (cells.values > np.float32(cfg.eps_b ** (order - 1))).any():
             cell = np.unravel_index(cells.flat[sample_index(cells.values, rng)], cells.shape)
             return DynamicChoice([int(cands[a].ids[i]) for a, i in enumerate(cell)], order, backed_off)
         backed_off.append(order)
-    first = cands[0]
+    first = cand(0)
     probs = np.where(seen[first.ids], first.probs / cfg.repetition_penalty, first.probs)
     return DynamicChoice([int(first.ids[sample_index(probs, rng)])], 1, backed_off)

@@ -120,3 +120,32 @@ def test_otsu_on_a_3d_grid_equals_otsu_of_its_histogram():
     t, _ = cv2.threshold(img.reshape(-1, 1), 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
     np.testing.assert_array_equal(keep, (img > t).reshape(cube.shape))
     assert 0 < keep.sum() < keep.size
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_skipping_unreachable_orders_changes_nothing(monkeypatch, masked):
+    """``cannot_reach`` only saves work: with it disabled (every grid built) each proposal, its
+    order and its back-offs are the same, for sampled and greedy draws alike."""
+    from multitoken.decoding import dynamic
+
+    gen = torch.Generator().manual_seed(0)
+    seen = np.random.default_rng(0).random(300) < 0.1
+    table = RatioTable() if masked else None
+    # per-head logit scales: a flat third head makes order 3 unreachable but order 2 not
+    cases = [([torch.log_softmax(torch.randn(300, generator=gen) * s, -1) for s in scales], eps)
+             for scales in ((0.5,) * 3, (2.0,) * 3, (6.0,) * 3, (12.0, 12.0, 0.5)) for eps in (0.0, 0.2, 0.5, 0.8, 1.0)]
+
+    def run():
+        out = []
+        for logps, eps in cases:
+            cfg = DecodeConfig(mode="dynamic", top_k=20, eps_b=eps)
+            for rng in (None, np.random.default_rng(1)):
+                c = dynamic_propose(logps, cfg, table, seen, rng)
+                out.append((c.tokens, c.order, c.backed_off))
+        return out
+
+    fast = run()
+    monkeypatch.setattr(dynamic, "cannot_reach", lambda *a: False)
+    assert run() == fast
+    orders = {o for _, o, _ in fast}
+    assert orders == {1, 2, 3}, "the cases must exercise every order"
