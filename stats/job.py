@@ -97,10 +97,14 @@ def build(cfg: BuildConfig, data: DataConfig, log=print) -> Path | None:
         meta = json.loads((out / META_NAME).read_text())
         if meta.get("job") != job.identity():
             raise UsageError(f"{out} already holds stats of another job", "pass another --out, or delete it")
-        log(f"{out} is complete already (delete it to recount)")
-        if not cfg.keep_partials:  # a kill between writing meta.json and the clean-up
-            shutil.rmtree(out / "partials", ignore_errors=True)
-        return out
+        if not _same_min_counts(meta, mins):
+            _prepare_reprune(out, meta, mins, cfg.shard is not None)
+            log(f"{out}: re-pruning the kept partial counts with min counts {mins}")
+        else:
+            log(f"{out} is complete already (delete it to recount)")
+            if not cfg.keep_partials:  # a kill between writing meta.json and the clean-up
+                shutil.rmtree(out / "partials", ignore_errors=True)
+            return out
     shards = local_shards(parse_shard(cfg.shard), cfg.num_proc)
     _check_no_foreign_shards(out, shards)
     save_resolved_config(out / "config.json", "stats build", cfg, data)
@@ -114,6 +118,28 @@ def build(cfg: BuildConfig, data: DataConfig, log=print) -> Path | None:
     if not cfg.keep_partials:
         shutil.rmtree(out / "partials", ignore_errors=True)
     return out
+
+
+def _same_min_counts(meta: dict, mins: list[int]) -> bool:
+    return meta.get("min_counts") == {str(k + 1): m for k, m in enumerate(mins)}
+
+
+def _prepare_reprune(out: Path, meta: dict, mins: list[int], sharded: bool) -> None:
+    """A finished dir asked for other min counts: re-merge from its partials, or say why not.
+
+    Pruning drops counts for good, so only the kept partials (``--keep-partials``) can give a
+    lower or a different threshold. meta.json goes first: a kill mid re-merge must leave a dir
+    that reads as unfinished (and reruns), never old meta over half-rewritten arrays.
+    """
+    was = ",".join(str(v) for _, v in sorted(meta.get("min_counts", {}).items(), key=lambda kv: int(kv[0])))
+    if sharded or not (out / "partials").is_dir():
+        raise UsageError(
+            f"{out} is complete with --min-count {was}; re-pruning to {','.join(map(str, mins))} needs its partial "
+            "counts, which were removed after the merge",
+            f"rerun with --min-count {was} to reuse it, or delete {out} and rebuild with the new --min-count "
+            "(add --keep-partials to be able to re-prune later)",
+        )
+    (out / META_NAME).unlink()
 
 
 def _check_no_foreign_shards(out: Path, shards: list[tuple[int, int]]) -> None:

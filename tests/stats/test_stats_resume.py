@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -115,3 +116,25 @@ def test_unfinished_runs_are_resumed_not_recounted(tmp_path, corpus, reference):
     merged = tmp_path / "merged"
     write_stats(merged, [out / "partials" / "shard-00000-of-00001"], [1, 2, 2], 1, 64 << 20, log=lambda *_: None)
     arrays_equal(reference, merged, 3)
+
+
+def test_rerun_with_other_min_count_reprunes_kept_partials(tmp_path):
+    """A finished dir rebuilt with another --min-count is re-merged from its kept partials."""
+    corpus = write_jsonl_ids(tmp_path / "ids.jsonl", zipf_docs(150, VOCAB, 60, seed=7))
+    kept = build_ids(tmp_path, str(corpus), "kept", VOCAB, min_count=(1,), keep_partials=True)
+    build_ids(tmp_path, str(corpus), "kept", VOCAB, min_count=(3,), keep_partials=True)
+    fresh = build_ids(tmp_path, str(corpus), "fresh", VOCAB, min_count=(3,))
+    arrays_equal(kept, fresh, 3)
+    assert json.loads((kept / "meta.json").read_text())["min_counts"] == {"1": 1, "2": 3, "3": 3}
+
+
+def test_rerun_with_other_min_count_without_partials_refuses(tmp_path):
+    """Without partials the pruned counts cannot be re-pruned: a clear error, the dir left intact."""
+    corpus = write_jsonl_ids(tmp_path / "ids.jsonl", zipf_docs(150, VOCAB, 60, seed=7))
+    out = build_ids(tmp_path, str(corpus), "done", VOCAB, min_count=(2,))
+    before = (out / "meta.json").read_text()
+    with pytest.raises(UsageError, match="--min-count 1,2,2") as err:
+        build_ids(tmp_path, str(corpus), "done", VOCAB, min_count=(5,))
+    assert "--keep-partials" in err.value.fix
+    assert (out / "meta.json").read_text() == before
+    build_ids(tmp_path, str(corpus), "done", VOCAB, min_count=(2,))  # the same value still reads as complete
