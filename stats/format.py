@@ -75,12 +75,11 @@ def write_array_dir(path: Path, arrays: dict[str, np.ndarray], info: dict) -> No
     tmp.mkdir(parents=True)
     lengths = {}
     for name, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
         with open(tmp / f"{name}.npy", "wb") as fh:
-            np.save(fh, arr)
+            n, dtype = _write_npy(fh, arr)
             fh.flush()
             os.fsync(fh.fileno())
-        lengths[name] = [int(arr.shape[0]), str(arr.dtype)]
+        lengths[name] = [n, str(dtype)]
     record = {"format_version": FORMAT_VERSION, "arrays": lengths, **info}
     with open(tmp / INFO_NAME, "w") as fh:
         json.dump(record, fh, indent=1)
@@ -90,6 +89,26 @@ def write_array_dir(path: Path, arrays: dict[str, np.ndarray], info: dict) -> No
         shutil.rmtree(path)
     os.rename(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _write_npy(fh, arr) -> tuple[int, np.dtype]:
+    """Write a 1-D ``.npy``: an array, or a list of 1-D pieces of one dtype written back to back.
+
+    Pieces are streamed: no concatenated copy is made (a spill's runs are most of the memory
+    bound, and copying them cost about as much CPU as writing them).
+    """
+    if not isinstance(arr, list):
+        arr = np.ascontiguousarray(arr)
+        np.save(fh, arr)
+        return int(arr.shape[0]), arr.dtype
+    dtype = arr[0].dtype
+    if any(p.dtype != dtype or p.ndim != 1 for p in arr):
+        raise ValueError("array pieces must be 1-D and share one dtype")
+    n = sum(int(p.size) for p in arr)
+    np.lib.format.write_array_header_1_0(fh, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n,)})
+    for piece in arr:
+        fh.write(np.ascontiguousarray(piece).data)
+    return n, dtype
 
 
 def _fsync_dir(path: Path) -> None:

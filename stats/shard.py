@@ -224,8 +224,9 @@ def _spill(job: Job, held: _Held, state: dict, done: bool) -> dict:
     for k, runs in held.runs.items():
         sizes = [keys.size for keys, _ in runs]
         arrays[f"s{k}"] = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
-        arrays[f"k{k}"] = np.concatenate([keys for keys, _ in runs] + [np.zeros(0, np.uint64)])
-        arrays[f"c{k}"] = np.concatenate([c.astype(np.uint32) for _, c in runs] + [np.zeros(0, np.uint32)])
+        # lists of pieces: write_array_dir streams them into one array file without a concatenated copy
+        arrays[f"k{k}"] = [np.zeros(0, np.uint64)] + [keys for keys, _ in runs]
+        arrays[f"c{k}"] = [np.zeros(0, np.uint32)] + [c.astype(np.uint32) for _, c in runs]
         runs.clear()
     info = {"next": state["next"], "tokens": state["tokens"], "totals": held.totals, "done": done}
     write_array_dir(state["sdir"] / f"run-{state['run']:06d}", arrays, info)
