@@ -180,6 +180,13 @@ class DynamicChoice:
     backed_off: list[int]  # orders tried and rejected, e.g. [3, 2]
 
 
+def always_backs_off(cfg) -> bool:
+    """eps_b = 1: no cell of any order's grid exceeds 1 = eps_b^(n-1) (a masked grid is
+    renormalised, an unmasked one is a product of probabilities, the penalty only lowers cells,
+    and the static threshold would zero them all anyway), so only head 1 is ever read."""
+    return cfg.eps_b >= 1 and (cfg.repetition_penalty >= 1 or cfg.static_threshold)
+
+
 def cannot_reach(cands, order: int, cfg, table) -> bool:
     """True when no cell of the order-``order`` grid can exceed eps_b^(order-1), so building it
     is wasted work (the result is the same back-off). Exact bounds, because the repetition
@@ -187,6 +194,8 @@ def cannot_reach(cands, order: int, cfg, table) -> bool:
     renormalised, so every cell is <= 1; an unmasked grid's largest cell is the float32 product
     of the heads' top-1 probabilities (its [0, ..., 0] cell, computed in the same order).
     ``cands`` is called lazily (head index -> Candidates) so eps_b = 1 needs no top-k at all."""
+    if always_backs_off(cfg):
+        return True
     threshold = np.float32(cfg.eps_b ** (order - 1))
     if cfg.repetition_penalty < 1 or (threshold < 1 and table is not None and cfg.alpha_c != 0):
         return threshold >= 1 and cfg.static_threshold  # >= 1 zeroes every cell of a masked grid

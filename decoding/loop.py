@@ -16,7 +16,7 @@ import torch
 
 from .accept import greedy_accept, speculative_accept, typical_rule
 from .config import DecodeConfig, check_context
-from .dynamic import dynamic_propose
+from .dynamic import always_backs_off, dynamic_propose
 from .proposal import Drafts, pick_drafter
 from .sampling import Sampler
 from .trace import Trace
@@ -60,6 +60,21 @@ def _acceptor(cfg: DecodeConfig):
     return greedy_accept if cfg.greedy else speculative_accept
 
 
+class HeadLogps:
+    """The n heads' log-distributions at ``anchor``, each computed on its first read # i -> [V]."""
+
+    def __init__(self, out, anchor: int, n: int):
+        self.out, self.anchor, self.n, self.cache = out, anchor, n, {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.cache:
+            self.cache[i] = self.out.head_log_probs(i, self.anchor)[0]
+        return self.cache[i]
+
+
 @torch.inference_mode()  # cheaper than no_grad per op: a small model's step is mostly op overhead
 def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, on_tokens=None,
              drafter=None, acceptor=None) -> DecodeResult:
@@ -86,6 +101,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative else None)
     acceptor = acceptor or _acceptor(cfg)
     order, eos = cfg.order(model.n_future), _eos_ids(model)
+    heads_read = 1 if cfg.mode == "dynamic" and always_backs_off(cfg) else order
     trace, out_ids = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1]), []
 
     def emit(tokens: list[int]) -> bool:
@@ -103,7 +119,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     def forward(new: list[int] | torch.Tensor):
         start = time.perf_counter()
         new = torch.as_tensor(new, dtype=torch.long, device=ids.device).reshape(1, -1)
-        result = model.step(new, caches, heads_upto=order)  # heads past the order are never read
+        result = model.step(new, caches, heads_upto=heads_read)  # heads past these are never read
         trace.model_s += time.perf_counter() - start
         trace.forward_passes += 1
         return result
@@ -116,7 +132,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     while True:
         # propose: the tokens decided for the next positions (+ drafts to verify)
         if cfg.mode == "dynamic":
-            logps = [out.head_log_probs(i, anchor)[0] for i in range(order)]
+            logps = HeadLogps(out, anchor, order)  # read on demand: back-offs skip later heads
             choice = dynamic_propose(logps, cfg, table, run.seen, run.rng)
             commit, drafts = choice.tokens, Drafts.empty()
             trace.orders[choice.order] += 1
