@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--pythia-heads", default=None, help="heads trained for pythia-mini (default: untrained copies)")
     p.add_argument("--pythia-stats", default=None, help="stats dir with the pythia tokenizer (dynamic masking, logic timing)")
     p.add_argument("--logic-steps", type=int, default=200)
+    p.add_argument("--logic-only", action="store_true", help="only the per-step decoding-logic timing (seconds, not minutes)")
     return p.parse_args(argv)
 
 
@@ -175,7 +176,7 @@ def bench_logic(args) -> dict:
     out = {"forward_ms_pythia70m_shape_1_token_ctx128": round(forward, 3), "stats_table": args.pythia_stats}
     for n in (2, 3):
         logps = [torch.log_softmax(torch.randn(vocab, generator=gen) * 3, -1) for _ in range(n)]
-        for eps in (0.0, 0.5):  # eps 0: the full order-n grid every step; 0.5: back-offs included
+        for eps in (0.0, 0.5, 1.0):  # 0: the full order-n grid every step; 0.5: back-offs; 1: order 1 only
             cfg = DecodeConfig(mode="dynamic", top_k=50, eps_b=eps)
             ms = median_ms(lambda: dynamic_propose(logps, cfg, table, seen, rng), args.logic_steps)
             out[f"logic_ms_k50_n{n}_eps{eps}"] = round(ms, 3)
@@ -189,6 +190,11 @@ def main(argv=None) -> dict:
     record = {"machine": {"platform": platform.platform(), "threads": args.threads, "cpu_count": torch.get_num_threads(),
                           "loadavg_start": list(__import__("os").getloadavg())},
               "max_new_tokens": args.max_new_tokens, "reps": args.reps}
+    if args.logic_only:
+        record["logic"] = bench_logic(args)
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        print("per-step decoding logic (ms):", json.dumps(record["logic"]))
+        return record
     emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads)
     record["embedded"] = bench_model("stories260K (embedded)", emb, emb_heads, open_table(args.embedded_stats, emb.backbone.tokenizer),
                                      PROMPTS["stories"], args)
