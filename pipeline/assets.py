@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .embedded import EMBEDDED_DIR
-
-EMBEDDED_HEADS = EMBEDDED_DIR / "stories260K-heads"
-EMBEDDED_STATS = EMBEDDED_DIR / "stories260K-stats"
+from .embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
 
 
 def default_heads() -> str:
@@ -17,10 +12,7 @@ def default_heads() -> str:
 
 def default_stats(backbone) -> str:
     """The embedded stats, but only for the embedded base (another tokenizer would not match)."""
-    from .embedded import DEFAULT_BASE
-
-    same_base = Path(backbone.name).resolve() == DEFAULT_BASE.resolve()
-    return str(EMBEDDED_STATS) if same_base and EMBEDDED_STATS.is_dir() else ""
+    return str(EMBEDDED_STATS) if is_default_base(backbone.name) and EMBEDDED_STATS.is_dir() else ""
 
 
 def load_model(heads: str, base: str | None, dtype: str = "float32", device: str = "cpu"):

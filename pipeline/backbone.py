@@ -116,7 +116,7 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(resolve_base(str(path)))
     except (OSError, ValueError) as err:
         raise CheckpointError(
             f"could not load a tokenizer from {path!r}: {err}",
@@ -345,17 +345,3 @@ def _attach_lora(model, spec: ArchSpec, lora: LoraSpec | None, adapter: str | No
     for name, p in model.named_parameters():
         p.requires_grad_(trainable and "lora_" in name)
     return model
-
-
-def describe(backbone: Backbone) -> str:
-    """One-line summary, for logs and ``--help`` style output."""
-    return json.dumps(
-        {
-            "base": backbone.name,
-            "model_type": backbone.model_type,
-            "layers": backbone.num_layers,
-            "hidden": backbone.hidden_size,
-            "vocab": backbone.vocab_size,
-            "quantization": backbone.load_config.quantization,
-        }
-    )

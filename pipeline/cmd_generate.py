@@ -14,10 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .backbone import BackboneConfig
-from .embedded import DEFAULT_BASE, EMBEDDED_DIR
-
-EMBEDDED_HEADS = EMBEDDED_DIR / "stories260K-heads"
-EMBEDDED_STATS = EMBEDDED_DIR / "stories260K-stats"
+from .embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
 
 
 @dataclass
@@ -29,10 +26,10 @@ class GenerateConfig:
 
 
 def _embedded(base: str, given: str | None, shipped: Path) -> str | None:
+    """``given``, else the shipped asset when decoding the embedded base (it fits no other)."""
     if given is not None:
         return given
-    same_base = Path(base).resolve() == DEFAULT_BASE.resolve()
-    return str(shipped) if same_base and shipped.is_dir() else None
+    return str(shipped) if is_default_base(base) and shipped.is_dir() else None
 
 
 def load_model(base_cfg: BackboneConfig, heads: str | None):
@@ -43,14 +40,6 @@ def load_model(base_cfg: BackboneConfig, heads: str | None):
     if heads is not None:
         return MultiTokenModel.from_pretrained(base_cfg, heads)
     return MultiTokenModel.attach(load_backbone(base_cfg), {"head_type": "medusa", "n_future": 1})
-
-
-def load_table(stats: str | None, model):
-    if stats is None:
-        return None
-    from multitoken.stats.table import CooccurrenceTable
-
-    return CooccurrenceTable.for_tokenizer(stats, model.backbone.tokenizer)
 
 
 def register(sub) -> None:
@@ -86,6 +75,7 @@ def run(args) -> None:
     from multitoken.decoding.config import DecodeConfig, check_context
     from multitoken.decoding.loop import generate
 
+    from .assets import load_stats
     from .cliargs import config_dict, dataclass_from_args
     from .errors import UsageError
 
@@ -98,7 +88,7 @@ def run(args) -> None:
     stats = _embedded(base_cfg.base, cfg.stats, EMBEDDED_STATS)
     model = load_model(base_cfg, heads)
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future)
-    table = load_table(stats, model) if decode.mode != "ar" else None  # dynamic masking, joint drafts
+    table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None  # dynamic masking, joint drafts
     tok = model.backbone.tokenizer
     ids = tok(cfg.prompt, return_tensors="pt").input_ids
     check_context(ids.shape[1], decode.max_new_tokens, model.backbone.config.max_position_embeddings)

@@ -25,7 +25,7 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.dynamic import dynamic_propose
 from multitoken.decoding.loop import generate
 from multitoken.pipeline.backbone import Backbone, BackboneConfig, load_backbone
-from multitoken.pipeline.cmd_generate import EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.embedded import DEFAULT_BASE
 from multitoken.pipeline.model import MultiTokenModel
 

@@ -105,10 +105,8 @@ def main(argv=None) -> int:
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    (dest / "heads.safetensors").write_bytes((trained / "heads.safetensors").read_bytes())
-    record = json.loads((trained / "heads_config.json").read_text())
-    record["base"] = "embedded:stories260K"  # resolved to the packaged model wherever it is installed
-    (dest / "heads_config.json").write_text(json.dumps(record, indent=2) + "\n")
+    for name in ("heads.safetensors", "heads_config.json"):  # base recorded as embedded:stories260K
+        shutil.copy(trained / name, dest / name)
     report = {
         "heldout_trained": after, "heldout_untrained": before, "train_steps": args.steps,
         "train_tokens_seen": args.steps * args.batch_size * args.seq_len, "train_seconds": round(train_seconds, 1),

@@ -26,7 +26,6 @@ from multitoken.pipeline.cliargs import atomic_write_text
 from multitoken.pipeline.data import DataConfig
 from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_DIR
 from multitoken.stats.job import BuildConfig, build
-from multitoken.stats.table import EMBEDDED_TOKENIZER
 
 
 def sample_corpus(path: Path, tokens: int, batch: int, max_new: int, seed: int) -> dict:
@@ -54,9 +53,9 @@ def sample_corpus(path: Path, tokens: int, batch: int, max_new: int, seed: int) 
 
 
 def relabel(out: Path) -> dict:
-    """Replace this machine's temp paths in meta.json by names valid wherever the package is."""
+    """Replace this machine's temp paths in meta.json by names valid wherever the package is
+    (the tokenizer is already recorded as embedded:stories260K by the job)."""
     meta = json.loads((out / "meta.json").read_text())
-    meta["tokenizer"]["name"] = EMBEDDED_TOKENIZER  # `stats info` resolves it to the embedded model
     source = "samples of the embedded stories260K model (scripts/build_embedded_stats.py)"
     meta["source"]["data"] = meta["job"]["data"]["data"] = source
     atomic_write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n")

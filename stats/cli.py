@@ -70,10 +70,10 @@ def run_info(args) -> None:
     from multitoken.pipeline.cliargs import dataclass_from_args
 
     from .info import summary
-    from .table import CooccurrenceTable, resolve_tokenizer_name
+    from .table import CooccurrenceTable
 
     cfg = dataclass_from_args(InfoConfig, args)
-    name = resolve_tokenizer_name(CooccurrenceTable(cfg.dir).meta["tokenizer"]["name"])
+    name = CooccurrenceTable(cfg.dir).meta["tokenizer"]["name"]  # load_tokenizer resolves embedded:NAME
     print(summary(cfg.dir, cfg.top, cfg.min_pair_count, tokenizer=_try_tokenizer(name)))
 
 

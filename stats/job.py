@@ -18,7 +18,7 @@ import numpy as np
 
 from multitoken.pipeline.cliargs import atomic_write_text, save_resolved_config
 from multitoken.pipeline.data import DataConfig
-from multitoken.pipeline.embedded import default_base
+from multitoken.pipeline.embedded import default_base, portable_base
 from multitoken.pipeline.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
@@ -212,7 +212,7 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
     log(f"merged {len(runs)} runs in {time.perf_counter() - t0:.1f}s")
     meta = {
         "format_version": FORMAT_VERSION,
-        "tokenizer": {"name": jobs[0].get("tokenizer"), "fingerprint": ident["tokenizer_fingerprint"]},
+        "tokenizer": {"name": portable_base(str(jobs[0].get("tokenizer"))), "fingerprint": ident["tokenizer_fingerprint"]},
         "vocab_size": ident["vocab_size"],
         "orders": list(range(1, order + 1)),
         "total_tokens": totals[0],

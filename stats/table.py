@@ -30,26 +30,6 @@ from multitoken.pipeline.errors import CheckpointError, DataError, MismatchError
 from .format import FORMAT_VERSION, META_NAME, encode
 from .hashindex import PrefixBlockIndex
 
-# tokenizer name recorded by stats counted with the embedded model (it has no portable path)
-EMBEDDED_TOKENIZER = "embedded:stories260K"
-
-
-def default_stats() -> Path:
-    """The stats dir shipped for the embedded stories260K model."""
-    from multitoken.pipeline.embedded import EMBEDDED_DIR
-
-    return EMBEDDED_DIR / "stories260K-stats"
-
-
-def resolve_tokenizer_name(name: str | None) -> str | None:
-    """A loadable path for a stats dir's tokenizer name (``embedded:X`` is the packaged model X)."""
-    if name and name.startswith("embedded:"):
-        from multitoken.pipeline.embedded import EMBEDDED_DIR
-
-        return str(EMBEDDED_DIR / name.split(":", 1)[1])
-    return name
-
-
 class CooccurrenceTable:
     """Open a stats dir; ``mask(cands, alpha)`` gives the co-occurrence grid."""
 

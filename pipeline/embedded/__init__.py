@@ -10,6 +10,8 @@ from pathlib import Path
 
 EMBEDDED_DIR = Path(__file__).resolve().parent
 DEFAULT_BASE = EMBEDDED_DIR / "stories260K"
+EMBEDDED_HEADS = EMBEDDED_DIR / "stories260K-heads"  # trained heads for DEFAULT_BASE
+EMBEDDED_STATS = EMBEDDED_DIR / "stories260K-stats"  # co-occurrence stats of its tokenizer
 
 
 def default_base() -> str:
@@ -26,6 +28,11 @@ def resolve_base(name: str) -> str:
     if name.startswith(EMBEDDED_PREFIX):
         return str(EMBEDDED_DIR / name[len(EMBEDDED_PREFIX):])
     return name
+
+
+def is_default_base(name: str) -> bool:
+    """True when ``name`` (a path or ``embedded:NAME``) is the embedded default base."""
+    return Path(resolve_base(str(name))).resolve() == DEFAULT_BASE
 
 
 def portable_base(name: str) -> str:

@@ -6,22 +6,13 @@ import json
 
 import pytest
 import torch
-from train_helpers import head_state, load_trained, make_heads_dir, phrase_corpus, train_cfg
+from train_helpers import corpus, heads_dir  # noqa: F401 (shared fixtures)
+from train_helpers import head_state, load_trained, make_heads_dir, train_cfg
 
 from multitoken.pipeline import train as train_mod
 from multitoken.pipeline.data import DataConfig
 from multitoken.pipeline.errors import DataError
 from multitoken.pipeline.train import train
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return phrase_corpus(tmp_path_factory.mktemp("corpus") / "phrases.jsonl")
-
-
-@pytest.fixture(scope="module")
-def heads_dir(tiny_llama_dir, tmp_path_factory):
-    return make_heads_dir(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "untrained")
 
 
 def _base_weights(model) -> dict[str, torch.Tensor]:

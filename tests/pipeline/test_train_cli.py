@@ -11,21 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import make_heads_dir, phrase_corpus
+from train_helpers import corpus, heads_dir  # noqa: F401 (shared fixtures)
 
 from multitoken.pipeline.cli import main
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return phrase_corpus(tmp_path_factory.mktemp("corpus") / "phrases.jsonl")
-
-
-@pytest.fixture(scope="module")
-def heads_dir(tiny_llama_dir, tmp_path_factory):
-    return make_heads_dir(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "untrained")
 
 
 def _train(*args: str) -> int:
