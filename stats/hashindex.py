@@ -26,9 +26,15 @@ DENSE_PREFIXES = 1 << 22                # one-token prefixes get a dense table u
 PROBE_WINDOW = 8                        # slots a grid lookup probes per round after the first
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """uint64 -> well-mixed uint64 (the high bits of a Fibonacci product)."""
-    return (np.asarray(x, np.uint64) * GOLDEN) >> np.uint64(29)
+def _fib(x: np.ndarray, shift) -> np.ndarray:
+    """Home slot of ``x`` in a table of ``2^(64 - shift)`` slots: the top bits of ``x * GOLDEN``.
+
+    Top bits: Fibonacci hashing spreads runs of ids evenly only there. Middle bits clump (bits
+    29 and up put ids 0..50k, the frequent tokens, on 10k of a 256k-slot block's slots, so
+    most lookups probed on). int64 (a view): numpy's fast gather path (uint64 indices take a
+    ~10x slower one), and ``base + home`` stays integer.
+    """
+    return ((np.asarray(x, np.uint64) * GOLDEN) >> shift).view(np.int64)
 
 
 def _place(table: np.ndarray, empty, items: np.ndarray, first_slot: np.ndarray, step) -> np.ndarray:
@@ -60,14 +66,14 @@ class HashIndex:
         keys = np.asarray(keys, np.uint64)
         bits = max(4, int(np.ceil(np.log2(max(keys.size, 1) / load))))
         self.mask = (1 << bits) - 1
+        self.shift = np.uint64(64 - bits)
         self.keys = np.full(1 << bits, EMPTY64, dtype=np.uint64)
         where = _place(self.keys, EMPTY64, keys, self._home(keys), lambda s, _: (s + 1) & self.mask)
         self.values = np.zeros(1 << bits, dtype=np.asarray(values).dtype)
         self.values[where] = values
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
-        # intp indices: numpy's fast gather path (uint64 indices take a ~10x slower one)
-        return (_mix(keys) & np.uint64(self.mask)).astype(np.intp)
+        return _fib(keys, self.shift)
 
     def lookup(self, queries: np.ndarray, missing=0) -> np.ndarray:
         queries = np.asarray(queries, np.uint64).ravel()
@@ -96,30 +102,36 @@ class PrefixBlockIndex:
         prefix, last = keys // v, (keys % v).astype(np.uint32)
         starts = np.flatnonzero(np.concatenate([[True], prefix[1:] != prefix[:-1]])) if keys.size else np.zeros(0, np.intp)
         lengths = np.diff(starts, append=keys.size)
+        # plus one empty block that unseen prefixes point to: their rows probe like the others
+        # (and find nothing), so a grid needs no per-row seen/unseen bookkeeping
+        self.sentinel = starts.size
         # a block of 2^ceil(log2(3L)) slots: load <= 1/3, so probe runs for absent n-grams
         # (most cells of a mask grid) stay short; 1/2 costs ~25% more time for ~25% less memory
-        self.size = (1 << np.ceil(np.log2(3 * np.maximum(lengths, 1))).astype(np.int64)).astype(np.int64)
-        self.base = np.concatenate([[0], np.cumsum(self.size)[:-1]]).astype(np.int64)
-        self.last = np.full(int(self.size.sum()), EMPTY32, dtype=np.uint32)
+        bits = np.ceil(np.log2(3 * np.maximum(np.append(lengths, 0), 1))).astype(np.int64)
+        size = np.int64(1) << bits
+        self.mask = size - 1
+        self.shift = (64 - bits).astype(np.uint64)
+        self.base = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
+        self.last = np.full(int(size.sum()), EMPTY32, dtype=np.uint32)
         block = np.repeat(np.arange(starts.size), lengths)
-        mask = self.size[block] - 1
-        base = self.base[block]
-        first = base + (self._h(last) & mask)
+        mask, base = self.mask[block], self.base[block]
+        first = base + _fib(last, self.shift[block])
         where = _place(self.last, EMPTY32, last, first, lambda s, who: base[who] + ((s - base[who] + 1) & mask[who]))
         self.counts = np.zeros(self.last.size, dtype=np.asarray(counts).dtype)
         self.counts[where] = counts
         block_prefix = prefix[starts]
         if order == 2 and vocab_size <= DENSE_PREFIXES:
             # order 2: a prefix is one token, so a dense token -> block table is one gather
-            self.dense = np.full(vocab_size, -1, dtype=np.int64)
+            self.dense = np.full(vocab_size, self.sentinel, dtype=np.int64)
             self.dense[block_prefix.astype(np.int64)] = np.arange(starts.size)
         else:
             self.dense = None
             self.prefixes = HashIndex(block_prefix, np.arange(starts.size, dtype=np.int64))
 
-    @staticmethod
-    def _h(last: np.ndarray) -> np.ndarray:
-        return _mix(last).astype(np.int64) & np.int64(2**62 - 1)
+    def _blocks(self, prefix_keys: np.ndarray) -> np.ndarray:
+        if self.dense is not None:
+            return self.dense.take(prefix_keys.astype(np.intp, copy=False))
+        return self.prefixes.lookup(prefix_keys, missing=self.sentinel)
 
     def grid(self, prefix_keys: np.ndarray, last: np.ndarray, possible: np.ndarray | None = None) -> np.ndarray:
         """Counts ``[P, C]`` of n-grams ``prefix_keys[p] + last[c]`` (0 where absent).
@@ -127,63 +139,51 @@ class PrefixBlockIndex:
         ``possible [P, C]`` (optional): False where the caller knows the n-gram is absent;
         those cells skip the probe chains, which is where most of the time goes.
         """
-        prefix_keys = np.asarray(prefix_keys, np.uint64).ravel()
-        last = np.asarray(last).astype(np.uint32).ravel()
-        ncol = last.size
-        out = np.zeros((prefix_keys.size, ncol), dtype=self.counts.dtype)
-        if self.dense is not None:
-            blk = self.dense.take(prefix_keys.astype(np.intp))
-        else:
-            blk = self.prefixes.lookup(prefix_keys, missing=-1)
-        rows = np.flatnonzero(blk >= 0)               # prefixes never seen: the whole row is 0
-        if rows.size == 0 or ncol == 0:
-            return out
-        # first probe for every cell at once as [R, C] broadcasts, then flat: a small grid is
-        # dominated by per-op overhead, so the cells are handled as few, whole-array ops
-        blk = blk.take(rows)
-        base = self.base.take(blk)[:, None]                       # [R, 1]
-        mask = self.size.take(blk)[:, None] - 1                   # [R, 1]
-        slot = (base + (self._h(last)[None, :] & mask)).ravel()   # [R*C]
+        blk = self._blocks(np.asarray(prefix_keys).ravel())[:, None]   # [P, 1]
+        last = np.asarray(last).ravel().astype(np.uint32)
+        # the first probe of every cell as [P, C] broadcasts: a small grid is dominated by
+        # per-op overhead, so the cells are handled as few, whole-array ops
+        slot = _fib(last, self.shift.take(blk))
+        slot += self.base.take(blk)
         found = self.last.take(slot)
-        q = np.broadcast_to(last, (rows.size, ncol)).ravel()
-        hit = found == q
-        # flat output index of each cell (the identity when every prefix was seen)
-        cell = None if rows.size == prefix_keys.size else (rows[:, None] * ncol + np.arange(ncol)).ravel()
+        hit = found == last
+        out = np.zeros(found.shape, dtype=self.counts.dtype)
         flat = out.reshape(-1)
         h = np.flatnonzero(hit)
-        flat[h if cell is None else cell.take(h)] = self.counts.take(slot.take(h))
-        more = (found != EMPTY32) ^ hit                           # a hit is never empty: xor drops it
+        flat[h] = self.counts.take(slot.take(h))
+        more = (found != EMPTY32) ^ hit  # a hit is never empty: xor drops it
         if possible is not None:
-            more &= possible[rows].ravel()
-        idx = np.flatnonzero(more)
-        if idx.size == 0:
-            return out
-        cell = idx if cell is None else cell.take(idx)
-        q, slot = q.take(idx), slot.take(idx)
-        base = np.broadcast_to(base, (rows.size, ncol)).ravel().take(idx)
-        mask = np.broadcast_to(mask, (rows.size, ncol)).ravel().take(idx)
-        # the rest probe PROBE_WINDOW slots per round as one [M, W] gather (neighbouring slots,
-        # mostly one cache line): one round instead of ~8 single-slot rounds of a dozen ops each.
-        # A probe ends at the key or an empty slot, whichever comes first in the window.
-        steps = np.arange(1, PROBE_WINDOW + 1)
+            more &= possible
+        cell = np.flatnonzero(more)
+        if cell.size:
+            self._probe_on(flat, cell, slot.take(cell), last, blk.ravel())
+        return out
+
+    def _probe_on(self, flat: np.ndarray, cell: np.ndarray, slot: np.ndarray, last: np.ndarray, blk: np.ndarray) -> None:
+        """Finish the flat ``cell``s whose first probe, ``slot``, held another key."""
+        row, col = np.divmod(cell, last.size)
+        q = last.take(col)[:, None]
+        b = blk.take(row)
+        base, mask = self.base.take(b)[:, None], self.mask.take(b)[:, None]
+        off = (slot[:, None] - base) + np.arange(1, PROBE_WINDOW + 1)
+        # PROBE_WINDOW slots per round as one [M, W] gather (neighbouring slots, mostly one
+        # cache line): one round instead of ~8 single-slot rounds of a dozen ops each
         while True:
-            win = base[:, None] + (((slot - base)[:, None] + steps) & mask[:, None])   # [M, W]
+            win = (off & mask) + base
             found = self.last.take(win)
-            hit = found == q[:, None]
-            stop = hit | (found == EMPTY32)
-            first = stop.argmax(1)
-            at = np.arange(first.size)
-            ended, got = stop[at, first], hit[at, first]
-            h = np.flatnonzero(got)
+            hit = found == q
+            # the slots before a key in its probe sequence are all taken (no deletions), so a
+            # hit anywhere in the window is the key's; a row with an empty slot and no hit is absent
+            h = np.flatnonzero(hit)
             if h.size:
-                flat[cell.take(h)] = self.counts.take(win[h, first[h]])
-            idx = np.flatnonzero(~ended)
-            if idx.size == 0:
-                return out
-            cell, q, base, mask = cell.take(idx), q.take(idx), base.take(idx), mask.take(idx)
-            slot = win[idx, -1]
+                flat[cell.take(h // PROBE_WINDOW)] = self.counts.take(win.take(h))
+            live = np.flatnonzero(~(hit | (found == EMPTY32)).any(1))
+            if live.size == 0:
+                return
+            cell, q, base, mask = cell.take(live), q.take(live, 0), base.take(live, 0), mask.take(live, 0)
+            off = off.take(live, 0) + PROBE_WINDOW
 
     @property
     def nbytes(self) -> int:
         prefixes = self.dense.nbytes if self.dense is not None else self.prefixes.nbytes
-        return int(self.last.nbytes + self.counts.nbytes + self.size.nbytes + self.base.nbytes + prefixes)
+        return int(self.last.nbytes + self.counts.nbytes + self.mask.nbytes + self.shift.nbytes + self.base.nbytes + prefixes)

@@ -106,12 +106,13 @@ class CooccurrenceTable:
         ids = cand.detach().cpu().numpy() if hasattr(cand, "detach") else np.asarray(cand)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":  # kind: np.issubdtype is slow per call
             raise DataError(f"candidate list {pos} must be a non-empty 1-D array of token ids, got shape {ids.shape} {ids.dtype}")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
+        out = ids.astype(np.int64)
+        if (out.view(np.uint64) >= self.vocab_size).any():  # negatives wrap to >= 2^63: one test for both bounds
             raise DataError(
                 f"candidate list {pos} holds token ids outside the vocabulary [0, {self.vocab_size}) (min {ids.min()}, max {ids.max()})",
                 "use stats counted with the model's tokenizer",
             )
-        return ids.astype(np.int64)
+        return out
 
     def counts(self, cands) -> np.ndarray:
         """Joint counts grid ``[k1, .., kn]`` of the candidate lists (0 where absent)."""
@@ -120,13 +121,13 @@ class CooccurrenceTable:
     def _counts(self, ids: list[np.ndarray]) -> np.ndarray:
         """``counts`` of already validated int64 id lists."""
         self._check_order(len(ids))
-        prefix = ids[0].astype(np.uint64)
+        prefix = ids[0]
         for col in ids[1:-1]:  # mixed-radix prefix keys of the grid's leading axes
-            prefix = (prefix[..., None] * np.uint64(self.vocab_size) + col.astype(np.uint64)).reshape(-1)
+            prefix = (prefix.astype(np.uint64)[..., None] * np.uint64(self.vocab_size) + col.astype(np.uint64)).reshape(-1)
         possible = None
         if len(ids) == 3 and self._suffix_filter:
             # a kept trigram (a, b, c) implies a kept bigram (b, c): probe only those cells
-            bc = self.index(2).grid(ids[1].astype(np.uint64), ids[2]) > 0   # [k2, k3]
+            bc = self.index(2).grid(ids[1], ids[2]) > 0   # [k2, k3]
             possible = np.tile(bc, (len(ids[0]), 1))                      # [k1*k2, k3]
         grid = self.index(len(ids)).grid(prefix, ids[-1], possible)
         return grid.reshape([len(x) for x in ids])
@@ -143,8 +144,7 @@ class CooccurrenceTable:
         n = len(ids)
         joint = self._counts(ids)
         # ratio = count * N1^n / N_n / prod(unigram counts): in place, one axis at a time
-        r = joint.astype(np.float32)
-        r *= np.float32(self.totals[1] ** n / self.totals[n])
+        r = np.multiply(joint, np.float32(self.totals[1] ** n / self.totals[n]), dtype=np.float32)
         for axis, x in enumerate(ids):
             shape = [1] * n
             shape[axis] = len(x)

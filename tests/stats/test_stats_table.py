@@ -8,7 +8,7 @@ import torch
 from stats_helpers import PYTHIA_TOKENIZER, brute_counts, build_ids, write_jsonl_ids, zipf_docs
 
 from multitoken.pipeline.errors import CheckpointError, DataError, MismatchError, UsageError
-from multitoken.stats.hashindex import HashIndex, PrefixBlockIndex
+from multitoken.stats.hashindex import HashIndex, PrefixBlockIndex, _fib
 from multitoken.stats.table import CooccurrenceTable
 
 V = 30
@@ -67,8 +67,9 @@ def test_fingerprint_mismatch_and_match(stats, stories_dir):
 
 def test_bad_candidates_are_clear_errors(stats):
     table = CooccurrenceTable(stats)
-    with pytest.raises(DataError, match="outside the vocabulary"):
-        table.mask([np.array([0, V]), np.array([1])])
+    for bad in (np.array([0, V]), np.array([-1, 2]), np.array([2**63 + 1], np.uint64)):
+        with pytest.raises(DataError, match="outside the vocabulary"):
+            table.mask([np.array([1]), bad])
     with pytest.raises(DataError, match="non-empty"):
         table.mask([np.array([], dtype=np.int64), np.array([1])])
     with pytest.raises(UsageError, match="order-4"):
@@ -99,3 +100,36 @@ def test_hash_structures_agree_with_binary_search(vocab):
     pos2 = np.minimum(np.searchsorted(bigrams, q2), bigrams.size - 1)
     grid2 = PrefixBlockIndex(bigrams, np.ones(bigrams.size, np.uint32), vocab, 2).grid(q2 // np.uint64(vocab), (q2 % np.uint64(vocab)).astype(np.int64))
     np.testing.assert_array_equal(np.diagonal(grid2), (bigrams[pos2] == q2).astype(np.uint32))
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_grid_long_probe_chains_unseen_prefixes_and_possible(order):
+    """Every cell of a grid against a dense reference: a block whose keys crowd a few home
+    slots (probe chains of hundreds, many windows), smaller blocks, unseen prefixes, and a
+    ``possible`` filter."""
+    vocab, rng = 1 << 20, np.random.default_rng(order)
+    ids = rng.permutation(vocab)
+    home = _fib(ids, np.uint64(64 - 13))                  # homes in an 8192-slot block
+    cols = np.concatenate([ids[home < 40][:400], ids[home >= 40][:3000]])
+    prefixes = np.unique(rng.integers(0, vocab ** (order - 1), 10)).astype(np.uint64)
+    ref = np.zeros((prefixes.size, cols.size), np.uint32)
+    ref[0, :400] = rng.integers(1, 1000, 400)             # 400 crowded + ~1200 others: 8192 slots
+    for row, density in enumerate([0.4, 0.6, 0.1, 0.01, 0.002, 0.0005]):  # later rows stay unseen
+        present = rng.random(cols.size) < density
+        ref[row, present] = rng.integers(1, 1000, present.sum())
+    p, c = np.nonzero(ref)
+    keys = prefixes[p] * np.uint64(vocab) + cols[c].astype(np.uint64)
+    srt = np.argsort(keys)
+    index = PrefixBlockIndex(keys[srt], ref[p, c][srt], vocab, order)
+    shuffle = rng.permutation(cols.size)
+    np.testing.assert_array_equal(index.grid(prefixes, cols[shuffle]), ref[:, shuffle])
+    possible = (ref > 0) | (rng.random(ref.shape) < 0.3)  # never False where a key is
+    np.testing.assert_array_equal(index.grid(prefixes, cols, possible), ref)
+    empty = PrefixBlockIndex(np.zeros(0, np.uint64), np.zeros(0, np.uint32), vocab, order)
+    assert not empty.grid(prefixes[:3], cols[:5]).any()
+
+
+def test_fib_hash_spreads_consecutive_ids():
+    # frequent tokens have small ids: their home slots in a large block must not clump
+    homes = _fib(np.arange(50_000), np.uint64(64 - 18))
+    assert np.unique(homes).size > 0.9 * 50_000
