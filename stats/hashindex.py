@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from multitoken.pipeline.errors import DataError
+
 EMPTY64 = np.uint64(2**64 - 1)          # never a key: keys are < V^order < 2^64 - 1
-EMPTY32 = np.uint32(2**32 - 1)          # never a token id (vocabularies are < 2^21 at order 3)
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier
 DENSE_PREFIXES = 1 << 22                # one-token prefixes get a dense table up to this vocabulary
 PROBE_WINDOW = 8                        # slots a grid lookup probes per round after the first
@@ -94,12 +95,26 @@ class HashIndex:
 
 
 class PrefixBlockIndex:
-    """Counts of n-grams (sorted mixed-radix keys), looked up as a grid prefix x last token."""
+    """Counts of n-grams (sorted mixed-radix keys), looked up as a grid prefix x last token.
+
+    A slot packs the n-gram's last token (high bits) and its count (low ``count_bits``) in one
+    uint64, so a probe reads both with one gather, one cache miss (separate uint32 token and
+    count arrays took as many bytes and two misses per hit). All-ones token bits are never a
+    token id, so the all-ones word marks an empty slot.
+    """
 
     def __init__(self, keys: np.ndarray, counts: np.ndarray, vocab_size: int, order: int):
         v = np.uint64(vocab_size)
         keys = np.asarray(keys, np.uint64)
-        prefix, last = keys // v, (keys % v).astype(np.uint32)
+        prefix, last = keys // v, keys % v
+        self.count_bits = np.uint64(64 - int(vocab_size).bit_length())
+        self.count_mask = np.uint64((1 << int(self.count_bits)) - 1)
+        counts = np.asarray(counts)
+        if counts.size and int(counts.max()) > int(self.count_mask):
+            raise DataError(
+                f"an n-gram count of {int(counts.max())} does not fit the lookup index ({int(self.count_bits)} bits beside the token id)",
+                "counts this large need a wider index slot; prune or sample the corpus",
+            )
         starts = np.flatnonzero(np.concatenate([[True], prefix[1:] != prefix[:-1]])) if keys.size else np.zeros(0, np.intp)
         lengths = np.diff(starts, append=keys.size)
         # plus one empty block that unseen prefixes point to: their rows probe like the others
@@ -112,13 +127,12 @@ class PrefixBlockIndex:
         self.mask = size - 1
         self.shift = (64 - bits).astype(np.uint64)
         self.base = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
-        self.last = np.full(int(size.sum()), EMPTY32, dtype=np.uint32)
+        self.slots = np.full(int(size.sum()), EMPTY64, dtype=np.uint64)
         block = np.repeat(np.arange(starts.size), lengths)
         mask, base = self.mask[block], self.base[block]
         first = base + _fib(last, self.shift[block])
-        where = _place(self.last, EMPTY32, last, first, lambda s, who: base[who] + ((s - base[who] + 1) & mask[who]))
-        self.counts = np.zeros(self.last.size, dtype=np.asarray(counts).dtype)
-        self.counts[where] = counts
+        packed = (last << self.count_bits) | counts.astype(np.uint64)
+        _place(self.slots, EMPTY64, packed, first, lambda s, who: base[who] + ((s - base[who] + 1) & mask[who]))
         block_prefix = prefix[starts]
         if order == 2 and vocab_size <= DENSE_PREFIXES:
             # order 2: a prefix is one token, so a dense token -> block table is one gather
@@ -134,56 +148,58 @@ class PrefixBlockIndex:
         return self.prefixes.lookup(prefix_keys, missing=self.sentinel)
 
     def grid(self, prefix_keys: np.ndarray, last: np.ndarray, possible: np.ndarray | None = None) -> np.ndarray:
-        """Counts ``[P, C]`` of n-grams ``prefix_keys[p] + last[c]`` (0 where absent).
+        """Counts ``[P, C]`` (uint64) of n-grams ``prefix_keys[p] + last[c]`` (0 where absent).
 
         ``possible [P, C]`` (optional): False where the caller knows the n-gram is absent;
         those cells skip the probe chains, which is where most of the time goes.
         """
         blk = self._blocks(np.asarray(prefix_keys).ravel())[:, None]   # [P, 1]
-        last = np.asarray(last).ravel().astype(np.uint32)
+        last = np.asarray(last).ravel().astype(np.uint64)
         # the first probe of every cell as [P, C] broadcasts: a small grid is dominated by
         # per-op overhead, so the cells are handled as few, whole-array ops
         slot = _fib(last, self.shift.take(blk))
         slot += self.base.take(blk)
-        found = self.last.take(slot)
-        hit = found == last
-        out = np.zeros(found.shape, dtype=self.counts.dtype)
-        flat = out.reshape(-1)
-        h = np.flatnonzero(hit)
-        flat[h] = self.counts.take(slot.take(h))
-        more = (found != EMPTY32) ^ hit  # a hit is never empty: xor drops it
+        found = self.slots.take(slot)
+        # a slot holding the queried token minus (token << count_bits) is its count; any other
+        # slot minus it is larger (a higher token) or wraps around (a lower one)
+        out = found - (last << self.count_bits)
+        hit = out <= self.count_mask
+        out *= hit
+        more = (found != EMPTY64) ^ hit  # a hit is never empty: xor drops it
         if possible is not None:
             more &= possible
         cell = np.flatnonzero(more)
         if cell.size:
-            self._probe_on(flat, cell, slot.take(cell), last, blk.ravel())
+            self._probe_on(out.reshape(-1), cell, slot.take(cell), last, blk.ravel())
         return out
 
     def _probe_on(self, flat: np.ndarray, cell: np.ndarray, slot: np.ndarray, last: np.ndarray, blk: np.ndarray) -> None:
         """Finish the flat ``cell``s whose first probe, ``slot``, held another key."""
         row, col = np.divmod(cell, last.size)
-        q = last.take(col)[:, None]
+        q = last.take(col) << self.count_bits
         b = blk.take(row)
-        base, mask = self.base.take(b)[:, None], self.mask.take(b)[:, None]
-        off = (slot[:, None] - base) + np.arange(1, PROBE_WINDOW + 1)
-        # PROBE_WINDOW slots per round as one [M, W] gather (neighbouring slots, mostly one
-        # cache line): one round instead of ~8 single-slot rounds of a dozen ops each
+        base, mask = self.base.take(b), self.mask.take(b)
+        # PROBE_WINDOW slots per round as one gather (neighbouring slots, mostly one cache line):
+        # one round instead of ~8 single-slot rounds of a dozen ops each. Laid out [W, M], not
+        # [M, W]: per-cell values then broadcast along the long axis (numpy is ~10x slower on
+        # an inner axis of 8), and the per-cell reductions run over the short one.
+        off = (slot - base) + np.arange(1, PROBE_WINDOW + 1)[:, None]
         while True:
-            win = (off & mask) + base
-            found = self.last.take(win)
-            hit = found == q
+            found = self.slots.take((off & mask) + base)
+            found -= q  # as in grid: the count where the token is q
+            hit = found <= self.count_mask
             # the slots before a key in its probe sequence are all taken (no deletions), so a
-            # hit anywhere in the window is the key's; a row with an empty slot and no hit is absent
+            # hit anywhere in the window is the key's; a cell with an empty slot and no hit is absent
             h = np.flatnonzero(hit)
             if h.size:
-                flat[cell.take(h // PROBE_WINDOW)] = self.counts.take(win.take(h))
-            live = np.flatnonzero(~(hit | (found == EMPTY32)).any(1))
+                flat[cell.take(h % cell.size)] = found.take(h)
+            live = np.flatnonzero(~(hit | (found == EMPTY64 - q)).any(0))
             if live.size == 0:
                 return
-            cell, q, base, mask = cell.take(live), q.take(live, 0), base.take(live, 0), mask.take(live, 0)
-            off = off.take(live, 0) + PROBE_WINDOW
+            cell, q, base, mask = cell.take(live), q.take(live), base.take(live), mask.take(live)
+            off = off.take(live, 1) + PROBE_WINDOW
 
     @property
     def nbytes(self) -> int:
         prefixes = self.dense.nbytes if self.dense is not None else self.prefixes.nbytes
-        return int(self.last.nbytes + self.counts.nbytes + self.mask.nbytes + self.shift.nbytes + self.base.nbytes + prefixes)
+        return int(self.slots.nbytes + self.mask.nbytes + self.shift.nbytes + self.base.nbytes + prefixes)

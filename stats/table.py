@@ -115,7 +115,7 @@ class CooccurrenceTable:
         return out
 
     def counts(self, cands) -> np.ndarray:
-        """Joint counts grid ``[k1, .., kn]`` of the candidate lists (0 where absent)."""
+        """Joint counts grid ``[k1, .., kn]`` (uint64) of the candidate lists (0 where absent)."""
         return self._counts([self._ids(c, i) for i, c in enumerate(cands)])
 
     def _counts(self, ids: list[np.ndarray]) -> np.ndarray:

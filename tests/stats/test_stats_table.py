@@ -133,3 +133,10 @@ def test_fib_hash_spreads_consecutive_ids():
     # frequent tokens have small ids: their home slots in a large block must not clump
     homes = _fib(np.arange(50_000), np.uint64(64 - 18))
     assert np.unique(homes).size > 0.9 * 50_000
+
+
+def test_count_too_wide_for_a_slot_is_a_clear_error():
+    # vocabulary 50 leaves 58 bits per slot for the count
+    PrefixBlockIndex(np.array([7], np.uint64), np.array([2**58 - 1], np.uint64), 50, 2)
+    with pytest.raises(DataError, match="does not fit"):
+        PrefixBlockIndex(np.array([7], np.uint64), np.array([2**58], np.uint64), 50, 2)
