@@ -32,6 +32,9 @@ class DistillConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (> 0); 1 samples the base distribution"})
     top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens (0: whole vocabulary)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1: off)"})
+    greedy_after: int = field(default=-1, metadata={"help": (
+        "sample a prefix of 0..N tokens (drawn per batch), then continue with argmax: the text greedy "
+        "speculative decoding verifies, for heads serving it (-1: sample throughout)")})
     format: str = field(default="both", metadata={"help": "what each line holds: input_ids, text, or both", "choices": FORMATS})
     seed: int = field(default=0, metadata={"help": "random seed"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
@@ -50,6 +53,8 @@ def validate(cfg: DistillConfig, context: int) -> None:
         raise UsageError(f"--max-new-tokens must be in [1, {context - 1}] (the model's context minus the BOS token), got {cfg.max_new_tokens}")
     if cfg.temperature <= 0:
         raise UsageError(f"--temperature must be > 0, got {cfg.temperature}")
+    if cfg.greedy_after < -1 or cfg.greedy_after >= cfg.max_new_tokens:
+        raise UsageError(f"--greedy-after must be -1 (off) or in [0, {cfg.max_new_tokens - 1}] (below --max-new-tokens), got {cfg.greedy_after}")
     if cfg.top_k < 0 or not 0 < cfg.top_p <= 1:
         raise UsageError(f"--top-k must be >= 0 and --top-p in (0, 1], got {cfg.top_k} and {cfg.top_p}")
 
@@ -62,22 +67,35 @@ def _start_token(tokenizer) -> int:
 
 
 def sample_batch(backbone, cfg: DistillConfig, batch: int) -> list[list[int]]:
-    """``batch`` samples from the start token, each cut at its first EOS (EOS excluded)."""
+    """``batch`` samples from the start token, each cut at its first EOS (EOS excluded). With
+    ``greedy_after`` >= 0 only a prefix is sampled; argmax decoding continues it."""
     tok = backbone.tokenizer
     eos = tok.eos_token_id
-    start = torch.full((batch, 1), _start_token(tok), dtype=torch.long, device=backbone.device)  # [B, 1]
-    with torch.inference_mode():
-        out = backbone.model.generate(
-            start, attention_mask=torch.ones_like(start), do_sample=True, max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p,
-            pad_token_id=eos if eos is not None else 0, eos_token_id=eos,
-        )  # [B, 1 + new]
+    out = torch.full((batch, 1), _start_token(tok), dtype=torch.long, device=backbone.device)  # [B, 1]
+    sampled = cfg.max_new_tokens
+    if cfg.greedy_after >= 0:
+        sampled = int(torch.randint(0, cfg.greedy_after + 1, ()))
+    if sampled:
+        out = _generate(backbone, cfg, out, sampled, do_sample=True)
+    if sampled < cfg.max_new_tokens:
+        # rows that ended during the sampled prefix are cut at their EOS below anyway
+        out = _generate(backbone, cfg, out, cfg.max_new_tokens - sampled, do_sample=False)
     samples = []
     for row in out[:, 1:].tolist():
         if eos is not None and eos in row:
             row = row[: row.index(eos)]
         samples.append(row)
     return samples
+
+
+def _generate(backbone, cfg: DistillConfig, ids: torch.Tensor, new: int, do_sample: bool) -> torch.Tensor:
+    eos = backbone.tokenizer.eos_token_id
+    options = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p) if do_sample else {}
+    with torch.inference_mode():
+        return backbone.model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=do_sample, max_new_tokens=new,
+            pad_token_id=eos if eos is not None else 0, eos_token_id=eos, **options,
+        )  # [B, len + new]
 
 
 def distill(backbone, cfg: DistillConfig) -> dict:

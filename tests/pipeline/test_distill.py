@@ -10,6 +10,7 @@ from multitoken.pipeline.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.cli import main
 from multitoken.pipeline.data import DataConfig, iter_documents
 from multitoken.pipeline.distill import DistillConfig, distill
+from multitoken.pipeline.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +72,25 @@ def test_cli_distill_and_errors(stories_dir, tmp_path, capsys):
                  "--base", str(stories_dir)]) == 2
     assert main(["distill", "--num-tokens", "5", "--out", str(tmp_path / "x.jsonl"), "--base", str(tmp_path / "nope")]) == 1
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_greedy_after_continues_with_argmax(stories, tmp_path):
+    """Past a sampled prefix of at most ``greedy_after`` tokens, every token is the base's argmax."""
+    import torch
+
+    out = tmp_path / "g.jsonl"
+    distill(stories, DistillConfig(num_tokens=400, out=str(out), batch_size=4, max_new_tokens=40, greedy_after=20,
+                                   format="ids", seed=3, progress=False))
+    bos = stories.tokenizer.bos_token_id
+    rows = [json.loads(line)["input_ids"] for line in out.read_text().splitlines()]
+    sampled_lengths = set()
+    for ids in rows:
+        seq = torch.tensor([[bos] + ids])
+        with torch.no_grad():
+            argmax = stories.model(seq).logits[0, :-1].argmax(-1).tolist()  # prediction for seq[1:]
+        off = [i for i, (a, t) in enumerate(zip(argmax, ids)) if a != t]
+        assert not off or off[-1] < 20, f"a non-argmax token at {off[-1]} past the sampled prefix"
+        sampled_lengths.add(off[-1] + 1 if off else 0)
+    assert len(sampled_lengths) > 1, sampled_lengths  # the prefix length varies between batches
+    with pytest.raises(UsageError, match="greedy-after"):
+        distill(stories, DistillConfig(num_tokens=10, out=str(out), max_new_tokens=40, greedy_after=40, progress=False))
