@@ -102,6 +102,15 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     acceptor = acceptor or _acceptor(cfg)
     order, eos = cfg.order(model.n_future), _eos_ids(model)
     heads_read = 1 if cfg.mode == "dynamic" and always_backs_off(cfg) else order
+    # greedy ar / speculative read only the base argmax: raw logits, no softmax over V per step
+    argmax_only = cfg.greedy and acceptor in (greedy_accept, speculative_accept)
+
+    def base_target(positions):
+        """The base's distribution(s) tokens are drawn / judged from # [..., V]."""
+        if argmax_only:
+            return out.base_logits()[0, positions]
+        return run.sampler.target(out.base_log_probs()[0, positions])
+
     trace, out_ids = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1]), []
 
     def emit(tokens: list[int]) -> bool:
@@ -139,7 +148,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             trace.backoffs.update(choice.backed_off)
         else:
             # the next token comes from the base model itself (head 1 may differ: WHS all_heads)
-            commit = [forced if forced is not None else run.sampler.draw(run.sampler.target(out.base_log_probs()[0, anchor]))]
+            commit = [forced if forced is not None else run.sampler.draw(base_target(anchor))]
             budget = cfg.max_new_tokens - len(out_ids) - 1
             g = min(order - 1, budget) if speculative else 0
             drafts = drafter(out, anchor, commit[0], g, run) if g > 0 else Drafts.empty()
@@ -151,7 +160,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         anchor, forced = len(commit) - 1, None
         if drafts.tokens.numel():
             # accept: the base judges draft i by its distribution after position anchor + i
-            target = run.sampler.target(out.base_log_probs()[0, anchor:])  # [g + 1, V]
+            target = base_target(slice(anchor, None))  # [g + 1, V]
             verdict = acceptor(drafts.tokens, drafts.probs, target, run.sampler)
             trace.accepted_lengths[verdict.accepted] += 1
             caches.crop(drafts.tokens.numel() - verdict.accepted)  # commit: forget rejected drafts

@@ -28,15 +28,19 @@ class Drafts:
         return Drafts(torch.zeros(0, dtype=torch.long), None)
 
 
-def _draw(logp: torch.Tensor, run) -> tuple[int, torch.Tensor]:
-    """A draft from a head's log-distribution, processed like the target # [V] -> (id, q [V])."""
+def _draw(logp: torch.Tensor, run) -> tuple[int, torch.Tensor | None]:
+    """A draft from a head's log-distribution, processed like the target # [V] -> (id, q [V]).
+    Greedy drafts have no q: greedy verification compares tokens only."""
+    if run.sampler.greedy:
+        return int(logp.argmax()), None
     q = run.sampler.target(logp)
     return run.sampler.draw(q), q
 
 
-def _pack(tokens: list[int], probs: list[torch.Tensor]) -> Drafts:
+def _pack(tokens: list[int], probs: list[torch.Tensor | None]) -> Drafts:
     if not tokens:
         return Drafts.empty()
+    probs = [q for q in probs if q is not None]
     return Drafts(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
 
 

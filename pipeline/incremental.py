@@ -59,17 +59,26 @@ class StepOutput:
         self.feats = feats
         self.hiddens = hiddens  # head index -> [B, T, H] normalised (layer heads only)
         self.model_s = 0.0
-        self._base = None
+        self._base = self._logits = None
 
     @property
     def length(self) -> int:
         return self.feats.base.shape[1]
 
+    def base_logits(self) -> torch.Tensor:
+        """Base (head 1) logits after every new position # [B, T, V]: all argmax decoding reads."""
+        if self._logits is None:
+            start = time.perf_counter()
+            self._logits = self.model.backbone.logits(self.feats.base)
+            self.model_s += time.perf_counter() - start
+        return self._logits
+
     def base_log_probs(self) -> torch.Tensor:
         """Base (head 1) log-distribution after every new position # [B, T, V] float32."""
         if self._base is None:
+            logits = self.base_logits()
             start = time.perf_counter()
-            self._base = torch.log_softmax(self.model.backbone.logits(self.feats.base).float(), dim=-1)
+            self._base = torch.log_softmax(logits.float(), dim=-1)
             self.model_s += time.perf_counter() - start
         return self._base
 
