@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--embedded-heads", default=str(EMBEDDED_HEADS))
     p.add_argument("--embedded-stats", default=str(EMBEDDED_STATS))
     p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
-    p.add_argument("--pythia-heads", default=None, help="heads trained for pythia-mini (default: untrained copies)")
+    p.add_argument("--pythia-heads", default=None, help="heads trained for pythia-mini by scripts/build_heads.py (default: untrained copies)")
     p.add_argument("--pythia-stats", default=None, help="stats dir with the pythia tokenizer (dynamic masking, logic timing)")
     p.add_argument("--logic-steps", type=int, default=200)
     p.add_argument("--logic-only", action="store_true", help="only the per-step decoding-logic timing (seconds, not minutes)")

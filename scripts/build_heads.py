@@ -1,15 +1,20 @@
-"""Build the trained ``replicated`` heads (n = 3) shipped beside the embedded stories260K model.
+"""Train ``replicated`` heads (n = 3) for a base model from its own text: by default the heads
+shipped beside the embedded stories260K model; ``--base DIR --dest DIR`` for another base (the
+decoding benchmark's pythia-mini heads, say).
 
 Steps (each skipped when its output already exists in --work-dir):
-1. distill a training corpus and a held-out corpus (other seed) from stories260K itself;
+1. distill training and held-out corpora (other seeds) from the base itself: sampled text,
+   and greedy text (a sampled prefix of 0..64 tokens continued with argmax, ``--greedy-after``),
+   which is what greedy speculative decoding verifies; the training file interleaves the two;
 2. attach untrained replicated heads (heads 2..3 start as copies of the final layer);
 3. train them with the backbone frozen (``multitoken train --mode heads``), documents joined
    by BOS, the way stories260K saw its training stories;
-4. evaluate per-head loss and top-1/top-5 accuracy on the held-out distilled text;
-5. copy the heads (heads.safetensors + heads_config.json) into the package and write a JSON
-   report plus a README beside them.
+4. evaluate per-head loss and top-1/top-5 accuracy on both held-out corpora;
+5. copy the heads (heads.safetensors + heads_config.json) to --dest with the JSON report.
 
-    python scripts/build_embedded_heads.py --work-dir /tmp/embedded_build
+    python scripts/build_heads.py --work-dir /tmp/embedded_build
+    python scripts/build_heads.py --base ../shared/fixtures/pythia-mini --dest out/pythia-mini-heads \
+        --work-dir /tmp/pythia_mini_build --train-tokens 300000 --greedy-tokens 300000 --steps 600
 """
 
 from __future__ import annotations
@@ -27,29 +32,46 @@ DEST = REPO / "pipeline" / "embedded" / "stories260K-heads"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default=None, help="base model (default: the embedded stories260K)")
     p.add_argument("--work-dir", default="/tmp/embedded_build")
     p.add_argument("--train-tokens", type=int, default=1_000_000)
+    p.add_argument("--greedy-tokens", type=int, default=1_000_000, help="greedy-continued training tokens (0: none)")
+    p.add_argument("--greedy-after", type=int, default=64)
     p.add_argument("--heldout-tokens", type=int, default=60_000)
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-batches", type=int, default=24)
-    p.add_argument("--dest", default=str(DEST))
-    p.add_argument("--json", default=None, help="report path (default: WORK_DIR/embedded_heads_report.json)")
+    p.add_argument("--dest", default=None, help="where the heads go (default: the package, for the embedded base only)")
+    p.add_argument("--json", default=None, help="report path (default: WORK_DIR/heads_report.json)")
     return p.parse_args(argv)
 
 
-def distill_corpora(args, work: Path, backbone) -> tuple[Path, Path]:
+def distill_corpora(args, work: Path, backbone) -> dict[str, Path]:
     from multitoken.pipeline.distill import DistillConfig, distill
 
-    paths = []
-    for name, tokens, seed in (("train", args.train_tokens, 0), ("heldout", args.heldout_tokens, 1)):
+    plan = {"train": (args.train_tokens, 0, -1), "heldout": (args.heldout_tokens, 1, -1),
+            "greedy": (args.greedy_tokens, 2, args.greedy_after), "greedy_heldout": (args.heldout_tokens, 3, args.greedy_after)}
+    paths = {}
+    for name, (tokens, seed, greedy_after) in plan.items():
         path = work / f"{name}.jsonl"
-        if not path.is_file():
-            distill(backbone, DistillConfig(num_tokens=tokens, out=str(path), batch_size=64, max_new_tokens=256, seed=seed))
-        paths.append(path)
-    return paths[0], paths[1]
+        if tokens and not path.is_file():
+            distill(backbone, DistillConfig(num_tokens=tokens, out=str(path), batch_size=64, max_new_tokens=256, seed=seed,
+                                            greedy_after=greedy_after))
+        paths[name] = path
+    return paths
+
+
+def interleave(sources: list[Path], out: Path) -> Path:
+    """One jsonl alternating the sources' documents, so every batch sees both kinds of text."""
+    if not out.is_file():
+        import itertools
+
+        lines = [p.read_text().splitlines() for p in sources if p.is_file()]
+        mixed = [line for group in itertools.zip_longest(*lines) for line in group if line is not None]
+        out.write_text("\n".join(mixed) + "\n")
+    return out
 
 
 def heldout_accuracy(heads_dir: Path, heldout: Path, args) -> dict[str, float]:
@@ -80,11 +102,16 @@ def main(argv=None) -> int:
     from multitoken.pipeline.trainer_config import TrainConfig
 
     args = parse_args(argv)
+    if args.dest is None:
+        if args.base is not None:
+            raise SystemExit("--base given without --dest: only the embedded model's heads go into the package")
+        args.dest = str(DEST)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    backbone = load_backbone(BackboneConfig())
-    train_data, heldout = distill_corpora(args, work, backbone)
+    backbone = load_backbone(BackboneConfig() if args.base is None else BackboneConfig(base=args.base))
+    corpora = distill_corpora(args, work, backbone)
+    train_data = interleave([corpora["train"], corpora["greedy"]], work / "train_mixed.jsonl")
     untrained = work / "untrained"
     if not (untrained / "heads_config.json").is_file():
         torch.manual_seed(0)
@@ -99,24 +126,24 @@ def main(argv=None) -> int:
     train_started = time.time()
     train(cfg, DataConfig(data=str(train_data)))
     train_seconds = time.time() - train_started
-    before = heldout_accuracy(untrained, heldout, args)
-    after = heldout_accuracy(trained, heldout, args)
+    heldouts = {"sampled": corpora["heldout"], "greedy": corpora["greedy_heldout"]}
+    before = {kind: heldout_accuracy(untrained, path, args) for kind, path in heldouts.items() if path.is_file()}
+    after = {kind: heldout_accuracy(trained, path, args) for kind, path in heldouts.items() if path.is_file()}
     dest = Path(args.dest)
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    for name in ("heads.safetensors", "heads_config.json"):  # base recorded as embedded:stories260K
+    dest.mkdir(parents=True, exist_ok=True)  # files are replaced one by one: a README there stays
+    for name in ("heads.safetensors", "heads_config.json"):  # the embedded base is recorded as embedded:stories260K
         shutil.copy(trained / name, dest / name)
     report = {
         "heldout_trained": after, "heldout_untrained": before, "train_steps": args.steps,
         "train_tokens_seen": args.steps * args.batch_size * args.seq_len, "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.time() - started, 1), "train_config": json.loads((trained / "train_config.json").read_text()),
-        "corpus": {"train_tokens": args.train_tokens, "heldout_tokens": args.heldout_tokens},
+        "corpus": {"train_tokens": args.train_tokens, "greedy_tokens": args.greedy_tokens, "greedy_after": args.greedy_after,
+                   "heldout_tokens": args.heldout_tokens},
     }
-    out = Path(args.json or work / "embedded_heads_report.json")
+    out = Path(args.json or work / "heads_report.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     (dest / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in after.items() if "/" in k}, indent=2))
+    print(json.dumps({kind: {k: v for k, v in m.items() if "/" in k} for kind, m in after.items()}, indent=2))
     return 0
 
 
