@@ -47,7 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--embedded-stats", default=str(EMBEDDED_STATS))
     p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
     p.add_argument("--pythia-heads", default=None, help="heads trained for pythia-mini by scripts/build_heads.py (default: untrained copies)")
-    p.add_argument("--pythia-stats", default=None, help="stats dir with the pythia tokenizer (dynamic masking, logic timing)")
+    p.add_argument("--pythia-stats", default=None, help="stats dir with the pythia tokenizer (dynamic masking on pythia-mini)")
+    p.add_argument("--logic-stats", default=None,
+                   help="stats dir of any tokenizer for the logic timing's mask lookups, e.g. the >= 10M-trigram table "
+                        "scripts/bench_stats.py --work DIR leaves in DIR/merged (default: --pythia-stats, else no mask)")
     p.add_argument("--logic-steps", type=int, default=200)
     p.add_argument("--logic-only", action="store_true", help="only the per-step decoding-logic timing (seconds, not minutes)")
     return p.parse_args(argv)
@@ -164,16 +167,18 @@ def bench_logic(args) -> dict:
         caches.crop(1)
 
     forward = median_ms(forward_one, 30)
-    table = None
-    if args.pythia_stats:
+    table, stats_dir = None, args.logic_stats or args.pythia_stats
+    if stats_dir:
         from multitoken.stats.table import CooccurrenceTable
 
-        table = CooccurrenceTable(args.pythia_stats)
+        table = CooccurrenceTable(stats_dir)  # timing only: any tokenizer will do
+        vocab = min(vocab, table.vocab_size)  # candidates must be ids the table knows
     gen = torch.Generator().manual_seed(0)
     seen = np.zeros(vocab, dtype=bool)
     seen[torch.randint(0, vocab, (128,), generator=gen).numpy()] = True
     rng = np.random.default_rng(0)
-    out = {"forward_ms_pythia70m_shape_1_token_ctx128": round(forward, 3), "stats_table": args.pythia_stats}
+    out = {"forward_ms_pythia70m_shape_1_token_ctx128": round(forward, 3), "stats_table": stats_dir,
+           "stats_distinct": table.meta["distinct"] if table is not None else None}
     for n in (2, 3):
         logps = [torch.log_softmax(torch.randn(vocab, generator=gen) * 3, -1) for _ in range(n)]
         for eps in (0.0, 0.5, 1.0):  # 0: the full order-n grid every step; 0.5: back-offs; 1: order 1 only
