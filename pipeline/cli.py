@@ -9,20 +9,29 @@ import sys
 
 from .errors import MultitokenError
 
-# Modules that each add one or more subcommands, in --help order.
-COMMAND_MODULES = (
-    "multitoken.pipeline.cmd_generate",
-    "multitoken.pipeline.cmd_convert",
-    "multitoken.pipeline.cmd_attach",
-    "multitoken.pipeline.cmd_train",
-    "multitoken.pipeline.cmd_distill",
-    "multitoken.stats.cli",
-    "multitoken.pipeline.cmd_eval",
-    "multitoken.pipeline.cmd_sweep",
-)
+# Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
+# --help order. Only the chosen command's module is imported: most import torch (~2 s), which
+# ``multitoken --help`` and a mistyped command should not wait for.
+COMMANDS = {
+    "generate": ("multitoken.pipeline.cmd_generate", "generate text from a prompt with multi-token decoding (default: the embedded model)"),
+    "convert-llama2c": ("multitoken.pipeline.cmd_convert", "convert a llama2.c .bin checkpoint to a Hugging Face Llama"),
+    "attach": ("multitoken.pipeline.cmd_attach", "create an untrained heads dir for a base model"),
+    "train": ("multitoken.pipeline.cmd_train", "train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)"),
+    "distill": ("multitoken.pipeline.cmd_distill", "sample a self-distillation corpus (jsonl) from the base model"),
+    "stats": ("multitoken.stats.cli", "co-occurrence statistics: build, merge, info"),
+    "eval": ("multitoken.pipeline.cmd_eval", "PPL_n, PPL_1:n, PPL_d, top-k, marginalization baseline, logit lens"),
+    "sweep": ("multitoken.pipeline.cmd_sweep", "dynamic decoding over prompts x seeds x eps_b vs ar sampling: JSON, CSV, PNG"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_command(sub, name: str) -> argparse.ArgumentParser:
+    """The subparser of ``name`` with its help; called by the command's own ``register``."""
+    summary = COMMANDS[name][1]
+    return sub.add_parser(name, help=summary, description=summary)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command`` (None: none) gets its full flags."""
     from importlib.metadata import version
 
     parser = argparse.ArgumentParser(
@@ -31,14 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"multitoken {version('multitoken')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for name, (module, summary) in COMMANDS.items():
+        if name == command:
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # no option takes a value before it
+    args = build_parser(command).parse_args(argv)
     try:
         args.func(args)
     except MultitokenError as err:

@@ -29,11 +29,12 @@ class AttachConfig:
 
 
 def register(sub) -> None:
+    from .cli import add_command
     from multitoken.adapters.registry import registered_heads
 
     from .cliargs import add_dataclass_args
 
-    p = sub.add_parser("attach", help="create an untrained heads dir for a base model")
+    p = add_command(sub, "attach")
     add_dataclass_args(p, AttachConfig)
     for action in p._actions:  # the head names are only known once the registry is loaded
         if action.dest == "head":

@@ -13,9 +13,10 @@ class ConvertLlama2cConfig:
 
 
 def register(sub) -> None:
+    from .cli import add_command
     from .cliargs import add_dataclass_args
 
-    p = sub.add_parser("convert-llama2c", help="convert a llama2.c .bin checkpoint to a Hugging Face Llama")
+    p = add_command(sub, "convert-llama2c")
     add_dataclass_args(p, ConvertLlama2cConfig)
     p.set_defaults(func=run)
 

@@ -9,9 +9,10 @@ from .distill import DistillConfig
 
 
 def register(sub) -> None:
+    from .cli import add_command
     from .cliargs import add_dataclass_args
 
-    p = sub.add_parser("distill", help="sample a self-distillation corpus (jsonl) from the base model")
+    p = add_command(sub, "distill")
     add_dataclass_args(p, DistillConfig)
     add_dataclass_args(p, BackboneConfig)
     p.set_defaults(func=run)

@@ -16,11 +16,12 @@ LENS_PNG = "logit_lens.png"
 
 
 def register(sub) -> None:
+    from .cli import add_command
     from .cliargs import add_dataclass_args
     from .data import DataConfig
     from .evaluate import EvalConfig
 
-    p = sub.add_parser("eval", help="PPL_n, PPL_1:n, PPL_d, top-k, marginalization baseline, logit lens")
+    p = add_command(sub, "eval")
     add_dataclass_args(p, EvalConfig)
     add_dataclass_args(p, DataConfig)
     p.set_defaults(func=run)

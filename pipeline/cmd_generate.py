@@ -43,11 +43,12 @@ def load_model(base_cfg: BackboneConfig, heads: str | None):
 
 
 def register(sub) -> None:
+    from .cli import add_command
     from multitoken.decoding.config import DecodeConfig
 
     from .cliargs import add_dataclass_args
 
-    p = sub.add_parser("generate", help="generate text from a prompt with multi-token decoding (default: the embedded model)")
+    p = add_command(sub, "generate")
     add_dataclass_args(p, GenerateConfig)
     add_dataclass_args(p, DecodeConfig)
     add_dataclass_args(p, BackboneConfig)

@@ -20,10 +20,11 @@ FILES = ("sweep.json", "sweep.csv", "sweep.png")
 
 
 def register(sub) -> None:
+    from .cli import add_command
     from .cliargs import add_dataclass_args
     from .sweep import SweepConfig
 
-    p = sub.add_parser("sweep", help="dynamic decoding over prompts x seeds x eps_b vs ar sampling: JSON, CSV, PNG")
+    p = add_command(sub, "sweep")
     add_dataclass_args(p, SweepConfig)
     p.set_defaults(func=run)
 

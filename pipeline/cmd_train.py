@@ -13,9 +13,10 @@ from .trainer_config import TrainConfig
 
 
 def register(sub) -> None:
+    from .cli import add_command
     from .cliargs import add_dataclass_args
 
-    p = sub.add_parser("train", help="train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)")
+    p = add_command(sub, "train")
     add_dataclass_args(p, TrainConfig)
     add_dataclass_args(p, DataConfig)
     p.set_defaults(func=run)

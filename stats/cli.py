@@ -22,12 +22,13 @@ class InfoConfig:
 
 
 def register(sub) -> None:
+    from multitoken.pipeline.cli import add_command
     from multitoken.pipeline.cliargs import add_dataclass_args
     from multitoken.pipeline.data import DataConfig
 
     from .job import BuildConfig
 
-    p = sub.add_parser("stats", help="co-occurrence statistics: build, merge, info")
+    p = add_command(sub, "stats")
     ssub = p.add_subparsers(dest="stats_command", metavar="SUBCOMMAND", required=True)
     b = ssub.add_parser("build", help="count unigrams..trigrams of a corpus into a stats dir (resumable)")
     add_dataclass_args(b, BuildConfig)

@@ -30,8 +30,29 @@ def test_one_import_root(tmp_path):
 def test_console_script_lists_subcommands():
     exe = shutil.which("multitoken") or str(__import__("pathlib").Path(sys.executable).parent / "multitoken")
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
-    for cmd in ("generate", "convert-llama2c"):
+    from multitoken.pipeline.cli import COMMANDS
+
+    for cmd in COMMANDS:
         assert cmd in out
+
+
+def test_help_imports_no_torch():
+    """Only the chosen command's module is imported: --help and usage errors stay instant."""
+    probe = ("import sys\nfrom multitoken.pipeline.cli import main\n"
+             "for argv in (['--help'], ['no-such-command']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
+
+
+def test_each_command_has_its_own_help():
+    from multitoken.pipeline.cli import COMMANDS
+
+    for cmd in COMMANDS:
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        assert exc.value.code == 0
 
 
 def test_bad_usage_exits_2_without_traceback(capsys):
