@@ -49,10 +49,11 @@ def new_caches(model) -> DecodeCaches:
 
 
 class StepOutput:
-    """One incremental pass over T new tokens. Distributions are computed on demand, at the
-    positions the decoder asks for: the base at every position (verification), the other heads
-    only at the anchor position the next proposal starts from. ``model_s`` accumulates the time
-    spent in these head computations (it counts as model time, not decoding logic)."""
+    """One incremental pass over T new tokens. Distributions are computed on demand: logits of
+    the base and the layer heads at every position in one unembedding call on first read, log-
+    softmax only for the rows the decoder asks for (the base at every position for verification,
+    the other heads at the anchor the next proposal starts from). ``model_s`` accumulates the
+    time spent in these computations (it counts as model time, not decoding logic)."""
 
     def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor]):
         self.model = model
@@ -60,6 +61,7 @@ class StepOutput:
         self.hiddens = hiddens  # head index -> [B, T, H] normalised (layer heads only)
         self.model_s = 0.0
         self._base = self._logits = None
+        self._head_logits: dict[int, torch.Tensor] = {}
 
     @property
     def length(self) -> int:
@@ -68,10 +70,19 @@ class StepOutput:
     def base_logits(self) -> torch.Tensor:
         """Base (head 1) logits after every new position # [B, T, V]: all argmax decoding reads."""
         if self._logits is None:
-            start = time.perf_counter()
-            self._logits = self.model.backbone.logits(self.feats.base)
-            self.model_s += time.perf_counter() - start
+            self._unembed()
         return self._logits
+
+    def _unembed(self) -> None:
+        """Logits of the base and of every layer head, at every new position, in one call:
+        decoding one sequence is bound by reading the [V, H] unembedding weight, so one read for
+        all rows beats one per head (the extra rows of positions never read are cheap)."""
+        start = time.perf_counter()
+        heads = sorted(self.hiddens)
+        rows = torch.cat([self.feats.base] + [self.hiddens[i] for i in heads], dim=1)  # [B, T * (1 + L), H]
+        parts = self.model.backbone.logits(rows).split(self.length, dim=1)  # (1 + L) x [B, T, V]
+        self._logits, self._head_logits = parts[0], dict(zip(heads, parts[1:]))
+        self.model_s += time.perf_counter() - start
 
     def base_log_probs(self) -> torch.Tensor:
         """Base (head 1) log-distribution after every new position # [B, T, V] float32."""
@@ -87,9 +98,11 @@ class StepOutput:
         base path unless an adapter replaces it on purpose (WHS ``all_heads``)."""
         if index == 0 and index not in self.hiddens:
             return self.base_log_probs()[:, pos]
+        if index in self.hiddens and self._logits is None:
+            self._unembed()
         start = time.perf_counter()
         if index in self.hiddens:
-            out = torch.log_softmax(self.model.backbone.logits(self.hiddens[index][:, pos]).float(), dim=-1)
+            out = torch.log_softmax(self._head_logits[index][:, pos].float(), dim=-1)
         else:  # one-position heads (Medusa, CP) read only this position's base hidden state
             f = self.feats
             sliced = Features(f.trunk[:, pos:pos + 1], f.base[:, pos:pos + 1], (), f.ctx)
