@@ -121,7 +121,9 @@ class CPHeads(HeadAdapter):
         return tokens
 
     # Training --------------------------------------------------------------------------------
-    def loss(self, feats: Features, input_ids: torch.Tensor, valid: torch.Tensor, chunk: int) -> LossOutput:
+    def loss(self, feats: Features, input_ids: torch.Tensor, valid: torch.Tensor, chunk: int,
+             skip_constant: bool = False) -> LossOutput:
+        # every term of eq. 9 depends on the trained experts: none is ever constant
         n = self.n_future
         tgts = torch.stack([shifted_targets(input_ids, valid, s + 1) for s in range(n)], -1)  # [B, T, n]
         keep = (tgts != IGNORE).all(-1)  # positions whose n future tokens all exist

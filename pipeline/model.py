@@ -124,15 +124,18 @@ class MultiTokenModel(nn.Module):
             base = bb.final_norm(bb.run_layer(bb.layers[-1], trunk.hidden, trunk.ctx))  # [B, T, H]
         return Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
 
-    def compute_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> LossOutput:
-        """Per-head mean cross-entropy (head i predicts token t+i), aux loss and metrics."""
+    def compute_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     skip_constant: bool = False) -> LossOutput:
+        """Per-head mean cross-entropy (head i predicts token t+i), aux loss and metrics.
+        ``skip_constant``: leave out heads no gradient reaches (see ``HeadAdapter.loss``)."""
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         feats = self.features(input_ids, attention_mask)
-        return self.heads.loss(feats, input_ids, valid, self.loss_chunk)
+        return self.heads.loss(feats, input_ids, valid, self.loss_chunk, skip_constant=skip_constant)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> LossOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                skip_constant: bool = False) -> LossOutput:
         # forward == compute_loss so DDP(model)(ids) syncs gradients of every trainable weight.
-        return self.compute_loss(input_ids, attention_mask)
+        return self.compute_loss(input_ids, attention_mask, skip_constant=skip_constant)
 
     @torch.no_grad()
     def head_logits(

@@ -82,14 +82,17 @@ def stem_scale(cfg: TrainConfig, backbone_trains: bool) -> float:
 
 
 def combine_losses(out, cfg: TrainConfig, scale: float) -> torch.Tensor:
-    """The scalar to backpropagate for one micro-batch (formula in the module docstring)."""
-    losses = [l.float() for l in out.per_head]  # n x []
+    """The scalar to backpropagate for one micro-batch (formula in the module docstring).
+    Skipped (None) terms are constants without gradient: leaving them out changes no gradient."""
+    losses = [None if l is None else l.float() for l in out.per_head]  # n x [] (or None)
     weights = [1.0] * len(losses)
     if cfg.loss_balance == "rms":
-        ref = losses[0].detach()
+        ref = losses[0].detach()  # the trainer never skips a term under rms
         weights = [ref / l.detach().clamp_min(1e-8) for l in losses]
-    total = weights[0] * losses[0]
-    rest = sum((w * l for w, l in zip(weights[1:], losses[1:])), torch.zeros((), device=total.device))
+    device = next(l for l in losses if l is not None).device
+    zero = torch.zeros((), device=device)
+    total = zero if losses[0] is None else weights[0] * losses[0]
+    rest = sum((w * l for w, l in zip(weights[1:], losses[1:]) if l is not None), zero)
     if out.aux is not None and cfg.aux_weight:
         rest = rest + cfg.aux_weight * out.aux.float()
     return total + scale * rest

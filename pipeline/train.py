@@ -163,8 +163,8 @@ class Runner:
         # (it would also touch quantized base weights, which gloo cannot send).
         self.ddp = DistributedDataParallel(self.model, init_sync=False, forward_sync_buffers=False)
 
-    def __call__(self, ids):
-        return (self.ddp or self.model)(ids)
+    def __call__(self, ids, **kwargs):
+        return (self.ddp or self.model)(ids, **kwargs)
 
     def no_sync(self, last: bool):
         return self.ddp.no_sync() if (self.ddp is not None and not last) else nullcontext()
@@ -181,7 +181,7 @@ def train_step(runner: Runner, optimizer, rows: np.ndarray, cfg: TrainConfig, st
     for k in range(cfg.grad_accum):
         ids = torch.from_numpy(rows[k * cfg.batch_size:(k + 1) * cfg.batch_size]).to(model.backbone.device)  # [B, T]
         with runner.no_sync(last=k == cfg.grad_accum - 1):
-            out = runner(ids)
+            out = runner(ids, skip_constant=cfg.loss_balance != "rms")  # rms reads head 1's value
             loss = optim.combine_losses(out, cfg, scale) / cfg.grad_accum
             loss.backward()
         for key, v in out.metrics.items():

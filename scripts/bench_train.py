@@ -15,8 +15,10 @@ Measured, at the same batch (default seq 256, batch 8):
 - per mode (``heads`` = frozen backbone, ``lora`` = joint LoRA q/k/v r 8, ``heads_4bit`` =
   frozen 4-bit backbone), n = 3: tokens/s and peak memory of whole trainer steps;
 - parts of a heads-only step: one backbone pass without autograd (trunk + final layer, what
-  the heads read), one new head's forward + backward (layer + chunked unembedding CE), head
-  1's loss (no autograd: the backbone is frozen), one AdamW step; compared with the full step;
+  the heads read), one new head's forward + backward (layer + chunked unembedding CE), one
+  AdamW step; compared with the full step. Head 1's loss (a constant with a frozen backbone)
+  is timed too, and the step's loss + backward with and without scoring it: the trainer skips
+  it (``skip_constant``) unless ``--loss-balance rms`` needs its value;
 - peak memory of heads-only steps for n = 2 and n = 4.
 
     python scripts/bench_train.py --out bench_train.json
@@ -169,6 +171,7 @@ def child_parts(n: int, batch: int, seq: int, repeats: int) -> dict:
     import torch
 
     from multitoken.adapters.base import DEFAULT_CHUNK, chunked_cross_entropy, shifted_targets
+    from multitoken.pipeline import optim
     from multitoken.pipeline.train import train_step
 
     model = _model("heads", n)
@@ -191,14 +194,23 @@ def child_parts(n: int, batch: int, seq: int, repeats: int) -> dict:
         with torch.no_grad():
             chunked_cross_entropy(unembed, feats.base, shifted_targets(ids, valid, 1), DEFAULT_CHUNK)
 
+    def loss_backward(skip: bool):  # the step's loss + backward, head 1's constant term scored or not
+        optimizer.zero_grad(set_to_none=True)
+        optim.combine_losses(model.compute_loss(ids, skip_constant=skip), cfg, 1.0).backward()
+
     head_fb()  # gradients exist, so AdamW does its full work
     parts = {"backbone_no_grad": _median_time(backbone_pass, repeats), "head_fwd_bwd": _median_time(head_fb, repeats),
              "head1_loss_no_grad": _median_time(head1_loss, repeats), "optimizer_step": _median_time(optimizer.step, repeats)}
+    skip = {"loss_backward_scoring_head1": _median_time(lambda: loss_backward(False), repeats),
+            "loss_backward_skipping_head1": _median_time(lambda: loss_backward(True), repeats)}
+    skip["speedup"] = skip["loss_backward_scoring_head1"] / skip["loss_backward_skipping_head1"]
     rows = ids.numpy()
     counter = iter(range(10 * repeats))
     full = _median_time(lambda: train_step(runner, optimizer, rows, cfg, next(counter)), repeats)
-    total = parts["backbone_no_grad"] + (n - 1) * parts["head_fwd_bwd"] + parts["head1_loss_no_grad"] + parts["optimizer_step"]
-    return {"n": n, "cpu_parts_s": parts, "cpu_sum_of_parts_s": total, "cpu_full_step_s": full, "full_over_parts": full / total}
+    # a heads-only step skips head 1's loss (a constant there): it is not one of the step's parts
+    total = parts["backbone_no_grad"] + (n - 1) * parts["head_fwd_bwd"] + parts["optimizer_step"]
+    return {"n": n, "cpu_parts_s": parts, "cpu_sum_of_parts_s": total, "cpu_full_step_s": full, "full_over_parts": full / total,
+            "skipping_head1_cpu_s": skip}
 
 
 def run_child(args, *extra) -> dict:

@@ -83,6 +83,32 @@ def test_lr_mb_scales_only_the_backbone_share_of_the_gradient(tiny_llama_dir, he
         torch.testing.assert_close(p.grad, g_rest[len(lora) + j], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("head_type", ["replicated", "medusa"])
+def test_skipping_the_frozen_head1_term_changes_no_gradient(tiny_llama_dir, tmp_path, head_type):
+    """Heads only: head 1's loss is a constant, so training skips it (no unembedding for it)
+    and every head gradient is bit-identical; with LoRA it carries gradient and stays."""
+    heads_dir = make_heads_dir(tiny_llama_dir, tmp_path / "h", head_type=head_type)
+    model = _model(tiny_llama_dir, heads_dir, lora=False)
+    cfg = train_cfg(heads_dir, "o", mode="heads")
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(2))
+
+    def grads(skip):
+        model.zero_grad(set_to_none=True)
+        out = model.compute_loss(ids, skip_constant=skip)
+        optim.combine_losses(out, cfg, 1.0).backward()
+        return out, [p.grad.clone() for p in model.head_parameters()]
+
+    full, g_full = grads(False)
+    skipped, g_skip = grads(True)
+    assert full.per_head[0] is not None and skipped.per_head[0] is None
+    assert "head1/loss" in full.metrics and "head1/loss" not in skipped.metrics and "head2/loss" in skipped.metrics
+    assert all(torch.equal(a, b) for a, b in zip(g_full, g_skip))
+    with torch.no_grad():  # evaluation scores every head
+        assert model.compute_loss(ids, skip_constant=True).per_head[0] is not None
+    lora_model = _model(tiny_llama_dir, heads_dir, lora=True)
+    assert lora_model.compute_loss(ids, skip_constant=True).per_head[0].requires_grad
+
+
 def test_rms_balance_gives_every_head_head1s_magnitude():
     losses = [torch.tensor(2.0, requires_grad=True), torch.tensor(4.0, requires_grad=True), torch.tensor(8.0, requires_grad=True)]
     out = LossOutput(per_head=losses, aux=torch.tensor(3.0, requires_grad=True))
