@@ -105,11 +105,13 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     # greedy ar / speculative read only the base argmax: raw logits, no softmax over V per step
     argmax_only = cfg.greedy and acceptor in (greedy_accept, speculative_accept)
 
-    def base_target(positions):
-        """The base's distribution(s) tokens are drawn / judged from # [..., V]."""
+    def base_target(pos: int, to_end: bool = False):
+        """The base's distribution after position ``pos`` (and each later one) # [V] ([m, V]),
+        the one tokens are drawn / judged from."""
+        rows = slice(pos - out.first, None) if to_end else pos - out.first
         if argmax_only:
-            return out.base_logits()[0, positions]
-        return run.sampler.target(out.base_log_probs()[0, positions])
+            return out.base_logits()[0, rows]
+        return run.sampler.target(out.base_log_probs()[0, rows])
 
     trace, out_ids = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1]), []
 
@@ -125,17 +127,18 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             on_tokens(tokens)
         return len(out_ids) >= cfg.max_new_tokens or (cfg.stop_at_eos and bool(tokens) and tokens[-1] in eos)
 
-    def forward(new: list[int] | torch.Tensor):
+    def forward(new: list[int] | torch.Tensor, read_from: int):
         start = time.perf_counter()
         new = torch.as_tensor(new, dtype=torch.long, device=ids.device).reshape(1, -1)
-        result = model.step(new, caches, heads_upto=heads_read)  # heads past these are never read
+        # heads past heads_read and positions before read_from are never read
+        result = model.step(new, caches, heads_upto=heads_read, read_from=read_from)
         trace.model_s += time.perf_counter() - start
         trace.forward_passes += 1
         return result
 
     t0 = time.perf_counter()
     caches = model.new_caches()
-    out = forward(ids)
+    out = forward(ids, ids.shape[1] - 1)
     trace.prefill_s = trace.model_s
     anchor, forced = ids.shape[1] - 1, None
     while True:
@@ -156,11 +159,11 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         if emit(commit):
             break
         # one forward pass over the decided tokens and the drafts
-        out = forward(commit + drafts.tokens.tolist())
+        out = forward(commit + drafts.tokens.tolist(), len(commit) - 1)
         anchor, forced = len(commit) - 1, None
         if drafts.tokens.numel():
             # accept: the base judges draft i by its distribution after position anchor + i
-            target = base_target(slice(anchor, None))  # [g + 1, V]
+            target = base_target(anchor, to_end=True)  # [g + 1, V]
             verdict = acceptor(drafts.tokens, drafts.probs, target, run.sampler)
             trace.accepted_lengths[verdict.accepted] += 1
             caches.crop(drafts.tokens.numel() - verdict.accepted)  # commit: forget rejected drafts

@@ -55,10 +55,11 @@ class StepOutput:
     the other heads at the anchor the next proposal starts from). ``model_s`` accumulates the
     time spent in these computations (it counts as model time, not decoding logic)."""
 
-    def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor]):
+    def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor], first: int = 0):
         self.model = model
         self.feats = feats
         self.hiddens = hiddens  # head index -> [B, T, H] normalised (layer heads only)
+        self.first = first  # positions before it are never read: no logits for them (a prompt's)
         self.model_s = 0.0
         self._base = self._logits = None
         self._head_logits: dict[int, torch.Tensor] = {}
@@ -68,7 +69,8 @@ class StepOutput:
         return self.feats.base.shape[1]
 
     def base_logits(self) -> torch.Tensor:
-        """Base (head 1) logits after every new position # [B, T, V]: all argmax decoding reads."""
+        """Base (head 1) logits after positions first..T-1 # [B, T - first, V]: all argmax
+        decoding reads."""
         if self._logits is None:
             self._unembed()
         return self._logits
@@ -79,13 +81,14 @@ class StepOutput:
         all rows beats one per head (the extra rows of positions never read are cheap)."""
         start = time.perf_counter()
         heads = sorted(self.hiddens)
-        rows = torch.cat([self.feats.base] + [self.hiddens[i] for i in heads], dim=1)  # [B, T * (1 + L), H]
-        parts = self.model.backbone.logits(rows).split(self.length, dim=1)  # (1 + L) x [B, T, V]
+        read = [self.feats.base] + [self.hiddens[i] for i in heads]  # (1 + L) x [B, T, H]
+        rows = torch.cat([h[:, self.first:] for h in read], dim=1)  # [B, (T - first) * (1 + L), H]
+        parts = self.model.backbone.logits(rows).split(self.length - self.first, dim=1)  # (1 + L) x [B, T - first, V]
         self._logits, self._head_logits = parts[0], dict(zip(heads, parts[1:]))
         self.model_s += time.perf_counter() - start
 
     def base_log_probs(self) -> torch.Tensor:
-        """Base (head 1) log-distribution after every new position # [B, T, V] float32."""
+        """Base (head 1) log-distribution after positions first..T-1 # [B, T - first, V] float32."""
         if self._base is None:
             logits = self.base_logits()
             start = time.perf_counter()
@@ -96,13 +99,15 @@ class StepOutput:
     def head_log_probs(self, index: int, pos: int) -> torch.Tensor:
         """Log-distribution of head ``index`` at position ``pos`` # [B, V] float32. Head 0 is the
         base path unless an adapter replaces it on purpose (WHS ``all_heads``)."""
+        if pos < self.first:
+            raise ValueError(f"position {pos} was not kept: this pass computes logits from position {self.first} on")
         if index == 0 and index not in self.hiddens:
-            return self.base_log_probs()[:, pos]
+            return self.base_log_probs()[:, pos - self.first]
         if index in self.hiddens and self._logits is None:
             self._unembed()
         start = time.perf_counter()
         if index in self.hiddens:
-            out = torch.log_softmax(self._head_logits[index][:, pos].float(), dim=-1)
+            out = torch.log_softmax(self._head_logits[index][:, pos - self.first].float(), dim=-1)
         else:  # one-position heads (Medusa, CP) read only this position's base hidden state
             f = self.feats
             sliced = Features(f.trunk[:, pos:pos + 1], f.base[:, pos:pos + 1], (), f.ctx)
@@ -136,10 +141,12 @@ def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
 
 
 @torch.no_grad()
-def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None) -> StepOutput:
+def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
+         read_from: int = 0) -> StepOutput:
     """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
     ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
-    layer runs); a run must use the same value throughout, its head caches cover those heads only."""
+    layer runs); a run must use the same value throughout, its head caches cover those heads only.
+    ``read_from``: the first position whose distributions will be read (a prompt's last)."""
     bb, heads = model.backbone, model.heads
     hidden = bb.embeddings(new_ids)  # [B, T, H]
     ctx = _layer_context(bb, hidden, caches)
@@ -156,4 +163,4 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
         if slot is not None:  # layer heads attend over the sequence: run them on every new position
             hiddens[index] = heads.hidden(index, feats, cache=caches.heads[slot])
     caches.length += new_ids.shape[1]
-    return StepOutput(model, feats, hiddens)
+    return StepOutput(model, feats, hiddens, first=read_from)

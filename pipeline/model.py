@@ -153,14 +153,14 @@ class MultiTokenModel(nn.Module):
 
         return new_caches(self)
 
-    def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None):
+    def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0):
         """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
         returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
         ``caches.crop(m)`` drops the last m positions (rejected drafts); ``heads_upto`` skips
-        the layers of heads a run never reads."""
+        the layers of heads a run never reads; ``read_from`` skips the logits of earlier positions."""
         from .incremental import step
 
-        return step(self, new_ids, caches, heads_upto)
+        return step(self, new_ids, caches, heads_upto, read_from)
 
 
 def _any_grad(*modules: nn.Module) -> bool:

@@ -35,6 +35,20 @@ def test_step_with_caches_equals_full_recompute(tiny_backbones, arch, head_type)
     torch.testing.assert_close(got, full, atol=1e-4, rtol=1e-4)
 
 
+def test_read_from_keeps_only_later_positions(tiny_backbones, head_type):
+    """A prompt's pass unembeds only the rows decoding reads; those rows are unchanged."""
+    model = attach(tiny_backbones["llama"], head_type)
+    ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(3))
+    full = model.step(ids, model.new_caches())
+    part = model.step(ids, model.new_caches(), read_from=6)
+    assert part.base_logits().shape[1] == 3
+    for i in range(model.n_future):
+        for p in (6, 8):
+            torch.testing.assert_close(part.head_log_probs(i, p), full.head_log_probs(i, p), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="not kept"):
+        part.head_log_probs(0, 5)
+
+
 def test_head_layers_get_their_own_caches(tiny_backbones):
     model = attach(tiny_backbones["llama"], "replicated", n_future=3)
     caches = model.new_caches()
