@@ -24,10 +24,18 @@ COMMANDS = {
 }
 
 
-def add_command(sub, name: str) -> argparse.ArgumentParser:
-    """The subparser of ``name`` with its help; called by the command's own ``register``."""
+def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
+    """The subparser of ``name``: its help, one flag per field of each dataclass in ``configs``,
+    and ``run(args)`` as its action. Called by the command's own ``register``."""
+    from .cliargs import add_dataclass_args
+
     summary = COMMANDS[name][1]
-    return sub.add_parser(name, help=summary, description=summary)
+    parser = sub.add_parser(name, help=summary, description=summary)
+    for config in configs:
+        add_dataclass_args(parser, config)
+    if run is not None:
+        parser.set_defaults(func=run)
+    return parser
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -29,19 +29,15 @@ class AttachConfig:
 
 
 def register(sub) -> None:
-    from .cli import add_command
     from multitoken.adapters.registry import registered_heads
 
-    from .cliargs import add_dataclass_args
+    from .cli import add_command
 
-    p = add_command(sub, "attach")
-    add_dataclass_args(p, AttachConfig)
+    p = add_command(sub, "attach", AttachConfig, BackboneConfig, run=run)
     for action in p._actions:  # the head names are only known once the registry is loaded
         if action.dest == "head":
             action.choices = registered_heads()
-    add_dataclass_args(p, BackboneConfig)
     _add_head_options(p)
-    p.set_defaults(func=run)
 
 
 def _add_head_options(parser: argparse.ArgumentParser) -> None:

@@ -14,11 +14,8 @@ class ConvertLlama2cConfig:
 
 def register(sub) -> None:
     from .cli import add_command
-    from .cliargs import add_dataclass_args
 
-    p = add_command(sub, "convert-llama2c")
-    add_dataclass_args(p, ConvertLlama2cConfig)
-    p.set_defaults(func=run)
+    add_command(sub, "convert-llama2c", ConvertLlama2cConfig, run=run)
 
 
 def run(args) -> None:

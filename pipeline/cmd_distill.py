@@ -10,12 +10,8 @@ from .distill import DistillConfig
 
 def register(sub) -> None:
     from .cli import add_command
-    from .cliargs import add_dataclass_args
 
-    p = add_command(sub, "distill")
-    add_dataclass_args(p, DistillConfig)
-    add_dataclass_args(p, BackboneConfig)
-    p.set_defaults(func=run)
+    add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
 
 
 def run(args) -> None:

@@ -17,14 +17,10 @@ LENS_PNG = "logit_lens.png"
 
 def register(sub) -> None:
     from .cli import add_command
-    from .cliargs import add_dataclass_args
     from .data import DataConfig
     from .evaluate import EvalConfig
 
-    p = add_command(sub, "eval")
-    add_dataclass_args(p, EvalConfig)
-    add_dataclass_args(p, DataConfig)
-    p.set_defaults(func=run)
+    add_command(sub, "eval", EvalConfig, DataConfig, run=run)
 
 
 def run(args) -> None:

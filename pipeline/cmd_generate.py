@@ -43,16 +43,11 @@ def load_model(base_cfg: BackboneConfig, heads: str | None):
 
 
 def register(sub) -> None:
-    from .cli import add_command
     from multitoken.decoding.config import DecodeConfig
 
-    from .cliargs import add_dataclass_args
+    from .cli import add_command
 
-    p = add_command(sub, "generate")
-    add_dataclass_args(p, GenerateConfig)
-    add_dataclass_args(p, DecodeConfig)
-    add_dataclass_args(p, BackboneConfig)
-    p.set_defaults(func=run)
+    add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
 
 
 class _Streamer:

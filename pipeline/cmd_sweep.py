@@ -21,12 +21,9 @@ FILES = ("sweep.json", "sweep.csv", "sweep.png")
 
 def register(sub) -> None:
     from .cli import add_command
-    from .cliargs import add_dataclass_args
     from .sweep import SweepConfig
 
-    p = add_command(sub, "sweep")
-    add_dataclass_args(p, SweepConfig)
-    p.set_defaults(func=run)
+    add_command(sub, "sweep", SweepConfig, run=run)
 
 
 def run(args) -> None:

@@ -14,12 +14,8 @@ from .trainer_config import TrainConfig
 
 def register(sub) -> None:
     from .cli import add_command
-    from .cliargs import add_dataclass_args
 
-    p = add_command(sub, "train")
-    add_dataclass_args(p, TrainConfig)
-    add_dataclass_args(p, DataConfig)
-    p.set_defaults(func=run)
+    add_command(sub, "train", TrainConfig, DataConfig, run=run)
 
 
 def run(args) -> None:
