@@ -82,7 +82,8 @@ class StepOutput:
         start = time.perf_counter()
         heads = sorted(self.hiddens)
         read = [self.feats.base] + [self.hiddens[i] for i in heads]  # (1 + L) x [B, T, H]
-        rows = torch.cat([h[:, self.first:] for h in read], dim=1)  # [B, (T - first) * (1 + L), H]
+        rows = [h[:, self.first:] for h in read]
+        rows = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)  # [B, (T - first) * (1 + L), H]
         parts = self.model.backbone.logits(rows).split(self.length - self.first, dim=1)  # (1 + L) x [B, T - first, V]
         self._logits, self._head_logits = parts[0], dict(zip(heads, parts[1:]))
         self.model_s += time.perf_counter() - start
