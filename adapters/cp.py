@@ -35,8 +35,6 @@ class CPConfig:
     def validate(self) -> None:
         from multitoken.pipeline.errors import UsageError
 
-        if self.n_future < 1:
-            raise UsageError(f"n_future must be >= 1, got {self.n_future}")
         if self.rank < 1:
             raise UsageError(f"rank must be >= 1, got {self.rank}")
         if self.init_std < 0:

@@ -24,8 +24,6 @@ class MedusaConfig:
     def validate(self) -> None:
         from multitoken.pipeline.errors import UsageError
 
-        if self.n_future < 1:
-            raise UsageError(f"n_future must be >= 1, got {self.n_future}")
         if self.num_blocks < 1:
             raise UsageError(f"num_blocks must be >= 1, got {self.num_blocks}")
 

@@ -55,6 +55,8 @@ def make_config(head_type: str, **options):
             f"{head_type} takes: {', '.join(sorted(known))}",
         )
     config = cls(head_type=head_type, **options)
+    if not isinstance(config.n_future, int) or config.n_future < 1:  # every head type has one
+        raise UsageError(f"n_future must be an integer >= 1, got {config.n_future!r}")
     validate = getattr(config, "validate", None)
     if validate is not None:
         validate()

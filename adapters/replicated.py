@@ -28,8 +28,6 @@ class ReplicatedConfig:
     def validate(self) -> None:
         from multitoken.pipeline.errors import UsageError
 
-        if self.n_future < 1:
-            raise UsageError(f"n_future must be >= 1, got {self.n_future}")
         if self.init not in INITS:
             raise UsageError(f"unknown init {self.init!r}", f"use one of {', '.join(INITS)}")
 

@@ -67,3 +67,10 @@ def test_saved_config_errors_are_checkpoint_errors():
         config_from_dict({"n_future": 3})
     with pytest.raises(CheckpointError, match="rank"):
         config_from_dict({"head_type": "medusa", "n_future": 3, "rank": 2})
+
+
+@pytest.mark.parametrize("head_type", ["cp", "medusa", "replicated", "whs"])
+@pytest.mark.parametrize("n", [0, -2, 1.5])
+def test_every_type_rejects_a_bad_n_future(head_type, n):
+    with pytest.raises(UsageError, match="n_future must be an integer >= 1"):
+        make_config(head_type, n_future=n)
