@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-batches", type=int, default=24)
+    p.add_argument("--eval-batches", type=int, default=4, help="batches per in-training evaluation")
     p.add_argument("--dest", default=None, help="where the heads go (default: the package, for the embedded base only)")
     p.add_argument("--json", default=None, help="report path (default: WORK_DIR/heads_report.json)")
     return p.parse_args(argv)
@@ -69,13 +69,18 @@ def interleave(sources: list[Path], out: Path) -> Path:
     if not out.is_file():
         import itertools
 
+        from multitoken.pipeline.atomic import atomic_write_text
+
         lines = [p.read_text().splitlines() for p in sources if p.is_file()]
         mixed = [line for group in itertools.zip_longest(*lines) for line in group if line is not None]
-        out.write_text("\n".join(mixed) + "\n")
+        atomic_write_text(out, "\n".join(mixed) + "\n")  # a rerun trusts an existing file
     return out
 
 
-def heldout_accuracy(heads_dir: Path, heldout: Path, args) -> dict[str, float]:
+def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[str, dict[str, float]]:
+    """Per-head metrics of the heads in ``heads_dir`` on each held-out corpus (model loaded once)."""
+    import numpy as np
+
     from multitoken.pipeline.data import DataConfig
     from multitoken.pipeline.model import MultiTokenModel
     from multitoken.pipeline.packing import PackedStream
@@ -83,14 +88,14 @@ def heldout_accuracy(heads_dir: Path, heldout: Path, args) -> dict[str, float]:
 
     model = MultiTokenModel.from_pretrained(None, heads_dir)
     tok = model.backbone.tokenizer
-    stream = PackedStream(DataConfig(data=str(heldout)), tok, args.seq_len, tok.bos_token_id, loop=False)
-    rows = [seq for seq, _ in stream]
-    import numpy as np
-
-    batches = [np.stack(rows[i:i + args.batch_size]) for i in range(0, len(rows) - args.batch_size + 1, args.batch_size)]
-    metrics = evaluate(model, batches)
-    metrics["heldout_tokens"] = len(batches) * args.batch_size * args.seq_len
-    return metrics
+    results = {}
+    for kind, path in heldouts.items():
+        stream = PackedStream(DataConfig(data=str(path)), tok, args.seq_len, tok.bos_token_id, loop=False)
+        rows = [seq for seq, _ in stream]
+        batches = [np.stack(rows[i:i + args.batch_size]) for i in range(0, len(rows) - args.batch_size + 1, args.batch_size)]
+        results[kind] = evaluate(model, batches)
+        results[kind]["heldout_tokens"] = len(batches) * args.batch_size * args.seq_len
+    return results
 
 
 def main(argv=None) -> int:
@@ -121,15 +126,15 @@ def main(argv=None) -> int:
     cfg = TrainConfig(
         heads=str(untrained), out=str(trained), separator="bos", mode="heads", max_steps=args.steps,
         seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, lr_warmup_steps=max(args.steps // 50, 1),
-        eval_every=max(args.steps // 6, 1), eval_batches=4, save_every=max(args.steps // 4, 1),
+        eval_every=max(args.steps // 6, 1), eval_batches=args.eval_batches, save_every=max(args.steps // 4, 1),
         resume=True, seed=0,
     )
     train_started = time.time()
     train(cfg, DataConfig(data=str(train_data)))
     train_seconds = time.time() - train_started
-    heldouts = {"sampled": corpora["heldout"], "greedy": corpora["greedy_heldout"]}
-    before = {kind: heldout_accuracy(untrained, path, args) for kind, path in heldouts.items() if path.is_file()}
-    after = {kind: heldout_accuracy(trained, path, args) for kind, path in heldouts.items() if path.is_file()}
+    heldouts = {kind: path for kind, path in (("sampled", corpora["heldout"]), ("greedy", corpora["greedy_heldout"])) if path.is_file()}
+    before = heldout_accuracy(untrained, heldouts, args)
+    after = heldout_accuracy(trained, heldouts, args)
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)  # files are replaced one by one: a README there stays
     for name in ("heads.safetensors", "heads_config.json"):  # the embedded base is recorded as embedded:stories260K
