@@ -53,7 +53,10 @@ class Job:
 
     @property
     def chunk_tokens(self) -> int:
-        return int(min(max(self.memory_bytes // BYTES_PER_CHUNK_TOKEN, 1024), 1 << 20))
+        # at most 256k tokens (~40 MB of buffers): processes counting side by side then contend far
+        # less for memory bandwidth (measured here: each keeps 0.92-0.97 of its alone speed,
+        # against 0.56-0.76 with 1M-token chunks), and one process alone is no slower
+        return int(min(max(self.memory_bytes // BYTES_PER_CHUNK_TOKEN, 1024), 1 << 18))
 
     @property
     def held_bytes(self) -> int:
