@@ -31,7 +31,7 @@ def _leading_true(ok: torch.Tensor) -> int:
 def greedy_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
     """Keep drafts while they equal the base model's argmax; then the base argmax."""
     best = target_probs.argmax(-1)  # [g + 1]
-    m = _leading_true(drafts == best[: drafts.numel()])
+    m = _leading_true(drafts.to(best.device) == best[: drafts.numel()])
     return Verdict(m, int(best[m]))
 
 
