@@ -31,7 +31,7 @@ def _leading_true(ok: torch.Tensor) -> int:
 def greedy_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
     """Keep drafts while they equal the base model's argmax; then the base argmax."""
     best = target_probs.argmax(-1)  # [g + 1]
-    m = _leading_true(drafts == best[: drafts.numel()])
+    m = _leading_true(drafts.to(best.device) == best[: drafts.numel()])
     return Verdict(m, int(best[m]))
 
 
@@ -54,11 +54,15 @@ def speculative_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
     return Verdict(m, sampler.draw(residual / residual.sum()))
 
 
-def typical_accept(drafts, draft_probs, target_probs, sampler, eps: float = 0.09, delta: float = 0.3) -> Verdict:
+def typical_accept(drafts, draft_probs, target_probs, sampler, eps: float = 0.09, delta: float = 0.3,
+                   rule_probs=None) -> Verdict:
     """Medusa's typical acceptance: keep draft i if p_i(d) > min(eps, delta * exp(-H(p_i)));
-    the token after the kept drafts is drawn from the base (argmax when greedy). Lossy."""
+    the token after the kept drafts is drawn from the target (argmax when greedy). Lossy.
+    Medusa's p is softmax(logits / T) over the whole vocabulary (its sampling has no top-k):
+    ``rule_probs`` [g(+1), V] is that distribution (with the repetition penalty, as every
+    target here), the loop passes it; it defaults to ``target_probs``."""
     g = drafts.numel()
-    p = target_probs[:g].double()  # [g, V]
+    p = (target_probs if rule_probs is None else rule_probs)[:g].double()  # [g, V]
     entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [g]
     bound = torch.clamp(delta * torch.exp(-entropy), max=eps)
     m = _leading_true(p[torch.arange(g), drafts] > bound)
@@ -66,7 +70,13 @@ def typical_accept(drafts, draft_probs, target_probs, sampler, eps: float = 0.09
 
 
 def typical_rule(eps: float, delta: float):
-    """``typical_accept`` with its thresholds bound, in the common signature."""
+    """``typical_accept`` with its thresholds bound, in the common signature (plus the
+    whole-vocabulary distribution its rule reads: ``wants_rule_probs``)."""
     if not (0 < eps <= 1 and delta > 0 and math.isfinite(delta)):
         raise ValueError("typical acceptance needs 0 < eps <= 1 and delta > 0")
-    return lambda d, q, p, s: typical_accept(d, q, p, s, eps=eps, delta=delta)
+
+    def accept(d, q, p, s, rule_probs=None):
+        return typical_accept(d, q, p, s, eps=eps, delta=delta, rule_probs=rule_probs)
+
+    accept.wants_rule_probs = True
+    return accept

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from multitoken.pipeline.errors import UsageError
 
 MODES = ("ar", "dynamic", "speculative", "typical")
 DRAFTERS = ("auto", "independent", "cp", "joint")
+DYNAMO_PENALTY = 1.1  # DynaMo's repetition penalty (its sampling setting)
 
 
 @dataclass
@@ -15,13 +16,17 @@ class DecodeConfig:
     mode: str = field(default="speculative", metadata={"help": "ar | dynamic (DynaMo, lossy) | speculative (lossless) | typical (Medusa)", "choices": MODES})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate"})
     n: int | None = field(default=None, metadata={"help": "tokens per forward at most (default: every head)"})
-    greedy: bool = field(default=False, metadata={"help": "argmax decoding instead of sampling"})
+    greedy: bool = field(default=False, metadata={"help": "argmax decoding instead of sampling (ar / speculative / typical then ignore --temperature and --top-k, as transformers does; dynamic still builds its grid with them)"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (> 0 unless --greedy)"})
     top_k: int = field(default=50, metadata={"help": "sample among the k most likely tokens of each head (the vocabulary size: no cut)"})
     # dynamic (seed 003 Alg. 1)
     eps_b: float = field(default=0.5, metadata={"help": "back-off threshold in [0, 1]: order n needs a cell > eps_b^(n-1)"})
     alpha_c: float = field(default=1.0, metadata={"help": "co-occurrence mask exponent (0 = no mask)"})
-    repetition_penalty: float = field(default=1.1, metadata={"help": "divide cells that repeat the context or themselves (1 = off)"})
+    repetition_penalty: float | None = field(default=None, metadata={"help": (
+        "DynaMo's repetition penalty, in every mode: after temperature and top-k, the probability of each token "
+        "already in the context (dynamic grids: also a cell repeating itself) is divided by it, then renormalised "
+        "(1 = off). Default: 1.1 (DynaMo's) when sampling, 1 with --greedy (the base model's argmax); "
+        "a value given applies with --greedy too")})
     static_threshold: bool = field(default=True, metadata={"help": "zero cells <= eps_b^(n-1)"})
     adaptive_threshold: bool = field(default=True, metadata={"help": "Otsu adaptive thresholding of the joint grid"})
     blur_kernel: int = field(default=3, metadata={"help": "Gaussian blur kernel before Otsu (odd; 0 or 1 = no blur)"})
@@ -55,12 +60,24 @@ class DecodeConfig:
             raise UsageError(f"--draft-k must be >= 1, got {self.draft_k}")
         if self.alpha_c < 0:
             raise UsageError(f"--alpha-c must be >= 0, got {self.alpha_c}")
-        if self.repetition_penalty < 1:
-            raise UsageError(f"--repetition-penalty must be >= 1, got {self.repetition_penalty}")
+        if not self.penalty >= 1:
+            raise UsageError(f"--repetition-penalty must be >= 1, got {self.repetition_penalty}", "1 turns it off")
         if self.blur_kernel > 1 and self.blur_kernel % 2 == 0:
             raise UsageError(f"--blur-kernel must be odd, got {self.blur_kernel}")
         if not (0 < self.typical_eps <= 1 and self.typical_delta > 0):
             raise UsageError("typical acceptance needs 0 < --typical-eps <= 1 and --typical-delta > 0")
+
+    @property
+    def penalty(self) -> float:
+        """The repetition penalty in force: the one given, else DynaMo's 1.1 when sampling and 1
+        (off) when greedy, so that greedy decoding is the base model's argmax unless asked."""
+        if self.repetition_penalty is not None:
+            return float(self.repetition_penalty)
+        return 1.0 if self.greedy else DYNAMO_PENALTY
+
+    def resolved(self) -> "DecodeConfig":
+        """A copy with every default that depends on other settings made explicit (recorded)."""
+        return replace(self, repetition_penalty=self.penalty)
 
     def order(self, n_heads: int) -> int:
         """Tokens per forward at most: 1 in ar mode, else ``n`` (default every head)."""

@@ -140,8 +140,8 @@ def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | Non
     if cfg.static_threshold and threshold > 0:  # cells are >= 0: a zero threshold zeroes nothing
         grid[grid <= threshold] = 0.0
     flat, values = _live(grid, cfg)
-    if cfg.repetition_penalty != 1 and seen is not None and flat.size:
-        values[repetition_cells(cands, seen, np.unravel_index(flat, grid.shape))] /= np.float32(cfg.repetition_penalty)
+    if cfg.penalty != 1 and seen is not None and flat.size:
+        values[repetition_cells(cands, seen, np.unravel_index(flat, grid.shape))] /= np.float32(cfg.penalty)
     return Cells(grid.shape, flat, values)
 
 
@@ -184,7 +184,7 @@ def always_backs_off(cfg) -> bool:
     """eps_b = 1: no cell of any order's grid exceeds 1 = eps_b^(n-1) (a masked grid is
     renormalised, an unmasked one is a product of probabilities, the penalty only lowers cells,
     and the static threshold would zero them all anyway), so only head 1 is ever read."""
-    return cfg.eps_b >= 1 and (cfg.repetition_penalty >= 1 or cfg.static_threshold)
+    return cfg.eps_b >= 1 and (cfg.penalty >= 1 or cfg.static_threshold)
 
 
 def cannot_reach(cands, order: int, cfg, table) -> bool:
@@ -197,7 +197,7 @@ def cannot_reach(cands, order: int, cfg, table) -> bool:
     if always_backs_off(cfg):
         return True
     threshold = np.float32(cfg.eps_b ** (order - 1))
-    if cfg.repetition_penalty < 1 or (threshold < 1 and table is not None and cfg.alpha_c != 0):
+    if cfg.penalty < 1 or (threshold < 1 and table is not None and cfg.alpha_c != 0):
         return threshold >= 1 and cfg.static_threshold  # >= 1 zeroes every cell of a masked grid
     if threshold >= 1:
         return True
@@ -234,5 +234,5 @@ def dynamic_propose(head_logps: list[torch.Tensor], cfg, table, seen: np.ndarray
             return DynamicChoice([int(cands[a].ids[i]) for a, i in enumerate(cell)], order, backed_off)
         backed_off.append(order)
     first = cand(0)
-    probs = np.where(seen[first.ids], first.probs / cfg.repetition_penalty, first.probs)
+    probs = np.where(seen[first.ids], first.probs / cfg.penalty, first.probs)
     return DynamicChoice([int(first.ids[sample_index(probs, rng)])], 1, backed_off)

@@ -18,7 +18,7 @@ from .accept import greedy_accept, speculative_accept, typical_rule
 from .config import DecodeConfig, check_context
 from .dynamic import always_backs_off, dynamic_propose
 from .proposal import Drafts, pick_drafter
-from .sampling import Sampler
+from .sampling import Sampler, penalised_logits, rows_seen
 from .trace import Trace
 
 
@@ -30,10 +30,14 @@ class RunState:
     cfg: DecodeConfig
     sampler: Sampler
     table: object  # co-occurrence table with .mask(cands, alpha), or None
-    seen: np.ndarray  # [V] bool: tokens in the context (repetition penalty)
+    seen: torch.Tensor  # [V] bool on the logits' device: tokens in the context (repetition penalty)
     rng: np.random.Generator | None  # grid sampling; None = greedy
     vocab_size: int
     draft_cfg: DecodeConfig | None = None  # the joint drafter's grid: no thresholds (set once)
+
+    def seen_array(self) -> np.ndarray:
+        """``seen`` for the numpy grids (a view on the CPU, a copy from an accelerator)."""
+        return self.seen.cpu().numpy()
 
 
 @dataclass
@@ -87,6 +91,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     cfg = cfg or DecodeConfig()
     vocab = model.backbone.vocab_size
     cfg.validate(vocab_size=vocab, n_heads=model.n_future)
+    cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1).to(model.backbone.device)
     if ids.shape[1] == 0:
         from multitoken.pipeline.errors import UsageError
@@ -94,9 +99,10 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         raise UsageError("the prompt is empty", "pass at least one token")
     check_context(ids.shape[1], cfg.max_new_tokens, model.backbone.config.max_position_embeddings)
     speculative = cfg.mode in ("speculative", "typical")
-    run = RunState(model, cfg, Sampler(cfg.greedy, cfg.temperature, cfg.top_k, cfg.seed), table,
-                   np.zeros(vocab, dtype=bool), None if cfg.greedy else np.random.default_rng(cfg.seed), vocab)
-    run.seen[ids[0].cpu().numpy()] = True
+    sampler = Sampler(cfg.greedy, cfg.temperature, cfg.top_k, cfg.seed, penalty=cfg.penalty, device=ids.device)
+    run = RunState(model, cfg, sampler, table, torch.zeros(vocab, dtype=torch.bool, device=ids.device),
+                   None if cfg.greedy else np.random.default_rng(cfg.seed), vocab)
+    run.seen[ids[0]] = True
     run.draft_cfg = replace(cfg, static_threshold=False, adaptive_threshold=False)
     drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative else None)
     acceptor = acceptor or _acceptor(cfg)
@@ -104,16 +110,27 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     heads_read = 1 if cfg.mode == "dynamic" and always_backs_off(cfg) else order
     # greedy ar / speculative read only the base argmax: raw logits, no softmax over V per step
     argmax_only = cfg.greedy and acceptor in (greedy_accept, speculative_accept)
+    wants_rule = getattr(acceptor, "wants_rule_probs", False) and not cfg.greedy
 
-    def base_target(pos: int, to_end: bool = False):
-        """The base's distribution after position ``pos`` (and each later one) # [V] ([m, V]),
-        the one tokens are drawn / judged from."""
-        rows = slice(pos - out.first, None) if to_end else pos - out.first
+    def next_token(pos: int) -> int:
+        """A token from the base's target after position ``pos`` (top-k first: k-sized work)."""
+        return run.sampler.sample(out.base_logits()[0, pos - out.first], run.seen)
+
+    def verify_rows(pos: int, drafts: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The base's targets after ``pos`` and after each draft # [g + 1, V] (greedy: penalised
+        logits), row i seeing drafts[:i] as context too; plus typical's whole-vocabulary rows."""
+        logits = out.base_logits()[0, pos - out.first:]  # [g + 1, V]
+        seen = rows_seen(run.seen, drafts, logits.shape[0]) if cfg.penalty != 1 else run.seen
         if argmax_only:
-            return out.base_logits()[0, rows]
-        return run.sampler.target(out.base_log_probs()[0, rows])
+            return penalised_logits(logits, seen, cfg.penalty), {}
+        if wants_rule:  # rows judging drafts only, not the bonus row
+            rule = {"rule_probs": run.sampler.full(logits[:-1], seen[:-1] if seen.dim() == 2 else seen)}
+        else:
+            rule = {}
+        return run.sampler.target(logits, seen), rule
 
-    trace, out_ids = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1]), []
+    trace = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1], repetition_penalty=cfg.penalty)
+    out_ids = []
 
     def emit(tokens: list[int]) -> bool:
         """Commit final tokens; True when generation is over (budget or end of sequence)."""
@@ -145,13 +162,13 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         # propose: the tokens decided for the next positions (+ drafts to verify)
         if cfg.mode == "dynamic":
             logps = HeadLogps(out, anchor, order)  # read on demand: back-offs skip later heads
-            choice = dynamic_propose(logps, cfg, table, run.seen, run.rng)
+            choice = dynamic_propose(logps, cfg, table, run.seen_array(), run.rng)
             commit, drafts = choice.tokens, Drafts.empty()
             trace.orders[choice.order] += 1
             trace.backoffs.update(choice.backed_off)
         else:
             # the next token comes from the base model itself (head 1 may differ: WHS all_heads)
-            commit = [forced if forced is not None else run.sampler.draw(base_target(anchor))]
+            commit = [forced if forced is not None else next_token(anchor)]
             budget = cfg.max_new_tokens - len(out_ids) - 1
             g = min(order - 1, budget) if speculative else 0
             drafts = drafter(out, anchor, commit[0], g, run) if g > 0 else Drafts.empty()
@@ -163,8 +180,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         anchor, forced = len(commit) - 1, None
         if drafts.tokens.numel():
             # accept: the base judges draft i by its distribution after position anchor + i
-            target = base_target(anchor, to_end=True)  # [g + 1, V]
-            verdict = acceptor(drafts.tokens, drafts.probs, target, run.sampler)
+            target, rule = verify_rows(anchor, drafts.tokens)  # [g + 1, V]
+            verdict = acceptor(drafts.tokens, drafts.probs, target, run.sampler, **rule)
             trace.accepted_lengths[verdict.accepted] += 1
             caches.crop(drafts.tokens.numel() - verdict.accepted)  # commit: forget rejected drafts
             anchor, forced = anchor + verdict.accepted, verdict.next_token

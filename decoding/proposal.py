@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .dynamic import Candidates, joint_grid, top_candidates
+from .sampling import with_tokens
 
 
 @dataclass
@@ -28,13 +29,13 @@ class Drafts:
         return Drafts(torch.zeros(0, dtype=torch.long), None)
 
 
-def _draw(logp: torch.Tensor, run) -> tuple[int, torch.Tensor | None]:
+def _draw(logp: torch.Tensor, run, context: list[int]) -> tuple[int, torch.Tensor | None]:
     """A draft from a head's log-distribution, processed like the target # [V] -> (id, q [V]).
+    ``context``: the tokens between the committed context and this draft (``first`` and the
+    earlier drafts), penalised like the context, as the verification row judging it does.
     Greedy drafts have no q: greedy verification compares tokens only."""
-    if run.sampler.greedy:
-        return int(logp.argmax()), None
-    q = run.sampler.target(logp)
-    return run.sampler.draw(q), q
+    seen = with_tokens(run.seen, context) if run.sampler.penalty != 1 else run.seen
+    return run.sampler.draft(logp, seen)
 
 
 def _pack(tokens: list[int], probs: list[torch.Tensor | None]) -> Drafts:
@@ -48,7 +49,7 @@ def independent_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
     """Head i+1 drafts token t+i+1 on its own (the heads ignore ``first``)."""
     tokens, probs = [], []
     for i in range(1, g + 1):
-        tok, q = _draw(out.head_log_probs(i, anchor)[0], run)
+        tok, q = _draw(out.head_log_probs(i, anchor)[0], run, [first, *tokens])
         tokens.append(tok)
         probs.append(q)
     return _pack(tokens, probs)
@@ -65,7 +66,7 @@ def cp_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
         start = time.perf_counter()
         logp = heads.conditional_log_probs(e, prefix)[0]  # [V]
         out.model_s += time.perf_counter() - start
-        tok, q = _draw(logp, run)
+        tok, q = _draw(logp, run, [first, *tokens])
         tokens.append(tok)
         probs.append(q)
         prefix = torch.cat([prefix, prefix.new_tensor([[tok]])], 1)
@@ -83,7 +84,7 @@ def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
     cands = [Candidates(np.array([first]), np.ones(1, dtype=np.float32))]
     cands += [top_candidates(out.head_log_probs(i, anchor)[0], k, temperature) for i in range(1, g + 1)]
-    grid = joint_grid(cands, run.draft_cfg, run.table, run.seen)[0]  # [k]*g
+    grid = joint_grid(cands, run.draft_cfg, run.table, run.seen_array())[0]  # [k]*g
     tokens, probs = [], []
     for axis in range(1, g + 1):
         marginal = grid.reshape(grid.shape[0], -1).sum(-1, dtype=np.float64)  # [k]
@@ -92,9 +93,10 @@ def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
         if run.sampler.greedy:  # greedy verification reads the drafts only, not their q
             i = int(marginal.argmax())
         else:
-            ids = torch.from_numpy(cands[axis].ids)
-            q = torch.zeros(run.vocab_size, dtype=torch.float64)
-            q[ids] = torch.from_numpy(marginal / marginal.sum())
+            device = run.sampler.gen.device  # q and the draw live where the target does
+            ids = torch.from_numpy(cands[axis].ids).to(device)
+            q = torch.zeros(run.vocab_size, dtype=torch.float64, device=device)
+            q[ids] = torch.from_numpy(marginal / marginal.sum()).to(device)
             i = int(torch.multinomial(q[ids], 1, generator=run.sampler.gen))
             probs.append(q.float())
         tokens.append(int(cands[axis].ids[i]))

@@ -1,43 +1,126 @@
-"""Turning log-distributions into the distributions decoding samples from, and drawing from them."""
+"""The target distributions decoding draws from and judges drafts by, and the draws themselves.
+
+The target of every mode (DynaMo's processing): logits / temperature, restricted to the top-k
+(chosen on the raw logits), softmax over those k, then the probability of every token already
+in the context divided by the repetition penalty and renormalised. Dividing a probability by
+the penalty is subtracting log(penalty) from its scaled logit, so the whole target is a softmax
+over k values: no full-vocabulary softmax per step. Greedy decoding ignores temperature and
+top-k (as transformers' ``generate`` does) and takes argmax(logits - log(penalty) * seen).
+
+``seen`` is a bool tensor on the logits' device: [V] for one row, or [m, V] when rows see
+different contexts (verification row i also sees the drafts before it: ``rows_seen``).
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 
-def processed_probs(logp: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """softmax(logp / T) restricted to the top-k (0 = whole vocabulary) # [..., V] -> [..., V].
+def processed_probs(logp: torch.Tensor, temperature: float, top_k: int, seen: torch.Tensor | None = None,
+                    penalty: float = 1.0) -> torch.Tensor:
+    """The target as a dense distribution # [..., V] logits or log-probs -> [..., V] probs
+    (``top_k`` 0 = the whole vocabulary)."""
+    ids, probs = top_probs(logp, temperature, top_k, seen, penalty)
+    if ids is None:
+        return probs
+    return torch.zeros(logp.shape, dtype=probs.dtype, device=logp.device).scatter_(-1, ids, probs)
 
-    This is the *target* of ar / speculative sampling: lossless modes reproduce exactly it, and
-    drafts from the heads are processed the same way (their q).
-    """
-    scaled = logp / temperature
-    if 0 < top_k < logp.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]  # [..., 1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return torch.softmax(scaled, dim=-1)
+
+def top_probs(logits: torch.Tensor, temperature: float, top_k: int, seen: torch.Tensor | None = None,
+              penalty: float = 1.0) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The target on its support: (ids [..., k], probs [..., k]); ids None when k covers the
+    vocabulary (probs then [..., V]). Softmax shift invariance: logits and log-probs agree."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        vals, ids = torch.topk(logits, top_k, dim=-1)  # [..., k] the cut comes first: the rest is k-sized
+        scaled = vals.float() / temperature
+        if seen is not None and penalty != 1:
+            scaled = scaled - math.log(penalty) * seen.expand(logits.shape).gather(-1, ids)
+        return ids, torch.softmax(scaled, dim=-1)
+    scaled = logits.float() / temperature
+    if seen is not None and penalty != 1:
+        scaled = scaled - math.log(penalty) * seen
+    return None, torch.softmax(scaled, dim=-1)
+
+
+def penalised_logits(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
+    """logits - log(penalty) on seen tokens # [..., V]: what greedy decoding takes the argmax of."""
+    if seen is None or penalty == 1:
+        return logits
+    return logits.float() - math.log(penalty) * seen
+
+
+def rows_seen(seen: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+    """Row i's context: ``seen`` [V] plus tokens[:i] # -> [rows, V] bool (verification row i
+    judges the token after drafts[:i])."""
+    out = seen.expand(rows, -1).clone()
+    g = tokens.numel()
+    if g and rows > 1:
+        pos = torch.arange(max(rows, g), device=seen.device)
+        r, c = (pos[:g][None, :] < pos[:rows][:, None]).nonzero(as_tuple=True)  # [rows, g]: c < r
+        out[r, tokens.to(seen.device)[c]] = True
+    return out
+
+
+def with_tokens(seen: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """``seen`` [V] plus ``tokens`` (a copy)."""
+    out = seen.clone()
+    if tokens:
+        out[tokens] = True
+    return out
 
 
 class Sampler:
-    """Greedy (argmax) or seeded multinomial draws; one object per decoding run."""
+    """Greedy (argmax) or seeded multinomial draws from the target; one object per decoding run.
+    The generator lives on the logits' device: draws never move a distribution to the CPU."""
 
-    def __init__(self, greedy: bool, temperature: float, top_k: int, seed: int = 0):
+    def __init__(self, greedy: bool, temperature: float, top_k: int, seed: int = 0, penalty: float = 1.0,
+                 device: torch.device | str = "cpu"):
         self.greedy = greedy
         self.temperature = temperature
         self.top_k = top_k
-        self.gen = torch.Generator().manual_seed(seed)
+        self.penalty = penalty
+        self.gen = torch.Generator(device=device).manual_seed(seed)
 
-    def target(self, logp: torch.Tensor) -> torch.Tensor:
-        """The distribution a token is drawn from # [..., V] log-probs -> [..., V] probs."""
+    def target(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense distribution a token is drawn from # [..., V] -> [..., V] probs. Greedy:
+        the real (penalised, temperature-1) probabilities, of which argmax is all greedy reads."""
         if self.greedy:
-            return torch.softmax(logp, dim=-1)  # argmax is all greedy reads; keep real probs for traces
-        return processed_probs(logp, self.temperature, self.top_k)
+            return torch.softmax(penalised_logits(logits, seen, self.penalty).float(), dim=-1)
+        return processed_probs(logits, self.temperature, self.top_k, seen, self.penalty)
+
+    def full(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax((logits / T) - log(penalty) * seen) over the whole vocabulary # [..., V]: no
+        top-k (Medusa's typical-acceptance rule reads this; T = 1 when greedy)."""
+        temperature = 1.0 if self.greedy else self.temperature
+        return torch.softmax(penalised_logits(logits.float() / temperature, seen, self.penalty), dim=-1)
+
+    def sample(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
+        """One token from the target of ``logits`` [V]: top-k first, then everything on k values."""
+        if self.greedy:
+            return int(penalised_logits(logits, seen, self.penalty).argmax())
+        ids, probs = top_probs(logits, self.temperature, self.top_k, seen, self.penalty)
+        i = torch.multinomial(probs, 1, generator=self.gen)
+        return int(i if ids is None else ids[i])
+
+    def draft(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+        """A draft from a head's ``logits`` [V] and the dense q [V] it was drawn from (the
+        target's processing; None when greedy: greedy verification compares tokens only)."""
+        if self.greedy:
+            return int(penalised_logits(logits, seen, self.penalty).argmax()), None
+        ids, probs = top_probs(logits, self.temperature, self.top_k, seen, self.penalty)
+        i = torch.multinomial(probs, 1, generator=self.gen)
+        if ids is None:
+            return int(i), probs
+        return int(ids[i]), torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device).scatter_(-1, ids, probs)
 
     def draw(self, probs: torch.Tensor) -> int:
-        """One token from ``probs`` [V] (argmax when greedy)."""
+        """One token from a dense distribution ``probs`` [V] (argmax when greedy)."""
         if self.greedy:
             return int(probs.argmax())
-        return int(torch.multinomial(probs.float().cpu(), 1, generator=self.gen))
+        return int(torch.multinomial(probs.float(), 1, generator=self.gen))
 
     def uniform(self, n: int) -> torch.Tensor:
-        return torch.rand(n, generator=self.gen, dtype=torch.float64)
+        return torch.rand(n, generator=self.gen, dtype=torch.float64, device=self.gen.device)

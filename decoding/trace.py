@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 class Trace:
     mode: str = ""
     prompt_tokens: int = 0
+    repetition_penalty: float = 1.0  # the one in force (its default resolved: 1.1 sampling, 1 greedy)
     new_tokens: int = 0
     forward_passes: int = 0  # model.step calls, the prompt's included
     accepted_lengths: Counter = field(default_factory=Counter)  # drafts kept per verification
@@ -43,7 +44,8 @@ class Trace:
     def summary(self) -> str:
         lines = [
             f"mode {self.mode}: {self.new_tokens} tokens in {self.forward_passes} forward passes "
-            f"({self.tokens_per_forward:.2f} tokens/forward), {self.wall_s:.3f} s ({self.tokens_per_s:.1f} tokens/s)",
+            f"({self.tokens_per_forward:.2f} tokens/forward), {self.wall_s:.3f} s ({self.tokens_per_s:.1f} tokens/s), "
+            f"repetition penalty {self.repetition_penalty:g}",
             f"time: model {self.model_s:.3f} s, decoding logic {self.decoding_s:.3f} s",
         ]
         if self.accepted_lengths:

@@ -1,7 +1,12 @@
 """``sweep``: dynamic decoding over prompts x seeds x an eps_b grid, against ``ar`` sampling.
 
 Every (configuration, eps_b) point generates a continuation of each prompt with each seed,
-and ``ar`` does the same once at the same settings (temperature, top-k, budget). Per run:
+and ``ar`` does the same once at exactly the same sampling settings (temperature, top-k,
+repetition penalty, budget, seeds: ``decode_configs``); so does transformers' own sampling
+``generate`` (``hf-sample``: same top-k, temperature and penalty value, but transformers'
+penalty is its logit form -- a seen token's logit divided by the penalty when positive,
+multiplied when negative, before temperature and top-k -- where ours divides the probability
+after them, as DynaMo does). Per run:
 tokens per forward (the trace), wall and CPU seconds per generated token, and quality measured without an
 external judge: the base model's mean NLL of the continuation given the prompt (temperature
 1, full vocabulary), distinct-2/3 and the repetition rate (share of repeated 4-grams). Each
@@ -11,8 +16,11 @@ speed-up of a run is ar's seconds per token over the point's, on the same prompt
 the CPU-time speed-up (process time, one thread by default) is the same ratio measured in a
 way other processes on a shared machine cannot inflate.
 
-``same_quality_speedup``: among points whose NLL interval overlaps ar's, the one with the most
-tokens per forward (its wall-clock speed-up is reported beside it).
+``same_quality_speedup``: among the points of ar's quality, the one with the most tokens per
+forward (its wall-clock speed-up is reported beside it). Of ar's quality = for each of NLL,
+repetition rate, distinct-2 and distinct-3, the point's 95% interval overlaps ar's (one rule for
+all four; ``SAME_QUALITY_RULE``): a point whose text loops fails on repetition / distinct-n even
+when the base model finds its loops likely (low NLL). Each point reports which criteria passed.
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ TABLE8 = {
 }
 DEFAULT_CONFIG = "CO+AT+G-3"
 QUALITY = ("nll", "distinct2", "distinct3", "repetition")
+CRITERIA = ("nll", "repetition", "distinct2", "distinct3")  # all must hold for "same quality"
+SAME_QUALITY_RULE = ("NLL, repetition rate, distinct-2 and distinct-3: each metric's 95% interval over the "
+                     "prompt x seed runs overlaps ar's")
 
 
 @dataclass
@@ -54,7 +65,8 @@ class SweepConfig:
     max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per run"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (seed 003: 0.7)"})
     top_k: int = field(default=50, metadata={"help": "top-k per head (seed 003: 50)"})
-    repetition_penalty: float = field(default=1.1, metadata={"help": "dynamic mode's repetition penalty (seed 003: 1.1)"})
+    repetition_penalty: float = field(default=1.1, metadata={"help": "repetition penalty of every run, ar and hf-sample included (DynaMo: 1.1)"})
+    hf_sample: bool = field(default=True, metadata={"help": "also time transformers' sampling generate (the hf-sample reference row)"})
     ablations: bool = field(default=False, metadata={"help": f"also run the seed 003 Table 8 ablations ({', '.join(TABLE8)})"})
     out: str = field(default="", metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
@@ -165,35 +177,72 @@ def theory(point: dict, n_future: int, c: float) -> dict:
     return {"implied_acceptance": a, "predicted_wall_speedup": walltime_improvement(a, g, c)}
 
 
+def quality_vs_ar(point: dict, ar: dict) -> dict[str, bool]:
+    """For each criterion, whether the point's interval overlaps ar's."""
+    return {key: M.intervals_overlap(point[key], ar[key]) for key in CRITERIA}
+
+
 def same_quality(points: list[dict], ar: dict) -> dict | None:
-    """The point with the most tokens per forward whose NLL interval overlaps ar's."""
-    ok = [p for p in points if M.intervals_overlap(p["nll"], ar["nll"])]
+    """The point with the most tokens per forward that meets every criterion (``SAME_QUALITY_RULE``)."""
+    ok = [p for p in points if all(quality_vs_ar(p, ar).values())]
     if not ok:
         return None
     best = max(ok, key=lambda p: p["tokens_per_forward"]["mean"])
     return {"config": best["config"], "eps_b": best["eps_b"], "tokens_per_forward": best["tokens_per_forward"]["mean"],
-            "wall_clock": best["wall_speedup"]["mean"], "cpu_time": best["cpu_speedup"]["mean"], "nll": best["nll"]["mean"], "ar_nll": ar["nll"]["mean"]}
+            "wall_clock": best["wall_speedup"]["mean"], "cpu_time": best["cpu_speedup"]["mean"], "nll": best["nll"]["mean"],
+            "ar_nll": ar["nll"]["mean"], "rule": SAME_QUALITY_RULE,
+            "metrics": {k: {"point": best[k]["mean"], "ar": ar[k]["mean"]} for k in CRITERIA}}
+
+
+def decode_configs(cfg: SweepConfig, grid: list[float]):
+    """ar's config and every (config name, eps_b, dynamic config): the dynamic points differ from
+    ar only in mode, eps_b and the Table 8 switches, never in a sampling setting (seeds are set
+    per run, the same for all)."""
+    from multitoken.decoding.config import DecodeConfig
+
+    ar = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                      repetition_penalty=cfg.repetition_penalty)
+    return ar, [(name, eps, replace(ar, mode="dynamic", eps_b=eps, **TABLE8[name])) for name in cfg.configs() for eps in grid]
+
+
+def run_hf_sample(backbone, prompt_ids: list[int], decode_cfg) -> dict:
+    """transformers' sampling ``generate`` at ``decode_cfg``'s settings and seed, measured like
+    ``run_once``. Its repetition penalty is transformers' logit form (see the module docstring)."""
+    ids = torch.tensor([prompt_ids], device=backbone.device)
+    tok = backbone.tokenizer
+    torch.manual_seed(decode_cfg.seed)  # transformers draws from torch's global generator
+    cpu, wall = time.process_time(), time.perf_counter()
+    out = backbone.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, num_beams=1,
+                                  max_new_tokens=decode_cfg.max_new_tokens, temperature=decode_cfg.temperature,
+                                  top_k=decode_cfg.top_k, top_p=1.0, repetition_penalty=decode_cfg.penalty,
+                                  pad_token_id=getattr(tok, "eos_token_id", None))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    new = out[0, ids.shape[1]:].tolist()
+    return {
+        "tokens": len(new), "tokens_per_forward": 1.0,
+        "sec_per_token": wall / max(len(new), 1), "cpu_per_token": cpu / max(len(new), 1),
+        "nll": continuation_nll(backbone, prompt_ids, new),
+        "distinct2": M.distinct_n(new, 2), "distinct3": M.distinct_n(new, 3), "repetition": M.repetition_rate(new, 4),
+    }
 
 
 def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=None, log=print) -> dict:
-    """Run the whole grid; returns the JSON-ready result (``points``, ``ar``, ``same_quality_speedup``)."""
-    from multitoken.decoding.config import DecodeConfig
-
+    """Run the whole grid; returns the JSON-ready result (``points``, ``ar``, ``hf_sample``,
+    ``same_quality_speedup``)."""
     tok = model.backbone.tokenizer
     prompt_ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
-    base_cfg = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            top_k=cfg.top_k, repetition_penalty=cfg.repetition_penalty)
+    base_cfg, grid_cfgs = decode_configs(cfg, grid)
     pairs = [(i, s) for i in range(len(prompts)) for s in range(cfg.seeds)]
-    grid_cfgs = [(name, eps, replace(base_cfg, mode="dynamic", eps_b=eps, **TABLE8[name]))
-                 for name in cfg.configs() for eps in grid]
     started = time.perf_counter()
     # Pair-major order: a prompt/seed's ar reference runs just before and just after its grid
-    # points, so on a shared machine the load the timings see changes little between them.
-    ar_runs, point_runs = [], [[] for _ in grid_cfgs]
+    # points and hf-sample, so on a shared machine the load the timings see changes little between them.
+    ar_runs, hf_runs, point_runs = [], [], [[] for _ in grid_cfgs]
     for done, (i, s) in enumerate(pairs, 1):
         before = run_once(model, prompt_ids[i], replace(base_cfg, seed=s), table)
         for runs, (_, _, dcfg) in zip(point_runs, grid_cfgs):
             runs.append(run_once(model, prompt_ids[i], replace(dcfg, seed=s), table))
+        if cfg.hf_sample:
+            hf_runs.append(run_hf_sample(model.backbone, prompt_ids[i], replace(base_cfg, seed=s)))
         ar_runs.append(_average_timing(before, run_once(model, prompt_ids[i], replace(base_cfg, seed=s), table)))
         log(f"prompt {i + 1}/{len(prompts)} seed {s}: done ({done}/{len(pairs)}, {time.perf_counter() - started:.0f} s)")
     ar = {"config": "ar", **_summarise(ar_runs, None)}
@@ -202,7 +251,17 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
     for runs, (name, eps, _) in zip(point_runs, grid_cfgs):
         point = {"config": name, "eps_b": eps, **_summarise(runs, ar_runs)}
         point["theory"] = theory(point, model.n_future, c)
-        points.append(point)
+        points.append(_judged(point, ar))
+    hf = _judged({"config": "hf-sample", **_summarise(hf_runs, ar_runs)}, ar) if hf_runs else None
+    sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "repetition_penalty": base_cfg.penalty,
+                "max_new_tokens": cfg.max_new_tokens, "seeds": list(range(cfg.seeds))}
     return {"prompts": prompts, "seeds": cfg.seeds, "eps_b": grid, "n_future": model.n_future, "draft_cost_ratio": c,
-            "ar": ar, "points": points, "same_quality_speedup": same_quality(points, ar),
-            "seconds": round(time.perf_counter() - started, 2)}
+            "sampling": sampling, "ar": ar, "hf_sample": hf, "points": points, "same_quality_rule": SAME_QUALITY_RULE,
+            "same_quality_speedup": same_quality(points, ar), "seconds": round(time.perf_counter() - started, 2)}
+
+
+def _judged(point: dict, ar: dict) -> dict:
+    """The point with its comparison to ar: ``vs_ar`` (criterion -> interval overlaps ar's) and
+    ``same_quality`` (all of them)."""
+    vs = quality_vs_ar(point, ar)
+    return {**point, "vs_ar": vs, "same_quality": all(vs.values())}

@@ -1,7 +1,11 @@
 """Decoding benchmark: tokens/s of transformers' greedy ``generate`` and prompt-lookup decoding
-against our ``ar``, ``speculative`` (greedy) and ``dynamic`` (eps_b 0.25 / 0.5 / 0.75) on the
-embedded stories260K model with its heads and on pythia-mini with heads; plus the per-step
-decoding-logic time of the dynamic proposal (k = 50, n = 2, 3) next to a pythia-70m-shaped forward.
+against our ``ar``, ``speculative`` (greedy); of transformers' sampling ``generate`` (``hf_sample``)
+against our ``ar`` sampling (``ar_sample``) and ``dynamic`` (eps_b 0.25 / 0.5 / 0.75 / 1), all
+sampled rows at the same temperature, top-k and repetition penalty (transformers' penalty is its
+logit form: a seen token's logit divided by the penalty if positive, else multiplied, before
+temperature and top-k; ours is DynaMo's: the probability divided after them); on the embedded
+stories260K model with its heads and on pythia-mini with heads; plus the per-step decoding-logic
+time of the dynamic proposal (k = 50, n = 2, 3) next to a pythia-70m-shaped forward.
 
 Every method decodes the same prompts; each repetition runs the methods interleaved and the best
 repetition counts (the machine may be shared). Prints a table and writes JSON.
@@ -51,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--logic-stats", default=None,
                    help="stats dir of any tokenizer for the logic timing's mask lookups, e.g. the >= 10M-trigram table "
                         "scripts/bench_stats.py --work DIR leaves in DIR/merged (default: --pythia-stats, else no mask)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampled rows (DynaMo: 0.7)")
+    p.add_argument("--top-k", type=int, default=50, help="sampled rows (DynaMo: 50)")
+    p.add_argument("--repetition-penalty", type=float, default=1.1, help="sampled rows (DynaMo: 1.1; hf_sample: transformers' logit form)")
     p.add_argument("--logic-steps", type=int, default=200)
     p.add_argument("--logic-only", action="store_true", help="only the per-step decoding-logic timing (seconds, not minutes)")
     return p.parse_args(argv)
@@ -71,13 +78,19 @@ def open_table(path: str | None, tokenizer):
     return CooccurrenceTable.for_tokenizer(path, tokenizer)
 
 
-def hf_runner(model, prompt_lookup: bool, max_new: int):
+def hf_runner(model, prompt_lookup: bool, max_new: int, sample: dict | None = None):
+    """transformers' ``generate``: greedy (optionally prompt lookup), or sampling with ``sample``
+    = {temperature, top_k, repetition_penalty} (seeded through torch's global generator)."""
     bb = model.backbone
     extra = {"prompt_lookup_num_tokens": 10} if prompt_lookup else {}
+    if sample:
+        extra.update(top_p=1.0, **sample)
 
     def run(ids):
-        out = bb.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                pad_token_id=bb.tokenizer.eos_token_id, **extra)
+        if sample:
+            torch.manual_seed(0)
+        out = bb.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                do_sample=bool(sample), pad_token_id=bb.tokenizer.eos_token_id, **extra)
         return out[0, ids.shape[1]:].tolist(), None
     return run
 
@@ -94,6 +107,7 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
     ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
     n = model.n_future
     base = dict(max_new_tokens=args.max_new_tokens, n=n)
+    sample = dict(temperature=args.temperature, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     methods = {
         "hf_greedy": hf_runner(model, False, args.max_new_tokens),
         "hf_prompt_lookup": hf_runner(model, True, args.max_new_tokens),
@@ -102,8 +116,11 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
         # two tokens per pass at most, but one head layer fewer per verification pass
         "speculative_greedy_n2": our_runner(model, DecodeConfig(mode="speculative", greedy=True, **{**base, "n": min(2, n)}), table),
     }
-    for eps in (0.25, 0.5, 0.75):
-        methods[f"dynamic_eps{eps}"] = our_runner(model, DecodeConfig(mode="dynamic", eps_b=eps, **base), table)
+    # sampled rows: one setting for all (seed 0); ar_sample is the baseline of the dynamic rows
+    methods["hf_sample"] = hf_runner(model, False, args.max_new_tokens, sample)
+    methods["ar_sample"] = our_runner(model, DecodeConfig(mode="ar", max_new_tokens=args.max_new_tokens, **sample), table)
+    for eps in (0.25, 0.5, 0.75, 1.0):
+        methods[f"dynamic_eps{eps}"] = our_runner(model, DecodeConfig(mode="dynamic", eps_b=eps, **base, **sample), table)
     best: dict[str, dict] = {}
     for _ in range(args.reps):
         for label, run in methods.items():  # interleaved: load spikes hit every method alike
@@ -116,10 +133,12 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
             if label not in best or wall < best[label]["wall_s"]:
                 best[label] = {"wall_s": wall, "tokens": tokens, "outputs": outputs, "traces": traces}
     rows = {}
-    hf = best["hf_greedy"]
+    speed = {label: r["tokens"] / r["wall_s"] for label, r in best.items()}
     for label, r in best.items():
-        row = {"tokens": r["tokens"], "wall_s": round(r["wall_s"], 4), "tokens_per_s": round(r["tokens"] / r["wall_s"], 1),
-               "speedup_vs_hf_greedy": round((r["tokens"] / r["wall_s"]) / (hf["tokens"] / hf["wall_s"]), 3)}
+        row = {"tokens": r["tokens"], "wall_s": round(r["wall_s"], 4), "tokens_per_s": round(speed[label], 1),
+               "speedup_vs_hf_greedy": round(speed[label] / speed["hf_greedy"], 3)}
+        if label == "hf_sample" or label.endswith("_sample") or label.startswith("dynamic"):
+            row["speedup_vs_ar_sample"] = round(speed[label] / speed["ar_sample"], 3)
         if r["traces"][0] is not None:
             fw = sum(t.forward_passes for t in r["traces"])
             row.update(forward_passes=fw, tokens_per_forward=round(r["tokens"] / fw, 3),
@@ -127,9 +146,11 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
                        decoding_logic_s=round(sum(t.decoding_s for t in r["traces"]), 4),
                        logic_ms_per_forward=round(1000 * sum(t.decoding_s for t in r["traces"]) / fw, 3))
         if label in ("ar", "speculative_greedy", "speculative_greedy_n2", "hf_prompt_lookup"):
-            row["identical_to_hf_greedy"] = r["outputs"] == hf["outputs"]
+            row["identical_to_hf_greedy"] = r["outputs"] == best["hf_greedy"]["outputs"]
         rows[label] = row
-    return {"model": name, "heads": heads_label, "stats": bool(table), "n": n, "prompts": prompts, "methods": rows}
+    return {"model": name, "heads": heads_label, "stats": bool(table), "n": n, "prompts": prompts, "sampling": sample,
+            "hf_sample_penalty": "transformers' logit form (logit / penalty if > 0, else x penalty, before temperature and top-k)",
+            "methods": rows}
 
 
 def pythia70m_shaped() -> MultiTokenModel:
@@ -217,10 +238,12 @@ def print_table(record: dict) -> None:
     for key in ("embedded", "pythia_mini"):
         r = record[key]
         print(f"\n{r['model']}  heads: {r['heads']}  stats: {r['stats']}")
-        print(f"{'method':22s} {'tok/s':>8s} {'x HF':>6s} {'tok/fwd':>8s} {'logic ms/fwd':>13s} identical")
+        print(f"sampled rows: {r['sampling']}; hf_sample's penalty: {r['hf_sample_penalty']}")
+        print(f"{'method':22s} {'tok/s':>8s} {'x HF':>6s} {'x ar_s':>6s} {'tok/fwd':>8s} {'logic ms/fwd':>13s} identical")
         for label, m in r["methods"].items():
-            print(f"{label:22s} {m['tokens_per_s']:8.1f} {m['speedup_vs_hf_greedy']:6.2f} {m.get('tokens_per_forward', float('nan')):8.2f} "
-                  f"{m.get('logic_ms_per_forward', float('nan')):13.3f} {m.get('identical_to_hf_greedy', '')}")
+            print(f"{label:22s} {m['tokens_per_s']:8.1f} {m['speedup_vs_hf_greedy']:6.2f} {m.get('speedup_vs_ar_sample', float('nan')):6.2f} "
+                  f"{m.get('tokens_per_forward', float('nan')):8.2f} {m.get('logic_ms_per_forward', float('nan')):13.3f} "
+                  f"{m.get('identical_to_hf_greedy', '')}")
     print("\nper-step decoding logic (ms):", json.dumps(record["logic"]))
     print("load average start/end:", record["machine"]["loadavg_start"], record["machine"]["loadavg_end"])
 

@@ -65,3 +65,14 @@ def test_processed_probs_temperature_and_top_k(top_k):
         ref = torch.where(torch.isin(torch.arange(4), torch.tensor([0, 1])), ref, 0.0)
         ref = ref / ref.sum()
     torch.testing.assert_close(got, ref)
+
+
+def test_typical_rule_reads_the_whole_vocabulary_distribution():
+    """Medusa's rule: p and H of softmax(logits / T) over the whole vocabulary (``rule_probs``),
+    while the token after the kept drafts comes from the (top-k) target."""
+    target = torch.tensor([[0.5, 0.5, 0.0, 0.0]] * 2)  # top-2: H = log 2, bound = min(0.09, 0.15)
+    rule = torch.tensor([[0.05, 0.05, 0.45, 0.45]])  # whole vocabulary: draft 1 has p = 0.05
+    sampler = Sampler(greedy=False, temperature=1.0, top_k=2, seed=0)
+    assert typical_accept(torch.tensor([1]), None, target, sampler).accepted == 1
+    verdict = typical_accept(torch.tensor([1]), None, target, sampler, rule_probs=rule)
+    assert verdict.accepted == 0 and verdict.next_token in (0, 1)

@@ -74,3 +74,13 @@ def test_stats_of_another_tokenizer_are_refused(capsys, tmp_path, heads_dir):
     assert main(["generate", "Once upon a time", "--heads", str(heads_dir), "--mode", "dynamic", "--stats", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "tokenizer" in err and "fix:" in err
+
+
+def test_ar_applies_the_repetition_penalty_from_the_cli(capsys, heads_dir):
+    """The issue's case: ``generate --mode ar --repetition-penalty 100`` gave the 1.0 text."""
+    runs = {pen: run_json(capsys, "--heads", str(heads_dir), "--mode", "ar", "--max-new-tokens", "40",
+                          "--repetition-penalty", pen, "--no-stop-at-eos") for pen in ("1", "100")}
+    assert runs["1"]["text"] != runs["100"]["text"]
+    assert runs["1"]["trace"]["repetition_penalty"] == 1.0 and runs["100"]["trace"]["repetition_penalty"] == 100.0
+    assert run_json(capsys, "--heads", str(heads_dir), "--max-new-tokens", "2")["trace"]["repetition_penalty"] == 1.1
+    assert run_json(capsys, "--heads", str(heads_dir), "--max-new-tokens", "2", "--greedy")["trace"]["repetition_penalty"] == 1.0

@@ -9,7 +9,8 @@ from multitoken.pipeline.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.errors import UsageError
 from multitoken.pipeline.model import MultiTokenModel
 from multitoken.pipeline.sweep import (
-    TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, parse_grid, read_prompts, same_quality, sweep,
+    TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, decode_configs, parse_grid, quality_vs_ar, read_prompts,
+    run_hf_sample, same_quality, sweep,
 )
 
 
@@ -55,10 +56,14 @@ def test_continuation_nll_is_hf_loss(tiny_model):
     assert continuation_nll(tiny_model.backbone, prompt, new) == pytest.approx(expected, rel=1e-5)
 
 
-def _pt(tpf, nll_lo, nll_hi, wall=1.0, eps=0.5, config="CO+AT+G-3"):
-    ci = lambda m, lo, hi: {"mean": m, "lo": lo, "hi": hi, "n": 3}  # noqa: E731
-    return {"config": config, "eps_b": eps, "tokens_per_forward": ci(tpf, tpf, tpf),
-            "wall_speedup": ci(wall, wall, wall), "cpu_speedup": ci(wall, wall, wall), "nll": ci((nll_lo + nll_hi) / 2, nll_lo, nll_hi)}
+def _ci(m, lo=None, hi=None):
+    return {"mean": m, "lo": m if lo is None else lo, "hi": m if hi is None else hi, "n": 3}
+
+
+def _pt(tpf, nll_lo, nll_hi, wall=1.0, eps=0.5, config="CO+AT+G-3", rep=(0.0, 0.02), d2=(0.9, 0.95), d3=(0.95, 1.0)):
+    return {"config": config, "eps_b": eps, "tokens_per_forward": _ci(tpf), "wall_speedup": _ci(wall), "cpu_speedup": _ci(wall),
+            "nll": _ci((nll_lo + nll_hi) / 2, nll_lo, nll_hi), "repetition": _ci(sum(rep) / 2, *rep),
+            "distinct2": _ci(sum(d2) / 2, *d2), "distinct3": _ci(sum(d3) / 2, *d3)}
 
 
 def test_same_quality_picks_fastest_overlapping_point():
@@ -67,6 +72,40 @@ def test_same_quality_picks_fastest_overlapping_point():
     sq = same_quality(points, ar)
     assert sq["eps_b"] == 0.5 and sq["tokens_per_forward"] == 2.0 and sq["wall_clock"] == 1.4
     assert same_quality([_pt(2.9, 3.0, 3.5)], ar) is None
+
+
+def test_a_looping_point_with_good_nll_is_not_same_quality():
+    """The issue's case: eps_b = 0 had NLL 2.81 vs ar's 2.99 (inside) but repetition 0.197 vs
+    0.010 and distinct-2 0.57 vs 0.93: its text loops. Each criterion alone must reject."""
+    ar = _pt(1.0, 2.8, 3.2, rep=(0.0, 0.02), d2=(0.90, 0.96), d3=(0.95, 1.0))
+    fine = _pt(1.5, 2.9, 3.1, eps=0.6)
+    looping = _pt(2.9, 2.7, 2.95, eps=0.0, rep=(0.15, 0.25), d2=(0.5, 0.64), d3=(0.6, 0.7))
+    assert same_quality([fine, looping], ar)["eps_b"] == 0.6
+    assert same_quality([looping], ar) is None
+    assert quality_vs_ar(looping, ar) == {"nll": True, "repetition": False, "distinct2": False, "distinct3": False}
+    for key, bad in (("repetition", (0.1, 0.2)), ("distinct2", (0.5, 0.6)), ("distinct3", (0.5, 0.6))):
+        one_bad = _pt(2.9, 2.9, 3.1, **{{"repetition": "rep", "distinct2": "d2", "distinct3": "d3"}[key]: bad})
+        assert same_quality([one_bad], ar) is None, key
+        assert [k for k, ok in quality_vs_ar(one_bad, ar).items() if not ok] == [key]
+
+
+def test_ar_reference_uses_the_points_sampling_settings():
+    cfg = SweepConfig(seeds=2, max_new_tokens=17, temperature=0.9, top_k=7, repetition_penalty=1.3, ablations=True)
+    ar, points = decode_configs(cfg, [0.0, 0.5])
+    assert ar.mode == "ar" and ar.penalty == 1.3 and len(points) == 2 * len(TABLE8)
+    for _, eps, dcfg in points:
+        assert dcfg.mode == "dynamic" and dcfg.eps_b == eps
+        for key in ("temperature", "top_k", "repetition_penalty", "max_new_tokens", "greedy", "stop_at_eos", "seed"):
+            assert getattr(dcfg, key) == getattr(ar, key), key
+
+
+def test_hf_sample_is_seeded_and_honours_the_budget(tiny_model):
+    from dataclasses import replace
+
+    ar, _ = decode_configs(SweepConfig(max_new_tokens=6), [])
+    a = run_hf_sample(tiny_model.backbone, [5, 9, 17], replace(ar, seed=3))
+    b = run_hf_sample(tiny_model.backbone, [5, 9, 17], replace(ar, seed=3))
+    assert 1 <= a["tokens"] <= 6 and a["nll"] == b["nll"] and a["sec_per_token"] > 0
 
 
 def test_sweep_end_to_end_counts(tiny_model):
@@ -78,7 +117,11 @@ def test_sweep_end_to_end_counts(tiny_model):
     assert by_eps[1.0]["tokens_per_forward"]["mean"] == 1.0
     assert by_eps[0.0]["tokens_per_forward"]["mean"] == pytest.approx(8 / 3)
     assert by_eps[0.0]["nll"]["n"] == 4 and res["ar"]["tokens_per_forward"]["mean"] == 1.0
-    assert res["same_quality_speedup"] is not None
+    assert set(by_eps[0.0]["vs_ar"]) == {"nll", "repetition", "distinct2", "distinct3"}
+    assert by_eps[0.0]["same_quality"] == all(by_eps[0.0]["vs_ar"].values())
+    hf = res["hf_sample"]
+    assert hf["config"] == "hf-sample" and hf["nll"]["n"] == 4 and hf["wall_speedup"]["n"] == 4
+    assert res["sampling"] == {"temperature": 0.7, "top_k": 50, "repetition_penalty": 1.1, "max_new_tokens": 8, "seeds": [0, 1]}
     json.dumps(res)
 
 
@@ -96,9 +139,12 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     assert "same_quality_speedup" in res and len(res["points"]) == 2
     assert {p["config"] for p in res["points"]} == {"AT+G-3"}  # --stats none: no CO label
     rows = (out / "sweep.csv").read_text().splitlines()
-    assert rows[0].startswith("config,eps_b,tokens_per_forward_mean") and "cpu_speedup_lo" in rows[0] and len(rows) == 4
+    assert rows[0].startswith("config,eps_b,tokens_per_forward_mean") and "cpu_speedup_lo" in rows[0] and len(rows) == 5
+    assert rows[0].endswith("same_quality,nll_overlaps_ar,repetition_overlaps_ar,distinct2_overlaps_ar,distinct3_overlaps_ar")
+    assert [r.split(",")[0] for r in rows[1:]] == ["ar", "hf-sample", "AT+G-3", "AT+G-3"]
     assert (out / "sweep.png").stat().st_size > 5000
-    assert "same_quality_speedup" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "same_quality_speedup" in printed and "hf-sample" in printed and "same quality?" in printed
 
 
 def test_ablations_add_one_curve_each(tiny_model):
