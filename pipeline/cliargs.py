@@ -136,6 +136,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", e
                            choices=meta.get("choices"), nargs=nargs, metavar=meta.get("metavar"))
 
 
+def set_default(parser: argparse.ArgumentParser, dest: str, value, meta: dict | None = None) -> None:
+    """Another default for one flag of one command; its help is rebuilt from ``meta`` (field
+    metadata: help, default_help) or keeps its text with the new default."""
+    parser.set_defaults(**{dest: value})
+    for action in parser._actions:  # argparse has no public lookup of an action by dest
+        if action.dest == dest:
+            meta = meta or {"help": (action.help or "").split(" (default: ")[0]}
+            action.help = _help(meta, value)
+
+
 def _flatten(values: list) -> tuple:
     out = []
     for v in values:

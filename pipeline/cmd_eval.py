@@ -35,7 +35,7 @@ def run(args) -> None:
     cfg.validate()
     if not cfg.out:
         raise UsageError("--out is required", "pass a directory for the report, e.g. --out eval/")
-    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device)
+    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
     cfg.stats = cfg.stats or default_stats(model.backbone)
     out = Path(cfg.out)
     report = evaluate(model, cfg, data_cfg)

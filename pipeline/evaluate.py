@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import metrics as M
+from .threads import THREADS_BATCHES, threads_field
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
 DEFAULT_PARTS = PARTS
@@ -40,6 +41,8 @@ class EvalConfig:
     lens_tokens: int = field(default=4096, metadata={"help": "tokens used for the logit-lens KL"})
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device"})
+    threads: int = threads_field(THREADS_BATCHES)
+    quiet: bool = field(default=False, metadata={"help": "no progress bars (they go to stderr, and only when it is a terminal)"})
 
     def validate(self) -> None:
         from .errors import UsageError

@@ -24,6 +24,7 @@ import torch
 
 from . import metrics as M
 from .speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
+from .threads import THREADS_ONE_SEQUENCE, threads_field
 
 # Seed 003 Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (
@@ -40,6 +41,7 @@ TABLE8 = {
     "AT+G-3": {"alpha_c": 0.0, "adaptive_threshold": True, "blur_kernel": 3},
 }
 DEFAULT_CONFIG = "CO+AT+G-3"
+DEFAULT_GRID = tuple(i / 10 for i in range(11))  # eps_b 0:1:0.1
 QUALITY = ("nll", "distinct2", "distinct3", "repetition")
 
 
@@ -49,7 +51,7 @@ class SweepConfig:
     base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
     stats: str = field(default="", metadata={"help": "co-occurrence stats dir (default: the embedded stats for the embedded base; 'none': no mask)"})
     prompts: str = field(default="", metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: seed 003 Table 7)"})
-    eps_b: str = field(default="0:1:0.1", metadata={"help": "eps_b grid: a list 0,0.5,1 or a range start:stop:step (stop included)"})
+    eps_b: tuple[float, ...] = field(default=DEFAULT_GRID, metadata={"help": "eps_b values: e.g. 0 0.5 1, or a range start:stop:step (stop included)", "default_help": "0:1:0.1"})
     seeds: int = field(default=3, metadata={"help": "sampling seeds per prompt"})
     max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per run"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (seed 003: 0.7)"})
@@ -59,7 +61,7 @@ class SweepConfig:
     out: str = field(default="", metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=1, metadata={"help": "torch CPU threads (0: torch's default). Batch-1 decoding of a small model is latency-bound: one thread avoids sync costs and noisy timings on a shared machine"})
+    threads: int = threads_field(THREADS_ONE_SEQUENCE)  # batch-1 decoding: latency-bound; steadier timings too
     quiet: bool = field(default=False, metadata={"help": "no progress lines"})
 
     def configs(self) -> list[str]:
@@ -69,23 +71,20 @@ class SweepConfig:
         return names
 
 
-def parse_grid(spec: str) -> list[float]:
-    """``"0,0.25,1"`` or ``"0:1:0.1"`` (inclusive range) -> sorted unique values in [0, 1]."""
+def parse_grid(spec) -> list[float]:
+    """eps_b values -> sorted unique values in [0, 1]. ``spec``: numbers, or tokens each a value
+    or a ``start:stop:step`` range (stop included), as ``--eps-b`` takes them: ``[0, 0.5, 1]``,
+    ``["0:1:0.1"]``, or one such string (``"0:1:0.1"``, ``"0 0.5 1"``)."""
+    from .cliargs import expand_range
     from .errors import UsageError
 
+    tokens = spec.split() if isinstance(spec, str) else list(spec)
     try:
-        if ":" in spec:
-            start, stop, step = (float(x) for x in spec.split(":"))
-            if step <= 0:
-                raise ValueError("step must be > 0")
-            count = int(round((stop - start) / step)) + 1
-            values = [round(start + i * step, 10) for i in range(count) if start + i * step <= stop + 1e-9]
-        else:
-            values = [float(x) for x in spec.split(",") if x.strip()]
+        values = [v for t in tokens for v in expand_range(t)]
     except ValueError as err:
-        raise UsageError(f"bad --eps-b {spec!r} ({err})", "use a list like 0,0.5,1 or a range like 0:1:0.1") from err
+        raise UsageError(f"bad --eps-b ({err})", "give values like --eps-b 0 0.5 1 or a range like --eps-b 0:1:0.1") from err
     if not values or any(not 0 <= v <= 1 for v in values):
-        raise UsageError(f"--eps-b {spec!r} must give values in [0, 1]")
+        raise UsageError(f"--eps-b {' '.join(map(str, tokens))} must give values in [0, 1]")
     return sorted(set(values))
 
 

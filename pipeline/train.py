@@ -73,7 +73,7 @@ def load_model(cfg: TrainConfig, dist: Dist):
                          "pass --train-base-head to keep training it")
     base = cfg.base or record["base"]  # load_backbone resolves embedded:NAME
     dtype = cfg.dtype or record.get("dtype") or "float32"
-    bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization)
+    bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization, threads=cfg.threads)
     lora_kwargs: dict = {}
     if record.get("lora"):  # continue training (or keep using) the LoRA saved with the heads
         lora_kwargs = {"lora_adapter": str(Path(cfg.heads) / record["lora"]), "trainable_lora": cfg.uses_lora}
