@@ -100,12 +100,20 @@ QUIET_WARNINGS = (
 )
 
 
+# Loggers whose warnings concern the dependency's own optional parts (bitsandbytes: "Failed to
+# load CPU gemm_4bit_forward from kernels-community" when the optional `kernels` is absent).
+QUIET_LOGGERS = ("bitsandbytes",)
+
+
 def quiet_dependencies() -> None:
     """Keep dependencies' progress bars, info logs and internal deprecation notices off the
     console (and so out of ``--json`` output). Called once, at CLI start."""
+    import logging
     import os
     import warnings
 
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     for category, module in QUIET_WARNINGS:

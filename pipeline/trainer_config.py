@@ -22,6 +22,7 @@ MODES = ("heads", "joint", "warmup")
 SCHEDULES = ("cosine", "constant")
 BALANCES = ("none", "rms")
 SEPARATORS = ("eos", "bos")
+SAVE_EVERY_MINUTES = 5.0  # a killed run with the defaults loses at most this much work
 
 
 @dataclass
@@ -60,6 +61,7 @@ class TrainConfig:
     eval_every: int = field(default=200, metadata={"help": "evaluate every N steps (0: only at the end)"})
     eval_batches: int = field(default=4, metadata={"help": "held-out batches per evaluation"})
     save_every: int = field(default=500, metadata={"help": "checkpoint every N steps (0: only at the end)"})
+    save_every_minutes: float = field(default=SAVE_EVERY_MINUTES, metadata={"help": "also checkpoint when this many minutes passed since the last checkpoint, so a killed run loses at most that much (0: steps only)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept"})
     checkpoint_dir: str | None = field(default=None, metadata={"help": "checkpoint directory (default: OUT.checkpoints beside --out)"})
     resume: bool = field(default=False, metadata={"help": "resume from the latest checkpoint"})
@@ -102,7 +104,8 @@ def validate(cfg: TrainConfig) -> None:
             raise UsageError(f"--{name} must be >= 1, got {value}")
     if cfg.seq_len < 2:
         raise UsageError(f"--seq-len must be >= 2, got {cfg.seq_len}")
-    for name, value in {"eval-every": cfg.eval_every, "save-every": cfg.save_every, "lr-warmup-steps": cfg.lr_warmup_steps,
+    for name, value in {"eval-every": cfg.eval_every, "save-every": cfg.save_every, "save-every-minutes": cfg.save_every_minutes,
+                        "lr-warmup-steps": cfg.lr_warmup_steps,
                         "head-warmup-steps": cfg.head_warmup_steps, "lora-r": cfg.lora_r - 1}.items():
         if value < 0:
             raise UsageError(f"--{name} must be >= {1 if name == 'lora-r' else 0}")
