@@ -25,7 +25,7 @@ class ArchSpec:
 
     final_norm: str  # attribute of the decoder stack
     cache_kwarg: str  # keyword a decoder layer takes its KV cache by
-    lora_targets: tuple[str, ...]  # default LoRA target modules (q/k/v, as in seed 002)
+    lora_targets: tuple[str, ...]  # default LoRA target modules (q/k/v, as in Mehra et al.)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {

@@ -103,7 +103,7 @@ def plain(value) -> str:
 
 def _help(meta, default) -> str:
     help_ = meta.get("help", "")
-    if "default" in help_ or meta.get("positional"):
+    if "(default" in help_ or meta.get("positional"):
         return help_
     shown = meta.get("default_help")
     if shown is None and default not in (None, "", ()):

@@ -2,10 +2,10 @@
 
 The data is read and packed exactly as for training (``PackedStream``: documents joined by
 EOS, cut into ``seq_len`` sequences, one pass, no loop). Parts, each timed separately:
-- ``ppl``: PPL_n and top-1/top-5 per head, PPL_1:n (seed 003 eq. 4), expected acceptance
+- ``ppl``: PPL_n and top-1/top-5 per head, PPL_1:n (DynaMo eq. 4), expected acceptance
   length from per-head accuracies (formula and empirical chain);
 - ``dynamic``: PPL_d and mean tokens per step for each eps_b (``dynamic_ppl``);
-- ``marginal``: seed 002's marginalization baseline for token t+2 at one position every
+- ``marginal``: Mehra et al.'s marginalization baseline for token t+2 at one position every
   ``marginal_every`` tokens, with head 2 scored at the same positions;
 - ``lens``: logit-lens KL per layer on the first ``lens_tokens`` tokens, plotted to a PNG.
 """
@@ -37,7 +37,7 @@ class EvalConfig:
     stats: str = field(default="", metadata={"help": "co-occurrence stats dir for PPL_d's masking (default: the embedded stats; none: no mask)"})
     dynamic_tokens: int = field(default=2048, metadata={"help": "tokens walked for PPL_d (each step builds a k^n grid)"})
     marginal_every: int = field(default=1000, metadata={"help": "one marginalization position every N tokens"})
-    top_p: float = field(default=0.99, metadata={"help": "nucleus of token t+1 marginalized over (seed 002: 0.99)"})
+    top_p: float = field(default=0.99, metadata={"help": "nucleus of token t+1 marginalized over (Mehra et al.: 0.99)"})
     max_candidates: int = field(default=256, metadata={"help": "cap on the nucleus size (the covered mass is reported)"})
     lens_tokens: int = field(default=4096, metadata={"help": "tokens used for the logit-lens KL"})
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})

@@ -26,12 +26,12 @@ from . import metrics as M
 from .speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
 from .threads import THREADS_ONE_SEQUENCE, threads_field
 
-# Seed 003 Table 7: the sentence-completion benchmark.
+# DynaMo's Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (
     "I am a student at the", "This is going to be a very", "He wanted to play, but", "How can we", "What will",
     "Will you", "Please explain", "Do not", "Wow! I can't believe that", "This is amazing! We",
 )
-# Seed 003 Table 8 ablations: CO = co-occurrence mask (alpha_c), AT = adaptive (Otsu)
+# DynaMo's Table 8 ablations: CO = co-occurrence mask (alpha_c), AT = adaptive (Otsu)
 # thresholding, G-3 = Gaussian blur with kernel 3 before Otsu.
 TABLE8 = {
     "CO+AT+G-3": {"alpha_c": 1.0, "adaptive_threshold": True, "blur_kernel": 3},
@@ -50,14 +50,14 @@ class SweepConfig:
     heads: str = field(default="", metadata={"help": "heads dir (default: the embedded trained heads)"})
     base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
     stats: str = field(default="", metadata={"help": "co-occurrence stats dir (default: the embedded stats for the embedded base; 'none': no mask)"})
-    prompts: str = field(default="", metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: seed 003 Table 7)"})
+    prompts: str = field(default="", metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: DynaMo's Table 7)"})
     eps_b: tuple[float, ...] = field(default=DEFAULT_GRID, metadata={"help": "eps_b values: e.g. 0 0.5 1, or a range start:stop:step (stop included)", "default_help": "0:1:0.1"})
     seeds: int = field(default=3, metadata={"help": "sampling seeds per prompt"})
     max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per run"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (seed 003: 0.7)"})
-    top_k: int = field(default=50, metadata={"help": "top-k per head (seed 003: 50)"})
-    repetition_penalty: float = field(default=1.1, metadata={"help": "dynamic mode's repetition penalty (seed 003: 1.1)"})
-    ablations: bool = field(default=False, metadata={"help": f"also run the seed 003 Table 8 ablations ({', '.join(TABLE8)})"})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (DynaMo: 0.7)"})
+    top_k: int = field(default=50, metadata={"help": "top-k per head (DynaMo: 50)"})
+    repetition_penalty: float = field(default=1.1, metadata={"help": "dynamic mode's repetition penalty (DynaMo: 1.1)"})
+    ablations: bool = field(default=False, metadata={"help": f"also run DynaMo's Table 8 ablations ({', '.join(TABLE8)})"})
     out: str = field(default="", metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device"})
@@ -154,7 +154,7 @@ def _summarise(runs: list[dict], ar_runs: list[dict] | None) -> dict:
 
 
 def theory(point: dict, n_future: int, c: float) -> dict:
-    """Acceptance implied by the measured tokens per forward, and seed 004's wall-time speed-up
+    """Acceptance implied by the measured tokens per forward, and speculative sampling's wall-time speed-up (Leviathan et al.)
     predicted from it with the draft cost ratio c (decoding logic costs nothing in the model)."""
     g = n_future - 1
     tpf = min(max(point["tokens_per_forward"]["mean"], 1.0), g + 1.0)

@@ -31,7 +31,7 @@ from .workers import count_shards
 @dataclass
 class BuildConfig:
     out: str = field(default="", metadata={"help": "stats directory to write"})
-    tokenizer: str = field(default_factory=default_base, metadata={"help": "tokenizer (base model dir or Hub id) the corpus is tokenized with; default: the embedded model's"})
+    tokenizer: str = field(default_factory=default_base, metadata={"help": "tokenizer (base model dir or Hub id) the corpus is tokenized with (default: the embedded model's)"})
     order: int = field(default=3, metadata={"help": "highest n-gram order counted (1-3)"})
     min_count: tuple[int, ...] = field(default=(1,), metadata={"help": "prune n-grams rarer than this at merge: one value for orders 2..N, or one per order 1..N"})
     num_proc: int = field(default=1, metadata={"help": "local worker processes"})
