@@ -51,7 +51,7 @@ class BackboneConfig:
         default=None,
         metadata={"help": "load the backbone in 8-bit or 4-bit (bitsandbytes)", "choices": QUANTIZATIONS},
     )
-    threads: int = threads_field()  # applied by load_backbone, process-wide
+    threads: int | None = threads_field()  # applied by load_backbone, process-wide
 
 
 @dataclass

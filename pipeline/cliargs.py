@@ -1,7 +1,8 @@
 """Dataclass configs drive the CLI: each field becomes a ``--flag`` and back.
 
-Field metadata may carry ``help``, ``choices``, ``flag`` (another flag name), ``positional``
-and ``default_help`` (how the default reads in --help, e.g. ``0:1:0.1``). ``bool`` fields
+Field metadata may carry ``help``, ``choices``, ``flag`` (another flag name), ``positional``,
+``default_help`` (how the default reads in --help, e.g. ``0:1:0.1``) and ``cli_default`` (the
+command line's default where it differs from the library's, e.g. ``--threads``). ``bool`` fields
 become ``--name/--no-name`` switches. Tuple fields take space-separated values; numeric ones
 also take ``start:stop:step`` ranges as one token (stop included): ``--eps-b 0 0.5 1`` or
 ``--eps-b 0:1:0.1``. Each config class is shown under a plain-words title (``TITLES``). The
@@ -121,6 +122,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", e
         tp, nargs = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = meta.get("cli_default", default)
         help_ = _help(meta, default)
         dest = prefix + f.name
         if meta.get("positional"):

@@ -42,7 +42,7 @@ class EvalConfig:
     lens_tokens: int = field(default=4096, metadata={"help": "tokens used for the logit-lens KL"})
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = threads_field(THREADS_BATCHES)
+    threads: int | None = threads_field(THREADS_BATCHES)
     quiet: bool = field(default=False, metadata={"help": "no progress bars (they go to stderr, and only when it is a terminal)"})
 
     def validate(self) -> None:

@@ -18,17 +18,21 @@ THREADS_BATCHES = 0
 _TORCH_THREADS = torch.get_num_threads()  # torch's default, read before anything changes it
 
 
-def threads_field(default: int = THREADS_ONE_SEQUENCE):
-    """The ``--threads`` dataclass field, shared by every config that loads a model."""
-    return field(default=default, metadata={
+def threads_field(cli_default: int = THREADS_ONE_SEQUENCE):
+    """The ``--threads`` dataclass field, shared by every config that loads a model. Its value
+    is None (torch's setting left as it is) in library use; the command line defaults to
+    ``cli_default``."""
+    return field(default=None, metadata={
         "help": "torch CPU threads for this process (0: torch's default, one per core)",
-        "default_help": f"{default}" if default else "0, torch's default"})
+        "cli_default": cli_default, "default_help": f"{cli_default}" if cli_default else "0, torch's default"})
 
 
-def set_threads(threads: int) -> None:
-    """Set torch's CPU threads for this process (0: torch's default)."""
+def set_threads(threads: int | None) -> None:
+    """Set torch's CPU threads for this process (0: torch's default; None: leave it as it is)."""
     from .errors import UsageError
 
+    if threads is None:
+        return
     if threads < 0:
         raise UsageError(f"--threads must be >= 0, got {threads}", "pass 0 for torch's default (one per core)")
     torch.set_num_threads(threads or _TORCH_THREADS)

@@ -33,7 +33,7 @@ class TrainConfig:
     dtype: str | None = field(default=None, metadata={"help": "backbone weights dtype (default: the one recorded in the heads dir)", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device (under torchrun, cuda picks cuda:LOCAL_RANK)"})
     quantization: str | None = field(default=None, metadata={"help": "load the backbone in 8-bit or 4-bit", "choices": ("8bit", "4bit")})
-    threads: int = threads_field(THREADS_BATCHES)
+    threads: int | None = threads_field(THREADS_BATCHES)
     eval_data: str | None = field(default=None, metadata={"help": "held-out data spec (default: the first --eval-batches batches of --data, skipped by training)"})
     separator: str = field(default="eos", metadata={"help": "token joining packed documents", "choices": SEPARATORS})
     mode: str = field(default="heads", metadata={"help": "heads (frozen backbone) | joint (LoRA + heads) | warmup (heads, then joint)", "choices": MODES})

@@ -85,3 +85,13 @@ def test_negative_threads_fail_clearly(capsys):
     assert main(["generate", "Once", "--threads", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--threads must be >= 0" in err and "Traceback" not in err
+
+
+def test_library_loads_leave_torch_threads_alone_unless_asked():
+    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+
+    torch.set_num_threads(2)
+    load_backbone(BackboneConfig())  # threads None: the caller's setting stays
+    assert torch.get_num_threads() == 2
+    load_backbone(BackboneConfig(threads=1))
+    assert torch.get_num_threads() == 1
