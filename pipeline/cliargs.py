@@ -62,12 +62,17 @@ def expand_range(token: str, cast=float) -> list:
     token = str(token).strip()
     if "," in token:
         raise ValueError(f"{token!r}: separate values by spaces (e.g. 0 0.5 1), or give a range start:stop:step")
+    kind = "a whole number" if cast is int else "a number"
     if ":" not in token:
-        return [cast(token)]
+        try:
+            return [cast(token)]
+        except ValueError:
+            raise ValueError(f"{token!r} is not {kind}") from None
     parts = token.split(":")
-    if len(parts) != 3:
-        raise ValueError(f"{token!r}: a range is start:stop:step, e.g. 0:1:0.1")
-    start, stop, step = (float(x) for x in parts)
+    try:
+        start, stop, step = (float(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"{token!r}: a range is start:stop:step, three numbers, e.g. 0:1:0.1") from None
     if step <= 0 or stop < start:
         raise ValueError(f"{token!r}: a range needs step > 0 and stop >= start")
     count = int(round((stop - start) / step)) + 1

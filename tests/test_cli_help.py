@@ -62,6 +62,7 @@ def test_value_lists_take_spaces_and_ranges():
     from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.evaluate import EvalConfig
     from multitoken.pipeline.sweep import SweepConfig
+    from multitoken.stats.job import BuildConfig
 
     for name, cls in (("eval", EvalConfig), ("sweep", SweepConfig)):
         parser = build_parser(name)
@@ -70,6 +71,8 @@ def test_value_lists_take_spaces_and_ranges():
                            (["--eps-b", "0.1", "0.5:0.6:0.1"], (0.1, 0.5, 0.6))):
             args = parser.parse_args([name, *argv])
             assert dataclass_from_args(cls, args).eps_b == pytest.approx(want), (name, argv)
+    args = build_parser("stats").parse_args(["stats", "build", "--min-count", "1", "2:3:1"])
+    assert dataclass_from_args(BuildConfig, args).min_count == (1, 2, 3)
     assert " ".join(PARSERS["sweep"].format_help().split()).count("(default: 0:1:0.1)") == 1
     assert "(default: 0 0.25 0.5 0.75 1)" in " ".join(PARSERS["eval"].format_help().split())
 
