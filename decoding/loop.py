@@ -57,8 +57,9 @@ def _eos_ids(model) -> set[int]:
 def stats_order_cap(cfg: DecodeConfig, n_heads: int, table, joint_drafter: bool) -> int | None:
     """The stats' highest order when decoding would mask more positions than it holds (dynamic
     or joint drafts, e.g. 4 heads with order-3 stats): only that many heads are read then."""
-    masks = table is not None and cfg.alpha_c > 0 and (cfg.mode == "dynamic" or joint_drafter)
-    return table.max_order if masks and cfg.order(n_heads) > table.max_order else None
+    top = getattr(table, "max_order", None)  # a table with only .mask() masks any order
+    masks = top is not None and cfg.alpha_c > 0 and (cfg.mode == "dynamic" or joint_drafter)
+    return top if masks and cfg.order(n_heads) > top else None
 
 
 def _acceptor(cfg: DecodeConfig):
