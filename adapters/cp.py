@@ -1,4 +1,4 @@
-"""Rank-r canonical-polyadic heads, "CP experts" (seed 000 eqs. 2-13).
+"""Rank-r canonical-polyadic heads, "CP experts" (the CP-heads paper, eqs. 2-13).
 
     P(x_{t+1..t+n}) = sum_a w_a prod_s P_s(x_{t+s} | a)                         (eq. 2)
     P_s(. | a) = softmax(U f_{s,a}(e_t)),  w = softmax(W_h e_t)                (eqs. 6-7)

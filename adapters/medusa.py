@@ -1,4 +1,4 @@
-"""Medusa heads (seed 004): per future token, residual blocks ``h <- h + SiLU(W h + b)`` on the
+"""Medusa heads: per future token, residual blocks ``h <- h + SiLU(W h + b)`` on the
 base model's final (normalised) hidden state, then the shared, frozen unembedding.
 
 W and b start at zero, so every head initially predicts exactly what head 1 (the base) does.

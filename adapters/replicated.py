@@ -1,8 +1,8 @@
-"""Replicated final-layer heads (seed 002 §3, seed 003 §3.1 "T3").
+"""Replicated final-layer heads (Mehra et al. §3, DynaMo §3.1 "T3").
 
 The backbone is layers[:-1]; head 1 IS the original final layer (so it reproduces the base
 model exactly); heads 2..n are new layers of the same class fed the same trunk output,
-initialised as copies of the final layer (DynaMo "(C)") or randomly (seed 002). The final
+initialised as copies of the final layer (DynaMo "(C)") or randomly (Mehra et al.). The final
 norm and the unembedding are the base model's, shared and frozen.
 """
 

@@ -1,4 +1,4 @@
-"""Weighted-hidden-states heads (seed 002 eq. 5).
+"""Weighted-hidden-states heads (Mehra et al. eq. 5).
 
 Head n's input is ``softmax(W_s^n / T) . Z^{1:L-1}``: a learned convex combination of every
 trunk layer's output (T = 0.1, weights initialised equal), fed to a replicated layer and the

@@ -38,7 +38,7 @@ def greedy_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
 def speculative_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
     """Leviathan et al.: keep draft i with probability min(1, p_i(d)/q_i(d)); at the first
     rejection draw from norm(max(0, p_i - q_i)); if all are kept draw the bonus from p_g.
-    The emitted tokens are then distributed exactly as the target (seed 004)."""
+    The emitted tokens are then distributed exactly as the target (Leviathan et al.)."""
     if sampler.greedy:
         return greedy_accept(drafts, draft_probs, target_probs, sampler)
     g = drafts.numel()

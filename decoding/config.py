@@ -19,7 +19,7 @@ class DecodeConfig:
     greedy: bool = field(default=False, metadata={"help": "argmax decoding instead of sampling (ar / speculative / typical then ignore --temperature and --top-k, as transformers does; dynamic still builds its grid with them)"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (> 0 unless --greedy)"})
     top_k: int = field(default=50, metadata={"help": "sample among the k most likely tokens of each head (the vocabulary size: no cut)"})
-    # dynamic (seed 003 Alg. 1)
+    # dynamic (DynaMo Alg. 1)
     eps_b: float = field(default=0.5, metadata={"help": "back-off threshold in [0, 1]: order n needs a cell > eps_b^(n-1)"})
     alpha_c: float = field(default=1.0, metadata={"help": "co-occurrence mask exponent (0 = no mask)"})
     repetition_penalty: float | None = field(default=None, metadata={"help": (

@@ -1,4 +1,4 @@
-"""DynaMo's joint proposal with dynamic back-off (seed 003 §3.2, Alg. 1).
+"""DynaMo's joint proposal with dynamic back-off (DynaMo §3.2, Alg. 1).
 
 For order n: top-k of heads 1..n (with temperature), joint grid = outer product, times the
 co-occurrence mask ** alpha_c (eq. 6) and renormalised, static threshold, Gaussian blur + Otsu

@@ -17,7 +17,7 @@ import torch
 from .accept import greedy_accept, speculative_accept, typical_rule
 from .config import DecodeConfig, check_context
 from .dynamic import always_backs_off, dynamic_propose
-from .proposal import Drafts, pick_drafter
+from .proposal import Drafts, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
 from .trace import Trace
 
@@ -56,6 +56,14 @@ def _eos_ids(model) -> set[int]:
     if eos is None:
         eos = model.backbone.config.eos_token_id
     return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+def stats_order_cap(cfg: DecodeConfig, n_heads: int, table, joint_drafter: bool) -> int | None:
+    """The stats' highest order when decoding would mask more positions than it holds (dynamic
+    or joint drafts, e.g. 4 heads with order-3 stats): only that many heads are read then."""
+    top = getattr(table, "max_order", None)  # a table with only .mask() masks any order
+    masks = top is not None and cfg.alpha_c > 0 and (cfg.mode == "dynamic" or joint_drafter)
+    return top if masks and cfg.order(n_heads) > top else None
 
 
 def _acceptor(cfg: DecodeConfig):
@@ -107,6 +115,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative else None)
     acceptor = acceptor or _acceptor(cfg)
     order, eos = cfg.order(model.n_future), _eos_ids(model)
+    cap = stats_order_cap(cfg, model.n_future, table, drafter is joint_drafts)
+    order = cap or order  # the mask covers only the stats' orders: read that many heads
     heads_read = 1 if cfg.mode == "dynamic" and always_backs_off(cfg) else order
     # greedy ar / speculative read only the base argmax: raw logits, no softmax over V per step
     argmax_only = cfg.greedy and acceptor in (greedy_accept, speculative_accept)
@@ -129,7 +139,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             rule = {}
         return run.sampler.target(logits, seen), rule
 
-    trace = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1], repetition_penalty=cfg.penalty)
+    trace = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1], repetition_penalty=cfg.penalty,
+                  stats_order_cap=cap or 0)
     out_ids = []
 
     def emit(tokens: list[int]) -> bool:

@@ -56,7 +56,7 @@ def independent_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
 
 
 def cp_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
-    """CP experts, sequentially (seed 000 eqs. 11-13): the expert weights are updated by every
+    """CP experts, sequentially (the CP-heads paper, eqs. 11-13): the expert weights are updated by every
     token already chosen, ``first`` included, before the next token is drawn."""
     heads = run.model.heads
     e = out.anchor_hidden(anchor)  # [1, H]

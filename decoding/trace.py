@@ -19,6 +19,7 @@ class Trace:
     wall_s: float = 0.0
     model_s: float = 0.0  # forward passes + head distributions
     prefill_s: float = 0.0  # the prompt's forward pass (part of model_s)
+    stats_order_cap: int = 0  # heads read capped at the stats' highest order (0: no cap)
 
     @property
     def tokens_per_forward(self) -> float:

@@ -1,8 +1,9 @@
-"""Defaults shared by ``eval`` and ``sweep``: the embedded trained heads and stats, loading."""
+"""Loading what the commands decode and measure with: heads on their base, the embedded
+defaults (trained heads and stats), and co-occurrence stats. One loader for every command."""
 
 from __future__ import annotations
 
-from .embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
+from .embedded import EMBEDDED_HEADS, EMBEDDED_STATS, default_base, is_default_base
 
 
 def default_heads() -> str:
@@ -15,8 +16,22 @@ def default_stats(backbone) -> str:
     return str(EMBEDDED_STATS) if is_default_base(backbone.name) and EMBEDDED_STATS.is_dir() else ""
 
 
-def load_model(heads: str, base: str | None, dtype: str = "float32", device: str = "cpu"):
-    """``(MultiTokenModel, heads dir)``; ``heads`` '' means the embedded trained heads."""
+def backbone_config(heads: str | None, base: str | None = None, **fields):
+    """How to load the base of ``heads``: ``base`` when given, else the base recorded in the
+    heads dir (else, without heads, the default base). ``fields``: other ``BackboneConfig``
+    fields (dtype, device, quantization, threads)."""
+    from .backbone import BackboneConfig
+    from .heads_io import read_heads_config
+
+    if not base:
+        base = read_heads_config(heads)["base"] if heads else default_base()
+    return BackboneConfig(base=str(base), **fields)
+
+
+def load_model(heads: str, base: str | None = None, dtype: str = "float32", device: str = "cpu", **fields):
+    """``(MultiTokenModel, heads dir)``: the heads on ``base`` (None: the base recorded in the
+    heads dir); ``heads`` '' means the embedded trained heads. ``fields``: other
+    ``BackboneConfig`` fields (quantization, threads)."""
     from .errors import UsageError
     from .model import MultiTokenModel
 
@@ -24,7 +39,16 @@ def load_model(heads: str, base: str | None, dtype: str = "float32", device: str
     if not heads:
         raise UsageError("no heads dir given and no embedded heads found",
                          "pass --heads DIR (made by `multitoken attach` or `multitoken train`)")
-    return MultiTokenModel.from_pretrained(base, heads, dtype=dtype, device=device), heads
+    config = backbone_config(heads, base, dtype=dtype, device=device, **fields)
+    return MultiTokenModel.from_pretrained(config, heads), heads
+
+
+def load_base_only(config):
+    """The base model alone, as a one-head model: one token per forward pass in every mode."""
+    from .backbone import load_backbone
+    from .model import MultiTokenModel
+
+    return MultiTokenModel.attach(load_backbone(config), {"head_type": "medusa", "n_future": 1})
 
 
 def load_stats(path: str, tokenizer):

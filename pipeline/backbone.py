@@ -16,6 +16,7 @@ from torch import nn
 
 from .embedded import default_base, resolve_base
 from .errors import CheckpointError, UnsupportedModelError, UsageError
+from .threads import set_threads, threads_field
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class ArchSpec:
 
     final_norm: str  # attribute of the decoder stack
     cache_kwarg: str  # keyword a decoder layer takes its KV cache by
-    lora_targets: tuple[str, ...]  # default LoRA target modules (q/k/v, as in seed 002)
+    lora_targets: tuple[str, ...]  # default LoRA target modules (q/k/v, as in Mehra et al.)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -50,6 +51,7 @@ class BackboneConfig:
         default=None,
         metadata={"help": "load the backbone in 8-bit or 4-bit (bitsandbytes)", "choices": QUANTIZATIONS},
     )
+    threads: int | None = threads_field()  # applied by load_backbone, process-wide
 
 
 @dataclass
@@ -307,6 +309,7 @@ def load_backbone(
     from transformers import AutoModelForCausalLM
 
     config = config or BackboneConfig()
+    set_threads(config.threads)
     base = resolve_base(str(config.base))
     spec = check_supported(read_model_type(base))
     dtype = resolve_dtype(config.dtype)

@@ -1,8 +1,12 @@
 """Dataclass configs drive the CLI: each field becomes a ``--flag`` and back.
 
-Field metadata may carry ``help``, ``choices``, ``flag`` (another flag name) and ``positional``.
-``bool`` fields become ``--name/--no-name`` switches. The resolved dataclass is what commands
-save next to their outputs.
+Field metadata may carry ``help``, ``choices``, ``flag`` (another flag name), ``positional``,
+``default_help`` (how the default reads in --help, e.g. ``0:1:0.1``) and ``cli_default`` (the
+command line's default where it differs from the library's, e.g. ``--threads``). ``bool`` fields
+become ``--name/--no-name`` switches. Tuple fields take space-separated values; numeric ones
+also take ``start:stop:step`` ranges as one token (stop included): ``--eps-b 0 0.5 1`` or
+``--eps-b 0:1:0.1``. Each config class is shown under a plain-words title (``TITLES``). The
+resolved dataclass is what commands save next to their outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,29 @@ from pathlib import Path
 
 from .atomic import atomic_write_text
 
+# --help group title of each config class (class name -> plain words)
+TITLES = {
+    "GenerateConfig": "prompt and output",
+    "DecodeConfig": "decoding",
+    "BackboneConfig": "base model",
+    "AttachConfig": "heads to create",
+    "ConvertLlama2cConfig": "checkpoint to convert",
+    "TrainConfig": "training",
+    "DataConfig": "data",
+    "DistillConfig": "sampling the corpus",
+    "EvalConfig": "evaluation",
+    "SweepConfig": "sweep",
+    "BuildConfig": "counting",
+    "MergeConfig": "merging",
+    "InfoConfig": "stats dir",
+}
+
+
+def title(cls) -> str:
+    """The plain-words --help title of a config class."""
+    name = cls.__name__
+    return TITLES.get(name) or name.removesuffix("Config").lower() or "options"
+
 
 def _base_type(tp):
     """``int | None`` -> ``int``; ``tuple[str, ...]`` -> ``(str, '+')``."""
@@ -28,9 +55,71 @@ def _base_type(tp):
     return tp, None
 
 
+def expand_range(token: str, cast=float) -> list:
+    """``"0:1:0.25"`` -> ``[0, 0.25, 0.5, 0.75, 1]`` (stop included); ``"0.5"`` -> ``[0.5]``.
+
+    Raises ValueError with a message that names the accepted syntax."""
+    token = str(token).strip()
+    if "," in token:
+        raise ValueError(f"{token!r}: separate values by spaces (e.g. 0 0.5 1), or give a range start:stop:step")
+    kind = "a whole number" if cast is int else "a number"
+    if ":" not in token:
+        try:
+            return [cast(token)]
+        except ValueError:
+            raise ValueError(f"{token!r} is not {kind}") from None
+    parts = token.split(":")
+    try:
+        start, stop, step = (float(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"{token!r}: a range is start:stop:step, three numbers, e.g. 0:1:0.1") from None
+    if step <= 0 or stop < start:
+        raise ValueError(f"{token!r}: a range needs step > 0 and stop >= start")
+    count = int(round((stop - start) / step)) + 1
+    values = [round(start + i * step, 10) for i in range(count) if start + i * step <= stop + 1e-9]
+    if cast is int:
+        if any(v != int(v) for v in values):
+            raise ValueError(f"{token!r}: this option takes whole numbers")
+        return [int(v) for v in values]
+    return [cast(v) for v in values]
+
+
+def _list_item(cast):
+    """argparse ``type`` of one token of a numeric list option: a value or a range (a list)."""
+    def parse(token: str) -> list:
+        try:
+            return expand_range(token, cast)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    parse.__name__ = cast.__name__  # argparse names the type in its messages
+    return parse
+
+
+def plain(value) -> str:
+    """A default as a user writes it: ``0 0.5 1`` for tuples, on/off for switches."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return " ".join(plain(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _help(meta, default) -> str:
+    help_ = meta.get("help", "")
+    if "(default" in help_ or meta.get("positional"):
+        return help_
+    shown = meta.get("default_help")
+    if shown is None and default not in (None, "", ()):
+        shown = plain(default)
+    return f"{help_} (default: {shown})".strip() if shown is not None else help_
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", exclude: tuple[str, ...] = ()):
     hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(cls.__name__)
+    group = parser.add_argument_group(title(cls))
     for f in dataclasses.fields(cls):
         if f.name in exclude or not f.init:
             continue
@@ -38,9 +127,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", e
         tp, nargs = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        help_ = meta.get("help", "")
-        if default is not None and "default" not in help_:
-            help_ = f"{help_} (default: {default})".strip()
+        default = meta.get("cli_default", default)
+        help_ = _help(meta, default)
         dest = prefix + f.name
         if meta.get("positional"):
             group.add_argument(dest, type=tp, help=help_, nargs=meta.get("nargs"))
@@ -48,9 +136,28 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", e
         flag = meta.get("flag", "--" + (prefix + f.name).replace("_", "-"))
         if tp is bool:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
-        else:
-            group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
-                               choices=meta.get("choices"), nargs=nargs, metavar=meta.get("metavar"))
+            continue
+        if nargs and tp in (int, float):
+            tp = _list_item(tp)
+        group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
+                           choices=meta.get("choices"), nargs=nargs, metavar=meta.get("metavar"))
+
+
+def set_default(parser: argparse.ArgumentParser, dest: str, value, meta: dict | None = None) -> None:
+    """Another default for one flag of one command; its help is rebuilt from ``meta`` (field
+    metadata: help, default_help) or keeps its text with the new default."""
+    parser.set_defaults(**{dest: value})
+    for action in parser._actions:  # argparse has no public lookup of an action by dest
+        if action.dest == dest:
+            meta = meta or {"help": (action.help or "").split(" (default: ")[0]}
+            action.help = _help(meta, value)
+
+
+def _flatten(values: list) -> tuple:
+    out = []
+    for v in values:
+        out.extend(v if isinstance(v, list) else [v])
+    return tuple(out)
 
 
 def dataclass_from_args(cls, ns: argparse.Namespace, prefix: str = "", **overrides):
@@ -59,7 +166,7 @@ def dataclass_from_args(cls, ns: argparse.Namespace, prefix: str = "", **overrid
         key = prefix + f.name
         if f.init and hasattr(ns, key):
             v = getattr(ns, key)
-            values[f.name] = tuple(v) if isinstance(v, list) else v
+            values[f.name] = _flatten(v) if isinstance(v, list) else v
     values.update(overrides)
     return cls(**values)
 
@@ -69,8 +176,9 @@ def config_dict(*configs) -> dict:
     return {type(c).__name__: dataclasses.asdict(c) for c in configs}
 
 
-def save_resolved_config(path: str | Path, command: str, *configs) -> None:
+def save_resolved_config(path: str | Path, command: str, *configs, extra: dict | None = None) -> None:
+    """The resolved configs (+ ``extra`` facts, e.g. the data files read) as JSON at ``path``."""
     from importlib.metadata import version
 
-    record = {"command": command, "multitoken_version": version("multitoken"), **config_dict(*configs)}
+    record = {"command": command, "multitoken_version": version("multitoken"), **config_dict(*configs), **(extra or {})}
     atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")

@@ -44,6 +44,8 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
     """One flag per head-config field across all registered types (absent unless given)."""
     from multitoken.adapters.registry import get_head, registered_heads
 
+    from .cliargs import plain
+
     group = parser.add_argument_group("head options (each applies to the head types listed)")
     owners: dict[str, list[str]] = {}
     fields: dict[str, tuple] = {}
@@ -56,7 +58,7 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
                 fields.setdefault(f.name, (f, hints[f.name]))
     for fname, (f, tp) in fields.items():
         flag = "--" + fname.replace("_", "-")
-        help_ = f"{f.metadata.get('help', '')} [{', '.join(owners[fname])}; default {f.default}]"
+        help_ = f"{f.metadata.get('help', '')} [{', '.join(owners[fname])}; default {plain(f.default)}]"
         if tp is bool:
             group.add_argument(flag, dest=f"head_{fname}", action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_)

@@ -10,8 +10,12 @@ from .distill import DistillConfig
 
 def register(sub) -> None:
     from .cli import add_command
+    from .cliargs import set_default
+    from .threads import THREADS_BATCHES, threads_field
 
-    add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
+    parser = add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
+    # distill samples batches, not one sequence
+    set_default(parser, "threads", THREADS_BATCHES, threads_field(THREADS_BATCHES).metadata)
 
 
 def run(args) -> None:

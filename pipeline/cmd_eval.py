@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 RESOLVED_CONFIG = "eval_config.json"
@@ -25,7 +26,7 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from .cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
-    from .data import DataConfig
+    from .data import DataConfig, describe_files
     from .errors import UsageError
     from .assets import default_stats, load_model
     from .evaluate import EvalConfig, evaluate
@@ -35,7 +36,9 @@ def run(args) -> None:
     cfg.validate()
     if not cfg.out:
         raise UsageError("--out is required", "pass a directory for the report, e.g. --out eval/")
-    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device)
+    files, lines = describe_files(data_cfg)  # also refuses a --split the data does not have
+    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
+    print("\n".join(lines), file=sys.stderr, flush=True)
     cfg.stats = cfg.stats or default_stats(model.backbone)
     out = Path(cfg.out)
     report = evaluate(model, cfg, data_cfg)
@@ -46,7 +49,7 @@ def run(args) -> None:
         path = plot_lens(report["logit_lens"]["kl_per_layer"], out / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
         report["logit_lens"]["png"] = str(path)
     atomic_write_text(out / REPORT, json.dumps(report, indent=2, default=_json_default) + "\n")
-    save_resolved_config(out / RESOLVED_CONFIG, "eval", cfg, data_cfg)
+    save_resolved_config(out / RESOLVED_CONFIG, "eval", cfg, data_cfg, extra={"data_files": files})
     print(format_report(report))
     print(f"\nreport: {out / REPORT}")
 
@@ -72,7 +75,7 @@ def format_report(r: dict) -> str:
               f"  empirical chain:            {_f(a['empirical_with_base_token'])} (drafts only: {_f(a['empirical_without_base_token'])})"]
     if "speedup_theory" in r:
         t = r["speedup_theory"]
-        lines.append(f"  seed 004 theory at the implied acceptance a = {_f(t['a'])}, g = {t['g']}, c = {_f(t['c'], 4)}: "
+        lines.append(f"  speculative-sampling theory (Leviathan et al.) at the implied acceptance a = {_f(t['a'])}, g = {t['g']}, c = {_f(t['c'], 4)}: "
                      f"wall-time x{_f(t['speed'], 2)}, operations x{_f(t['operations'], 2)}")
     if "dynamic" in r:
         lines += ["", f"{'eps_b':>6} {'PPL_d':>10} {'tokens/step':>12}"]

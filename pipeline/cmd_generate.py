@@ -8,6 +8,7 @@ resolved configs), for scripts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -25,29 +26,49 @@ class GenerateConfig:
     json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
 
 
-def _embedded(base: str, given: str | None, shipped: Path) -> str | None:
-    """``given``, else the shipped asset when decoding the embedded base (it fits no other)."""
-    if given is not None:
-        return given
-    return str(shipped) if is_default_base(base) and shipped.is_dir() else None
-
-
-def load_model(base_cfg: BackboneConfig, heads: str | None):
-    """Backbone + heads; without heads, the base alone (one token per forward in every mode)."""
-    from .backbone import load_backbone
-    from .model import MultiTokenModel
-
-    if heads is not None:
-        return MultiTokenModel.from_pretrained(base_cfg, heads)
-    return MultiTokenModel.attach(load_backbone(base_cfg), {"head_type": "medusa", "n_future": 1})
+BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (default: the base recorded in "
+             "--heads, else the embedded stories260K)")
 
 
 def register(sub) -> None:
     from multitoken.decoding.config import DecodeConfig
 
     from .cli import add_command
+    from .cliargs import set_default
 
-    add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
+    parser = add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
+    set_default(parser, "base", None, {"help": BASE_HELP})  # None: not given, so --heads' own base
+
+
+def _embedded(base: str, shipped: Path) -> str | None:
+    """The shipped asset when decoding the embedded base (it fits no other)."""
+    return str(shipped) if is_default_base(base) and shipped.is_dir() else None
+
+
+def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
+    """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
+    without ``--heads``, the embedded heads on the embedded base, else the base alone."""
+    from .assets import load_base_only, load_model
+
+    heads = cfg.heads or _embedded(base_cfg.base, EMBEDDED_HEADS)
+    if heads is None:
+        return load_base_only(base_cfg), None
+    fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
+    return load_model(heads, base_cfg.base, **fields)
+
+
+def _note_order_cap(decode, model, table) -> None:
+    """One line on stderr when the stats' order caps the heads read (recorded in the trace too)."""
+    from multitoken.decoding.loop import stats_order_cap
+    from multitoken.decoding.proposal import joint_drafts, pick_drafter
+
+    speculative = decode.mode in ("speculative", "typical")
+    joint = speculative and pick_drafter(decode.drafter, model.heads, table) is joint_drafts
+    cap = stats_order_cap(decode, model.n_future, table, joint)
+    if cap:
+        print(f"note: the stats hold n-grams up to order {cap}: reading the first {cap} of the "
+              f"{decode.order(model.n_future)} heads (more tokens per step need stats built with --order "
+              f"{decode.order(model.n_future)})", file=sys.stderr)
 
 
 class _Streamer:
@@ -71,20 +92,22 @@ def run(args) -> None:
     from multitoken.decoding.config import DecodeConfig, check_context
     from multitoken.decoding.loop import generate
 
-    from .assets import load_stats
+    from .assets import backbone_config, load_stats
     from .cliargs import config_dict, dataclass_from_args
     from .errors import UsageError
 
     cfg = dataclass_from_args(GenerateConfig, args)
     decode = dataclass_from_args(DecodeConfig, args)
-    base_cfg = dataclass_from_args(BackboneConfig, args)
+    base_cfg = dataclass_from_args(BackboneConfig, args, base=None)
     if not cfg.prompt.strip():
         raise UsageError("the prompt is empty", 'pass the text to continue, e.g. multitoken generate "Once upon a time"')
-    heads = _embedded(base_cfg.base, cfg.heads, EMBEDDED_HEADS)
-    stats = _embedded(base_cfg.base, cfg.stats, EMBEDDED_STATS)
-    model = load_model(base_cfg, heads)
+    fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
+    base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
+    model, heads = _load(cfg, base_cfg)
+    stats = cfg.stats or _embedded(base_cfg.base, EMBEDDED_STATS)
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future)
     table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None  # dynamic masking, joint drafts
+    _note_order_cap(decode, model, table)
     tok = model.backbone.tokenizer
     ids = tok(cfg.prompt, return_tensors="pt").input_ids
     check_context(ids.shape[1], decode.max_new_tokens, model.backbone.config.max_position_embeddings)

@@ -41,11 +41,7 @@ def run(args) -> None:
     if cfg.seeds < 1 or cfg.max_new_tokens < 1:
         raise UsageError("--seeds and --max-new-tokens must be >= 1")
     grid, prompts = parse_grid(cfg.eps_b), read_prompts(cfg.prompts)
-    if cfg.threads > 0:
-        import torch
-
-        torch.set_num_threads(cfg.threads)
-    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device)
+    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
     cfg.heads, cfg.stats = heads, cfg.stats or default_stats(model.backbone) or "none"
     table = load_stats(cfg.stats, model.backbone.tokenizer)
     log = (lambda _msg: None) if cfg.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

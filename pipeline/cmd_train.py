@@ -6,8 +6,6 @@ training; the flags are the same.
 
 from __future__ import annotations
 
-import json
-
 from .data import DataConfig
 from .trainer_config import TrainConfig
 
@@ -21,12 +19,12 @@ def register(sub) -> None:
 def run(args) -> None:
     from .cliargs import dataclass_from_args
     from .errors import UsageError
-    from .train import train
+    from .train import format_summary, train
 
     cfg = dataclass_from_args(TrainConfig, args)
     data = dataclass_from_args(DataConfig, args)
     if not data.data:
         raise UsageError("no training data given", "pass --data FILE|DIR|GLOB|HUB_ID")
     summary = train(cfg, data)
-    if summary["eval"]:
-        print(json.dumps(summary))
+    if summary["eval"]:  # the main process (the others have no evaluation)
+        print(format_summary(summary))

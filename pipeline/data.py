@@ -7,6 +7,15 @@ Rows carry either text (tokenized here) or token ids already (e.g. the Pile samp
 
 Documents are numbered in one deterministic order, so that a job can be split into shards
 (``shard=(i, n)`` takes documents ``i, i+n, ...``) and resumed from a document index.
+
+Local folders have splits as on the Hub (``datasets``' conventions): a file belongs to the
+split whose keyword its folder names, or else its file name, contain as a word (``train`` /
+``training``; ``validation`` / ``valid`` / ``val`` / ``dev``; ``test`` / ``testing`` / ``eval``
+/ ``evaluation``), e.g. ``train_00.jsonl``, ``val.jsonl``, ``data/test/part-1.parquet``. A
+folder without such names, a single file or a glob is all ``train``: another ``--split`` is
+refused. A ``X.jsonl`` beside ``X.jsonl.zst`` is the same content: the ``.zst`` is read (the
+file as published; its frames reveal a truncated copy, which a decompressed one may be) and
+the ``.jsonl`` is skipped, which ``describe_files`` reports.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +36,13 @@ ID_COLUMNS = ("input_ids", "token_ids", "tokens", "ids")
 TEXT_COLUMNS = ("text", "content")
 SUFFIXES = (".jsonl.zst", ".jsonl", ".json", ".parquet", ".txt")
 TOKENIZE_BATCH = 256
+# datasets' split keywords (data_files.py): a keyword counts as a word bounded by these characters
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_SEP = r"[-._ 0-9]"
 
 
 @dataclass
@@ -33,7 +50,7 @@ class DataConfig:
     """Where the corpus comes from. Drives the ``--data/--split/--column`` flags."""
 
     data: str = field(default="", metadata={"help": "local file, directory or glob (jsonl, jsonl.zst, parquet, txt) or a Hub dataset id"})
-    split: str = field(default="train", metadata={"help": "dataset split (Hub datasets)"})
+    split: str = field(default="train", metadata={"help": "dataset split: train, validation or test (local folders: files or folders named so, as on the Hub)"})
     column: str | None = field(default=None, metadata={"help": f"text or token-id column (default: the first of {', '.join(ID_COLUMNS + TEXT_COLUMNS)} present)"})
     max_tokens: int | None = field(default=None, metadata={"help": "stop after this many tokens"})
 
@@ -43,24 +60,102 @@ def _suffix(path: Path) -> str | None:
     return next((s for s in SUFFIXES if name.endswith(s)), None)
 
 
-def resolve_files(spec: str) -> list[Path] | None:
-    """Local files named by ``spec`` (sorted), or None if ``spec`` is not local."""
+@dataclass
+class LocalFiles:
+    """The local files a data spec reads, after split selection and de-duplication."""
+
+    files: list[Path]  # read, in this order
+    skipped: list[tuple[Path, Path]] = field(default_factory=list)  # (not read, same content as)
+    split: str | None = None  # the split selected in a folder with splits, None: no splits
+
+
+def _split_of(name: str) -> str | None:
+    """The split whose keyword ``name`` (a file or folder name) holds as a word, if any."""
+    for split, words in SPLIT_KEYWORDS.items():
+        if any(re.search(rf"(^|{_SEP}){w}({_SEP}|$)", name) for w in words):
+            return split
+    return None
+
+
+def canonical_split(split: str) -> str:
+    """``val`` -> ``validation`` etc.; slicing (``train[:10%]``) is a Hub feature only."""
+    if "[" in split:
+        raise UsageError(f"--split {split!r}: slicing a split works only for Hub datasets",
+                         "pass the split name alone (train, validation or test), and --max-tokens to read less")
+    return next((s for s, words in SPLIT_KEYWORDS.items() if split == s or split in words), split)
+
+
+def _select_split(root: Path, files: list[Path], split: str, spec: str) -> tuple[list[Path], str | None]:
+    """The files of ``split`` in the folder ``root``: folder names decide when any names a
+    split, else file names, as ``datasets`` does; no names at all: everything is train."""
+    rel = [f.relative_to(root) for f in files]
+    by_dir = [next((s for s in map(_split_of, r.parts[:-1]) if s), None) for r in rel]
+    splits = by_dir if any(by_dir) else [_split_of(r.name) for r in rel]
+    want = canonical_split(split)
+    if not any(splits):
+        if want != "train":
+            raise UsageError(f"--split {split}: {spec!r} has no splits (no file or folder named train, validation or test), "
+                             "so all of it is the train split", "drop --split, or point --data at the files you want")
+        return files, None
+    chosen = [f for f, s in zip(files, splits) if s == want]
+    if not chosen:
+        found = ", ".join(sorted({s for s in splits if s}))
+        raise UsageError(f"{spec!r} has no {want} split (it has: {found})", f"pass --split with one of: {found}")
+    return chosen, want
+
+
+def _dedupe(files: list[Path]) -> tuple[list[Path], list[tuple[Path, Path]]]:
+    """Drop ``X.jsonl`` when ``X.jsonl.zst`` is read too: the same documents twice."""
+    present = set(files)
+    skipped = [(f, f.with_name(f.name + ".zst")) for f in files if f.with_name(f.name + ".zst") in present]
+    gone = {f for f, _ in skipped}
+    return [f for f in files if f not in gone], skipped
+
+
+def local_files(cfg: DataConfig) -> LocalFiles | None:
+    """The local files ``cfg`` reads (sorted, split selected, de-duplicated), or None when
+    ``cfg.data`` is not local (a Hub id)."""
+    spec = cfg.data
     p = Path(spec).expanduser()
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and _suffix(f))
         if not files:
             raise DataError(f"directory {spec!r} holds no {', '.join(SUFFIXES)} files", "point --data at the data files")
-        return files
-    if p.is_file():
+        files, split = _select_split(p, files, cfg.split, spec)
+    elif p.is_file():
         if not _suffix(p):
             raise DataError(f"unsupported file type: {spec!r}", f"use one of {', '.join(SUFFIXES)}")
-        return [p]
-    if any(ch in spec for ch in "*?["):
+        files, split = [p], None
+    elif any(ch in spec for ch in "*?["):
         files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if _suffix(Path(f)))
         if not files:
             raise DataError(f"glob {spec!r} matches no data files", "check the pattern")
-        return files
-    return None
+        split = None
+    else:
+        return None
+    if split is None and canonical_split(cfg.split) != "train":
+        raise UsageError(f"--split {cfg.split}: {spec!r} names files, which have no splits (all of it is the train split)",
+                         "drop --split, or point --data at the files you want")
+    files, skipped = _dedupe(files)
+    return LocalFiles(files, skipped, split)
+
+
+def resolve_files(spec: str) -> list[Path] | None:
+    """Local files named by ``spec`` (train split, de-duplicated), or None if ``spec`` is not local."""
+    found = local_files(DataConfig(data=spec))
+    return None if found is None else found.files
+
+
+def describe_files(cfg: DataConfig) -> tuple[list[str] | None, list[str]]:
+    """(the files read, as strings, or None for a Hub dataset; lines saying so, for stderr)."""
+    found = local_files(cfg)
+    if found is None:
+        return None, [f"data: Hub dataset {cfg.data!r}, split {cfg.split!r}"]
+    split = f"split {found.split!r}: " if found.split else ""
+    lines = [f"data: {split}reading {len(found.files)} file{'s' if len(found.files) != 1 else ''}"]
+    lines += [f"  {f}" for f in found.files]
+    lines += [f"data: skipped {skip} (same content as {kept})" for skip, kept in found.skipped]
+    return [str(f) for f in found.files], lines
 
 
 def _iter_jsonl(fh: io.TextIOBase, name: str) -> Iterator[dict]:
@@ -104,9 +199,9 @@ def iter_rows(cfg: DataConfig) -> Iterator[dict]:
     """Raw rows (dicts) of the corpus, in a deterministic order."""
     if not cfg.data:
         raise UsageError("no data given", "pass --data FILE|DIR|GLOB|HUB_ID")
-    files = resolve_files(cfg.data)
-    if files is not None:
-        for f in files:
+    found = local_files(cfg)
+    if found is not None:
+        for f in found.files:
             yield from _iter_file_rows(f)
         return
     yield from _iter_hub_rows(cfg)

@@ -1,4 +1,4 @@
-"""Dynamic multi-token perplexity PPL_d (seed 003 §3.3.2, App. C.4) at given eps_b values.
+"""Dynamic multi-token perplexity PPL_d (DynaMo §3.3.2, App. C.4) at given eps_b values.
 
 How a step is scored (teacher forcing on the reference text x):
 1. The cursor t starts at the first position of a sequence; heads 1..n at t give p_i(x_{t+i})

@@ -2,22 +2,24 @@
 
 The data is read and packed exactly as for training (``PackedStream``: documents joined by
 EOS, cut into ``seq_len`` sequences, one pass, no loop). Parts, each timed separately:
-- ``ppl``: PPL_n and top-1/top-5 per head, PPL_1:n (seed 003 eq. 4), expected acceptance
+- ``ppl``: PPL_n and top-1/top-5 per head, PPL_1:n (DynaMo eq. 4), expected acceptance
   length from per-head accuracies (formula and empirical chain);
 - ``dynamic``: PPL_d and mean tokens per step for each eps_b (``dynamic_ppl``);
-- ``marginal``: seed 002's marginalization baseline for token t+2 at one position every
+- ``marginal``: Mehra et al.'s marginalization baseline for token t+2 at one position every
   ``marginal_every`` tokens, with head 2 scored at the same positions;
 - ``lens``: logit-lens KL per layer on the first ``lens_tokens`` tokens, plotted to a PNG.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from . import metrics as M
+from .threads import THREADS_BATCHES, threads_field
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
 DEFAULT_PARTS = PARTS
@@ -35,11 +37,13 @@ class EvalConfig:
     stats: str = field(default="", metadata={"help": "co-occurrence stats dir for PPL_d's masking (default: the embedded stats; none: no mask)"})
     dynamic_tokens: int = field(default=2048, metadata={"help": "tokens walked for PPL_d (each step builds a k^n grid)"})
     marginal_every: int = field(default=1000, metadata={"help": "one marginalization position every N tokens"})
-    top_p: float = field(default=0.99, metadata={"help": "nucleus of token t+1 marginalized over (seed 002: 0.99)"})
+    top_p: float = field(default=0.99, metadata={"help": "nucleus of token t+1 marginalized over (Mehra et al.: 0.99)"})
     max_candidates: int = field(default=256, metadata={"help": "cap on the nucleus size (the covered mass is reported)"})
     lens_tokens: int = field(default=4096, metadata={"help": "tokens used for the logit-lens KL"})
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device"})
+    threads: int | None = threads_field(THREADS_BATCHES)
+    quiet: bool = field(default=False, metadata={"help": "no progress bars (they go to stderr, and only when it is a terminal)"})
 
     def validate(self) -> None:
         from .errors import UsageError
@@ -132,31 +136,54 @@ def _batches(cfg: EvalConfig, data_cfg, tokenizer, device):
 
 class _Timer:
     """Wall seconds per part, and process CPU seconds (all threads) that other processes on a
-    shared machine cannot inflate."""
+    shared machine cannot inflate; with ``show``, one progress bar per part on stderr (tokens
+    it has processed)."""
 
-    def __init__(self):
+    def __init__(self, parts: tuple[str, ...] = (), total: int | None = None, show: bool = False, lens_tokens: int = 0):
+        from tqdm import tqdm
+
+        totals = {p: total for p in parts}
+        if "lens" in totals:  # the lens reads only the first lens_tokens tokens
+            totals["lens"] = min(total or lens_tokens, lens_tokens)
+
         self.seconds: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self._cpu0 = 0.0
+        self.bars = {p: tqdm(total=totals[p], desc=f"eval {p:<8}", unit="tok", unit_scale=True, position=i, file=sys.stderr,
+                             disable=not show, dynamic_ncols=True) for i, p in enumerate(parts)}
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
 
     def start(self) -> float:
         self._cpu0 = time.process_time()
         return time.perf_counter()
 
-    def add(self, part: str, start: float) -> None:
+    def add(self, part: str, start: float, tokens: int = 0) -> None:
         self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
         self.cpu[part] = self.cpu.get(part, 0.0) + time.process_time() - self._cpu0
+        if part in self.bars:
+            self.bars[part].update(tokens)
 
 
 @torch.no_grad()
 def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
     """Run the selected parts over the data; returns the JSON-ready report."""
+    show = not cfg.quiet and sys.stderr.isatty()  # bars on a terminal only, never on stdout
+    acc, timer = HeadAccumulator(model.n_future), _Timer(cfg.parts, data_cfg.max_tokens, show, cfg.lens_tokens)
+    try:
+        return _evaluate(model, cfg, data_cfg, acc, timer)
+    finally:
+        timer.close()
+
+
+def _evaluate(model, cfg: EvalConfig, data_cfg, acc: HeadAccumulator, timer: _Timer) -> dict:
     from .errors import DataError
     from .headscores import score_head
     from .speedup import draft_cost_ratio, theory_from_tokens
 
     bb, n = model.backbone, model.n_future
-    acc, timer = HeadAccumulator(n), _Timer()
     dyn = _dynamic_state(cfg, model) if "dynamic" in cfg.parts else None
     lens_sum, lens_count, marg = None, 0, _MarginalSums()
     tokens = sequences = 0
@@ -171,15 +198,15 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
             if k is not None:
                 dyn.add_head(i, sc)
         acc.end_batch()
-        timer.add("ppl", start)
+        timer.add("ppl", start, ids.numel())
         if dyn is not None:
             start = timer.start()
             dyn.end_batch(ids)
-            timer.add("dynamic", start)
+            timer.add("dynamic", start, ids.numel())
         if "marginal" in cfg.parts:
             start = timer.start()
             marg.add(model, feats, ids, cfg, tokens - ids.numel())
-            timer.add("marginal", start)
+            timer.add("marginal", start, ids.numel())
         if "lens" in cfg.parts and lens_count < cfg.lens_tokens:
             from .lens import lens_kl_sums
 
@@ -188,7 +215,7 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
             sums = lens_kl_sums(bb, ids[:take])
             lens_sum = sums if lens_sum is None else lens_sum + sums
             lens_count += ids[:take].numel()
-            timer.add("lens", start)
+            timer.add("lens", start, ids[:take].numel())
     if sequences == 0:
         raise DataError(f"the data holds fewer than {cfg.seq_len} tokens: no evaluation sequence", "pass more data or a smaller --seq-len")
     report = {"tokens": tokens, "sequences": sequences, "n_future": n, **acc.report()}

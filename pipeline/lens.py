@@ -1,10 +1,10 @@
-"""Logit-lens KL of every layer to the final distribution (seed 002 §3, Fig. 2).
+"""Logit-lens KL of every layer to the final distribution (Mehra et al. §3, Fig. 2).
 
 Layer l's hidden state z^l_t goes through the model's own final norm and unembedding,
 p_l = softmax(U norm(z^l_t)), and we average KL(p_l || p_L) over positions. Index 0 is the
 embedding output, L the final layer (KL 0 by definition, kept so the curve ends at zero).
 A model strongly specialised for next-token prediction reaches the final distribution late:
-the curve stays high until the last layers (why frozen-backbone heads struggle, seed 002).
+the curve stays high until the last layers (why frozen-backbone heads struggle, Mehra et al.).
 """
 
 from __future__ import annotations

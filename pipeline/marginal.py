@@ -1,4 +1,4 @@
-"""Marginalization baseline for token t+2 (seed 002 App. A.1, eq. 6), batched.
+"""Marginalization baseline for token t+2 (Mehra et al. App. A.1, eq. 6), batched.
 
     p(x_{t+2} | x_<=t) = sum_y p(x_{t+2} | x_<=t, y) p(y | x_<=t)
 

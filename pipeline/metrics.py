@@ -4,11 +4,11 @@ Everything here is a small pure function (tensors or token lists in, numbers out
 metric can be checked against a hand-computed value. Conventions:
 
 - a head ``i`` (1-based) at position t predicts token t+i; its target exists iff t+i < T.
-- PPL_n (seed 003 eq. 4) is exp of the mean NLL over the positions whose target exists; the
+- PPL_n (DynaMo eq. 4) is exp of the mean NLL over the positions whose target exists; the
   paper writes 1/T in front of a sum of T-n terms, we divide by the number of terms so that
   PPL_1 is the ordinary perplexity.
 - PPL_1:n scores the n-gram x_{t+1..t+n} under the heads' factorisation
-  p(x_{t+1:t+n}) = prod_i p_i(x_{t+i}) (independent heads, seed 003 §3.1), over the positions
+  p(x_{t+1:t+n}) = prod_i p_i(x_{t+i}) (independent heads, DynaMo §3.1), over the positions
   where all n targets exist, normalised per token (1 / (n * count)).
 """
 

@@ -3,17 +3,17 @@
 Groups (each carries ``base_lr``; the schedule multiplies it every step):
 - ``lora``: the backbone's LoRA weights. ``--lr``; DynaMo LR_B.
 - ``heads_copied``: head weights initialised as copies of base weights. ``--lr x --head-lr-mult``;
-  DynaMo LR_B (seed 003 trains copied weights at the low rate).
+  DynaMo LR_B (DynaMo trains copied weights at the low rate).
 - ``heads_new``: freshly initialised head weights. ``--lr x --head-lr-mult``; DynaMo LR_M.
 - ``base_head``: head 1's own final layer + final norm, only with ``--train-base-head``.
-  ``--lr``; DynaMo LR_B (003 trains "the base model" at LR_B). Otherwise head 1 stays the
+  ``--lr``; DynaMo LR_B (DynaMo trains "the base model" at LR_B). Otherwise head 1 stays the
   base model's path exactly, or adapts only through the LoRA on the final layer in joint modes.
 
 Loss (per micro-batch, ``L_i`` = head i's mean cross-entropy, ``sg`` = stop-gradient):
 
     total = w_1 L_1 + s * (sum_{i>=2} w_i L_i + aux_weight * aux)
 
-- ``w_i = 1`` by default. With ``--loss-balance rms`` (seed 002: "rescale each head's loss to
+- ``w_i = 1`` by default. With ``--loss-balance rms`` (Mehra et al.: "rescale each head's loss to
   normalize the RMS losses to that of the first head, per batch"), ``w_i = sg(RMS_1 / RMS_i)``,
   the RMS taken over the batch's loss values of a head; one loss value per head per batch
   makes it ``w_i = sg(L_1 / L_i)``, so every head's term has head 1's magnitude while keeping

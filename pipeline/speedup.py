@@ -1,4 +1,4 @@
-"""Speculative-decoding speed-up theory (seed 004, after Leviathan et al. 2023).
+"""Speculative-decoding speed-up theory (speculative sampling, Leviathan et al. 2023).
 
 With acceptance rate ``a`` (expected probability a draft token is accepted), ``g`` draft
 tokens per step and ``c`` the cost of one draft call relative to one base-model call:
@@ -60,7 +60,7 @@ def speedup_row(a: float, g: int, c: float = 0.0, c_hat: float = 0.0) -> Speedup
 
 
 def speedup_table(points, c: float = 0.0, c_hat: float = 0.0) -> list[dict]:
-    """Rows for (a, g) pairs, as in seed 004's table (there with c = c_hat = 0)."""
+    """Rows for (a, g) pairs, as in the speculative-sampling speed-up table (Leviathan et al.'s formulas, there with c = c_hat = 0)."""
     return [asdict(speedup_row(a, g, c, c_hat)) for a, g in points]
 
 

@@ -32,13 +32,14 @@ import torch
 
 from . import metrics as M
 from .speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
+from .threads import THREADS_ONE_SEQUENCE, threads_field
 
-# Seed 003 Table 7: the sentence-completion benchmark.
+# DynaMo's Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (
     "I am a student at the", "This is going to be a very", "He wanted to play, but", "How can we", "What will",
     "Will you", "Please explain", "Do not", "Wow! I can't believe that", "This is amazing! We",
 )
-# Seed 003 Table 8 ablations: CO = co-occurrence mask (alpha_c), AT = adaptive (Otsu)
+# DynaMo's Table 8 ablations: CO = co-occurrence mask (alpha_c), AT = adaptive (Otsu)
 # thresholding, G-3 = Gaussian blur with kernel 3 before Otsu.
 TABLE8 = {
     "CO+AT+G-3": {"alpha_c": 1.0, "adaptive_threshold": True, "blur_kernel": 3},
@@ -48,6 +49,7 @@ TABLE8 = {
     "AT+G-3": {"alpha_c": 0.0, "adaptive_threshold": True, "blur_kernel": 3},
 }
 DEFAULT_CONFIG = "CO+AT+G-3"
+DEFAULT_GRID = tuple(i / 10 for i in range(11))  # eps_b 0:1:0.1
 QUALITY = ("nll", "distinct2", "distinct3", "repetition")
 CRITERIA = ("nll", "repetition", "distinct2", "distinct3")  # all must hold for "same quality"
 SAME_QUALITY_RULE = ("NLL, repetition rate, distinct-2 and distinct-3: each metric's 95% interval over the "
@@ -59,19 +61,19 @@ class SweepConfig:
     heads: str = field(default="", metadata={"help": "heads dir (default: the embedded trained heads)"})
     base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
     stats: str = field(default="", metadata={"help": "co-occurrence stats dir (default: the embedded stats for the embedded base; 'none': no mask)"})
-    prompts: str = field(default="", metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: seed 003 Table 7)"})
-    eps_b: str = field(default="0:1:0.1", metadata={"help": "eps_b grid: a list 0,0.5,1 or a range start:stop:step (stop included)"})
+    prompts: str = field(default="", metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: DynaMo's Table 7)"})
+    eps_b: tuple[float, ...] = field(default=DEFAULT_GRID, metadata={"help": "eps_b values: e.g. 0 0.5 1, or a range start:stop:step (stop included)", "default_help": "0:1:0.1"})
     seeds: int = field(default=3, metadata={"help": "sampling seeds per prompt"})
     max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per run"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (seed 003: 0.7)"})
-    top_k: int = field(default=50, metadata={"help": "top-k per head (seed 003: 50)"})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (DynaMo: 0.7)"})
+    top_k: int = field(default=50, metadata={"help": "top-k per head (DynaMo: 50)"})
     repetition_penalty: float = field(default=1.1, metadata={"help": "repetition penalty of every run, ar and hf-sample included (DynaMo: 1.1)"})
     hf_sample: bool = field(default=True, metadata={"help": "also time transformers' sampling generate (the hf-sample reference row)"})
-    ablations: bool = field(default=False, metadata={"help": f"also run the seed 003 Table 8 ablations ({', '.join(TABLE8)})"})
+    ablations: bool = field(default=False, metadata={"help": f"also run DynaMo's Table 8 ablations ({', '.join(TABLE8)})"})
     out: str = field(default="", metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=1, metadata={"help": "torch CPU threads (0: torch's default). Batch-1 decoding of a small model is latency-bound: one thread avoids sync costs and noisy timings on a shared machine"})
+    threads: int | None = threads_field(THREADS_ONE_SEQUENCE)  # batch-1 decoding: latency-bound; steadier timings too
     quiet: bool = field(default=False, metadata={"help": "no progress lines"})
 
     def configs(self) -> list[str]:
@@ -81,23 +83,20 @@ class SweepConfig:
         return names
 
 
-def parse_grid(spec: str) -> list[float]:
-    """``"0,0.25,1"`` or ``"0:1:0.1"`` (inclusive range) -> sorted unique values in [0, 1]."""
+def parse_grid(spec) -> list[float]:
+    """eps_b values -> sorted unique values in [0, 1]. ``spec``: numbers, or tokens each a value
+    or a ``start:stop:step`` range (stop included), as ``--eps-b`` takes them: ``[0, 0.5, 1]``,
+    ``["0:1:0.1"]``, or one such string (``"0:1:0.1"``, ``"0 0.5 1"``)."""
+    from .cliargs import expand_range
     from .errors import UsageError
 
+    tokens = spec.split() if isinstance(spec, str) else list(spec)
     try:
-        if ":" in spec:
-            start, stop, step = (float(x) for x in spec.split(":"))
-            if step <= 0:
-                raise ValueError("step must be > 0")
-            count = int(round((stop - start) / step)) + 1
-            values = [round(start + i * step, 10) for i in range(count) if start + i * step <= stop + 1e-9]
-        else:
-            values = [float(x) for x in spec.split(",") if x.strip()]
+        values = [v for t in tokens for v in expand_range(t)]
     except ValueError as err:
-        raise UsageError(f"bad --eps-b {spec!r} ({err})", "use a list like 0,0.5,1 or a range like 0:1:0.1") from err
+        raise UsageError(f"bad --eps-b ({err})", "give values like --eps-b 0 0.5 1 or a range like --eps-b 0:1:0.1") from err
     if not values or any(not 0 <= v <= 1 for v in values):
-        raise UsageError(f"--eps-b {spec!r} must give values in [0, 1]")
+        raise UsageError(f"--eps-b {' '.join(map(str, tokens))} must give values in [0, 1]")
     return sorted(set(values))
 
 
@@ -167,7 +166,7 @@ def _summarise(runs: list[dict], ar_runs: list[dict] | None) -> dict:
 
 
 def theory(point: dict, n_future: int, c: float) -> dict:
-    """Acceptance implied by the measured tokens per forward, and seed 004's wall-time speed-up
+    """Acceptance implied by the measured tokens per forward, and speculative sampling's wall-time speed-up (Leviathan et al.)
     predicted from it with the draft cost ratio c (decoding logic costs nothing in the model)."""
     g = n_future - 1
     tpf = min(max(point["tokens_per_forward"]["mean"], 1.0), g + 1.0)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 
 from . import optim
 from .checkpoint import list_checkpoints, load_checkpoint, publish_dir, save_checkpoint
-from .data import DataConfig
+from .data import DataConfig, describe_files
 from .errors import DataError, UsageError
 from .packing import PackedStream, PackPosition, take_sequences
 from .trainer_config import TrainConfig, validate
@@ -73,7 +75,7 @@ def load_model(cfg: TrainConfig, dist: Dist):
                          "pass --train-base-head to keep training it")
     base = cfg.base or record["base"]  # load_backbone resolves embedded:NAME
     dtype = cfg.dtype or record.get("dtype") or "float32"
-    bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization)
+    bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization, threads=cfg.threads)
     lora_kwargs: dict = {}
     if record.get("lora"):  # continue training (or keep using) the LoRA saved with the heads
         lora_kwargs = {"lora_adapter": str(Path(cfg.heads) / record["lora"]), "trainable_lora": cfg.uses_lora}
@@ -210,6 +212,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     existing = list_checkpoints(ckpt_root)
     if existing and not cfg.resume:
         raise UsageError(f"{ckpt_root} already holds checkpoints", "pass --resume to continue, or another --checkpoint-dir")
+    files = _list_data(cfg, data, dist)
     torch.manual_seed(cfg.seed)
     model = model if model is not None else load_model(cfg, dist)
     for p in model.base_head_parameters():  # head 1's own layer: base weights unless asked for
@@ -232,6 +235,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
 
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not (cfg.progress and dist.main))
     position = state.get("position")
+    saved_at = time.monotonic()
     while step < cfg.max_steps:
         if cfg.mode == "warmup" and step == cfg.head_warmup_steps:
             set_backbone_trainable(model, True)  # head warm-up over: joint from here on
@@ -243,16 +247,70 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
         bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k.endswith("/loss")})
         if dist.main and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             history.append({"step": step, **evaluate(model, eval_batches)})
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+            tqdm.write(format_eval(history[-1], cfg.max_steps), file=sys.stderr)
+        if _save_due(cfg, dist, step, saved_at) and step < cfg.max_steps:
             _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history)
+            saved_at = time.monotonic()
     bar.close()
     final = evaluate(model, eval_batches) if dist.main else {}
     history.append({"step": step, **final})
     _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history)
     if dist.main:
-        _write_output(cfg, data, model, history)
+        _write_output(cfg, data, model, history, files)
     _barrier(dist)
     return {"step": step, "eval": final, "checkpoint_dir": str(ckpt_root), "out": cfg.out}
+
+
+def _list_data(cfg: TrainConfig, data: DataConfig, dist: Dist) -> dict:
+    """The data files read (stderr lines on the main process; saved in train_config.json)."""
+    files, lines = describe_files(data)
+    record = {"data_files": files}
+    if cfg.eval_data:
+        eval_files, eval_lines = describe_files(DataConfig(data=cfg.eval_data, split=data.split, column=data.column))
+        record["eval_data_files"] = eval_files
+        lines += ["eval " + line if line.startswith("data:") else line for line in eval_lines]
+    if dist.main:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    return record
+
+
+def _save_due(cfg: TrainConfig, dist: Dist, step: int, saved_at: float) -> bool:
+    """Checkpoint now? Every ``save_every`` steps, and once ``save_every_minutes`` passed since
+    the last one. Rank 0's clock decides for every rank (they must save together)."""
+    if cfg.save_every and step % cfg.save_every == 0:
+        return True
+    if not cfg.save_every_minutes:
+        return False
+    due = time.monotonic() - saved_at >= cfg.save_every_minutes * 60
+    if dist.world > 1:
+        import torch.distributed as tdist
+
+        flag = torch.tensor([int(due)], device=_device(cfg, dist) if cfg.device.startswith("cuda") else "cpu")
+        tdist.broadcast(flag, src=0)
+        due = bool(flag.item())
+    return due
+
+
+def format_eval(record: dict, max_steps: int) -> str:
+    """One readable line of an evaluation: per-head loss and top-1, heads 1..n."""
+    heads = sorted({int(k.split("/")[0][4:]) for k in record if k.startswith("head") and k.endswith("/loss")})
+    loss = " ".join(f"{record[f'head{h}/loss']:.3f}" for h in heads)
+    top1 = " ".join(f"{record[f'head{h}/top1']:.3f}" for h in heads if f"head{h}/top1" in record)
+    return f"step {record['step']}/{max_steps} eval: loss {loss} | top-1 {top1} (heads 1..{len(heads)})"
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-training summary ``multitoken train`` prints (the JSON is in train_metrics.json)."""
+    final = summary["eval"]
+    heads = sorted({int(k.split("/")[0][4:]) for k in final if k.startswith("head") and k.endswith("/loss")})
+    lines = [f"trained {summary['step']} steps; heads written to {summary['out']}",
+             "held-out evaluation:", f"  {'head':>4} {'loss':>8} {'top-1':>7} {'top-5':>7}"]
+    for h in heads:
+        lines.append(f"  {h:>4} {final[f'head{h}/loss']:>8.3f} {final.get(f'head{h}/top1', float('nan')):>7.3f} "
+                     f"{final.get(f'head{h}/top5', float('nan')):>7.3f}")
+    lines += [f"metrics per evaluation: {Path(summary['out']) / 'train_metrics.json'}",
+              f"checkpoints (--resume continues from the latest): {summary['checkpoint_dir']}"]
+    return "\n".join(lines)
 
 
 def _stream_key(cfg: TrainConfig, dist: Dist) -> dict:
@@ -276,7 +334,7 @@ def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, 
     _barrier(dist)
 
 
-def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict]) -> None:
+def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict) -> None:
     """Save heads, resolved config and metrics into a staging dir, then swap it in."""
     from .cliargs import save_resolved_config
 
@@ -285,7 +343,7 @@ def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict]
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         model.save_heads(staging)
-        save_resolved_config(staging / "train_config.json", "train", cfg, data)
+        save_resolved_config(staging / "train_config.json", "train", cfg, data, extra=files)
         (staging / "train_metrics.json").write_text(json.dumps(history, indent=2) + "\n")
         publish_dir(staging, out)
     except BaseException:

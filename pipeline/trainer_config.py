@@ -1,12 +1,12 @@
 """``TrainConfig``: every knob of ``multitoken train``, validated before anything is loaded.
 
-Training modes (DESIGN "Training modes"; seeds 002 and 003):
+Training modes (DESIGN "Training modes"; Mehra et al. and DynaMo):
 - ``heads``: frozen backbone, the backbone pass runs without autograd; only new head weights train.
-- ``joint``: LoRA on the backbone (peft; default q/k/v, rank 8 as in seed 002) trained with the heads.
-- ``warmup``: ``heads`` for ``--head-warmup-steps`` steps, then ``joint`` (seed 002 "head warmup").
-Learning rates: ``--lr`` for LoRA, ``--lr x --head-lr-mult`` for heads (seed 002 "differential
-LR": 4). DynaMo (seed 003 App. A.1) instead sets three rates: ``--lr-b`` for the base path
-(LoRA, and copy-initialised head weights, as 003 trains copies at LR_B), ``--lr-m`` for freshly
+- ``joint``: LoRA on the backbone (peft; default q/k/v, rank 8 as in Mehra et al.) trained with the heads.
+- ``warmup``: ``heads`` for ``--head-warmup-steps`` steps, then ``joint`` (Mehra et al.'s "head warmup").
+Learning rates: ``--lr`` for LoRA, ``--lr x --head-lr-mult`` for heads (Mehra et al.'s "differential
+LR": 4). DynaMo (App. A.1) instead sets three rates: ``--lr-b`` for the base path
+(LoRA, and copy-initialised head weights, as DynaMo trains copies at LR_B), ``--lr-m`` for freshly
 initialised head weights, and ``--lr-mb`` for the gradient that heads 2..n send into the backbone.
 """
 
@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UsageError
+from .threads import THREADS_BATCHES, threads_field
 
 MODES = ("heads", "joint", "warmup")
 SCHEDULES = ("cosine", "constant")
 BALANCES = ("none", "rms")
 SEPARATORS = ("eos", "bos")
+SAVE_EVERY_MINUTES = 5.0  # a killed run with the defaults loses at most this much work
 
 
 @dataclass
@@ -31,6 +33,7 @@ class TrainConfig:
     dtype: str | None = field(default=None, metadata={"help": "backbone weights dtype (default: the one recorded in the heads dir)", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device (under torchrun, cuda picks cuda:LOCAL_RANK)"})
     quantization: str | None = field(default=None, metadata={"help": "load the backbone in 8-bit or 4-bit", "choices": ("8bit", "4bit")})
+    threads: int | None = threads_field(THREADS_BATCHES)
     eval_data: str | None = field(default=None, metadata={"help": "held-out data spec (default: the first --eval-batches batches of --data, skipped by training)"})
     separator: str = field(default="eos", metadata={"help": "token joining packed documents", "choices": SEPARATORS})
     mode: str = field(default="heads", metadata={"help": "heads (frozen backbone) | joint (LoRA + heads) | warmup (heads, then joint)", "choices": MODES})
@@ -45,7 +48,7 @@ class TrainConfig:
     batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch per process"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     lr: float = field(default=1e-4, metadata={"help": "learning rate (LoRA; heads get lr x head-lr-mult)"})
-    head_lr_mult: float = field(default=1.0, metadata={"help": "head LR multiplier (seed 002 differential LR: 4)"})
+    head_lr_mult: float = field(default=1.0, metadata={"help": "head LR multiplier (Mehra et al.'s differential LR: 4)"})
     lr_b: float | None = field(default=None, metadata={"help": "DynaMo LR_B: base path (LoRA, copied head weights)"})
     lr_m: float | None = field(default=None, metadata={"help": "DynaMo LR_M: newly initialised head weights"})
     lr_mb: float | None = field(default=None, metadata={"help": "DynaMo LR_MB: heads 2..n's gradient into the backbone"})
@@ -53,11 +56,12 @@ class TrainConfig:
     lr_warmup_steps: int = field(default=0, metadata={"help": "linear LR warm-up steps"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm (0: off)"})
-    loss_balance: str = field(default="none", metadata={"help": "rms: rescale each head's loss to head 1's RMS (seed 002)", "choices": BALANCES})
+    loss_balance: str = field(default="none", metadata={"help": "rms: rescale each head's loss to head 1's RMS (Mehra et al.)", "choices": BALANCES})
     aux_weight: float = field(default=0.01, metadata={"help": "weight of the adapter's aux loss (CP balancing)"})
     eval_every: int = field(default=200, metadata={"help": "evaluate every N steps (0: only at the end)"})
     eval_batches: int = field(default=4, metadata={"help": "held-out batches per evaluation"})
     save_every: int = field(default=500, metadata={"help": "checkpoint every N steps (0: only at the end)"})
+    save_every_minutes: float = field(default=SAVE_EVERY_MINUTES, metadata={"help": "also checkpoint when this many minutes passed since the last checkpoint, so a killed run loses at most that much (0: steps only)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept"})
     checkpoint_dir: str | None = field(default=None, metadata={"help": "checkpoint directory (default: OUT.checkpoints beside --out)"})
     resume: bool = field(default=False, metadata={"help": "resume from the latest checkpoint"})
@@ -100,7 +104,8 @@ def validate(cfg: TrainConfig) -> None:
             raise UsageError(f"--{name} must be >= 1, got {value}")
     if cfg.seq_len < 2:
         raise UsageError(f"--seq-len must be >= 2, got {cfg.seq_len}")
-    for name, value in {"eval-every": cfg.eval_every, "save-every": cfg.save_every, "lr-warmup-steps": cfg.lr_warmup_steps,
+    for name, value in {"eval-every": cfg.eval_every, "save-every": cfg.save_every, "save-every-minutes": cfg.save_every_minutes,
+                        "lr-warmup-steps": cfg.lr_warmup_steps,
                         "head-warmup-steps": cfg.head_warmup_steps, "lora-r": cfg.lora_r - 1}.items():
         if value < 0:
             raise UsageError(f"--{name} must be >= {1 if name == 'lora-r' else 0}")

@@ -21,6 +21,22 @@ class InfoConfig:
     min_pair_count: int = field(default=10, metadata={"help": "only list pairs seen at least this often"})
 
 
+BUILD_HELP = "count unigrams..trigrams of a corpus into a stats dir (resumable)"
+BUILD_DESCRIPTION = (
+    "Count the unigrams, bigrams and trigrams of a corpus, tokenized with the base model's tokenizer, "
+    "into a stats dir that dynamic decoding (DynaMo's co-occurrence mask) and the joint drafter read. "
+    "A killed run resumes where it stopped when run again with the same options. Large corpora can be "
+    "split across machines with --shard I/N and joined with `multitoken stats merge`.")
+MERGE_HELP = "merge the partials of shards counted separately (--shard I/N)"
+MERGE_DESCRIPTION = (
+    "Join the partial counts written by `multitoken stats build --shard I/N` on several machines into "
+    "one stats dir. Every shard must be given exactly once; the counts are pruned with --min-count.")
+INFO_HELP = "summarise a stats dir"
+INFO_DESCRIPTION = (
+    "Print what a stats dir holds: its tokenizer, the corpus size, the n-grams kept per order, and the "
+    "token pairs with the highest pointwise mutual information (as text when the tokenizer is at hand).")
+
+
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
     from multitoken.pipeline.cliargs import add_dataclass_args
@@ -30,14 +46,14 @@ def register(sub) -> None:
 
     p = add_command(sub, "stats")
     ssub = p.add_subparsers(dest="stats_command", metavar="SUBCOMMAND", required=True)
-    b = ssub.add_parser("build", help="count unigrams..trigrams of a corpus into a stats dir (resumable)")
+    b = ssub.add_parser("build", help=BUILD_HELP, description=BUILD_DESCRIPTION)
     add_dataclass_args(b, BuildConfig)
     add_dataclass_args(b, DataConfig)
     b.set_defaults(func=run_build)
-    m = ssub.add_parser("merge", help="merge the partials of shards counted separately (--shard I/N)")
+    m = ssub.add_parser("merge", help=MERGE_HELP, description=MERGE_DESCRIPTION)
     add_dataclass_args(m, MergeConfig)
     m.set_defaults(func=run_merge)
-    i = ssub.add_parser("info", help="summarise a stats dir")
+    i = ssub.add_parser("info", help=INFO_HELP, description=INFO_DESCRIPTION)
     add_dataclass_args(i, InfoConfig)
     i.set_defaults(func=run_info)
 

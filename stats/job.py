@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from multitoken.pipeline.cliargs import atomic_write_text, save_resolved_config
-from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.data import DataConfig, describe_files
 from multitoken.pipeline.embedded import default_base, portable_base
 from multitoken.pipeline.errors import CheckpointError, DataError, UsageError
 
@@ -30,7 +31,7 @@ from .workers import count_shards
 @dataclass
 class BuildConfig:
     out: str = field(default="", metadata={"help": "stats directory to write"})
-    tokenizer: str = field(default_factory=default_base, metadata={"help": "tokenizer (base model dir or Hub id) the corpus is tokenized with; default: the embedded model's"})
+    tokenizer: str = field(default_factory=default_base, metadata={"help": "tokenizer (base model dir or Hub id) the corpus is tokenized with (default: the embedded model's)"})
     order: int = field(default=3, metadata={"help": "highest n-gram order counted (1-3)"})
     min_count: tuple[int, ...] = field(default=(1,), metadata={"help": "prune n-grams rarer than this at merge: one value for orders 2..N, or one per order 1..N"})
     num_proc: int = field(default=1, metadata={"help": "local worker processes"})
@@ -91,6 +92,8 @@ def make_job(cfg: BuildConfig, data: DataConfig) -> Job:
 def build(cfg: BuildConfig, data: DataConfig, log=print) -> Path | None:
     """Count (resuming if partials exist) and, unless ``--shard`` is given, merge. Returns the stats dir."""
     job = make_job(cfg, data)
+    files, lines = describe_files(data)  # also refuses a --split the data does not have
+    print("\n".join(lines), file=sys.stderr, flush=True)
     out = Path(cfg.out)
     mins = min_counts_per_order(cfg.min_count, cfg.order)
     if (out / META_NAME).exists():
@@ -107,14 +110,14 @@ def build(cfg: BuildConfig, data: DataConfig, log=print) -> Path | None:
             return out
     shards = local_shards(parse_shard(cfg.shard), cfg.num_proc)
     _check_no_foreign_shards(out, shards)
-    save_resolved_config(out / "config.json", "stats build", cfg, data)
+    save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files})
     t0 = time.perf_counter()
     tokens = count_shards(job, shards, cfg.num_proc)
     log(f"counted {tokens:,} tokens in {time.perf_counter() - t0:.1f}s")
     if cfg.shard is not None:
         log(f"shard {cfg.shard} done; merge all shards with: multitoken stats merge DIR... --out STATS_DIR")
         return None
-    write_stats(out, [shard_dir(out, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log)
+    write_stats(out, [shard_dir(out, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files)
     if not cfg.keep_partials:
         shutil.rmtree(out / "partials", ignore_errors=True)
     return out
@@ -183,8 +186,11 @@ def check_coverage(shards: list[tuple[int, int]]) -> None:
         )
 
 
-def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, memory_bytes: int, log=print) -> dict:
-    """Merge the finished shards ``sdirs`` into the stats dir ``out`` and write its meta.json."""
+def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, memory_bytes: int, log=print,
+                files: list[str] | None = None) -> dict:
+    """Merge the finished shards ``sdirs`` into the stats dir ``out`` and write its meta.json
+    (``files``: the local data files counted, when known; a merge of shards counted elsewhere
+    records None, each shard's config.json lists its own)."""
     from importlib.metadata import version
 
     jobs = [json.loads((d / "job.json").read_text()) for d in sdirs]
@@ -221,6 +227,7 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
         "count_dtypes": {str(k): v["dtype"] for k, v in kept.items()},
         "min_counts": {str(k + 1): m for k, m in enumerate(mins)},
         "source": ident["data"],
+        "data_files": files,
         "shards": sorted(j["shard"] for j in jobs),
         "package_version": version("multitoken"),
         "job": ident,

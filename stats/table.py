@@ -1,4 +1,4 @@
-"""``CooccurrenceTable``: the co-occurrence mask of DynaMo (seed 003, eq. 3 and eq. 6).
+"""``CooccurrenceTable``: the co-occurrence mask of DynaMo (eq. 3 and eq. 6).
 
 For candidate token lists per position ``x1 in A, x2 in B[, x3 in C]`` the mask grid is
 
@@ -158,7 +158,7 @@ class CooccurrenceTable:
         return r
 
     def mask(self, cands, alpha: float = 1.0):
-        """The co-occurrence mask ``ratio ** alpha`` (seed 003 eq. 6) over the candidate grid.
+        """The co-occurrence mask ``ratio ** alpha`` (DynaMo eq. 6) over the candidate grid.
 
         ``cands``: 2 or 3 (up to the table's order) 1-D int arrays or torch tensors of token ids.
         Returns float32, a numpy array, or a torch tensor on the candidates' device if they are tensors.

@@ -1,4 +1,4 @@
-"""CP experts (seed 000): the loss equals the joint likelihood by brute-force enumeration on a
+"""CP experts (the CP-heads paper): the loss equals the joint likelihood by brute-force enumeration on a
 tiny vocabulary, the conditionals (eqs. 11-13) equal enumerated conditionals, rank 1 equals
 independent heads, and the eq. 10 / surrogate balancing losses behave as written."""
 

@@ -1,4 +1,4 @@
-"""WHS (seed 002 eq. 5) and Medusa (seed 004) specifics."""
+"""WHS (Mehra et al. eq. 5) and Medusa specifics."""
 
 from __future__ import annotations
 

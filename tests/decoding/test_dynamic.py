@@ -1,4 +1,4 @@
-"""DynaMo dynamic decoding (seed 003 Alg. 1): back-off extremes, the emitted distribution at n = 2,
+"""DynaMo dynamic decoding (Alg. 1): back-off extremes, the emitted distribution at n = 2,
 and the image operations (opencv for 2-D, scipy + numpy Otsu for 3-D agree with opencv)."""
 
 from __future__ import annotations

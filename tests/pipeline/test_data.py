@@ -74,3 +74,59 @@ def test_bad_inputs_are_clear_errors(tmp_path, tok):
         list(iter_documents(DataConfig(str(tmp_path / "a.csv")), tok))
     with pytest.raises(UsageError, match="shard 2/2"):
         list(iter_documents(DataConfig(str(tmp_path / "x.jsonl")), tok, shard=(2, 2)))
+
+
+# Local splits and duplicates (pile_dummy: train_00.jsonl + train_00.jsonl.zst, val.jsonl, test.jsonl)
+PILE_SPLITS = {"train": "train_00.jsonl.zst", "validation": "val.jsonl", "test": "test.jsonl"}
+
+
+@pytest.mark.parametrize("split", ["train", "validation", "val", "test"])
+def test_split_selects_the_files_named_so(split, tok):
+    from multitoken.pipeline.data import canonical_split, describe_files
+
+    cfg = DataConfig(str(fixture_path("pile_dummy")), split=split)
+    files, lines = describe_files(cfg)
+    assert files == [str(fixture_path("pile_dummy", PILE_SPLITS[canonical_split(split)]))]
+    docs = [tok.decode(ids) for _, ids in iter_documents(cfg, tok)]
+    assert docs == _texts(fixture_path("pile_dummy", PILE_SPLITS[canonical_split(split)].removesuffix(".zst")))
+    assert files[0] in lines[1]
+
+
+def test_a_jsonl_beside_its_zst_is_read_once(tmp_path, tok):
+    from multitoken.pipeline.data import describe_files
+
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    import zstandard
+
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "a.jsonl").read_bytes()))
+    (tmp_path / "b.jsonl").write_text('{"text": "three"}\n')
+    for spec in (str(tmp_path), str(tmp_path / "*.jsonl*")):
+        cfg = DataConfig(spec)
+        assert [tok.decode(ids) for _, ids in iter_documents(cfg, tok)] == ["one", "two", "three"]
+        files, lines = describe_files(cfg)
+        assert files == [str(tmp_path / "a.jsonl.zst"), str(tmp_path / "b.jsonl")]
+        assert f"data: skipped {tmp_path / 'a.jsonl'} (same content as {tmp_path / 'a.jsonl.zst'})" in lines
+
+
+def test_folders_named_by_split_win_over_file_names(tmp_path, tok):
+    from multitoken.pipeline.data import describe_files
+
+    for folder, name, text in (("train", "test_a.jsonl", "t1"), ("validation", "x.jsonl", "v1"), ("dev-2", "y.jsonl", "v2")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text(json.dumps({"text": text}) + "\n")
+    got = lambda split: [tok.decode(i) for _, i in iter_documents(DataConfig(str(tmp_path), split=split), tok)]  # noqa: E731
+    assert got("train") == ["t1"] and got("validation") == ["v2", "v1"]
+    with pytest.raises(UsageError, match="no test split .it has: train, validation"):
+        describe_files(DataConfig(str(tmp_path), split="test"))
+
+
+def test_split_is_refused_for_data_without_splits(tmp_path, tok):
+    (tmp_path / "corpus.jsonl").write_text('{"text": "x"}\n')
+    assert len(list(iter_documents(DataConfig(str(tmp_path)), tok))) == 1  # no split names: all of it is train
+    for spec in (str(tmp_path), str(tmp_path / "corpus.jsonl"), str(tmp_path / "*.jsonl")):
+        with pytest.raises(UsageError, match="--split validation: .*(no splits|names files)"):
+            list(iter_documents(DataConfig(spec, split="validation"), tok))
+    with pytest.raises(UsageError, match="slicing a split works only for Hub datasets"):
+        list(iter_documents(DataConfig(str(tmp_path), split="train[:10%]"), tok))
+    with pytest.raises(UsageError, match="has no train split .it has: test, validation"):
+        list(iter_documents(DataConfig(str(fixture_path("wikitext2_tokens"))), tok))

@@ -1,7 +1,9 @@
 """``evaluate`` on a tiny random Llama: each metric against an independent hand computation."""
 
+import io
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -116,7 +118,32 @@ def test_cli_eval_writes_report_plot_and_config(tiny_model, tmp_path, capsys):
     assert json.loads((out / "eval_config.json").read_text())["command"] == "eval"
     printed = capsys.readouterr().out
     assert "PPL_1:n" in printed and "marginalization baseline" in printed
+    assert json.loads((out / "eval_config.json").read_text())["data_files"] == [str(text)]
     assert main(["eval", "--heads", str(heads), "--data", str(text), "--out", str(out), "--parts", "bogus"]) == 2
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_eval_progress_bars_go_to_a_terminal_stderr_only(tiny_model, tmp_path, monkeypatch, capsys, quiet):
+    text = tmp_path / "doc.txt"
+    text.write_text("The cat sat on the mat and the dog ran to the park. " * 30)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    cfg = EvalConfig(seq_len=32, batch_size=2, parts=("ppl", "lens"), lens_tokens=32, quiet=quiet)
+    evaluate(tiny_model, cfg, DataConfig(data=str(text), max_tokens=128))
+    shown = term.getvalue()
+    if quiet:
+        assert shown == ""
+    else:  # one bar per part, at its final count
+        assert "eval ppl" in shown and "128/128" in shown and "eval lens" in shown and "32.0/32.0" in shown
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bars either
+    evaluate(tiny_model, EvalConfig(seq_len=32, batch_size=2, parts=("ppl",)), DataConfig(data=str(text), max_tokens=64))
+    assert sys.stderr.getvalue() == ""
 
 
 @pytest.mark.parametrize("head_type", ["replicated", "cp"])

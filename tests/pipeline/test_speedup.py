@@ -1,4 +1,4 @@
-"""Seed 004's speed-up table, reproduced exactly from the formulas (c = c_hat = 0)."""
+"""The speculative-sampling speed-up table (Leviathan et al.'s formulas), reproduced exactly from the formulas (c = c_hat = 0)."""
 
 import pytest
 
@@ -6,7 +6,7 @@ from multitoken.pipeline.speedup import (
     acceptance_from_tokens, expected_tokens, operations_factor, speedup_table, walltime_improvement,
 )
 
-# (a, g) -> (operations, speed) as printed in seed 004, Table 1.
+# (a, g) -> (operations, speed) as printed in the speculative-decoding notes, Table 1.
 SEED_TABLE = {
     (0.6, 2): (1.53, 1.96), (0.7, 3): (1.58, 2.53), (0.8, 2): (1.23, 2.44),
     (0.8, 5): (1.63, 3.69), (0.9, 2): (1.11, 2.71), (0.9, 10): (1.60, 6.86),

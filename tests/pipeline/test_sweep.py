@@ -23,9 +23,11 @@ def tiny_model(tiny_llama_dir):
 
 def test_parse_grid_lists_and_ranges():
     assert parse_grid("0:1:0.1") == pytest.approx([i / 10 for i in range(11)])
-    assert parse_grid("1,0,0.5,0.5") == [0.0, 0.5, 1.0]
+    assert parse_grid(["1", "0", "0.5", "0.5"]) == [0.0, 0.5, 1.0]
+    assert parse_grid([1.0, 0.0]) == [0.0, 1.0]
     assert parse_grid("0.2:0.6:0.2") == pytest.approx([0.2, 0.4, 0.6])
-    for bad in ("", "0:1:0", "1.5", "a,b"):
+    assert parse_grid(["0", "0.5:1:0.25"]) == [0.0, 0.5, 0.75, 1.0]
+    for bad in ("", "0:1:0", "1.5", "a b", "0,1", ["1:0:0.1"]):
         with pytest.raises(UsageError):
             parse_grid(bad)
 
@@ -132,7 +134,7 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe dog\n")
     out = tmp_path / "sweep"
-    code = main(["sweep", "--heads", str(heads), "--prompts", str(prompts), "--eps-b", "0,1", "--seeds", "1",
+    code = main(["sweep", "--heads", str(heads), "--prompts", str(prompts), "--eps-b", "0", "1", "--seeds", "1",
                  "--max-new-tokens", "6", "--stats", "none", "--quiet", "--out", str(out)])
     assert code == 0
     res = json.loads((out / "sweep.json").read_text())

@@ -127,6 +127,41 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_llama_dir, heads_dir, corpu
     assert ma == mb  # same evaluations at the same steps, the resumed half included
 
 
+def test_time_based_checkpoints_come_first_and_resume(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):
+    from multitoken.pipeline.checkpoint import list_checkpoints
+
+    data = DataConfig(data=str(corpus))
+    # the step-based checkpoint would come at step 500; a tiny time interval saves after every step
+    kw = dict(max_steps=4, save_every=500, save_every_minutes=1e-7, eval_every=2)
+    train(train_cfg(heads_dir, tmp_path / "a", **kw), data)
+    real, calls = train_mod.train_step, []
+
+    def dies_in_step_three(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "train_step", dies_in_step_three)
+    with pytest.raises(KeyboardInterrupt):
+        train(train_cfg(heads_dir, tmp_path / "b", **kw), data)
+    assert [p.name for p in list_checkpoints(tmp_path / "b.checkpoints")] == ["step-00000001", "step-00000002"]
+    monkeypatch.setattr(train_mod, "train_step", real)
+    train(train_cfg(heads_dir, tmp_path / "b", resume=True, **kw), data)
+    a, b = load_trained(tiny_llama_dir, tmp_path / "a"), load_trained(tiny_llama_dir, tmp_path / "b")
+    for (ka, va), (kb, vb) in zip(head_state(a).items(), head_state(b).items()):
+        assert ka == kb and torch.equal(va, vb), ka
+    assert (json.loads((tmp_path / "a" / "train_metrics.json").read_text())
+            == json.loads((tmp_path / "b" / "train_metrics.json").read_text()))
+
+
+def test_no_time_based_checkpoint_when_off(heads_dir, corpus, tmp_path):
+    from multitoken.pipeline.checkpoint import list_checkpoints
+
+    train(train_cfg(heads_dir, tmp_path / "o", max_steps=3, save_every=500, save_every_minutes=0), DataConfig(data=str(corpus)))
+    assert [p.name for p in list_checkpoints(tmp_path / "o.checkpoints")] == ["step-00000003"]  # the final one only
+
+
 def test_existing_checkpoints_need_resume(heads_dir, corpus, tmp_path):
     from multitoken.pipeline.errors import UsageError
 

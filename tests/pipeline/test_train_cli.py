@@ -25,11 +25,22 @@ def _train(*args: str) -> int:
 def test_attach_then_train_from_the_cli(tiny_llama_dir, corpus, tmp_path, capsys):
     heads = tmp_path / "heads"
     assert main(["attach", "--base", str(tiny_llama_dir), "--head", "replicated", "--n", "3", "--out", str(heads)]) == 0
+    capsys.readouterr()
     out = tmp_path / "trained"
-    assert _train("--heads", str(heads), "--data", str(corpus), "--max-steps", "3", "--out", str(out),
+    assert _train("--heads", str(heads), "--data", str(corpus), "--max-steps", "3", "--out", str(out), "--eval-every", "2",
                   "--mode", "warmup", "--head-warmup-steps", "1", "--head-lr-mult", "4", "--loss-balance", "rms") == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["step"] == 3 and "head2/top5" in summary["eval"]
+    cap = capsys.readouterr()
+    lines = cap.out.strip().splitlines()  # a short readable summary, no JSON line
+    assert lines[0] == f"trained 3 steps; heads written to {out}" and lines[1] == "held-out evaluation:"
+    assert [line.split()[0] for line in lines[3:6]] == ["1", "2", "3"] and len(lines) == 8
+    assert not any(line.lstrip().startswith("{") for line in lines)
+    history = json.loads((out / "train_metrics.json").read_text())  # the JSON stays in its file
+    assert [h["step"] for h in history] == [2, 3] and "head2/top5" in history[-1]
+    evals = [line for line in cap.err.splitlines() if " eval: " in line]
+    assert evals == [f"step 2/3 eval: loss {history[0]['head1/loss']:.3f} {history[0]['head2/loss']:.3f} "
+                     f"{history[0]['head3/loss']:.3f} | top-1 {history[0]['head1/top1']:.3f} {history[0]['head2/top1']:.3f} "
+                     f"{history[0]['head3/top1']:.3f} (heads 1..3)"]
+    assert f"data: reading 1 file\n  {corpus}\n" in cap.err
     assert {"heads.safetensors", "heads_config.json", "train_config.json", "train_metrics.json", "lora"} <= {p.name for p in out.iterdir()}
     assert (tmp_path / "trained.checkpoints" / "step-00000003" / "state.json").is_file()
     # Training again into the same dir needs --resume; with it, the finished run is a no-op.

@@ -54,7 +54,7 @@ def test_dynamo_rates(tiny_llama_dir, heads_dir, tmp_path):
     assert optim.stem_scale(cfg, backbone_trains=False) == 1.0
     copied = make_heads_dir(tiny_llama_dir, tmp_path / "copied", init="copy")
     groups = _by_name(optim.param_groups(_model(tiny_llama_dir, copied, lora=True), cfg))
-    assert groups["heads_copied"]["lr"] == 1e-5 and "heads_new" not in groups  # 003 trains copies at LR_B
+    assert groups["heads_copied"]["lr"] == 1e-5 and "heads_new" not in groups  # DynaMo trains copies at LR_B
 
 
 def test_lr_mb_scales_only_the_backbone_share_of_the_gradient(tiny_llama_dir, heads_dir):

@@ -1,0 +1,165 @@
+"""Which torch thread count is fastest, per kind of work: one sequence (``generate``) and
+batches (``train`` steps). Sets the defaults in ``multitoken/pipeline/threads.py``.
+
+For each thread count (1, 2 and torch's default by default) it measures
+- generate, batch 1, greedy: tokens/s of ``ar`` and ``speculative`` (the CLI's default mode) on
+  the embedded stories260K with its heads and stats, and of ``ar`` on pythia-mini (base only);
+- train: tokens/s of heads-only training steps (3 replicated heads, AdamW) on both models.
+Repetitions run the thread counts interleaved and the best repetition counts; the 1-minute load
+average is recorded before and after every measurement, since other processes on the machine
+skew every figure (run it on a quiet machine). Prints a table and writes JSON.
+
+    python scripts/bench_threads.py --out bench_threads.json
+    python scripts/bench_threads.py --new-tokens 8 --train-steps 1 --reps 1 --seq-len 32 --out /tmp/t.json   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.loop import generate
+from multitoken.pipeline.assets import load_stats
+from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))
+PROMPTS = {"stories260K": "Once upon a time", "pythia-mini": "The results of the study show that"}
+TORCH_DEFAULT = torch.get_num_threads()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_threads.json")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 0], help="thread counts (0: torch's default)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens per generate call")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (the best counts)")
+    p.add_argument("--train-steps", type=int, default=5, help="timed training steps per measurement (after one warm-up step)")
+    p.add_argument("--batch-size", type=int, default=8, help="train: sequences per step (multitoken train's default)")
+    p.add_argument("--seq-len", type=int, default=256, help="train: tokens per sequence (multitoken train's default)")
+    p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
+    return p.parse_args(argv)
+
+
+def load_models(args) -> dict:
+    """name -> (model for generate, heads-only training model, stats table or None)."""
+    models = {}
+    emb_bb = load_backbone(BackboneConfig(base=str(DEFAULT_BASE), threads=0))
+    emb = MultiTokenModel.from_pretrained(emb_bb, EMBEDDED_HEADS)
+    models["stories260K"] = (emb, _trainable(load_backbone(BackboneConfig(base=str(DEFAULT_BASE), threads=0))),
+                             load_stats(str(EMBEDDED_STATS), emb_bb.tokenizer))
+    if Path(args.pythia_mini).is_dir():
+        pm_bb = load_backbone(BackboneConfig(base=args.pythia_mini, threads=0))
+        base_only = MultiTokenModel.attach(pm_bb, {"head_type": "medusa", "n_future": 1})
+        models["pythia-mini"] = (base_only, _trainable(load_backbone(BackboneConfig(base=args.pythia_mini, threads=0))), None)
+    else:
+        print(f"pythia-mini not found at {args.pythia_mini}: measuring the embedded model only")
+    return models
+
+
+def _trainable(backbone) -> MultiTokenModel:
+    torch.manual_seed(0)
+    return MultiTokenModel.attach(backbone, {"head_type": "replicated", "n_future": 3})
+
+
+def time_generate(model, table, prompt: str, mode: str, new_tokens: int) -> dict:
+    ids = model.backbone.tokenizer(prompt, return_tensors="pt").input_ids
+    cfg = DecodeConfig(mode=mode, greedy=True, max_new_tokens=new_tokens, stop_at_eos=False)
+    generate(model, ids, DecodeConfig(mode=mode, greedy=True, max_new_tokens=4, stop_at_eos=False), table=table)  # warm-up
+    start = time.perf_counter()
+    out = generate(model, ids, cfg, table=table)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": len(out.token_ids) / seconds, "tokens": len(out.token_ids), "seconds": seconds}
+
+
+def time_train(model, args) -> dict:
+    """``multitoken train``'s own step (heads mode, its default settings) on random ids."""
+    import numpy as np
+
+    from multitoken.pipeline import optim
+    from multitoken.pipeline.train import Dist, Runner, train_step
+    from multitoken.pipeline.trainer_config import TrainConfig
+
+    cfg = TrainConfig(heads="-", out="-", batch_size=args.batch_size, seq_len=args.seq_len)
+    for p in model.base_head_parameters():  # as train() does: head 1 stays the base model
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(optim.param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    runner = Runner(model, Dist())
+    rows = np.random.default_rng(0).integers(0, model.backbone.vocab_size, (args.batch_size, args.seq_len))  # [B, T]
+    model.train(True)
+    train_step(runner, opt, rows, cfg, 0)  # warm-up
+    start = time.perf_counter()
+    for step in range(1, args.train_steps + 1):
+        train_step(runner, opt, rows, cfg, step)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": args.batch_size * args.seq_len * args.train_steps / seconds, "seconds": seconds}
+
+
+def measure(models: dict, args) -> list[dict]:
+    """Every (model, work, threads) cell, once per repetition, thread counts interleaved."""
+    rows = []
+    for rep in range(args.reps):
+        for threads in args.threads:
+            set_threads(threads)
+            for name, (gen_model, train_model, table) in models.items():
+                modes = ["ar", "speculative"] if gen_model.n_future > 1 else ["ar"]
+                cells = [(f"generate {m}", lambda m=m: time_generate(gen_model, table, PROMPTS[name], m, args.new_tokens)) for m in modes]
+                cells.append(("train step", lambda: time_train(train_model, args)))
+                for work, run in cells:
+                    load_before = os.getloadavg()[0]
+                    result = run()
+                    rows.append({"model": name, "work": work, "threads": threads, "threads_used": torch.get_num_threads(),
+                                 "rep": rep, "load_1m_before": load_before, "load_1m_after": os.getloadavg()[0], **result})
+                    print(f"rep {rep} threads {threads}: {name} {work}: {result['tokens_per_s']:.1f} tokens/s "
+                          f"(load {load_before:.2f})", flush=True)
+    return rows
+
+
+def best(rows: list[dict]) -> dict:
+    """(model, work) -> threads -> the best repetition's tokens/s."""
+    table: dict = {}
+    for r in rows:
+        cell = table.setdefault(f"{r['model']} | {r['work']}", {})
+        cell[r["threads"]] = max(cell.get(r["threads"], 0.0), r["tokens_per_s"])
+    return table
+
+
+def print_table(summary: dict, threads: list[int]) -> None:
+    label = {t: (f"{t} thread{'s' if t != 1 else ''}" if t else f"default ({TORCH_DEFAULT})") for t in threads}
+    print(f"\n{'model | work':36s}" + "".join(f"{label[t]:>14s}" for t in threads) + "   fastest")
+    for key, cell in summary.items():
+        fastest = max(cell, key=cell.get)
+        print(f"{key:36s}" + "".join(f"{cell[t]:14.1f}" for t in threads) + f"   {label[fastest]}")
+    print("(tokens/s, best repetition)")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    record = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_default_threads": TORCH_DEFAULT,
+                          "torch": torch.__version__, "load_1m_start": os.getloadavg()[0]},
+              "current_defaults": {"one_sequence": THREADS_ONE_SEQUENCE, "batches": THREADS_BATCHES},
+              "settings": vars(args)}
+    models = load_models(args)
+    rows = measure(models, args)
+    summary = best(rows)
+    record.update(rows=rows, best_tokens_per_s={k: {str(t): v for t, v in c.items()} for k, c in summary.items()})
+    record["machine"]["load_1m_end"] = os.getloadavg()[0]
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print_table(summary, args.threads)
+    print(f"load average (1 min) start {record['machine']['load_1m_start']:.2f}, end {record['machine']['load_1m_end']:.2f}; "
+          f"wrote {args.out}")
+    return record
+
+
+if __name__ == "__main__":
+    main()

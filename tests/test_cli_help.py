@@ -1,0 +1,104 @@
+"""Every subcommand's --help reads in plain words; value lists take one syntax; --threads
+reaches every command that runs a model; dependencies' noise stays off the console."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from multitoken.pipeline.cli import COMMANDS, build_parser
+
+CONFIG_CLASSES = ("GenerateConfig", "DecodeConfig", "BackboneConfig", "AttachConfig", "ConvertLlama2cConfig", "TrainConfig",
+                  "DataConfig", "DistillConfig", "EvalConfig", "SweepConfig", "BuildConfig", "MergeConfig", "InfoConfig")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices) if actions else {}
+
+
+def all_parsers() -> dict[str, argparse.ArgumentParser]:
+    """'generate', 'stats build', ... -> its fully built parser."""
+    found = {}
+    for name in COMMANDS:
+        parser = _subparsers(build_parser(name))[name]
+        found[name] = parser
+        found.update({f"{name} {sub}": p for sub, p in _subparsers(parser).items()})
+    return found
+
+
+PARSERS = all_parsers()
+
+
+def test_every_command_and_subcommand_is_walked():
+    assert {"generate", "train", "eval", "sweep", "distill", "attach", "convert-llama2c",
+            "stats build", "stats merge", "stats info"} <= set(PARSERS)
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_help_reads_in_plain_words(name):
+    parser = PARSERS[name]
+    text = parser.format_help()
+    assert parser.description and len(parser.description) > 20, "no description"
+    titles = [g.title for g in parser._action_groups]
+    assert not [t for t in titles if t in CONFIG_CLASSES or re.fullmatch(r"[A-Z]\w*Config", t or "")], titles
+    flat = " ".join(text.split())  # argparse wraps lines
+    assert "(default: )" not in flat and "(default: None)" not in flat and "default None" not in flat
+    assert not re.search(r"\(default: \(", flat), "a tuple repr as a default"
+    assert not re.search(r"default:? \(\d", flat) and "default: ()" not in flat
+    assert not re.search(r"seeds? 00\d", flat, re.I), "a paper named by its seed file"
+    assert "pipeline/embedded/" not in flat, "an install path as a default"
+    for action in parser._actions:  # required inputs show no default at all
+        if action.default in ("", None, ()) and action.help:
+            assert "(default: )" not in action.help and "(default: None)" not in action.help
+
+
+def test_value_lists_take_spaces_and_ranges():
+    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.evaluate import EvalConfig
+    from multitoken.pipeline.sweep import SweepConfig
+    from multitoken.stats.job import BuildConfig
+
+    for name, cls in (("eval", EvalConfig), ("sweep", SweepConfig)):
+        parser = build_parser(name)
+        for argv, want in ((["--eps-b", "0", "0.5", "1"], (0.0, 0.5, 1.0)),
+                           (["--eps-b", "0:1:0.25"], (0.0, 0.25, 0.5, 0.75, 1.0)),
+                           (["--eps-b", "0.1", "0.5:0.6:0.1"], (0.1, 0.5, 0.6))):
+            args = parser.parse_args([name, *argv])
+            assert dataclass_from_args(cls, args).eps_b == pytest.approx(want), (name, argv)
+    args = build_parser("stats").parse_args(["stats", "build", "--min-count", "1", "2:3:1"])
+    assert dataclass_from_args(BuildConfig, args).min_count == (1, 2, 3)
+    assert " ".join(PARSERS["sweep"].format_help().split()).count("(default: 0:1:0.1)") == 1
+    assert "(default: 0 0.25 0.5 0.75 1)" in " ".join(PARSERS["eval"].format_help().split())
+
+
+@pytest.mark.parametrize("token", ["0,0.5", "1:0:0.1", "a", "0:1"])
+def test_bad_value_lists_are_usage_errors(token, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser("sweep").parse_args(["sweep", "--eps-b", token])
+    assert exit_.value.code == 2 and "--eps-b" in capsys.readouterr().err
+
+
+def test_threads_on_every_command_that_runs_a_model():
+    from multitoken.pipeline.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE
+
+    want = {"generate": THREADS_ONE_SEQUENCE, "sweep": THREADS_ONE_SEQUENCE,
+            "train": THREADS_BATCHES, "eval": THREADS_BATCHES, "distill": THREADS_BATCHES}
+    for name, default in want.items():
+        parser = build_parser(name)
+        assert parser.parse_args([name, "x"] if name == "generate" else [name]).threads == default, name
+        assert parser.parse_args([name, "--threads", "3"] + (["x"] if name == "generate" else [])).threads == 3
+
+
+def test_generate_json_is_one_clean_line():
+    r = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "Once upon a time", "--json",
+                        "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["token_ids"]
+    assert "Loading weights" not in r.stderr and "Warning" not in r.stderr and "%|" not in r.stderr, r.stderr
