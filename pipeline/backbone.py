@@ -8,7 +8,6 @@ Architectures differ only in a few names, kept in ``ARCHITECTURES`` (one row per
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,25 +145,14 @@ def _quantization_config(quantization: str | None, dtype: torch.dtype, skip_modu
 
 
 def _quantization_plan(model_config, config: "BackboneConfig"):
-    """The layers bitsandbytes' kernels for ``config.device`` can take, or None (no quantization).
-    Prints one note when some stay in float; refuses when none fits."""
+    """The Linear layers bitsandbytes can take on ``config.device``; None without quantization."""
     if config.quantization is None:
         return None
     if config.quantization not in QUANTIZATIONS:
         raise UsageError(f"unknown quantization {config.quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
-    from .quantization import plan
+    from .quantization import checked_plan
 
-    result = plan(model_config, config.quantization, config.device)
-    if not result.quantized:
-        shapes = sorted({f"{o}x{i}" for o, i in result.left_float.values()})
-        raise UsageError(
-            f"{config.quantization} quantization fits none of {config.base!r}'s linear layers on this CPU "
-            f"(out x in: {', '.join(shapes)}; bitsandbytes' AVX512-BF16 kernel needs out % 32 == 0 and in % 64 == 0)",
-            "drop --quantization, or use --quantization 8bit",
-        )
-    if result.left_float:
-        print(result.note(config.quantization), file=sys.stderr)
-    return result
+    return checked_plan(model_config, config.quantization, config.device, str(config.base))
 
 
 def load_tokenizer(path: str):

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .errors import UsageError
 
 PACKED_BLOCK_N = 32  # bitsandbytes functional._convert_weight_packed_for_cpu(block_n=32)
 BLOCKSIZE_4BIT = 64  # bitsandbytes Params4bit default blocksize (transformers keeps it)
@@ -94,4 +97,20 @@ def plan(model_config, quantization: str, device: str, packed: bool | None = Non
             result.quantized.append(name)
         else:
             result.left_float[name] = (module.out_features, module.in_features)
+    return result
+
+
+def checked_plan(model_config, quantization: str, device: str, base: str) -> QuantizationPlan:
+    """``plan``, printing one note when some layers stay in float, refusing when none fits."""
+    result = plan(model_config, quantization, device)
+    if not result.quantized:
+        shapes = sorted({f"{o}x{i}" for o, i in result.left_float.values()})
+        raise UsageError(
+            f"{quantization} quantization fits none of {base!r}'s linear layers on this CPU (out x in: "
+            f"{', '.join(shapes)}; bitsandbytes' AVX512-BF16 kernel needs out % {PACKED_BLOCK_N} == 0 and "
+            f"in % {BLOCKSIZE_4BIT} == 0)",
+            "drop --quantization, or use --quantization 8bit",
+        )
+    if result.left_float:
+        print(result.note(quantization), file=sys.stderr)
     return result
