@@ -4,15 +4,19 @@ VENV ?= .venv
 PYTHON ?= python3
 # A CPU machine takes the local CPU wheel; on a GPU machine set TORCH="torch" (or your build).
 TORCH ?= torch==2.13.0
+# Every install is constrained to the exact tested set (constraints.txt), the one CI sees. It pins
+# torch==2.13.0 (no +cpu label), so TORCH=torch still installs torch 2.13.0 (the CUDA build where
+# pip's index serves it); for another torch version, edit constraints.txt or install by hand.
+CONSTRAINTS = constraints.txt
 PIP = $(VENV)/bin/python -m pip -q
 STAMP = $(VENV)/.multitoken-installed
 
 .PHONY: demo test test-all clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install "$(TORCH)"   # first, so nothing below pulls the multi-GB CUDA wheels
-	$(PIP) install -e ".[test]"
+	$(PIP) install -c $(CONSTRAINTS) "$(TORCH)"   # first, so nothing below pulls the multi-GB CUDA wheels
+	$(PIP) install -c $(CONSTRAINTS) -e ".[test]"
 	touch $(STAMP)
 
 # The main job: the eps_b sweep of dynamic decoding against ar sampling on the embedded default

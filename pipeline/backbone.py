@@ -16,6 +16,7 @@ from torch import nn
 
 from .embedded import default_base, resolve_base
 from .errors import CheckpointError, UnsupportedModelError, UsageError
+from .hub import locate
 from .threads import set_threads, threads_field
 
 
@@ -72,13 +73,43 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def read_model_type(base: str) -> str:
     """The checkpoint's ``model_type``, read from its config before any weights are loaded."""
+    return read_config(*locate(resolve_base(str(base)))).model_type
+
+
+def read_config(base: str, hub_kwargs: dict | None = None):
+    """The checkpoint's transformers config (``base`` and ``hub_kwargs`` from ``hub.locate``)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(base)
+        return AutoConfig.from_pretrained(base, **(hub_kwargs or {}))
     except (OSError, ValueError) as err:
         raise _load_error(base, err) from err
-    return config.model_type
+
+
+# Device types a model can run on; each has torch.<type>.is_available() and device_count().
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def check_device(name: str) -> torch.device:
+    """``name`` as a torch device that exists on this machine, else a UsageError saying why."""
+    fix = "use --device cpu, or cuda / cuda:N / mps on a machine that has one"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(f"unknown device {name!r}", fix) from None
+    if device.type == "cpu":
+        return device
+    if device.type not in DEVICE_TYPES:
+        raise UsageError(f"device {name!r} cannot run a model", fix)
+    backend = getattr(torch, device.type, None)
+    if backend is None or not backend.is_available():
+        raise UsageError(f"device {name!r} is not available: this machine has no {device.type} device "
+                         f"(or this torch build has no {device.type} support)", fix)
+    count = backend.device_count()
+    if device.index is not None and device.index >= count:
+        raise UsageError(f"device {name!r} does not exist: this machine has {count} {device.type} device(s)",
+                         f"use --device {device.type}:N with 0 <= N < {count}")
+    return device
 
 
 def check_supported(model_type: str) -> ArchSpec:
@@ -102,23 +133,36 @@ def _load_error(base: str, err: Exception) -> CheckpointError:
     )
 
 
-def _quantization_config(quantization: str | None, dtype: torch.dtype):
+def _quantization_config(quantization: str | None, dtype: torch.dtype, skip_modules: list[str] | None = None):
     if quantization is None:
         return None
     from transformers import BitsAndBytesConfig
 
     if quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
     if quantization == "4bit":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                  llm_int8_skip_modules=skip_modules)
     raise UsageError(f"unknown quantization {quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
+
+
+def _quantization_plan(model_config, config: "BackboneConfig"):
+    """The Linear layers bitsandbytes can take on ``config.device``; None without quantization."""
+    if config.quantization is None:
+        return None
+    if config.quantization not in QUANTIZATIONS:
+        raise UsageError(f"unknown quantization {config.quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
+    from .quantization import checked_plan
+
+    return checked_plan(model_config, config.quantization, config.device, str(config.base))
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    base, hub_kwargs = locate(resolve_base(str(path)))
     try:
-        return AutoTokenizer.from_pretrained(resolve_base(str(path)))
+        return AutoTokenizer.from_pretrained(base, **hub_kwargs)
     except (OSError, ValueError) as err:
         raise CheckpointError(
             f"could not load a tokenizer from {path!r}: {err}",
@@ -168,6 +212,9 @@ class Backbone:
         self.model_type = self.config.model_type
         self.spec = check_supported(self.model_type)
         self.decoder = getattr(self.causal_lm, self.causal_lm.base_model_prefix)
+        # Linear layers a quantized load kept in float: no kernel of the device takes their
+        # shape (name -> (out_features, in_features)); see pipeline/quantization.py.
+        self.float_layers: dict[str, tuple[int, int]] = {}
 
     # Generic access ---------------------------------------------------------------------
     @property
@@ -306,26 +353,35 @@ def load_backbone(
     one (peft's own format). The backbone is returned in eval mode with every parameter frozen
     except LoRA ones when ``trainable_lora`` is set; freezing policy lives here, not in heads.
     """
+    config = config or BackboneConfig()
+    # Everything the user can get wrong is checked before a weight is read, and the base
+    # located before transformers is imported (a second): a mistyped path or an unreachable
+    # Hub fails at once.
+    check_device(config.device)
+    set_threads(config.threads)
+    dtype = resolve_dtype(config.dtype)
+    base, hub_kwargs = locate(resolve_base(str(config.base)))
     from transformers import AutoModelForCausalLM
 
-    config = config or BackboneConfig()
-    set_threads(config.threads)
-    base = resolve_base(str(config.base))
-    spec = check_supported(read_model_type(base))
-    dtype = resolve_dtype(config.dtype)
-    kwargs: dict = {"dtype": dtype}
-    quant = _quantization_config(config.quantization, dtype)
-    if quant is not None:
+    model_config = read_config(base, hub_kwargs)
+    spec = check_supported(model_config.model_type)
+    qplan = _quantization_plan(model_config, config)
+    kwargs: dict = {"dtype": dtype, **hub_kwargs}
+    if qplan is not None:
+        quant = _quantization_config(config.quantization, dtype, qplan.skip_modules())
         kwargs.update(quantization_config=quant, device_map={"": config.device})
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(base, config=model_config, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(base, err) from err
-    if quant is None:
+    if qplan is None:
         model = model.to(config.device)
     model = _attach_lora(model, spec, lora, lora_adapter, trainable_lora)
     model.eval()
-    return Backbone(model, load_tokenizer(base), base, config)
+    backbone = Backbone(model, load_tokenizer(base), base, config)
+    if qplan is not None:
+        backbone.float_layers = dict(qplan.left_float)
+    return backbone
 
 
 def _attach_lora(model, spec: ArchSpec, lora: LoraSpec | None, adapter: str | None, trainable: bool):

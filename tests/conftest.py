@@ -70,6 +70,25 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
+# The width of the tiny models that quantized tests load. bitsandbytes' 4-bit kernel on CPUs with
+# AVX512-BF16 needs out_features % 32 == 0 and in_features % 64 == 0 for every Linear
+# (pipeline/quantization.py); 32-wide models fit only the other kernels. At 64 every Linear of
+# both architectures fits: 64, 32 (GQA k/v), 192 and 256 (MLP) outputs on 64, 192, 256 inputs.
+QUANTIZABLE_HIDDEN = 64
+
+
+@pytest.fixture(scope="session")
+def tiny_neox_q_dir(tmp_path_factory) -> Path:
+    """``tiny_neox_dir`` at a width every 4-bit and 8-bit CPU kernel takes."""
+    return build_tiny_neox(tmp_path_factory.mktemp("tiny_neox_q"), hidden=QUANTIZABLE_HIDDEN)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_q_dir(tmp_path_factory) -> Path:
+    """``tiny_llama_dir`` at a width every 4-bit and 8-bit CPU kernel takes."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_q"), hidden=QUANTIZABLE_HIDDEN)
+
+
 @pytest.fixture(scope="session", params=["gpt_neox", "llama"])
 def tiny_model_dir(request, tiny_neox_dir, tiny_llama_dir) -> Path:
     """Both architectures, for tests that must hold for each."""

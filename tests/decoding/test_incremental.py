@@ -60,8 +60,8 @@ def test_head_layers_get_their_own_caches(tiny_backbones):
 
 
 @pytest.mark.parametrize("arch,quantization", [("llama", "8bit"), ("gpt_neox", "4bit")])
-def test_quantized_backbone_decodes_like_its_own_generate(tiny_neox_dir, tiny_llama_dir, arch, quantization):
-    base = {"llama": tiny_llama_dir, "gpt_neox": tiny_neox_dir}[arch]
+def test_quantized_backbone_decodes_like_its_own_generate(tiny_neox_q_dir, tiny_llama_q_dir, arch, quantization):
+    base = {"llama": tiny_llama_q_dir, "gpt_neox": tiny_neox_q_dir}[arch]  # widths every CPU kernel takes
     bb = load_backbone(BackboneConfig(base=str(base), quantization=quantization))
     model = attach(bb, "replicated")
     ids = bb.tokenizer("Once upon a time", return_tensors="pt").input_ids

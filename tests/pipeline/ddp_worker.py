@@ -1,6 +1,8 @@
 """Run by ``torchrun`` from test_train_cli.py: train, then dump this rank's trainable weights.
 
-    ddp_worker.py HEADS DATA OUT DUMP_PREFIX MODE BATCH
+    ddp_worker.py HEADS DATA OUT DUMP_PREFIX MODE BATCH [GRAD_ACCUM]
+
+Without ``torchrun`` (no WORLD_SIZE) it trains as one process: the reference run.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from multitoken.pipeline.train import Dist, init_distributed, load_model, train
 from multitoken.pipeline.trainer_config import TrainConfig
 
 
-def run(heads: str, data: str, out: str, dump: str, mode: str, batch: str) -> None:
-    cfg = TrainConfig(heads=heads, out=out, eval_data=data, max_steps=4, seq_len=32, batch_size=int(batch), lr=5e-3, mode=mode,
+def run(heads: str, data: str, out: str, dump: str, mode: str, batch: str, accum: str = "1") -> None:
+    cfg = TrainConfig(heads=heads, out=out, eval_data=data, max_steps=4, seq_len=32, batch_size=int(batch),
+                      grad_accum=int(accum), lr=5e-3, mode=mode,
                       head_warmup_steps=2 if mode == "warmup" else 0, eval_every=2, eval_batches=1, save_every=2,
                       progress=False, seed=0)
     torch.manual_seed(cfg.seed)
@@ -30,4 +33,4 @@ def run(heads: str, data: str, out: str, dump: str, mode: str, batch: str) -> No
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    run(*sys.argv[1:7])
+    run(*sys.argv[1:8])

@@ -96,7 +96,7 @@ def test_unsupported_model_type_lists_supported(tmp_path):
 
 
 def test_missing_or_broken_checkpoints(tmp_path, tiny_neox_dir):
-    with pytest.raises(CheckpointError, match="neither a local directory nor a reachable"):
+    with pytest.raises(CheckpointError, match="nope. not found: no such directory"):
         load_backbone(BackboneConfig(base=str(tmp_path / "nope")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="could not load"):

@@ -197,13 +197,14 @@ def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_di
 
 
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
-def test_heads_train_on_a_quantized_backbone(tiny_llama_dir, heads_dir, corpus, tmp_path, quantization):
+def test_heads_train_on_a_quantized_backbone(tiny_llama_q_dir, corpus, tmp_path, quantization):
     from multitoken.pipeline.model import MultiTokenModel
 
+    heads_dir = make_heads_dir(tiny_llama_q_dir, tmp_path / "heads")  # a width every CPU kernel takes
     out = tmp_path / "q"
     train(train_cfg(heads_dir, out, max_steps=2, quantization=quantization), DataConfig(data=str(corpus)))
-    before = load_trained(tiny_llama_dir, heads_dir)
-    after = MultiTokenModel.from_pretrained(str(tiny_llama_dir), out, quantization=quantization)
+    before = load_trained(tiny_llama_q_dir, heads_dir)
+    after = MultiTokenModel.from_pretrained(str(tiny_llama_q_dir), out, quantization=quantization)
     assert after.backbone.is_quantized
     assert any(not torch.equal(a, b) for a, b in zip(head_state(before).values(), head_state(after).values()))
     assert all(v.dtype == torch.float32 for v in head_state(after).values())  # heads stay in full precision

@@ -1,0 +1,170 @@
+"""Bad ``--base/--device/--quantization`` values from the command line: one error (its line and
+its fix line), no traceback, non-zero exit, before any weight is read; and the quantization
+plan that keeps in float the layers no kernel of this CPU takes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from multitoken.pipeline.quantization import fits_4bit, packed_cpu_4bit, plan
+
+# The Hub as seen from a machine without network: nothing listens on port 9 of this machine, so
+# the probe is refused at once, on every machine, with or without network.
+OFFLINE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
+
+
+def _cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "multitoken.pipeline.cli", "generate", "Once upon a time", "--max-new-tokens", "4", *args],
+        capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})}, timeout=600, check=False,
+    )
+    return done, time.perf_counter() - start
+
+
+def _one_error(done: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
+    """The run failed with ``code`` and printed exactly one error: its line and its fix line."""
+    lines = done.stderr.splitlines()
+    assert done.returncode == code, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert len(lines) == 2 and lines[0].startswith("multitoken generate: error: ") and lines[1].startswith("  fix: "), lines
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def _unavailable_devices() -> list[str]:
+    """Devices this machine lacks: cuda / mps when absent, else an index past the last one."""
+    cuda = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    mps = "mps:1" if torch.backends.mps.is_available() else "mps"
+    return [cuda, mps, "cuda:7" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count() + 6}"]
+
+
+def test_unknown_device_is_refused():
+    done, _ = _cli("--device", "foo")
+    _one_error(done, 2, "unknown device 'foo'")
+
+
+@pytest.mark.parametrize("device", _unavailable_devices())
+def test_unavailable_device_is_refused(device):
+    done, _ = _cli("--device", device)
+    line = _one_error(done, 2, f"device {device!r}")
+    assert "not available" in line or "does not exist" in line
+
+
+@pytest.mark.parametrize("spelling", ["./no/such/model", "~/no-such-model-dir", "/no/such/model", "runs/modle"])
+def test_mistyped_local_path_is_not_found_without_asking_the_hub(tmp_path, spelling):
+    (tmp_path / "runs").mkdir()  # "runs/modle": its first folder exists here, so it is a path
+    done, _ = _cli("--base", spelling, cwd=tmp_path, env=OFFLINE)
+    _one_error(done, 1, f"{spelling!r} not found")
+
+
+@pytest.mark.parametrize("env, reason", [(OFFLINE, "Hub is unreachable (127.0.0.1"),
+                                         ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set")])
+def test_hub_id_offline_fails_fast_with_one_line(tmp_path, env, reason):
+    env = {**env, "HF_HUB_CACHE": str(tmp_path)}
+    done, _ = _cli("--base", "EleutherAI/pythia-70m", env=env)
+    _one_error(done, 1, "'EleutherAI/pythia-70m' is not a local directory, not in the Hugging Face cache", reason)
+    # Was 25 s of retries. Timed from after `import torch`, which every command pays first (1.5 s
+    # on an idle machine of our kind, 3-4 s on a busy one) and which says nothing about the Hub.
+    timed = ("import sys, time, torch\n"
+             "from multitoken.pipeline.cli import main\n"
+             "start = time.perf_counter()\n"
+             "code = main(['generate', 'Once', '--base', 'EleutherAI/pythia-70m'])\n"
+             "print(time.perf_counter() - start)\n"
+             "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", timed], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=600, check=False)
+    assert done.returncode == 1 and reason in done.stderr, done.stderr[-3000:]
+    elapsed = float(done.stdout)
+    assert elapsed < 3.0, f"{elapsed:.1f} s"
+
+
+def test_hub_id_offline_loads_from_the_local_cache(tmp_path, tiny_llama_dir):
+    # The cache layout huggingface_hub writes: refs/main names the snapshot holding the files.
+    repo = tmp_path / "models--someone--tiny-llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_llama_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    done, _ = _cli("--base", "someone/tiny-llama", "--json", env={**OFFLINE, "HF_HUB_CACHE": str(tmp_path)})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert '"token_ids"' in done.stdout
+
+
+def test_4bit_on_the_embedded_model_quantizes_what_fits(stories_dir):
+    done, _ = _cli("--quantization", "4bit", "--json")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    notes = [line for line in done.stderr.splitlines() if line.startswith("note: 4bit")]
+    if packed_cpu_4bit("cpu"):  # this CPU has AVX512-BF16: the 172-wide MLP cannot be packed
+        assert notes == ["note: 4bit on this CPU (bitsandbytes' AVX512-BF16 kernel) needs out_features % 32 == 0 and "
+                         "in_features % 64 == 0; 15 of 35 linear layers stay in float: model.layers.*.mlp.down_proj, "
+                         "model.layers.*.mlp.gate_proj, model.layers.*.mlp.up_proj"]
+    else:  # every kernel of this CPU takes any shape
+        assert notes == []
+
+
+def test_4bit_that_fits_no_layer_is_refused(tiny_llama_dir):
+    done, _ = _cli("--base", str(tiny_llama_dir), "--quantization", "4bit", "--json")
+    if packed_cpu_4bit("cpu"):  # 32-wide: no Linear has in_features % 64 == 0
+        _one_error(done, 2, "4bit quantization fits none of", "32x32")
+    else:
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+# The plan itself, for both kinds of CPU whatever this one is ------------------------------------
+def _config(path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def test_packed_kernel_shape_rule():
+    assert fits_4bit(96, 32, packed=False) and fits_4bit(172, 64, packed=False)
+    assert not fits_4bit(96, 32, packed=True)  # in 32 < blocksize 64: "shape '[96, 0]' is invalid"
+    assert not fits_4bit(172, 64, packed=True)  # out 172: "N must be divisible by block_n"
+    assert not fits_4bit(64, 172, packed=True) and fits_4bit(32, 64, packed=True) and fits_4bit(192, 192, packed=True)
+
+
+def test_plan_of_the_embedded_model(stories_dir):
+    mlp = {f"model.layers.{i}.mlp.{p}": shape for i in range(5)
+           for p, shape in (("gate_proj", (172, 64)), ("up_proj", (172, 64)), ("down_proj", (64, 172)))}
+    packed = plan(_config(stories_dir), "4bit", "cpu", packed=True)
+    assert packed.left_float == mlp and len(packed.quantized) == 20
+    assert all(n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) for n in packed.quantized)
+    skips = packed.skip_modules()
+    assert skips[0] == "lm_head" and sorted(skips[1:]) == sorted(n.replace(".", r"\.") for n in mlp)
+    for quantization, packed_cpu in (("4bit", False), ("8bit", True), ("8bit", False)):
+        other = plan(_config(stories_dir), quantization, "cpu", packed=packed_cpu)
+        assert other.left_float == {} and len(other.quantized) == 35 and other.skip_modules() is None
+
+
+def test_quantized_test_models_fit_every_kernel(tiny_neox_q_dir, tiny_llama_q_dir, pythia_mini_dir, tiny_llama_dir):
+    for path in (tiny_neox_q_dir, tiny_llama_q_dir, pythia_mini_dir):
+        for packed in (True, False):
+            assert plan(_config(path), "4bit", "cpu", packed=packed).left_float == {}, path
+    assert plan(_config(tiny_llama_dir), "4bit", "cpu", packed=True).quantized == []  # why they exist
+
+
+def test_partially_quantized_backbone_matches_its_plan_and_runs(stories_dir):
+    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+
+    bb = load_backbone(BackboneConfig(base=str(stories_dir), quantization="4bit"))
+    expected = plan(_config(stories_dir), "4bit", "cpu")
+    assert bb.float_layers == expected.left_float
+    modules = dict(bb.causal_lm.named_modules())
+    assert {type(modules[n]).__name__ for n in expected.quantized} == {"Linear4bit"}
+    assert {type(modules[n]).__name__ for n in expected.left_float} <= {"Linear"}
+    ids = bb.tokenizer("Once upon a time", return_tensors="pt").input_ids
+    with torch.no_grad():  # eval + no grad: the packed kernel's path on an AVX512-BF16 CPU
+        quantized = bb.model(ids).logits
+        ref = load_backbone(BackboneConfig(base=str(stories_dir))).model(ids).logits
+    assert (quantized.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
