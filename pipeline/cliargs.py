@@ -69,8 +69,13 @@ def config_dict(*configs) -> dict:
     return {type(c).__name__: dataclasses.asdict(c) for c in configs}
 
 
-def save_resolved_config(path: str | Path, command: str, *configs) -> None:
+def resolved_config_text(command: str, *configs) -> str:
+    """The JSON text ``save_resolved_config`` writes."""
     from importlib.metadata import version
 
     record = {"command": command, "multitoken_version": version("multitoken"), **config_dict(*configs)}
-    atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
+    return json.dumps(record, indent=2, default=str) + "\n"
+
+
+def save_resolved_config(path: str | Path, command: str, *configs) -> None:
+    atomic_write_text(path, resolved_config_text(command, *configs))

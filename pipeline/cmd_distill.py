@@ -11,17 +11,21 @@ from .distill import DistillConfig
 def register(sub) -> None:
     from .cli import add_command
 
-    add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
+    from .outputs import add_overwrite_flag
+
+    add_overwrite_flag(add_command(sub, "distill", DistillConfig, BackboneConfig, run=run))
 
 
 def run(args) -> None:
     from .backbone import load_backbone
     from .cliargs import dataclass_from_args, save_resolved_config
     from .distill import distill, validate
+    from .outputs import prepare_output_file
 
     cfg = dataclass_from_args(DistillConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)
     validate(cfg, context=1 << 30)  # cheap checks before loading the model
+    prepare_output_file(cfg.out, overwrite=args.overwrite, inputs=(bb_cfg.base,), sidecars=(".config.json",))
     summary = distill(load_backbone(bb_cfg), cfg)
     save_resolved_config(cfg.out + ".config.json", "distill", cfg, bb_cfg)
     print(json.dumps(summary))
