@@ -37,11 +37,13 @@ def run(args) -> None:
 def _check_out(cfg, data, overwrite: bool) -> None:
     """--out (and the checkpoint dir beside it) before anything loads; --resume continues this
     run's own output, which is not an overwrite."""
+    from pathlib import Path
+
     from .checkpoint import list_checkpoints
     from .errors import UsageError
     from .outputs import prepare_output
 
-    if not cfg.resume and list_checkpoints(cfg.ckpt_dir()):
+    if cfg.out and Path(cfg.out).name and not cfg.resume and list_checkpoints(cfg.ckpt_dir()):
         raise UsageError(f"{cfg.ckpt_dir()} already holds checkpoints of a run",
                          "pass --resume to continue it (a finished run then changes nothing), or another --checkpoint-dir")
     inputs = (cfg.heads, data.data, cfg.eval_data, cfg.base)

@@ -116,24 +116,24 @@ def _check_place(out: Path, shown: str, inputs) -> None:
 
 
 def _probe(place: Path, shown: str) -> None:
-    """Create, write, sync and remove a temp file in ``place`` (an existing directory)."""
+    """Create, write, sync and remove a temp file in ``place`` (an existing directory), then
+    check the disk's free space: read-only, full or foreign places fail here, before any work."""
     fix = "pass an --out on a writable disk with free space"
+    tmp = None
     try:
-        st = os.statvfs(place)
-        if st.f_bavail * st.f_frsize < MIN_FREE_BYTES:
-            raise UsageError(f"no space left on the disk of --out {shown} ({place})", fix)
         fd, tmp = tempfile.mkstemp(prefix=".multitoken-probe-", dir=place)
-    except OSError as err:
-        raise UsageError(f"cannot write to {place} (for --out {shown}): {err.strerror}", fix) from None
-    try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(b"\0" * PROBE_BYTES)
             fh.flush()
             os.fsync(fh.fileno())
+        st = os.statvfs(place)
     except OSError as err:
-        raise UsageError(f"cannot write to {place} (for --out {shown}): {err.strerror}", fix) from None
+        raise UsageError(f"cannot write to {place} (for --out {shown}): {err.strerror or err}", fix) from None
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    if st.f_bavail * st.f_frsize < MIN_FREE_BYTES:
+        raise UsageError(f"no space left on the disk of --out {shown} ({place}: {st.f_bavail * st.f_frsize} bytes free)", fix)
 
 
 def _existing_parent(out: Path, shown: str) -> Path:
