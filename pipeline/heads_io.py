@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -118,13 +119,22 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_fingerprint(v) -> bool:
+    """The shape of ``Backbone.fingerprint()``, which ``fingerprints_match`` compares."""
+    return (isinstance(v, dict) and isinstance(v.get("model_type"), str)
+            and all(_is_int(v.get(k)) for k in ("vocab_size", "hidden_size", "num_layers"))
+            and isinstance(v.get("embedding_probe"), list)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v["embedding_probe"]))
+
+
 # key -> (check, what it must be); every key is required except those marked optional below
 _RECORD_SCHEMA = {
     "format_version": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "head_config": (lambda v: isinstance(v, dict) and isinstance(v.get("head_type"), str)
                     and _is_int(v.get("n_future")) and v["n_future"] >= 1,
                     "an object with head_type (text) and n_future (an integer >= 1)"),
-    "base_fingerprint": (lambda v: isinstance(v, dict), "an object"),
+    "base_fingerprint": (lambda v: _is_fingerprint(v),
+                         "an object with model_type, vocab_size, hidden_size, num_layers and embedding_probe (numbers)"),
     "heads_sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest"),
     "shapes": (lambda v: isinstance(v, dict) and all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s)
                                                      for s in v.values()), "an object of integer lists"),

@@ -13,6 +13,7 @@ the recorded lengths, so a truncated or foreign file is an error, never silently
 from __future__ import annotations
 
 import json
+import tokenize
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,9 @@ def _is_count(v) -> bool:
 
 
 COUNT_DTYPES = ("uint32", "uint64")
+# what np.load raises on a short or garbled .npy: ValueError/EOFError for the data, and the
+# header is a Python literal parsed with ast, so a damaged one raises SyntaxError/TokenError
+NPY_ERRORS = (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError)
 
 
 def check_meta(meta, file: Path) -> dict:
@@ -170,7 +174,7 @@ def load_array(path: Path, name: str, info: dict, mmap: bool = True) -> np.ndarr
     length, dtype = info["arrays"][name]
     try:
         arr = np.load(file, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as err:  # numpy raises ValueError for short/garbled files
+    except NPY_ERRORS as err:
         raise CheckpointError(f"{file}: unreadable or truncated ({err})", f"delete {path} and rerun the same command to recount it") from err
     if arr.ndim != 1 or arr.shape[0] != length or str(arr.dtype) != dtype:
         raise CheckpointError(

@@ -27,7 +27,7 @@ import numpy as np
 
 from multitoken.pipeline.errors import CheckpointError, DataError, MismatchError, UsageError
 
-from .format import META_NAME, check_meta, encode
+from .format import META_NAME, NPY_ERRORS, check_meta, encode
 from .hashindex import PrefixBlockIndex
 
 class CooccurrenceTable:
@@ -76,7 +76,7 @@ class CooccurrenceTable:
         file = self.path / name
         try:
             arr = np.load(file, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError, EOFError) as err:
+        except NPY_ERRORS as err:
             raise CheckpointError(f"{file}: missing or unreadable ({err})", "rebuild the stats dir with multitoken stats build") from err
         if arr.shape != (length,) or arr.dtype != np.dtype(dtype):
             raise CheckpointError(f"{file}: holds {arr.shape} {arr.dtype}, {META_NAME} says ({length},) {dtype}", "rebuild the stats dir")
