@@ -27,7 +27,7 @@ import numpy as np
 
 from multitoken.pipeline.errors import CheckpointError, DataError, MismatchError, UsageError
 
-from .format import META_NAME, NPY_ERRORS, check_meta, encode
+from .format import MAX_ORDER, META_NAME, NPY_ERRORS, check_meta, encode
 from .hashindex import PrefixBlockIndex
 
 class CooccurrenceTable:
@@ -104,9 +104,10 @@ class CooccurrenceTable:
 
     def _check_order(self, order: int) -> None:
         if not 2 <= order <= self.max_order:
+            rebuild = f", or rebuild with --order {order}" if order <= MAX_ORDER else f" (stats count at most order {MAX_ORDER})"
             raise UsageError(
                 f"a mask of {order} positions needs order-{order} counts; {self.path} holds orders up to {self.max_order}",
-                f"pass 2..{self.max_order} candidate lists, or rebuild with --order {order}",
+                f"pass 2..{self.max_order} candidate lists{rebuild}",
             )
 
     def _ids(self, cand, pos: int) -> np.ndarray:
