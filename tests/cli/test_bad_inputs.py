@@ -16,6 +16,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -318,16 +319,33 @@ def _snapshot(paths: list[Path]) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for p in paths}
 
 
+TEST = "test_bad_input_ends_in_one_clean_line"
+
+
+@pytest.fixture(scope="module")
+def outcomes(world, request, tmp_path_factory) -> dict:
+    """Every selected case, damaged one by one, then run side by side (each is a separate
+    process that mostly waits on imports): {name: (case, its dir, sentinels before, result)}."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if getattr(item, "originalname", None) == TEST and item.module.__name__ == request.module.__name__]
+    prepared = {}
+    for name in names:
+        d = tmp_path_factory.mktemp(name)
+        case = CASES[name](world, d)
+        prepared[name] = (case, d, _snapshot(case.sentinels))
+    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 1))) as pool:
+        futures = {n: pool.submit(run_cli, *c.args, cwd=c.cwd, env=c.env) for n, (c, _, _) in prepared.items()}
+        return {n: (*prepared[n], f.result()) for n, f in futures.items()}
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_ends_in_one_clean_line(world, tmp_path, name):
-    case = CASES[name](world, tmp_path)
-    before = _snapshot(case.sentinels)
-    result = run_cli(*case.args, cwd=case.cwd, env=case.env)
+def test_bad_input_ends_in_one_clean_line(outcomes, name):
+    case, d, before, result = outcomes[name]
     err = result.stderr
     assert "Traceback" not in err, err
     assert result.returncode == case.code, err
     assert case.message in err, err
     assert _snapshot(case.sentinels) == before  # nothing of the user's lost or changed
-    assert not (tmp_path / "PWNED").exists()  # no planted code ran
-    leftovers = [p for p in tmp_path.rglob("*") if ".tmp-" in p.name or p.name == ".lock" or ".multitoken-probe" in p.name]
+    assert not (d / "PWNED").exists()  # no planted code ran
+    leftovers = [p for p in d.rglob("*") if ".tmp-" in p.name or p.name == ".lock" or ".multitoken-probe" in p.name]
     assert leftovers == []
