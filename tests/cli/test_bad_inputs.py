@@ -189,6 +189,24 @@ def sweep_out_holds_a_sweep(w, d):
     return Case(["sweep", "--out", out], 2, "already holds a sweep", [sweep])
 
 
+def stats_build_out_is_a_file(w, d):
+    f = _note(d / "S")
+    return Case(["stats", "build", "--data", w["corpus"], "--out", f], 2, "is an existing file", [f])
+
+
+def stats_merge_out_not_writable(w, d):
+    return Case(["stats", "merge", w["sharded"], "--out", "/sys/multitoken-bad-input-test"], 2, "cannot write to /sys")
+
+
+def distill_out_not_writable(w, d):
+    return Case(["distill", "--num-tokens", "10", "--out", "/sys/multitoken-bad-input-test.jsonl"], 2, "cannot write to /sys")
+
+
+def attach_out_is_a_file(w, d):
+    f = _note(d / "heads")
+    return Case(["attach", "--out", f], 2, "is an existing file", [f])
+
+
 # Damaged stats dirs ---------------------------------------------------------------------------
 def _stats(w, d, damage) -> Path:
     s = Path(shutil.copytree(w["stats"], d / "S"))
@@ -292,7 +310,8 @@ CASES = {f.__name__: f for f in [
     stats_build_over_other_content, stats_build_over_a_corrupt_stats_dir, stats_merge_over_a_finished_stats_dir,
     distill_over_an_existing_file, distill_overwrite_a_file_we_did_not_write, attach_into_folder_with_other_files,
     convert_into_folder_with_other_files, eval_out_is_a_file, sweep_out_under_a_file, eval_out_not_writable,
-    sweep_out_holds_a_sweep,
+    sweep_out_holds_a_sweep, stats_build_out_is_a_file, stats_merge_out_not_writable, distill_out_not_writable,
+    attach_out_is_a_file,
     meta_not_utf8, stats_keys_file_empty, stats_counts_are_nan_floats, stats_keys_unsorted,
     merge_corrupt_job_json, convert_empty_tokenizer,
 ]}

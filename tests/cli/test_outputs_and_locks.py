@@ -213,3 +213,21 @@ def test_a_rerun_after_a_finished_train_changes_nothing(tmp_path):
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "t" / "train_metrics.json").read_text() == metrics
     assert _leftovers(tmp_path) == []
+
+
+def test_train_overwrite_replaces_our_heads_and_keeps_the_users_files(tmp_path):
+    from multitoken.pipeline.embedded import EMBEDDED_HEADS
+
+    out = Path(shutil.copytree(EMBEDDED_HEADS, tmp_path / "h"))
+    (out / "notes.txt").write_text("mine")
+    (out / "attach_config.json").write_text("{}")  # a stale output of ours: replaced by the new run's files
+    old = (out / "heads.safetensors").read_bytes()
+    args = ["train", "--heads", EMBEDDED_HEADS, "--data", phrase_corpus(tmp_path / "c.jsonl"), "--out", out,
+            "--max-steps", "1", "--seq-len", "16", "--batch-size", "1", "--eval-batches", "1", "--no-progress", "--lr", "1e-2"]
+    refused = run_cli(*args)
+    assert refused.returncode == 2 and "pass --overwrite" in refused.stderr
+    assert run_cli(*args, "--overwrite").returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "build_report.json", "heads.safetensors", "heads_config.json",
+                                                     "notes.txt", "train_config.json", "train_metrics.json"]
+    assert (out / "notes.txt").read_text() == "mine" and (out / "heads.safetensors").read_bytes() != old
+    assert _leftovers(tmp_path) == []
