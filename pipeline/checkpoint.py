@@ -1,4 +1,4 @@
-"""Training checkpoints and atomic publication of output directories.
+"""Training checkpoints.
 
 A checkpoint is a directory ``step-00000123/`` under the checkpoint root holding:
 - ``trainable.safetensors``: every weight the optimizer updates (heads, LoRA), by module name;
@@ -6,22 +6,23 @@ A checkpoint is a directory ``step-00000123/`` under the checkpoint root holding
   ``torch.load(weights_only=True)``, nothing arbitrary is unpickled);
 - ``rng.safetensors``: torch's CPU RNG state;
 - ``state.json``: step, data position, epoch start, the config it was made with.
-It is written into a hidden temporary directory and renamed into place, so a directory named
-``step-*`` is always complete; the newest one is the one to resume from.
+It is written into a hidden staging directory and renamed into place (``atomic.atomic_dir``),
+so a directory named ``step-*`` is always complete; the newest one is the one to resume from.
+Loading validates every file and says which one is damaged.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import pickle
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from .atomic import atomic_dir
 from .errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -40,70 +41,77 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".step-tmp-", dir=root))
     final = root / f"step-{step:08d}"
-    try:
+    with atomic_dir(final, marker="state.json") as tmp:  # re-saving the same step (the final save after a periodic one) replaces it
         save_file(trainable_state(model, optimizer.param_groups), str(tmp / "trainable.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2, default=str))
-        _fsync_dir_files(tmp)
-        if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _fsync_dir_files(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-
-
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Restore weights, optimizer and RNG from ``path``; returns its ``state.json``."""
+    fix = f"delete {path} to resume from an older checkpoint (or start over with another --checkpoint-dir)"
+    state = _read_state(path / "state.json", fix)
+    weights = _read_safetensors(path / "trainable.safetensors", fix)
+    rng = _read_safetensors(path / "rng.safetensors", fix).get("torch_cpu")
+    if rng is None or rng.dtype != torch.uint8 or rng.ndim != 1:
+        raise CheckpointError(f"{path / 'rng.safetensors'}: no torch_cpu RNG state (a uint8 vector)", fix)
     try:
-        state = json.loads((path / "state.json").read_text())
-        weights = load_file(str(path / "trainable.safetensors"))
         opt_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
-        rng = load_file(str(path / "rng.safetensors"))["torch_cpu"]
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {err}", "delete it to resume from an older one") from err
+    except pickle.UnpicklingError as err:  # weights_only refused an object: never unpickled
+        raise CheckpointError(f"{path / 'optimizer.pt'} holds objects other than tensors and numbers: refused to load it "
+                              f"({str(err).splitlines()[0][:120]})", fix) from err
+    except (OSError, ValueError, RuntimeError, EOFError) as err:
+        raise CheckpointError(f"{path / 'optimizer.pt'} is unreadable or truncated ({str(err).splitlines()[0][:120]})", fix) from err
+    if not isinstance(opt_state, dict) or not {"state", "param_groups"} <= set(opt_state):
+        raise CheckpointError(f"{path / 'optimizer.pt'} is not an optimizer state", fix)
     params = dict(model.named_parameters())
-    expected = trainable_state(model, optimizer.param_groups).keys()
+    expected = trainable_state(model, optimizer.param_groups)
     if set(weights) != set(expected):
         raise CheckpointError(
             f"checkpoint {path} holds other weights than this run trains "
             f"(missing {sorted(set(expected) - set(weights))[:3]}, extra {sorted(set(weights) - set(expected))[:3]})",
             "resume with the same heads and mode, or start a fresh run with another --checkpoint-dir",
         )
+    bad = [n for n, v in weights.items() if v.shape != expected[n].shape]
+    if bad:
+        raise CheckpointError(f"{path / 'trainable.safetensors'}: {bad[0]} has shape {list(weights[bad[0]].shape)}, "
+                              f"the model's is {list(expected[bad[0]].shape)}", fix)
+    try:
+        optimizer.load_state_dict(opt_state)
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:
+        raise CheckpointError(f"{path / 'optimizer.pt'} does not fit this run's optimizer ({err})", fix) from err
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(opt_state)
     torch.set_rng_state(rng)
     return state
 
 
-def publish_dir(staging: Path, out: Path) -> None:
-    """Move the complete ``staging`` dir to ``out``, replacing an existing ``out`` only at the
-    very end: a reader sees the old directory or the new one, never a mix of files."""
-    out = out.resolve()
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "dir")
+def _read_state(file: Path, fix: str) -> dict:
     try:
-        os.replace(staging, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old / "dir", out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file} is missing or not valid JSON ({err})", fix) from err
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(state).__name__}, not an object", fix)
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{file}: step must be an integer >= 0, got {step!r}", fix)
+    for key, kind in (("position", dict), ("epoch_start", dict), ("history", list), ("stream", dict)):
+        if key in state and not isinstance(state[key], kind):
+            raise CheckpointError(f"{file}: {key} must be a JSON {kind.__name__.replace('dict', 'object')}, got {state[key]!r:.60}", fix)
+    return state
+
+
+def _read_safetensors(file: Path, fix: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(file))
+    except (OSError, SafetensorError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{file} is missing, truncated or not a safetensors file ({err})", fix) from err

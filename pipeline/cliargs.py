@@ -176,9 +176,14 @@ def config_dict(*configs) -> dict:
     return {type(c).__name__: dataclasses.asdict(c) for c in configs}
 
 
-def save_resolved_config(path: str | Path, command: str, *configs, extra: dict | None = None) -> None:
-    """The resolved configs (+ ``extra`` facts, e.g. the data files read) as JSON at ``path``."""
+def resolved_config_text(command: str, *configs, extra: dict | None = None) -> str:
+    """The JSON text ``save_resolved_config`` writes: the resolved configs (+ ``extra`` facts,
+    e.g. the data files read)."""
     from importlib.metadata import version
 
     record = {"command": command, "multitoken_version": version("multitoken"), **config_dict(*configs), **(extra or {})}
-    atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
+    return json.dumps(record, indent=2, default=str) + "\n"
+
+
+def save_resolved_config(path: str | Path, command: str, *configs, extra: dict | None = None) -> None:
+    atomic_write_text(path, resolved_config_text(command, *configs, extra=extra))

@@ -25,7 +25,7 @@ class AttachConfig:
     head: str = field(default="replicated", metadata={"help": "head type"})
     n: int = field(default=3, metadata={"help": "tokens predicted per forward pass (head 1 = the base model)"})
     out: str = field(default="", metadata={"help": "heads directory to create"})
-    overwrite: bool = field(default=False, metadata={"help": "replace heads already in --out"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing output of this command in --out (only its own files; others stay)"})
 
 
 def register(sub) -> None:
@@ -71,33 +71,24 @@ def head_options(args) -> dict:
     return {k[len("head_"):]: v for k, v in vars(args).items() if k.startswith("head_")}
 
 
-def _check_out(cfg: AttachConfig) -> Path:
-    from .errors import UsageError
-    from .heads_io import CONFIG_FILE
+def _check_out(cfg: AttachConfig, base: str) -> Path:
+    from .outputs import prepare_output
 
-    if not cfg.out:
-        raise UsageError("--out is required", "pass the directory to create, e.g. --out heads/")
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    if (out / CONFIG_FILE).exists() and not cfg.overwrite:
-        raise UsageError(f"{out} already holds heads", "pass --overwrite to replace them, or choose another --out")
-    return out
+    return prepare_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(base,))
 
 
 def run(args) -> None:
     from multitoken.adapters.registry import make_config
 
     from .backbone import load_backbone
-    from .cliargs import dataclass_from_args, save_resolved_config
+    from .cliargs import dataclass_from_args, resolved_config_text
     from .model import MultiTokenModel
 
     cfg = dataclass_from_args(AttachConfig, args)
-    out = _check_out(cfg)
-    head_config = make_config(cfg.head, n_future=cfg.n, **head_options(args))
     backbone_config = dataclass_from_args(BackboneConfig, args)
+    out = _check_out(cfg, backbone_config.base)
+    head_config = make_config(cfg.head, n_future=cfg.n, **head_options(args))
     model = MultiTokenModel.attach(load_backbone(backbone_config), head_config)
-    model.save_heads(out)
-    save_resolved_config(out / RESOLVED_CONFIG, "attach", cfg, backbone_config, head_config)
+    model.save_heads(out, extra={RESOLVED_CONFIG: resolved_config_text("attach", cfg, backbone_config, head_config)})
     n_params = sum(p.numel() for p in model.head_parameters())
     print(f"attached {cfg.head} heads (n={cfg.n}, {n_params:,} trainable parameters) to {backbone_config.base} -> {out}")

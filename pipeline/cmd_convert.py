@@ -15,16 +15,20 @@ class ConvertLlama2cConfig:
 def register(sub) -> None:
     from .cli import add_command
 
-    add_command(sub, "convert-llama2c", ConvertLlama2cConfig, run=run)
+    from .outputs import add_overwrite_flag
+
+    add_overwrite_flag(add_command(sub, "convert-llama2c", ConvertLlama2cConfig, run=run))
 
 
 def run(args) -> None:
     from .cliargs import dataclass_from_args
     from .errors import UsageError
     from .llama2c import convert_llama2c
+    from .outputs import prepare_output
 
     cfg = dataclass_from_args(ConvertLlama2cConfig, args)
+    prepare_output(cfg.out, "convert", overwrite=args.overwrite, inputs=(cfg.model, cfg.tokenizer))
     if not cfg.tokenizer or not cfg.out:
         raise UsageError("convert-llama2c needs --tokenizer and --out", "e.g. --tokenizer tok512.model --out my-model/")
-    out = convert_llama2c(cfg.model, cfg.tokenizer, cfg.out)
+    out = convert_llama2c(cfg.model, cfg.tokenizer, cfg.out, overwrite=args.overwrite)
     print(f"wrote Hugging Face Llama checkpoint to {out}")

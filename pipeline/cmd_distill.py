@@ -13,7 +13,10 @@ def register(sub) -> None:
     from .cliargs import set_default
     from .threads import THREADS_BATCHES, threads_field
 
+    from .outputs import add_overwrite_flag
+
     parser = add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
+    add_overwrite_flag(parser)
     # distill samples batches, not one sequence
     set_default(parser, "threads", THREADS_BATCHES, threads_field(THREADS_BATCHES).metadata)
 
@@ -22,10 +25,12 @@ def run(args) -> None:
     from .backbone import load_backbone
     from .cliargs import dataclass_from_args, save_resolved_config
     from .distill import distill, validate
+    from .outputs import prepare_output_file
 
     cfg = dataclass_from_args(DistillConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)
     validate(cfg, context=1 << 30)  # cheap checks before loading the model
+    prepare_output_file(cfg.out, overwrite=args.overwrite, inputs=(bb_cfg.base,), sidecars=(".config.json",))
     summary = distill(load_backbone(bb_cfg), cfg)
     save_resolved_config(cfg.out + ".config.json", "distill", cfg, bb_cfg)
     print(json.dumps(summary))

@@ -21,18 +21,23 @@ def register(sub) -> None:
     from .data import DataConfig
     from .evaluate import EvalConfig
 
-    add_command(sub, "eval", EvalConfig, DataConfig, run=run)
+    from .outputs import add_overwrite_flag
+
+    add_overwrite_flag(add_command(sub, "eval", EvalConfig, DataConfig, run=run))
 
 
 def run(args) -> None:
+    from .atomic import atomic_dir
     from .cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
     from .data import DataConfig, describe_files
     from .errors import UsageError
     from .assets import default_stats, load_model
     from .evaluate import EvalConfig, evaluate
+    from .outputs import EVAL, prepare_output
 
     cfg = dataclass_from_args(EvalConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
+    prepare_output(cfg.out, "eval", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, data_cfg.data))
     cfg.validate()
     if not cfg.out:
         raise UsageError("--out is required", "pass a directory for the report, e.g. --out eval/")
@@ -40,16 +45,17 @@ def run(args) -> None:
     model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
     print("\n".join(lines), file=sys.stderr, flush=True)
     cfg.stats = cfg.stats or default_stats(model.backbone)
-    out = Path(cfg.out)
     report = evaluate(model, cfg, data_cfg)
     report = {"heads_dir": heads, "base": model.backbone.name, "head_type": model.config.head_type, **report}
-    if "logit_lens" in report:
-        from .lens import plot_lens
+    out = Path(cfg.out)
+    with atomic_dir(out, marker=EVAL.marker, owned=EVAL.owned) as stage:
+        if "logit_lens" in report:
+            from .lens import plot_lens
 
-        path = plot_lens(report["logit_lens"]["kl_per_layer"], out / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
-        report["logit_lens"]["png"] = str(path)
-    atomic_write_text(out / REPORT, json.dumps(report, indent=2, default=_json_default) + "\n")
-    save_resolved_config(out / RESOLVED_CONFIG, "eval", cfg, data_cfg, extra={"data_files": files})
+            plot_lens(report["logit_lens"]["kl_per_layer"], stage / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
+            report["logit_lens"]["png"] = str(out / LENS_PNG)
+        atomic_write_text(stage / REPORT, json.dumps(report, indent=2, default=_json_default) + "\n")
+        save_resolved_config(stage / RESOLVED_CONFIG, "eval", cfg, data_cfg, extra={"data_files": files})
     print(format_report(report))
     print(f"\nreport: {out / REPORT}")
 

@@ -26,16 +26,21 @@ def register(sub) -> None:
     from .cli import add_command
     from .sweep import SweepConfig
 
-    add_command(sub, "sweep", SweepConfig, run=run)
+    from .outputs import add_overwrite_flag
+
+    add_overwrite_flag(add_command(sub, "sweep", SweepConfig, run=run))
 
 
 def run(args) -> None:
     from .assets import default_stats, load_model, load_stats
+    from .atomic import atomic_dir
     from .cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
     from .errors import UsageError
+    from .outputs import SWEEP, prepare_output
     from .sweep import SweepConfig, parse_grid, read_prompts, sweep
 
     cfg = dataclass_from_args(SweepConfig, args)
+    prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, cfg.prompts))
     if not cfg.out:
         raise UsageError("--out is required", "pass a directory for the results, e.g. --out sweep/")
     if cfg.seeds < 1 or cfg.max_new_tokens < 1:
@@ -48,10 +53,11 @@ def run(args) -> None:
     result = sweep(model, cfg, prompts, grid, table, log)
     result = {"heads": heads, "base": model.backbone.name, "stats": cfg.stats, **result}
     out = Path(cfg.out)
-    atomic_write_text(out / "sweep.json", json.dumps(result, indent=2) + "\n")
-    atomic_write_text(out / "sweep.csv", to_csv(result))
-    plot_sweep(result, out / "sweep.png")
-    save_resolved_config(out / RESOLVED_CONFIG, "sweep", cfg)
+    with atomic_dir(out, marker=SWEEP.marker, owned=SWEEP.owned) as stage:  # sweep.png too: all or nothing
+        atomic_write_text(stage / "sweep.json", json.dumps(result, indent=2) + "\n")
+        atomic_write_text(stage / "sweep.csv", to_csv(result))
+        plot_sweep(result, stage / "sweep.png")
+        save_resolved_config(stage / RESOLVED_CONFIG, "sweep", cfg)
     print(format_table(result))
     print(f"\nwrote {', '.join(str(out / f) for f in FILES)}")
 

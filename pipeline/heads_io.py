@@ -6,9 +6,9 @@
                         when the trainer unfroze it, stored under ``base_head.``)
     lora/               peft's own adapter files, when the backbone carries LoRA
 
-Every file is written to a temporary name and renamed into place, the config last, so an
-interrupted save leaves either the old directory or a detectably inconsistent one (the
-checksum), never a silently mixed one. Loading uses safetensors only: nothing is unpickled.
+A save is staged in a hidden directory and published with ``atomic.atomic_dir`` (the config
+last), so an interrupted save leaves the old directory or one without a config, never a
+silently mixed one; files we did not write are never touched. Loading uses safetensors only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
-import tempfile
+import math
 from pathlib import Path
 
 import torch
@@ -26,7 +24,7 @@ import torch
 from multitoken.adapters.registry import build_head, config_from_dict
 
 from .backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
-from .atomic import atomic_write_bytes, atomic_write_text
+from .atomic import atomic_dir
 from .embedded import portable_base
 from .errors import CheckpointError, MismatchError, UsageError
 
@@ -58,15 +56,28 @@ def _base_head_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_heads(model, out_dir: str | Path) -> Path:
-    from importlib.metadata import version
-
-    from safetensors.torch import save
+def save_heads(model, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
+    """Write the heads dir ``out_dir`` atomically (staged, then published: an existing heads dir
+    is replaced file by file, the config last; files we did not write stay). ``extra`` maps
+    more file names to text written with it (resolved configs, metrics)."""
+    from .outputs import HEADS
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out} exists and is not a directory", "pass a directory path for the heads")
-    out.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out, marker=HEADS.marker, owned=HEADS.owned) as stage:
+        write_heads(model, stage)
+        for name, text in (extra or {}).items():
+            (stage / name).write_text(text, encoding="utf-8")
+    return out
+
+
+def write_heads(model, out: Path) -> None:
+    """The files of a heads dir, into the new directory ``out`` (a staging dir)."""
+    from importlib.metadata import version
+
+    from safetensors.torch import save
+
     tensors = {**model.heads.state_dict(), **_base_head_tensors(model)}
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     blob = save(tensors, metadata={"format": "pt"})
@@ -84,26 +95,10 @@ def save_heads(model, out_dir: str | Path) -> Path:
         "heads_sha256": hashlib.sha256(blob).hexdigest(),
         "lora": LORA_DIR if model.has_lora else None,
     }
-    atomic_write_bytes(out / TENSORS_FILE, blob)
+    (out / TENSORS_FILE).write_bytes(blob)
     if model.has_lora:
-        _save_lora(model.base_model, out / LORA_DIR)
-    atomic_write_text(out / CONFIG_FILE, json.dumps(record, indent=2) + "\n")
-    return out
-
-
-def _save_lora(peft_model, target: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        peft_model.save_pretrained(tmp)
-        old = target.with_name(f".{target.name}.old")
-        if target.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        model.base_model.save_pretrained(out / LORA_DIR)
+    (out / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 # Loading -----------------------------------------------------------------------------------
@@ -113,16 +108,63 @@ def read_heads_config(heads_dir: str | Path) -> dict:
         raise CheckpointError(f"no {CONFIG_FILE} in {str(heads_dir)!r}",
                               "pass a directory written by `multitoken attach` or `multitoken train`")
     try:
-        record = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path} is not valid JSON ({err})", "the heads dir is damaged; re-create it") from err
-    missing = [k for k in ("format_version", "head_config", "base_fingerprint", "heads_sha256", "shapes") if k not in record]
+    _check_heads_record(record, path)
+    return record
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_fingerprint(v) -> bool:
+    """The shape of ``Backbone.fingerprint()``, which ``fingerprints_match`` compares."""
+    return (isinstance(v, dict) and isinstance(v.get("model_type"), str)
+            and all(_is_int(v.get(k)) for k in ("vocab_size", "hidden_size", "num_layers"))
+            and isinstance(v.get("embedding_probe"), list)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v["embedding_probe"]))
+
+
+# key -> (check, what it must be); every key is required except those marked optional below
+_RECORD_SCHEMA = {
+    "format_version": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "head_config": (lambda v: isinstance(v, dict) and isinstance(v.get("head_type"), str)
+                    and _is_int(v.get("n_future")) and v["n_future"] >= 1,
+                    "an object with head_type (text) and n_future (an integer >= 1)"),
+    "base_fingerprint": (lambda v: _is_fingerprint(v),
+                         "an object with model_type, vocab_size, hidden_size, num_layers and embedding_probe (numbers)"),
+    "heads_sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest"),
+    "shapes": (lambda v: isinstance(v, dict) and all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s)
+                                                     for s in v.values()), "an object of integer lists"),
+    "base": (lambda v: isinstance(v, str) and bool(v), "a model name or path"),
+    "dtype": (lambda v: v is None or isinstance(v, str), "a dtype name or null"),
+    "lora": (lambda v: v is None or (isinstance(v, str) and bool(v)), "a directory name or null"),
+}
+_OPTIONAL = ("base", "dtype", "lora")
+
+
+def _check_heads_record(record, path: Path) -> None:
+    """Types and ranges of every field the loaders read; the LoRA dir must lie inside the heads dir."""
+    fix = "the heads dir is damaged or from another tool; re-create it"
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(record).__name__}, not an object", fix)
+    missing = [k for k in _RECORD_SCHEMA if k not in record and k not in _OPTIONAL]
     if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing)}", "the heads dir is damaged or from another tool")
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}", fix)
+    for key, (ok, what) in _RECORD_SCHEMA.items():
+        if key in record and not ok(record[key]):
+            raise CheckpointError(f"{path}: {key} must be {what}, got {record[key]!r:.60}", fix)
     if record["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {record['format_version']}, this multitoken reads up to {FORMAT_VERSION}",
                               "upgrade multitoken")
-    return record
+    if record.get("lora"):
+        root = path.parent.resolve()
+        lora = (root / record["lora"]).resolve()
+        if lora == root or root not in lora.parents:
+            raise CheckpointError(f"{path}: lora {record['lora']!r} points outside the heads dir",
+                                  f"the LoRA adapter must be a directory inside the heads dir (e.g. {LORA_DIR!r}); re-create it")
 
 
 def read_head_tensors(heads_dir: str | Path, record: dict) -> dict[str, torch.Tensor]:

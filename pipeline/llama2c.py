@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_dir
 from .errors import CheckpointError
 
 HEADER_INTS = 7
@@ -161,11 +162,13 @@ def llama_config(header: Llama2cHeader):
     )
 
 
-def _convert_tokenizer(tokenizer_model: Path, out: Path) -> None:
+def _convert_tokenizer(tokenizer_model: Path, out: Path, vocab_size: int) -> None:
     from transformers import LlamaTokenizer
 
     if not tokenizer_model.is_file():
         raise CheckpointError(f"no such tokenizer file: {tokenizer_model}", "pass llama2.c's SentencePiece .model file")
+    if tokenizer_model.stat().st_size == 0:
+        raise CheckpointError(f"tokenizer file {tokenizer_model} is empty", "pass llama2.c's SentencePiece .model file (e.g. tok512.model)")
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(tokenizer_model, Path(tmp) / "tokenizer.model")
         try:
@@ -175,6 +178,11 @@ def _convert_tokenizer(tokenizer_model: Path, out: Path) -> None:
                 f"could not read SentencePiece tokenizer {tokenizer_model}: {err}",
                 "pass the SentencePiece .model file llama2.c trained (e.g. tok512.model), not tok512.bin",
             ) from err
+    if not 0 < len(tok) <= vocab_size:
+        raise CheckpointError(
+            f"tokenizer {tokenizer_model} has {len(tok)} tokens, the model's vocabulary has {vocab_size}",
+            "pass the SentencePiece .model file the checkpoint was trained with",
+        )
     tok.save_pretrained(out)
 
 
@@ -182,22 +190,23 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def convert_llama2c(model_bin: str | Path, tokenizer_model: str | Path, out: str | Path) -> Path:
+def convert_llama2c(model_bin: str | Path, tokenizer_model: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write a Hugging Face Llama checkpoint (safetensors, config, tokenizer) to ``out``.
 
-    The directory appears atomically: everything is written to a sibling temp dir first.
+    The directory appears atomically: everything is staged first (``atomic.atomic_dir``). An
+    existing ``out`` must be empty, or hold an earlier conversion and ``overwrite`` be set.
     """
     import torch
     from transformers import LlamaForCausalLM
 
+    from .outputs import CONVERTED
+
     model_bin, tokenizer_model, out = Path(model_bin), Path(tokenizer_model), Path(out)
     header, arrays = read_llama2c(model_bin)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(out.iterdir()) and not (overwrite and (out / CONVERTED.marker).is_file()):
         raise CheckpointError(f"output directory {out} exists and is not empty", "choose a new --out directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _convert_tokenizer(tokenizer_model, tmp)
+    with atomic_dir(out, marker=CONVERTED.marker, owned=CONVERTED.owned) as tmp:
+        _convert_tokenizer(tokenizer_model, tmp, header.vocab_size)
         model = LlamaForCausalLM(llama_config(header))
         state = {k: torch.from_numpy(v.copy()) for k, v in hf_state_dict(header, arrays).items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -212,11 +221,4 @@ def convert_llama2c(model_bin: str | Path, tokenizer_model: str | Path, out: str
         (tmp / "conversion.json").write_text(json.dumps(record, indent=2) + "\n")
         for f in tmp.iterdir():
             f.chmod(0o644)
-        tmp.chmod(0o755)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

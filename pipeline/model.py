@@ -61,11 +61,12 @@ class MultiTokenModel(nn.Module):
         return load_heads(cls, base, heads_dir, quantization=quantization, dtype=dtype, device=device,
                           trainable_lora=trainable_lora, **kwargs)
 
-    def save_heads(self, out_dir: str | Path) -> Path:
-        """Write heads.safetensors + heads_config.json (+ peft's adapter files in ``lora/``)."""
+    def save_heads(self, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
+        """Write heads.safetensors + heads_config.json (+ peft's adapter files in ``lora/``, and
+        ``extra`` {file name: text}) atomically."""
         from .heads_io import save_heads
 
-        return save_heads(self, out_dir)
+        return save_heads(self, out_dir, extra)
 
     # Introspection ----------------------------------------------------------------------
     @property

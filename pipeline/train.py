@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,7 +21,7 @@ import numpy as np
 import torch
 
 from . import optim
-from .checkpoint import list_checkpoints, load_checkpoint, publish_dir, save_checkpoint
+from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .data import DataConfig, describe_files
 from .errors import DataError, UsageError
 from .packing import PackedStream, PackPosition, take_sequences
@@ -253,6 +251,8 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
             saved_at = time.monotonic()
     bar.close()
     final = evaluate(model, eval_batches) if dist.main else {}
+    if history and history[-1].get("step") == step:  # a rerun of a finished job: same entry again
+        history.pop()
     history.append({"step": step, **final})
     _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history)
     if dist.main:
@@ -335,17 +335,11 @@ def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, 
 
 
 def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict) -> None:
-    """Save heads, resolved config and metrics into a staging dir, then swap it in."""
-    from .cliargs import save_resolved_config
+    """Save heads, resolved config and metrics: staged, then published over ``--out`` (only
+    our files are replaced; see ``heads_io.save_heads``)."""
+    from .cliargs import resolved_config_text
 
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_heads(staging)
-        save_resolved_config(staging / "train_config.json", "train", cfg, data, extra=files)
-        (staging / "train_metrics.json").write_text(json.dumps(history, indent=2) + "\n")
-        publish_dir(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    model.save_heads(Path(cfg.out), extra={
+        "train_config.json": resolved_config_text("train", cfg, data, extra=files),
+        "train_metrics.json": json.dumps(history, indent=2) + "\n",
+    })

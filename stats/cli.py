@@ -41,6 +41,7 @@ def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
     from multitoken.pipeline.cliargs import add_dataclass_args
     from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.outputs import add_overwrite_flag
 
     from .job import BuildConfig
 
@@ -49,9 +50,11 @@ def register(sub) -> None:
     b = ssub.add_parser("build", help=BUILD_HELP, description=BUILD_DESCRIPTION)
     add_dataclass_args(b, BuildConfig)
     add_dataclass_args(b, DataConfig)
+    add_overwrite_flag(b)
     b.set_defaults(func=run_build)
     m = ssub.add_parser("merge", help=MERGE_HELP, description=MERGE_DESCRIPTION)
     add_dataclass_args(m, MergeConfig)
+    add_overwrite_flag(m)
     m.set_defaults(func=run_merge)
     i = ssub.add_parser("info", help=INFO_HELP, description=INFO_DESCRIPTION)
     add_dataclass_args(i, InfoConfig)
@@ -62,9 +65,13 @@ def run_build(args) -> None:
     from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.data import DataConfig
 
+    from multitoken.pipeline.outputs import prepare_output
+
     from .job import BuildConfig, build
 
-    out = build(dataclass_from_args(BuildConfig, args), dataclass_from_args(DataConfig, args))
+    cfg, data = dataclass_from_args(BuildConfig, args), dataclass_from_args(DataConfig, args)
+    prepare_output(cfg.out, "stats", overwrite=args.overwrite, inputs=(data.data, cfg.tokenizer), resume=True)
+    out = build(cfg, data, overwrite=args.overwrite)
     if out is not None:
         print(f"wrote {out}")
 
@@ -75,9 +82,12 @@ def run_merge(args) -> None:
 
     from .job import merge
 
+    from multitoken.pipeline.outputs import prepare_output
+
     cfg = dataclass_from_args(MergeConfig, args)
     if not cfg.out:
         raise UsageError("no output directory given", "pass --out DIR")
+    prepare_output(cfg.out, "stats", overwrite=args.overwrite, inputs=cfg.inputs)
     merge(list(cfg.inputs), cfg.out, cfg.min_count, cfg.num_proc, cfg.memory_mb)
     save_resolved_config(f"{cfg.out}/config.json", "stats merge", cfg)
     print(f"wrote {cfg.out}")

@@ -13,12 +13,12 @@ the recorded lengths, so a truncated or foreign file is an error, never silently
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import tokenize
 from pathlib import Path
 
 import numpy as np
 
+from multitoken.pipeline.atomic import atomic_dir
 from multitoken.pipeline.errors import CheckpointError, UsageError
 
 FORMAT_VERSION = 1
@@ -68,27 +68,16 @@ def decode(keys: np.ndarray, order: int, vocab_size: int) -> np.ndarray:
 
 
 def write_array_dir(path: Path, arrays: dict[str, np.ndarray], info: dict) -> None:
-    """Atomically create directory ``path`` holding ``arrays`` and ``info.json``."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    lengths = {}
-    for name, arr in arrays.items():
-        with open(tmp / f"{name}.npy", "wb") as fh:
-            n, dtype = _write_npy(fh, arr)
-            fh.flush()
-            os.fsync(fh.fileno())
-        lengths[name] = [n, str(dtype)]
-    record = {"format_version": FORMAT_VERSION, "arrays": lengths, **info}
-    with open(tmp / INFO_NAME, "w") as fh:
-        json.dump(record, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    if path.exists():  # a rerun redoing a finished step: replace the old copy
-        shutil.rmtree(path)
-    os.rename(tmp, path)
-    _fsync_dir(path.parent)
+    """Atomically create directory ``path`` holding ``arrays`` and ``info.json`` (a rerun
+    redoing a finished step replaces the old copy)."""
+    with atomic_dir(Path(path), marker=INFO_NAME, owned=("*.npy", INFO_NAME)) as tmp:
+        lengths = {}
+        for name, arr in arrays.items():
+            with open(tmp / f"{name}.npy", "wb") as fh:
+                n, dtype = _write_npy(fh, arr)
+            lengths[name] = [n, str(dtype)]
+        record = {"format_version": FORMAT_VERSION, "arrays": lengths, **info}
+        (tmp / INFO_NAME).write_text(json.dumps(record, indent=1))
 
 
 def _write_npy(fh, arr) -> tuple[int, np.dtype]:
@@ -111,32 +100,81 @@ def _write_npy(fh, arr) -> tuple[int, np.dtype]:
     return n, dtype
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def read_info(path: Path) -> dict:
     path = Path(path)
+    fix = f"delete {path} and rerun the same command to recount it"
     try:
-        info = json.loads((path / INFO_NAME).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: unreadable partial ({err})", f"delete {path} and rerun the same command to recount it") from err
-    if info.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: partial format {info.get('format_version')}, expected {FORMAT_VERSION}", f"delete {path} and rerun")
+        info = json.loads((path / INFO_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or bad UTF-8
+        raise CheckpointError(f"{path}: unreadable partial ({err})", fix) from err
+    if not isinstance(info, dict) or info.get("format_version") != FORMAT_VERSION:
+        got = info.get("format_version") if isinstance(info, dict) else type(info).__name__
+        raise CheckpointError(f"{path}: partial format {got}, expected {FORMAT_VERSION}", fix)
+    arrays = info.get("arrays")
+    if not isinstance(arrays, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and _is_count(v[0]) and isinstance(v[1], str) for v in arrays.values()):
+        raise CheckpointError(f"{path / INFO_NAME}: arrays must map names to [length, dtype]", fix)
     return info
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+COUNT_DTYPES = ("uint32", "uint64")
+# what np.load raises on a short or garbled .npy: ValueError/EOFError for the data, and the
+# header is a Python literal parsed with ast, so a damaged one raises SyntaxError/TokenError
+NPY_ERRORS = (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError)
+
+
+def check_meta(meta, file: Path) -> dict:
+    """Validate a stats dir's ``meta.json`` (types, ranges, one entry per order); returns it."""
+    fix = "rebuild the stats dir with multitoken stats build"
+
+    def bad(what: str):
+        return CheckpointError(f"{file}: {what}", fix)
+
+    if not isinstance(meta, dict):
+        raise bad(f"holds a JSON {type(meta).__name__}, not an object")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: stats format {meta.get('format_version')!r:.40}, this multitoken reads {FORMAT_VERSION}", fix)
+    missing = [k for k in ("vocab_size", "orders", "total_tokens", "ngram_totals", "distinct", "count_dtypes",
+                           "min_counts", "tokenizer") if k not in meta]
+    if missing:
+        raise bad(f"lacks {', '.join(missing)}")
+    if not _is_count(meta["vocab_size"]) or meta["vocab_size"] < 1:
+        raise bad(f"vocab_size must be an integer >= 1, got {meta['vocab_size']!r:.40}")
+    orders = meta["orders"]
+    if not (isinstance(orders, list) and orders and all(_is_count(o) for o in orders)
+            and orders == list(range(1, len(orders) + 1)) and len(orders) <= MAX_ORDER):
+        raise bad(f"orders must be [1, ..., N] with N <= {MAX_ORDER}, got {orders!r:.40}")
+    keys = [str(o) for o in orders]
+    for name, ok, what in (("ngram_totals", lambda v: _is_count(v) and v > 0, "integers > 0"),
+                           ("distinct", _is_count, "integers >= 0"),
+                           ("count_dtypes", lambda v: v in COUNT_DTYPES, f"one of {COUNT_DTYPES}"),
+                           ("min_counts", lambda v: _is_count(v) and v >= 1, "integers >= 1")):
+        table = meta[name]
+        if not isinstance(table, dict) or sorted(table) != keys or not all(ok(table[k]) for k in keys):
+            raise bad(f"{name} must map each order {keys} to {what}, got {table!r:.60}")
+    if meta["total_tokens"] != meta["ngram_totals"]["1"]:
+        raise bad(f"total_tokens {meta['total_tokens']!r:.20} differs from the unigram total {meta['ngram_totals']['1']}")
+    tok = meta["tokenizer"]
+    if not (isinstance(tok, dict) and isinstance(tok.get("fingerprint"), str) and isinstance(tok.get("name"), (str, type(None)))):
+        raise bad("tokenizer must be an object with a fingerprint (text) and a name")
+    if meta["vocab_size"] ** len(orders) >= KEY_LIMIT:
+        raise bad(f"vocab_size {meta['vocab_size']} is too large for order-{len(orders)} keys")
+    return meta
 
 
 def load_array(path: Path, name: str, info: dict, mmap: bool = True) -> np.ndarray:
     """One array of an array dir, checked against the length and dtype recorded at write time."""
     file = Path(path) / f"{name}.npy"
+    if name not in info["arrays"]:
+        raise CheckpointError(f"{path / INFO_NAME} lists no array {name!r}", f"delete {path} and rerun the same command to recount it")
     length, dtype = info["arrays"][name]
     try:
         arr = np.load(file, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as err:  # numpy raises ValueError for short/garbled files
+    except NPY_ERRORS as err:
         raise CheckpointError(f"{file}: unreadable or truncated ({err})", f"delete {path} and rerun the same command to recount it") from err
     if arr.ndim != 1 or arr.shape[0] != length or str(arr.dtype) != dtype:
         raise CheckpointError(

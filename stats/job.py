@@ -12,11 +12,13 @@ import math
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from multitoken.pipeline.atomic import atomic_dir, lock_file
 from multitoken.pipeline.cliargs import atomic_write_text, save_resolved_config
 from multitoken.pipeline.data import DataConfig, describe_files
 from multitoken.pipeline.embedded import default_base, portable_base
@@ -24,8 +26,12 @@ from multitoken.pipeline.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
 from .merge import merge_orders
-from .shard import Job, check_runs, list_runs, shard_dir
+from .shard import JOB_NAME, Job, check_runs, list_runs, read_job, shard_dir
 from .workers import count_shards
+
+LOCK_NAME = ".lock"
+MERGE_WORK = "merge-parts"
+STATS_ARRAYS = (META_NAME, "counts[0-9].npy", "keys[0-9].npy")  # what a merge writes (and replaces)
 
 
 @dataclass
@@ -89,26 +95,56 @@ def make_job(cfg: BuildConfig, data: DataConfig) -> Job:
                order=cfg.order, memory_bytes=cfg.memory_mb << 20, out=cfg.out)
 
 
-def build(cfg: BuildConfig, data: DataConfig, log=print) -> Path | None:
-    """Count (resuming if partials exist) and, unless ``--shard`` is given, merge. Returns the stats dir."""
+@contextmanager
+def job_lock(out: Path):
+    """One lock over a whole job on ``out`` (counting, merge, clean-up): a second job on the
+    same dir fails at once. ``out`` is created if missing and removed again if the job leaves it
+    empty; the lock file goes with the lock."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with lock_file(out / LOCK_NAME, f"the stats dir {out} (a stats build or merge)"):
+            yield
+    finally:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+
+
+def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False) -> Path | None:
+    """Count (resuming if partials exist) and, unless ``--shard`` is given, merge. Returns the stats dir.
+
+    ``overwrite``: a finished stats dir in ``--out`` is recounted (else a finished dir of the
+    same job is left as it is, and one of another job is refused)."""
+    if not cfg.out:
+        raise UsageError("no output directory given", "pass --out DIR")
+    out = Path(cfg.out)
+    with job_lock(out):
+        return _build_locked(cfg, data, out, log, overwrite)
+
+
+def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, log, overwrite: bool) -> Path | None:
     job = make_job(cfg, data)
     files, lines = describe_files(data)  # also refuses a --split the data does not have
     print("\n".join(lines), file=sys.stderr, flush=True)
-    out = Path(cfg.out)
     mins = min_counts_per_order(cfg.min_count, cfg.order)
+    shards = local_shards(parse_shard(cfg.shard), cfg.num_proc)
     if (out / META_NAME).exists():
-        meta = json.loads((out / META_NAME).read_text())
-        if meta.get("job") != job.identity():
-            raise UsageError(f"{out} already holds stats of another job", "pass another --out, or delete it")
-        if not _same_min_counts(meta, mins):
+        meta = _existing_meta(out, overwrite)
+        if overwrite:
+            log(f"{out}: --overwrite: recounting (the old stats stay until the new ones replace them)")
+            (out / META_NAME).unlink()
+            _remove_partials(out)
+            shutil.rmtree(out / MERGE_WORK, ignore_errors=True)
+        elif meta.get("job") != job.identity():
+            raise UsageError(f"{out} already holds stats of another job", "pass --overwrite to recount it, or another --out")
+        elif not _same_min_counts(meta, mins):
             _prepare_reprune(out, meta, mins, cfg.shard is not None)
             log(f"{out}: re-pruning the kept partial counts with min counts {mins}")
         else:
-            log(f"{out} is complete already (delete it to recount)")
+            log(f"{out} is complete already (pass --overwrite to recount)")
             if not cfg.keep_partials:  # a kill between writing meta.json and the clean-up
-                shutil.rmtree(out / "partials", ignore_errors=True)
+                _remove_partials(out, shards)
             return out
-    shards = local_shards(parse_shard(cfg.shard), cfg.num_proc)
     _check_no_foreign_shards(out, shards)
     save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files})
     t0 = time.perf_counter()
@@ -119,8 +155,34 @@ def build(cfg: BuildConfig, data: DataConfig, log=print) -> Path | None:
         return None
     write_stats(out, [shard_dir(out, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files)
     if not cfg.keep_partials:
-        shutil.rmtree(out / "partials", ignore_errors=True)
+        _remove_partials(out, shards)
     return out
+
+
+def _existing_meta(out: Path, overwrite: bool) -> dict:
+    """The meta.json already in ``--out`` (validated); damaged, it is refused unless overwriting."""
+    from .table import _read_meta
+
+    try:
+        return _read_meta(out)
+    except CheckpointError as err:
+        if overwrite:
+            return {}
+        raise UsageError(f"--out {out} holds a damaged stats dir: {err.problem}", "pass --overwrite to recount it, or another --out") from err
+
+
+def _remove_partials(out: Path, shards: list[tuple[int, int]] | None = None) -> None:
+    """Remove our shard dirs (those of ``shards``, or every ``shard-*`` holding a job.json) and
+    ``partials/`` itself once empty: nothing else in it is touched."""
+    root = out / "partials"
+    if not root.is_dir():
+        return
+    dirs = [shard_dir(out, s) for s in shards] if shards is not None else \
+        [d for d in root.glob("shard-*") if (d / JOB_NAME).is_file()]
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    if not any(root.iterdir()):
+        root.rmdir()
 
 
 def _same_min_counts(meta: dict, mins: list[int]) -> bool:
@@ -159,7 +221,7 @@ def find_shard_dirs(inputs: list[str]) -> list[Path]:
     dirs = []
     for spec in inputs:
         p = Path(spec)
-        if p.name.startswith("shard-") and (p / "job.json").exists():
+        if p.name.startswith("shard-") and (p / JOB_NAME).exists():
             dirs.append(p)
         elif (p / "partials").is_dir():
             dirs.extend(sorted(d for d in (p / "partials").glob("shard-*") if d.is_dir()))
@@ -189,11 +251,11 @@ def check_coverage(shards: list[tuple[int, int]]) -> None:
 def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, memory_bytes: int, log=print,
                 files: list[str] | None = None) -> dict:
     """Merge the finished shards ``sdirs`` into the stats dir ``out`` and write its meta.json
-    (``files``: the local data files counted, when known; a merge of shards counted elsewhere
-    records None, each shard's config.json lists its own)."""
-    from importlib.metadata import version
-
-    jobs = [json.loads((d / "job.json").read_text()) for d in sdirs]
+    (staged, then published: the arrays of an older stats dir there are replaced, stale ones of
+    other orders removed, files we did not write kept). ``files``: the local data files counted,
+    when known; a merge of shards counted elsewhere records None, each shard's config.json lists
+    its own."""
+    jobs = [read_job(d) for d in sdirs]
     ident = {k: v for k, v in jobs[0].items() if k not in ("shard", "tokenizer")}
     for d, j in zip(sdirs, jobs):
         if {k: v for k, v in j.items() if k not in ("shard", "tokenizer")} != ident:
@@ -212,10 +274,24 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
             totals = [a + b for a, b in zip(totals, info["totals"])]
     if totals[0] == 0:
         raise DataError("the corpus produced no tokens", "check --data, --column and --max-tokens")
-    out.mkdir(parents=True, exist_ok=True)
+    short = [k + 1 for k, t in enumerate(totals) if t == 0]
+    if short:
+        raise DataError(f"the corpus holds no n-grams of order {short[0]} (every document is shorter than {short[0]} tokens)",
+                        f"pass longer documents, or --order {short[0] - 1}")
     t0 = time.perf_counter()
-    kept = merge_orders(runs, out, order, mins, ident["vocab_size"], memory_bytes, num_proc, log)
+    with atomic_dir(out, marker=META_NAME, owned=STATS_ARRAYS) as stage:
+        kept = merge_orders(runs, stage, order, mins, ident["vocab_size"], memory_bytes, num_proc, log, work=out / MERGE_WORK)
+        meta = _meta(jobs, ident, order, totals, kept, mins, files)
+        atomic_write_text(stage / META_NAME, json.dumps(meta, indent=1) + "\n")  # published last: marks the dir complete
+    shutil.rmtree(out / MERGE_WORK, ignore_errors=True)
     log(f"merged {len(runs)} runs in {time.perf_counter() - t0:.1f}s")
+    return meta
+
+
+def _meta(jobs: list[dict], ident: dict, order: int, totals: list[int], kept: dict, mins: list[int],
+          files: list[str] | None) -> dict:
+    from importlib.metadata import version
+
     meta = {
         "format_version": FORMAT_VERSION,
         "tokenizer": {"name": portable_base(str(jobs[0].get("tokenizer"))), "fingerprint": ident["tokenizer_fingerprint"]},
@@ -227,17 +303,17 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
         "count_dtypes": {str(k): v["dtype"] for k, v in kept.items()},
         "min_counts": {str(k + 1): m for k, m in enumerate(mins)},
         "source": ident["data"],
-        "data_files": files,
         "shards": sorted(j["shard"] for j in jobs),
+        "data_files": files,
         "package_version": version("multitoken"),
         "job": ident,
     }
-    atomic_write_text(out / META_NAME, json.dumps(meta, indent=1) + "\n")  # written last: marks the dir complete
     return meta
 
 
 def merge(inputs: list[str], out: str, min_count: tuple[int, ...], num_proc: int, memory_mb: int, log=print) -> dict:
     sdirs = find_shard_dirs(inputs)
-    order = json.loads((sdirs[0] / "job.json").read_text())["order"]
-    return write_stats(Path(out), sdirs, min_counts_per_order(min_count, order), num_proc, memory_mb << 20, log)
+    mins = min_counts_per_order(min_count, read_job(sdirs[0])["order"])
+    with job_lock(Path(out)):
+        return write_stats(Path(out), sdirs, mins, num_proc, memory_mb << 20, log)
 

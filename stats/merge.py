@@ -108,13 +108,15 @@ def assemble(parts: list[Path], out: Path, order: int) -> tuple[int, str]:
 
 def merge_orders(
     runs: list[Path], out: Path, order: int, min_counts: list[int], vocab_size: int,
-    memory_bytes: int, num_proc: int, progress: Callable[[str], None] | None = None,
+    memory_bytes: int, num_proc: int, progress: Callable[[str], None] | None = None, work: Path | None = None,
 ) -> dict:
-    """Write ``counts1.npy`` and ``keysN/countsN.npy`` for N = 2..order into ``out``.
+    """Write ``counts1.npy`` and ``keysN/countsN.npy`` for N = 2..order into ``out`` (a staging
+    dir: temp files of a killed assembly stay there, never in a finished stats dir). Merged
+    key ranges go to ``work`` (default ``out/merge-parts``), where a rerun finds them.
 
     Returns per order the distinct n-grams kept and the count dtype.
     """
-    work = out / "merge-parts"
+    work = work if work is not None else out / "merge-parts"
     work.mkdir(parents=True, exist_ok=True)
     uni = sum_unigrams(runs, vocab_size)
     uni[uni < min_counts[0]] = 0
@@ -141,5 +143,8 @@ def _map(fn, tasks: list, num_proc: int) -> list:
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn, not fork: the parent may hold tokenizer threads or torch state
-    with ProcessPoolExecutor(max_workers=min(num_proc, len(tasks)), mp_context=mp.get_context("spawn")) as pool:
+    from .workers import die_with_parent
+
+    with ProcessPoolExecutor(max_workers=min(num_proc, len(tasks)), mp_context=mp.get_context("spawn"),
+                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         return list(pool.map(fn, tasks))

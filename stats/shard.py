@@ -11,7 +11,6 @@ counted twice; the final run carries ``done``.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import shutil
 import time
@@ -22,12 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from multitoken.pipeline.atomic import lock_file
 from multitoken.pipeline.cliargs import atomic_write_text
 from multitoken.pipeline.data import DataConfig, iter_documents
 from multitoken.pipeline.errors import CheckpointError, UsageError
 
 from .counting import ChunkBuilder, count_chunk
-from .format import load_array, read_info, write_array_dir
+from .format import MAX_ORDER, load_array, read_info, write_array_dir
 
 BYTES_PER_CHUNK_TOKEN = 1000   # chunk buffers take ~150 B/token; a chunk gets ~15% of the bound
 HELD_FRACTION = 0.3            # spilling concatenates held runs: peaks at ~2x their size
@@ -117,21 +117,43 @@ def check_runs(sdir: Path, order: int) -> list[dict]:
 
 @contextmanager
 def shard_lock(sdir: Path):
-    """Exclusive lock on a shard dir; released by the OS even on kill -9."""
+    """Exclusive lock on a shard dir; released by the OS even on kill -9, its file removed on exit."""
     sdir.mkdir(parents=True, exist_ok=True)
-    with open(sdir / ".lock", "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as err:
-            raise UsageError(f"another process is counting {sdir}", "wait for it to finish (or kill it), then rerun") from err
+    with lock_file(sdir / ".lock", f"the partial counts {sdir}"):
         yield
+
+
+JOB_NAME = "job.json"
+
+
+def read_job(sdir: Path) -> dict:
+    """A shard's ``job.json``, validated: what it counts and which shard it is."""
+    path = Path(sdir) / JOB_NAME
+    fix = f"delete {sdir} and rerun its `multitoken stats build` command to recount that shard"
+    try:
+        job = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: missing or not valid JSON ({err})", fix) from err
+
+    def count(v, lo: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    shard = job.get("shard") if isinstance(job, dict) else None
+    checks = (isinstance(job, dict) and isinstance(job.get("data"), dict)
+              and isinstance(job.get("tokenizer_fingerprint"), str) and count(job.get("vocab_size"), 1)
+              and count(job.get("order"), 1) and job["order"] <= MAX_ORDER
+              and isinstance(shard, list) and len(shard) == 2 and all(count(x) for x in shard) and shard[0] < shard[1])
+    if not checks:
+        raise CheckpointError(f"{path}: not a shard record (needs data, tokenizer_fingerprint, vocab_size >= 1, "
+                              f"order 1..{MAX_ORDER} and shard [I, N] with 0 <= I < N)", fix)
+    return job
 
 
 def check_identity(sdir: Path, job: Job, shard: tuple[int, int]) -> None:
     want = {**job.identity(), "shard": list(shard)}
-    path = sdir / "job.json"
+    path = sdir / JOB_NAME
     if path.exists():
-        have = json.loads(path.read_text())
+        have = read_job(sdir)
         have.pop("tokenizer", None)  # a path, may differ between machines; the fingerprint decides
         if have != want:
             raise UsageError(

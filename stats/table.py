@@ -27,7 +27,7 @@ import numpy as np
 
 from multitoken.pipeline.errors import CheckpointError, DataError, MismatchError, UsageError
 
-from .format import FORMAT_VERSION, META_NAME, encode
+from .format import MAX_ORDER, META_NAME, NPY_ERRORS, check_meta, encode
 from .hashindex import PrefixBlockIndex
 
 class CooccurrenceTable:
@@ -48,7 +48,12 @@ class CooccurrenceTable:
         self.vocab_size = int(self.meta["vocab_size"])
         self.max_order = max(self.meta["orders"])
         self.totals = {int(k): int(v) for k, v in self.meta["ngram_totals"].items()}
-        self.unigrams = np.array(self._load("counts1.npy", self.vocab_size))  # [V], small: in RAM
+        self.unigrams = np.array(self._load("counts1.npy", self.vocab_size, "uint64"))  # [V], small: in RAM
+        if int(self.unigrams.sum()) > self.totals[1]:  # pruning (--min-count) may only lower the sum
+            raise CheckpointError(f"{self.path / 'counts1.npy'}: unigram counts sum to {int(self.unigrams.sum())}, "
+                                  f"more than the {self.totals[1]} tokens {META_NAME} records", "rebuild the stats dir")
+        for order in range(2, self.max_order + 1):  # present with the recorded lengths (memory-mapped: cheap)
+            self.arrays(order)
         # per-token 1/count (0 for never-seen tokens) once, in float32 as the grid uses it:
         # the same float64 -> float32 rounding as computing it per call, without the per-call cost
         u = self.unigrams.astype(np.float64)
@@ -67,25 +72,27 @@ class CooccurrenceTable:
     def fingerprint(self) -> str:
         return self.meta["tokenizer"]["fingerprint"]
 
-    def _load(self, name: str, length: int | None = None) -> np.ndarray:
+    def _load(self, name: str, length: int, dtype: str) -> np.ndarray:
         file = self.path / name
         try:
             arr = np.load(file, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as err:
+        except NPY_ERRORS as err:
             raise CheckpointError(f"{file}: missing or unreadable ({err})", "rebuild the stats dir with multitoken stats build") from err
-        if length is not None and arr.shape != (length,):
-            raise CheckpointError(f"{file}: shape {arr.shape}, expected ({length},)", "rebuild the stats dir")
+        if arr.shape != (length,) or arr.dtype != np.dtype(dtype):
+            raise CheckpointError(f"{file}: holds {arr.shape} {arr.dtype}, {META_NAME} says ({length},) {dtype}", "rebuild the stats dir")
         return arr
 
     def arrays(self, order: int) -> tuple[np.ndarray, np.ndarray]:
         """Sorted keys and counts of ``order`` (memory-mapped)."""
         self._check_order(order)
         n = int(self.meta["distinct"][str(order)])
-        return self._load(f"keys{order}.npy", n), self._load(f"counts{order}.npy", n)
+        return (self._load(f"keys{order}.npy", n, "uint64"),
+                self._load(f"counts{order}.npy", n, self.meta["count_dtypes"][str(order)]))
 
     def index(self, order: int) -> PrefixBlockIndex:
         if order not in self._index:
             keys, counts = self.arrays(order)
+            _check_keys(keys, self.vocab_size ** order, self.path / f"keys{order}.npy")
             self._index[order] = PrefixBlockIndex(keys, counts, self.vocab_size, order)
         return self._index[order]
 
@@ -97,9 +104,10 @@ class CooccurrenceTable:
 
     def _check_order(self, order: int) -> None:
         if not 2 <= order <= self.max_order:
+            rebuild = f", or rebuild with --order {order}" if order <= MAX_ORDER else f" (stats count at most order {MAX_ORDER})"
             raise UsageError(
                 f"a mask of {order} positions needs order-{order} counts; {self.path} holds orders up to {self.max_order}",
-                f"pass 2..{self.max_order} candidate lists, or rebuild with --order {order}",
+                f"pass 2..{self.max_order} candidate lists{rebuild}",
             )
 
     def _ids(self, cand, pos: int) -> np.ndarray:
@@ -189,9 +197,18 @@ def _read_meta(path: Path) -> dict:
         hint = " (counting is unfinished: rerun the build command)" if (path / "partials").exists() else ""
         raise CheckpointError(f"{path} is not a stats dir: no {META_NAME}{hint}", "build one with multitoken stats build")
     try:
-        meta = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or bad UTF-8
         raise CheckpointError(f"{file}: not valid JSON ({err})", "rebuild the stats dir") from err
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: stats format {meta.get('format_version')}, this multitoken reads {FORMAT_VERSION}", "rebuild the stats dir")
-    return meta
+    return check_meta(meta, file)
+
+
+def _check_keys(keys: np.ndarray, limit: int, file: Path, block: int = 1 << 22) -> None:
+    """Keys must be strictly increasing and below ``V ** order`` (lookups binary-search them)."""
+    fix = "rebuild the stats dir with multitoken stats build"
+    if keys.size and int(keys[-1]) >= limit:
+        raise CheckpointError(f"{file}: key {int(keys[-1])} is outside the vocabulary's range", fix)
+    for lo in range(0, max(keys.size - 1, 0), block):  # blockwise: the keys are memory-mapped
+        chunk = np.asarray(keys[lo:lo + block + 1])
+        if not (chunk[1:] > chunk[:-1]).all():
+            raise CheckpointError(f"{file}: keys are not sorted and unique", fix)

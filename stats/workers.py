@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
 from tqdm import tqdm
@@ -10,11 +17,34 @@ from tqdm import tqdm
 from .shard import Job, count_shard
 
 _COUNTERS = None  # per-worker token counters shared with the parent (set in each worker)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_POLL_SECONDS = 1.0
 
 
-def _init(counters) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Pool initializer: this worker exits when the parent process dies (kill -9 included),
+    instead of holding its memory forever. Linux: the kernel sends SIGKILL (prctl
+    PR_SET_PDEATHSIG); elsewhere a daemon thread polls the parent's pid."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        armed = sys.platform.startswith("linux") and libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        armed = False
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(PARENT_POLL_SECONDS)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _init(counters, parent_pid: int) -> None:
     global _COUNTERS
     _COUNTERS = counters
+    die_with_parent(parent_pid)
 
 
 def _count_in_worker(job: Job, shard: tuple[int, int], slot: int) -> int:
@@ -40,7 +70,7 @@ def _count_parallel(job: Job, shards, num_proc: int, bar) -> int:
     # spawn, not fork: the parent holds a loaded tokenizer (threads) and maybe torch
     ctx = mp.get_context("spawn")
     counters = ctx.Array("q", len(shards))
-    with ProcessPoolExecutor(max_workers=num_proc, mp_context=ctx, initializer=_init, initargs=(counters,)) as pool:
+    with ProcessPoolExecutor(max_workers=num_proc, mp_context=ctx, initializer=_init, initargs=(counters, os.getpid())) as pool:
         futures = [pool.submit(_count_in_worker, job, s, i) for i, s in enumerate(shards)]
         pending = set(futures)
         while pending:

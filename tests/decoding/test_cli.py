@@ -69,7 +69,8 @@ def test_stats_of_another_tokenizer_are_refused(capsys, tmp_path, heads_dir):
     from multitoken.stats.format import FORMAT_VERSION, META_NAME
 
     meta = {"format_version": FORMAT_VERSION, "tokenizer": {"name": "pythia", "fingerprint": "0" * 64}, "vocab_size": 50304,
-            "orders": [1, 2, 3], "ngram_totals": {"1": 1, "2": 1, "3": 1}, "distinct": {"1": 1, "2": 1, "3": 1}}
+            "orders": [1, 2, 3], "total_tokens": 1, "ngram_totals": {"1": 1, "2": 1, "3": 1}, "distinct": {"1": 1, "2": 1, "3": 1},
+            "count_dtypes": {"1": "uint64", "2": "uint32", "3": "uint32"}, "min_counts": {"1": 1, "2": 1, "3": 1}}
     (tmp_path / META_NAME).write_text(json.dumps(meta))
     assert main(["generate", "Once upon a time", "--heads", str(heads_dir), "--mode", "dynamic", "--stats", str(tmp_path)]) == 1
     err = capsys.readouterr().err

@@ -183,13 +183,13 @@ def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_di
     with pytest.raises(DataError):
         train(train_cfg(heads_dir, out, max_steps=1, checkpoint_dir=str(tmp_path / "c1")), DataConfig(data=str(bad)))
 
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline import heads_io
 
-    def broken_save(self, d):
+    def broken_write(model, d):  # fails half-way through writing the staged heads dir
         (d / "heads.safetensors").write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(MultiTokenModel, "save_heads", broken_save)
+    monkeypatch.setattr(heads_io, "write_heads", broken_write)
     with pytest.raises(OSError, match="disk full"):
         train(train_cfg(heads_dir, out, max_steps=1, checkpoint_dir=str(tmp_path / "c2")), DataConfig(data=str(corpus)))
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == snapshot
