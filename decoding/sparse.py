@@ -1,0 +1,256 @@
+"""An exact sparse DynaMo step: the dense grid's live cells from only the cells it can reach.
+
+With absent n-grams at ratio 0 (the table's default) and a mask in force (alpha_c > 0), a cell of
+the masked grid is non-zero only if its n-gram was seen: a few thousand of the k^n cells. This
+module finds them (``seen_cells``: for each seen prefix of the leading candidate lists, its seen
+last tokens among the last list; short rows of the sorted key array are scanned, long ones probed
+in their hash block), then reproduces ``dynamic.joint_cells`` on them bit for bit:
+
+* grid, ratio and normalisation in the dense path's float32 operation order; the total is the
+  float64 numpy sum of the same compact array of non-zero masked cells (ascending flat order)
+  that the dense path sums;
+* the static threshold;
+* blur + Otsu only over the bounding box of the surviving cells, grown by the kernel radius
+  (cells outside are 0 before and after the blur): opencv's 3-tap arithmetic
+  ``x * 0.5 + (left + right) * 0.25`` with reflect-101 borders, axes in opencv's order (2-D: 1, 0;
+  3-D: 1, 0, 2), then ``convertScaleAbs`` (float32 scale, round half to even) and opencv's Otsu
+  on the 256-bin histogram, whose bin 0 also counts every cell outside the box.
+
+Where this is not exact (no table or a stand-in without the layout, alpha_c 0, absent != 0, a
+blur kernel other than 0 / 1 / 3, an axis shorter than 2 under the blur, more than 512 candidates,
+no seen cell), ``joint_cells`` takes the dense path. Kernels: ``sparse_numba`` when numba is
+installed (``pip install multitoken[fast]``), else the numpy code here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+KERNELS = ("auto", "dense", "numpy", "numba")
+SCAN_FACTOR = 8  # scan a prefix's row when it holds <= 8 keys per candidate, else probe k times
+_HALF, _QUARTER = np.float32(0.5), np.float32(0.25)
+
+
+def numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_kernel(name: str) -> str:
+    """``auto`` -> numba when installed, else numpy; ``dense`` / ``numpy`` / ``numba`` as given."""
+    if name == "auto":
+        return "numba" if numba_available() else "numpy"
+    return name
+
+
+def applies(cands, cfg, table) -> bool:
+    """True when the sparse step computes exactly what the dense one does (see the module doc)."""
+    order = len(cands)
+    if table is None or not hasattr(table, "inv_unigrams") or cfg.alpha_c <= 0 or table.absent != 0:
+        return False
+    if not 2 <= order <= min(3, table.max_order):
+        return False
+    if cfg.adaptive_threshold and cfg.blur_kernel > 1:
+        if cfg.blur_kernel != 3 or min(c.ids.size for c in cands) < 2 or cands[-1].ids.size > 512:
+            return False
+    return True
+
+
+class Layout:
+    """What a sparse lookup of one order reads, gathered once per table and order."""
+
+    def __init__(self, table, order: int):
+        index = table.index(order)
+        self.order, self.vocab = order, table.vocab_size
+        self.arrays = index.layout()
+        self.index = index
+        self.inv = table.inv_unigrams
+        self.scale = table.ratio_scale(order)
+        self.pos = np.full(self.vocab, -1, dtype=np.int64)  # token -> index in the last list (reset after use)
+
+
+def layout(table, order: int) -> Layout:
+    cache = table.__dict__.setdefault("_sparse_layouts", {})
+    if order not in cache:
+        cache[order] = Layout(table, order)
+    return cache[order]
+
+
+def _valid(ids: np.ndarray, vocab: int) -> np.ndarray:
+    """Ids past the table's vocabulary (embedding padding) never occur: their cells stay absent."""
+    return np.flatnonzero(ids < vocab)
+
+
+def seen_cells(lay: Layout, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Flat grid indices [m] (ascending) and counts [m] of the seen n-grams over the candidate
+    lists ``ids`` (numpy: vectorised scan of short rows, block probes of long ones)."""
+    v, a = np.uint64(lay.vocab), lay.arrays
+    lead = [_valid(x, lay.vocab) for x in ids[:-1]]  # candidate indices on the leading axes
+    pidx = lead[0]
+    pkey = ids[0][pidx].astype(np.uint64)
+    for axis in range(1, len(lead)):  # row-major combos of the leading axes, as the grid's flat order
+        col = lead[axis]
+        pidx = (pidx[:, None] * ids[axis].size + col[None, :]).ravel()
+        pkey = (pkey[:, None] * v + ids[axis][col].astype(np.uint64)[None, :]).ravel()
+    blk = lay.index.blocks(pkey)
+    hit = blk != a["sentinel"]
+    pidx, pkey, blk = pidx[hit], pkey[hit], blk[hit]
+    last = ids[-1]
+    k = last.size
+    start, length = a["row_start"][blk], a["row_length"][blk]
+    short = length <= SCAN_FACTOR * k
+    flats, counts = [], []
+    if short.any():
+        s, n, p = start[short], length[short], pidx[short]
+        total = int(n.sum())
+        offsets = np.repeat(s - np.cumsum(n) + n, n) + np.arange(total)  # each row's key indices
+        rows = np.repeat(p, n)
+        tok = (a["keys"][offsets] % v).astype(np.int64)
+        ok = _valid(last, lay.vocab)
+        lay.pos[last[ok]] = ok
+        col = lay.pos[tok]
+        lay.pos[last[ok]] = -1
+        keep = col >= 0
+        flats.append(rows[keep] * k + col[keep])
+        counts.append(a["counts"][offsets[keep]].astype(np.uint64))
+    if (~short).any():
+        p = pidx[~short]
+        grid = lay.index.grid(pkey[~short], np.where(last < lay.vocab, last, 0))  # [P, k] uint64
+        grid[:, last >= lay.vocab] = 0
+        r, c = np.nonzero(grid)
+        flats.append(p[r] * k + c)
+        counts.append(grid[r, c])
+    if not flats:
+        return np.zeros(0, np.int64), np.zeros(0, np.uint64)
+    flat, count = np.concatenate(flats), np.concatenate(counts)
+    order = np.argsort(flat, kind="stable")
+    return flat[order], count[order]
+
+
+def masked_values(lay: Layout, cands, flat: np.ndarray, count: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """grid * ratio^alpha on the seen cells, the dense path's float32 operations in its order;
+    the cells whose product is 0 (underflow) dropped, as the dense path's sum skips nothing
+    but adds nothing for them either # -> flat [m'], masked [m'] float32."""
+    shape = tuple(c.ids.size for c in cands)
+    axes = np.unravel_index(flat, shape)
+    grid = cands[0].probs[axes[0]]
+    for c, i in zip(cands[1:], axes[1:]):
+        grid = grid * c.probs[i]  # float32, as np.multiply.outer
+    r = np.multiply(count, lay.scale, dtype=np.float32)
+    for c, i in zip(cands, axes):
+        r *= lay.inv[c.ids[i]]
+    if alpha != 1:
+        np.power(r, np.float32(alpha), out=r)
+    masked = grid * r
+    nz = masked != 0
+    return flat[nz], masked[nz]
+
+
+def box_of(flat: np.ndarray, shape: tuple[int, ...], radius: int) -> tuple[tuple[int, int], ...]:
+    """Per axis the [lo, hi) range of the cells ``flat``, grown by ``radius`` within the grid."""
+    axes = np.unravel_index(flat, shape)
+    return tuple((max(int(i.min()) - radius, 0), min(int(i.max()) + radius + 1, n)) for i, n in zip(axes, shape))
+
+
+def _blur_axis(x: np.ndarray, axis: int, lo: int, full: int) -> np.ndarray:
+    """One 3-tap pass of opencv's Gaussian over ``axis`` of a box starting at ``lo`` of a grid
+    axis of ``full`` cells: reflect-101 at the grid's borders, zeros past the box's edges."""
+    nb = x.shape[axis]
+    g = lo + np.arange(nb)
+    left = np.where(g == 0, 1, g - 1) - lo
+    right = np.where(g == full - 1, full - 2, g + 1) - lo
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, 1)
+    ext = np.pad(x, pad)  # index nb is a zero slab: a neighbour outside the box
+    left = np.where((left >= 0) & (left < nb), left, nb)
+    right = np.where((right >= 0) & (right < nb), right, nb)
+    return x * _HALF + (ext.take(left, axis) + ext.take(right, axis)) * _QUARTER
+
+
+def blur_order(ndim: int) -> tuple[int, ...]:
+    """opencv's pass order in ``dynamic.gaussian_blur``: rows (axis 1) then columns (axis 0),
+    then for a 3-D grid the channel axis 2."""
+    return (1, 0) if ndim == 2 else (1, 0, 2)
+
+
+def otsu_threshold(hist, total: int) -> int:
+    """opencv's ``getThreshVal_Otsu_8u`` on a 256-bin histogram of ``total`` cells (same double
+    arithmetic, same skips, first maximum wins on ties)."""
+    scale = 1.0 / total
+    mu = 0.0
+    for i in range(256):
+        mu += i * float(hist[i])
+    mu *= scale
+    mu1 = q1 = max_sigma = 0.0
+    best = 0
+    eps = 1.1920928955078125e-07  # FLT_EPSILON
+    for i in range(256):
+        p = float(hist[i]) * scale
+        mu1 *= q1
+        q1 += p
+        q2 = 1.0 - q1
+        if min(q1, q2) < eps or max(q1, q2) > 1.0 - eps:
+            continue
+        mu1 = (mu1 + i * p) / q1
+        mu2 = (mu - q1 * mu1) / q2
+        sigma = q1 * q2 * (mu1 - mu2) * (mu1 - mu2)
+        if sigma > max_sigma:
+            max_sigma, best = sigma, i
+    return best
+
+
+def otsu_survivors(flat: np.ndarray, values: np.ndarray, shape: tuple[int, ...], blur: bool) -> np.ndarray:
+    """Which surviving cells (``flat`` [m] ascending, ``values`` [m] > 0) Otsu keeps on the
+    (blurred) grid they span # -> [m] bool."""
+    box = box_of(flat, shape, 1 if blur else 0)
+    dims = tuple(hi - lo for lo, hi in box)
+    local = np.ravel_multi_index(tuple(i - lo for i, (lo, _) in zip(np.unravel_index(flat, shape), box)), dims)
+    x = np.zeros(dims, dtype=np.float32)
+    x.flat[local] = values
+    if blur:
+        for axis in blur_order(len(shape)):
+            x = _blur_axis(x, axis, box[axis][0], shape[axis])
+    top = float(x.max())
+    img = np.minimum(np.rint(x * np.float32(255.0 / top)), 255).astype(np.uint8)  # convertScaleAbs
+    hist = np.bincount(img.ravel(), minlength=256)
+    hist[0] += int(np.prod(shape)) - img.size  # the zeros outside the box
+    return img.ravel()[local] > otsu_threshold(hist, int(np.prod(shape)))
+
+
+def live_cells(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
+    """Static threshold then Otsu on normalised seen cells, as ``dynamic._live`` # -> flat, values."""
+    if cfg.static_threshold and threshold > 0:
+        keep = values > threshold
+        flat, values = flat[keep], values[keep]
+    if cfg.adaptive_threshold and flat.size:
+        kept = otsu_survivors(flat, values, shape, cfg.blur_kernel > 1)
+        if kept.any():
+            return flat[kept], values[kept]
+    return flat, values
+
+
+def sparse_live(cands, cfg, table, kernel: str):
+    """The live cells (flat [m] ascending, values [m] float32, before the penalty) of the
+    order-len(cands) grid, or None when no seen cell carries mass (the dense path then leaves the
+    grid unmasked). ``kernel``: "numpy" or "numba"."""
+    lay = layout(table, len(cands))
+    shape = tuple(c.ids.size for c in cands)
+    threshold = np.float32(cfg.eps_b ** (len(cands) - 1))
+    ids = [c.ids for c in cands]
+    if kernel == "numba":
+        from . import sparse_numba
+
+        flat, masked = sparse_numba.masked_cells(lay, cands, cfg.alpha_c)
+    else:
+        flat, count = seen_cells(lay, ids)
+        flat, masked = masked_values(lay, cands, flat, count, cfg.alpha_c)
+    total = masked.sum(dtype=np.float64)  # the array the dense path sums: same numpy, same bits
+    if not total > 0:
+        return None
+    values = masked / np.float32(total)
+    if kernel == "numba":
+        return sparse_numba.live(flat, values, shape, cfg, threshold)
+    return live_cells(flat, values, shape, cfg, threshold)

@@ -1,0 +1,291 @@
+"""numba kernels of the sparse DynaMo step (``sparse.py`` holds the numpy reference of each).
+
+Compiled on first use and cached on disk (``cache=True``: a few seconds once per install and
+table count dtype, ~0.1 s to load in a new process); ``prepare`` compiles them before a
+generation's clock starts. float32 values stay float32 through every operation (numba keeps the
+operand type, and no fastmath), so results match numpy's bit for bit.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from .sparse import blur_order, otsu_threshold
+
+EMPTY64 = np.uint64(2**64 - 1)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_otsu = nb.njit(cache=True)(otsu_threshold)
+
+
+@nb.njit(cache=True)
+def _home(x, shift):
+    return np.int64((np.uint64(x) * GOLDEN) >> shift)
+
+
+@nb.njit(cache=True)
+def _prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel):
+    """Block of a prefix key: the dense map (one-token prefixes) or open-addressing probes."""
+    if dense.size:
+        return dense[np.int64(key)]
+    slot = _home(key, pshift)
+    while True:
+        found = pkeys[slot]
+        if found == key:
+            return pvalues[slot]
+        if found == EMPTY64:
+            return sentinel
+        slot = (slot + 1) & pmask
+
+
+@nb.njit(cache=True)
+def _probe(blk, tok, base, mask, shift, slots, count_bits, count_mask):
+    """Count of ``tok`` in block ``blk`` (0 when absent): linear probing inside the block."""
+    b = base[blk]
+    s = b + _home(tok, shift[blk])
+    while True:
+        found = slots[s]
+        if found == EMPTY64:
+            return np.uint64(0)
+        if (found >> count_bits) == np.uint64(tok):
+            return found & count_mask
+        s = b + ((s - b + 1) & mask[blk])
+
+
+@nb.njit(cache=True)
+def _cells(ids0, ids1, last, vocab, scan_max, pos, keys, counts, row_start, row_length, base, mask, shift, slots,
+           count_bits, count_mask, dense, pkeys, pvalues, pshift, pmask, sentinel, out_flat, out_count):
+    """Seen n-grams over the candidate lists (order 2: ``ids1`` empty) in ascending flat order:
+    each seen prefix's row is scanned when short, else each last candidate probed."""
+    k = last.size
+    v = np.uint64(vocab)
+    for c in range(k):
+        if last[c] < vocab:
+            pos[last[c]] = c
+    m = 0
+    n1 = max(ids1.size, 1)
+    for i in range(ids0.size):
+        if ids0[i] >= vocab:
+            continue
+        for j in range(n1):
+            key = np.uint64(ids0[i])
+            if ids1.size:
+                if ids1[j] >= vocab:
+                    continue
+                key = key * v + np.uint64(ids1[j])
+            blk = _prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel)
+            if blk == sentinel:
+                continue
+            row = i * n1 + j
+            length = row_length[blk]
+            if length <= scan_max:
+                start = m
+                first = row_start[blk]
+                for t in range(first, first + length):
+                    c = pos[np.int64(keys[t] - key * v)]
+                    if c >= 0:
+                        # insertion by column: the row is in token order, the grid in candidate order
+                        f = row * k + c
+                        cnt = np.uint64(counts[t])
+                        at = m
+                        while at > start and out_flat[at - 1] > f:
+                            out_flat[at] = out_flat[at - 1]
+                            out_count[at] = out_count[at - 1]
+                            at -= 1
+                        out_flat[at] = f
+                        out_count[at] = cnt
+                        m += 1
+            else:
+                for c in range(k):
+                    if last[c] < vocab:
+                        cnt = _probe(blk, last[c], base, mask, shift, slots, count_bits, count_mask)
+                        if cnt:
+                            out_flat[m] = row * k + c
+                            out_count[m] = cnt
+                            m += 1
+    for c in range(k):
+        if last[c] < vocab:
+            pos[last[c]] = -1
+    return m
+
+
+@nb.njit(cache=True)
+def _values(flat, count, shape, probs0, probs1, probs2, ids0, ids1, ids2, scale, inv, fuse):
+    """grid value and ratio of each seen cell, in the dense path's float32 order; ``fuse``
+    (alpha 1): their product with the zero products dropped, else both for numpy's power."""
+    m = flat.size
+    grid = np.empty(m, np.float32)
+    ratio = np.empty(m, np.float32)
+    keep = 0
+    k1, k2 = shape[1], shape[2]
+    for t in range(m):
+        f = flat[t]
+        i, rest = f // (k1 * k2), f % (k1 * k2)
+        j, l = rest // k2, rest % k2
+        if probs2.size:  # order 3
+            g = (probs0[i] * probs1[j]) * probs2[l]
+            r = np.float32(count[t]) * scale
+            r = r * inv[ids0[i]]
+            r = r * inv[ids1[j]]
+            r = r * inv[ids2[l]]
+        else:  # order 2: the grid is [k1, k2]
+            g = probs0[j] * probs1[l]
+            r = np.float32(count[t]) * scale
+            r = r * inv[ids0[j]]
+            r = r * inv[ids1[l]]
+        if fuse:
+            x = g * r
+            if x != 0:
+                flat[keep] = f
+                grid[keep] = x
+                keep += 1
+        else:
+            grid[t] = g
+            ratio[t] = r
+    return (keep if fuse else m), grid, ratio
+
+
+def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """``sparse.seen_cells`` + ``sparse.masked_values`` compiled # -> flat [m], masked [m] float32."""
+    a = lay.arrays
+    ids = [c.ids for c in cands]
+    shape = [c.ids.size for c in cands]
+    cap = int(np.prod(shape))
+    buf = lay.__dict__.get("buffers")
+    if buf is None or buf[0].size < cap:
+        buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
+    ids1 = ids[1] if len(ids) == 3 else np.zeros(0, np.int64)
+    from . import sparse
+
+    m = _cells(ids[0], ids1, ids[-1], lay.vocab, sparse.SCAN_FACTOR * ids[-1].size, lay.pos, a["keys"], a["counts"], a["row_start"], a["row_length"],
+               a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"], a["count_mask"], a["dense"],
+               a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"], a["sentinel"], buf[0], buf[1])
+    flat = buf[0][:m].copy()
+    shape3 = np.array(([1] + shape) if len(shape) == 2 else shape, np.int64)
+    empty = np.zeros(0, np.float32)
+    p = [c.probs for c in cands] + [empty]
+    ids2 = ids[2] if len(ids) == 3 else np.zeros(0, np.int64)
+    keep, grid, ratio = _values(flat, buf[1][:m], shape3, p[0], p[1], p[2], ids[0], ids[1], ids2,
+                                lay.scale, lay.inv, alpha == 1)
+    if alpha == 1:
+        return flat[:keep], grid[:keep]
+    np.power(ratio, np.float32(alpha), out=ratio)
+    masked = grid * ratio
+    nz = masked != 0
+    return flat[nz], masked[nz]
+
+
+@nb.njit(cache=True)
+def _blur_pass(x, axis, lo, full):
+    """``sparse._blur_axis`` on a 3-D box: opencv's 3-tap arithmetic, reflect-101 at the grid's
+    borders, zeros past the box."""
+    out = np.empty_like(x)
+    n0, n1, n2 = x.shape
+    nb_ = x.shape[axis]
+    h, q = np.float32(0.5), np.float32(0.25)
+    zero = np.float32(0.0)
+    for p in range(nb_):
+        g = lo + p
+        gl = 1 if g == 0 else g - 1
+        gr = full - 2 if g == full - 1 else g + 1
+        pl, pr = gl - lo, gr - lo
+        okl, okr = 0 <= pl < nb_, 0 <= pr < nb_
+        if axis == 0:
+            for j in range(n1):
+                for l in range(n2):
+                    left = x[pl, j, l] if okl else zero
+                    right = x[pr, j, l] if okr else zero
+                    out[p, j, l] = x[p, j, l] * h + (left + right) * q
+        elif axis == 1:
+            for i in range(n0):
+                for l in range(n2):
+                    left = x[i, pl, l] if okl else zero
+                    right = x[i, pr, l] if okr else zero
+                    out[i, p, l] = x[i, p, l] * h + (left + right) * q
+        else:
+            for i in range(n0):
+                for j in range(n1):
+                    left = x[i, j, pl] if okl else zero
+                    right = x[i, j, pr] if okr else zero
+                    out[i, j, p] = x[i, j, p] * h + (left + right) * q
+    return out
+
+
+@nb.njit(cache=True)
+def _otsu_keep(flat, values, shape, radius, axes, total):
+    """``sparse.otsu_survivors`` on a 3-D view of the grid (order 2: a leading axis of 1)."""
+    m = flat.size
+    lo = np.empty(3, np.int64)
+    hi = np.empty(3, np.int64)
+    lo[:] = 1 << 62
+    hi[:] = -1
+    coords = np.empty((m, 3), np.int64)
+    for t in range(m):
+        f = flat[t]
+        coords[t, 2] = f % shape[2]
+        f //= shape[2]
+        coords[t, 1] = f % shape[1]
+        coords[t, 0] = f // shape[1]
+        for a in range(3):
+            lo[a] = min(lo[a], coords[t, a])
+            hi[a] = max(hi[a], coords[t, a])
+    for a in range(3):
+        lo[a] = max(lo[a] - radius, 0)
+        hi[a] = min(hi[a] + radius + 1, shape[a])
+    x = np.zeros((hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2]), np.float32)
+    for t in range(m):
+        x[coords[t, 0] - lo[0], coords[t, 1] - lo[1], coords[t, 2] - lo[2]] = values[t]
+    for a in axes:
+        x = _blur_pass(x, a, lo[a], shape[a])
+    top = np.float32(0.0)
+    for v in x.ravel():
+        top = max(top, v)
+    s = np.float32(255.0 / np.float64(top))
+    hist = np.zeros(256, np.int64)
+    img = np.empty(x.shape, np.uint8)
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            for l in range(x.shape[2]):
+                u = min(np.rint(x[i, j, l] * s), np.float32(255.0))  # convertScaleAbs (>= 0 here)
+                img[i, j, l] = np.uint8(u)
+                hist[np.int64(u)] += 1
+    hist[0] += total - x.size
+    t = _otsu(hist, total)
+    keep = np.empty(m, np.bool_)
+    for c in range(m):
+        keep[c] = img[coords[c, 0] - lo[0], coords[c, 1] - lo[1], coords[c, 2] - lo[2]] > t
+    return keep
+
+
+def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
+    """``sparse.live_cells`` with the blur and Otsu compiled."""
+    if cfg.static_threshold and threshold > 0:
+        keep = values > threshold
+        flat, values = flat[keep], values[keep]
+    if cfg.adaptive_threshold and flat.size:
+        blur = cfg.blur_kernel > 1
+        shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
+        # opencv's axis order, in the 3-D view's numbering (order 2's axes are 1 and 2 there)
+        axes = np.array([a + 3 - len(shape) for a in blur_order(len(shape))] if blur else [], np.int64)
+        kept = _otsu_keep(flat, values, shape3, 1 if blur else 0, axes, int(np.prod(shape)))
+        if kept.any():
+            return flat[kept], values[kept]
+    return flat, values
+
+
+def prepare(table, order: int) -> None:
+    """Compile (or load from the cache) every kernel for this table's arrays, outside any clock."""
+    from types import SimpleNamespace
+
+    from .dynamic import Candidates
+    from .sparse import layout
+
+    lay = layout(table, order)
+    ids = np.arange(min(2, table.vocab_size), dtype=np.int64)
+    cands = [Candidates(ids, np.full(ids.size, 0.5, np.float32)) for _ in range(order)]
+    for alpha in (1.0, 0.5):
+        masked_cells(lay, cands, alpha)
+    cfg = SimpleNamespace(static_threshold=False, adaptive_threshold=True, blur_kernel=3)
+    for n in (2, 3):
+        shape = (2,) * n
+        live(np.arange(2, dtype=np.int64), np.ones(2, np.float32), shape, cfg, np.float32(0))
