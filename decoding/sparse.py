@@ -254,3 +254,17 @@ def sparse_live(cands, cfg, table, kernel: str):
     if kernel == "numba":
         return sparse_numba.live(flat, values, shape, cfg, threshold)
     return live_cells(flat, values, shape, cfg, threshold)
+
+
+def prepare_kernel(cfg, table, order: int) -> None:
+    """Before a generation's clock: build the table's lookup layouts and, for numba, compile (or
+    load from its disk cache) the kernels, so that no step pays for either."""
+    kernel = resolve_kernel(getattr(cfg, "dynamic_kernel", "dense"))
+    if kernel == "dense" or table is None or not hasattr(table, "inv_unigrams") or table.absent != 0:
+        return
+    for n in range(2, min(order, table.max_order, 3) + 1):
+        layout(table, n)
+        if kernel == "numba":
+            from . import sparse_numba
+
+            sparse_numba.prepare(table, n)
