@@ -149,12 +149,6 @@ def masked_values(lay: Layout, cands, flat: np.ndarray, count: np.ndarray, alpha
     return flat[nz], masked[nz]
 
 
-def box_of(flat: np.ndarray, shape: tuple[int, ...], radius: int) -> tuple[tuple[int, int], ...]:
-    """Per axis the [lo, hi) range of the cells ``flat``, grown by ``radius`` within the grid."""
-    axes = np.unravel_index(flat, shape)
-    return tuple((max(int(i.min()) - radius, 0), min(int(i.max()) + radius + 1, n)) for i, n in zip(axes, shape))
-
-
 def _blur_axis(x: np.ndarray, axis: int, lo: int, full: int) -> np.ndarray:
     """One 3-tap pass of opencv's Gaussian over ``axis`` of a box starting at ``lo`` of a grid
     axis of ``full`` cells: reflect-101 at the grid's borders, zeros past the box's edges."""
@@ -202,22 +196,55 @@ def otsu_threshold(hist, total: int) -> int:
     return best
 
 
+# Cells that Otsu's 8-bit image can show. The blur never exceeds the largest input cell in a
+# cell's 3^n neighbourhood (each float pass rounds a convex combination, so <= its max), and the
+# image's top is >= xmax / 8 (the largest cell keeps 1/2 per pass). So a cell whose neighbourhood
+# holds only cells <= CUT * xmax scales to <= 0.4996 (float32 margins included): 0 in the image.
+CUT = 0.999 / (8 * 510)
+TINY = 1e-30  # below this xmax / 8 could be subnormal: no pruning (the whole box is blurred)
+
+
+def image_box(flat, values, shape, blur: bool):
+    """Per axis (in_lo, in_hi, out_lo, out_hi): the box the blur reads (every surviving cell in it)
+    and, one cell inside, the box holding every non-zero cell of the 8-bit image."""
+    axes = np.unravel_index(flat, shape)
+    xmax = float(values.max())
+    big = values > (CUT * xmax if blur and xmax > TINY else 0.0)
+    out = []
+    for i, n in zip(axes, shape):
+        lo, hi = int(i[big].min()), int(i[big].max()) + 1
+        r = 1 if blur else 0
+        out.append((max(lo - 2 * r, 0), min(hi + 2 * r, n), max(lo - r, 0), min(hi + r, n)))
+    return out
+
+
 def otsu_survivors(flat: np.ndarray, values: np.ndarray, shape: tuple[int, ...], blur: bool) -> np.ndarray:
     """Which surviving cells (``flat`` [m] ascending, ``values`` [m] > 0) Otsu keeps on the
     (blurred) grid they span # -> [m] bool."""
-    box = box_of(flat, shape, 1 if blur else 0)
-    dims = tuple(hi - lo for lo, hi in box)
-    local = np.ravel_multi_index(tuple(i - lo for i, (lo, _) in zip(np.unravel_index(flat, shape), box)), dims)
-    x = np.zeros(dims, dtype=np.float32)
-    x.flat[local] = values
+    box = image_box(flat, values, shape, blur)
+    axes = np.unravel_index(flat, shape)
+    inside = np.ones(flat.size, bool)
+    for i, (lo, hi, _, _) in zip(axes, box):
+        inside &= (i >= lo) & (i < hi)
+    x = np.zeros(tuple(hi - lo for lo, hi, _, _ in box), dtype=np.float32)
+    x[tuple(i[inside] - b[0] for i, b in zip(axes, box))] = values[inside]
     if blur:
         for axis in blur_order(len(shape)):
             x = _blur_axis(x, axis, box[axis][0], shape[axis])
+    x = x[tuple(slice(olo - lo, ohi - lo) for lo, _, olo, ohi in box)]  # the exact part
     top = float(x.max())
     img = np.minimum(np.rint(x * np.float32(255.0 / top)), 255).astype(np.uint8)  # convertScaleAbs
     hist = np.bincount(img.ravel(), minlength=256)
-    hist[0] += int(np.prod(shape)) - img.size  # the zeros outside the box
-    return img.ravel()[local] > otsu_threshold(hist, int(np.prod(shape)))
+    total = int(np.prod(shape))
+    hist[0] += total - img.size  # the zeros outside the box
+    threshold = otsu_threshold(hist, total)
+    keep = np.ones(flat.size, bool)
+    for i, (_, _, lo, hi) in zip(axes, box):
+        keep &= (i >= lo) & (i < hi)
+    kept = np.flatnonzero(keep)
+    local = tuple(i[kept] - b[2] for i, b in zip(axes, box))
+    keep[kept] = img[local] > threshold
+    return keep
 
 
 def live_cells(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from .sparse import blur_order, otsu_threshold
+from .sparse import CUT, TINY, blur_order, otsu_threshold
 
 EMPTY64 = np.uint64(2**64 - 1)
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -145,27 +145,31 @@ def _values(flat, count, shape, probs0, probs1, probs2, ids0, ids1, ids2, scale,
     return (keep if fuse else m), grid, ratio
 
 
-def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """``sparse.seen_cells`` + ``sparse.masked_values`` compiled # -> flat [m], masked [m] float32."""
+def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``sparse.seen_cells`` compiled # -> flat [m] ascending, counts [m] (views of scratch buffers)."""
+    from . import sparse
+
     a = lay.arrays
-    ids = [c.ids for c in cands]
-    shape = [c.ids.size for c in cands]
-    cap = int(np.prod(shape))
+    cap = int(np.prod([x.size for x in ids]))
     buf = lay.__dict__.get("buffers")
     if buf is None or buf[0].size < cap:
         buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
     ids1 = ids[1] if len(ids) == 3 else np.zeros(0, np.int64)
-    from . import sparse
+    m = _cells(ids[0], ids1, ids[-1], lay.vocab, sparse.SCAN_FACTOR * ids[-1].size, lay.pos, a["keys"], a["counts"],
+               a["row_start"], a["row_length"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
+               a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
+               a["sentinel"], buf[0], buf[1])
+    return buf[0][:m], buf[1][:m]
 
-    m = _cells(ids[0], ids1, ids[-1], lay.vocab, sparse.SCAN_FACTOR * ids[-1].size, lay.pos, a["keys"], a["counts"], a["row_start"], a["row_length"],
-               a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"], a["count_mask"], a["dense"],
-               a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"], a["sentinel"], buf[0], buf[1])
-    flat = buf[0][:m].copy()
+
+def masked_values(lay, cands, flat: np.ndarray, count: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """``sparse.masked_values`` compiled # -> flat [m'] (a new array), masked [m'] float32."""
+    shape = [c.ids.size for c in cands]
+    flat = flat.copy()  # compacted in place below; the lookup's buffer is reused next call
     shape3 = np.array(([1] + shape) if len(shape) == 2 else shape, np.int64)
-    empty = np.zeros(0, np.float32)
-    p = [c.probs for c in cands] + [empty]
-    ids2 = ids[2] if len(ids) == 3 else np.zeros(0, np.int64)
-    keep, grid, ratio = _values(flat, buf[1][:m], shape3, p[0], p[1], p[2], ids[0], ids[1], ids2,
+    p = [c.probs for c in cands] + [np.zeros(0, np.float32)]
+    ids = [c.ids for c in cands] + [np.zeros(0, np.int64)]
+    keep, grid, ratio = _values(flat, count, shape3, p[0], p[1], p[2], ids[0], ids[1], ids[2],
                                 lay.scale, lay.inv, alpha == 1)
     if alpha == 1:
         return flat[:keep], grid[:keep]
@@ -173,6 +177,12 @@ def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
     masked = grid * ratio
     nz = masked != 0
     return flat[nz], masked[nz]
+
+
+def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """``seen_cells`` + ``masked_values`` # -> flat [m], masked [m] float32."""
+    flat, count = seen_cells(lay, [c.ids for c in cands])
+    return masked_values(lay, cands, flat, count, alpha)
 
 
 @nb.njit(cache=True)
@@ -212,48 +222,59 @@ def _blur_pass(x, axis, lo, full):
 
 
 @nb.njit(cache=True)
-def _otsu_keep(flat, values, shape, radius, axes, total):
+def _otsu_keep(flat, values, shape, blur, axes, total):
     """``sparse.otsu_survivors`` on a 3-D view of the grid (order 2: a leading axis of 1)."""
     m = flat.size
-    lo = np.empty(3, np.int64)
-    hi = np.empty(3, np.int64)
-    lo[:] = 1 << 62
-    hi[:] = -1
     coords = np.empty((m, 3), np.int64)
+    xmax = np.float32(0.0)
     for t in range(m):
         f = flat[t]
         coords[t, 2] = f % shape[2]
         f //= shape[2]
         coords[t, 1] = f % shape[1]
         coords[t, 0] = f // shape[1]
-        for a in range(3):
-            lo[a] = min(lo[a], coords[t, a])
-            hi[a] = max(hi[a], coords[t, a])
-    for a in range(3):
-        lo[a] = max(lo[a] - radius, 0)
-        hi[a] = min(hi[a] + radius + 1, shape[a])
-    x = np.zeros((hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2]), np.float32)
+        xmax = max(xmax, values[t])
+    cut = CUT * np.float64(xmax) if blur and xmax > TINY else 0.0
+    lo = np.full(3, 1 << 62, np.int64)
+    hi = np.full(3, -1, np.int64)
     for t in range(m):
-        x[coords[t, 0] - lo[0], coords[t, 1] - lo[1], coords[t, 2] - lo[2]] = values[t]
+        if values[t] > cut:
+            for a in range(3):
+                lo[a] = min(lo[a], coords[t, a])
+                hi[a] = max(hi[a], coords[t, a] + 1)
+    r = 1 if blur else 0
+    ilo, ihi, olo, ohi = np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64)
+    for a in range(3):
+        ilo[a], ihi[a] = max(lo[a] - 2 * r, 0), min(hi[a] + 2 * r, shape[a])
+        olo[a], ohi[a] = max(lo[a] - r, 0), min(hi[a] + r, shape[a])
+    x = np.zeros((ihi[0] - ilo[0], ihi[1] - ilo[1], ihi[2] - ilo[2]), np.float32)
+    for t in range(m):
+        if ilo[0] <= coords[t, 0] < ihi[0] and ilo[1] <= coords[t, 1] < ihi[1] and ilo[2] <= coords[t, 2] < ihi[2]:
+            x[coords[t, 0] - ilo[0], coords[t, 1] - ilo[1], coords[t, 2] - ilo[2]] = values[t]
     for a in axes:
-        x = _blur_pass(x, a, lo[a], shape[a])
+        x = _blur_pass(x, a, ilo[a], shape[a])
     top = np.float32(0.0)
-    for v in x.ravel():
-        top = max(top, v)
+    for i in range(olo[0] - ilo[0], ohi[0] - ilo[0]):
+        for j in range(olo[1] - ilo[1], ohi[1] - ilo[1]):
+            for l in range(olo[2] - ilo[2], ohi[2] - ilo[2]):
+                top = max(top, x[i, j, l])
     s = np.float32(255.0 / np.float64(top))
     hist = np.zeros(256, np.int64)
-    img = np.empty(x.shape, np.uint8)
-    for i in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            for l in range(x.shape[2]):
-                u = min(np.rint(x[i, j, l] * s), np.float32(255.0))  # convertScaleAbs (>= 0 here)
-                img[i, j, l] = np.uint8(u)
-                hist[np.int64(u)] += 1
-    hist[0] += total - x.size
+    for i in range(olo[0] - ilo[0], ohi[0] - ilo[0]):
+        for j in range(olo[1] - ilo[1], ohi[1] - ilo[1]):
+            for l in range(olo[2] - ilo[2], ohi[2] - ilo[2]):
+                v = x[i, j, l]
+                if v != 0:
+                    hist[np.int64(min(np.rint(v * s), np.float32(255.0)))] += 1  # convertScaleAbs (>= 0 here)
+                else:
+                    hist[0] += 1
+    hist[0] += total - (ohi[0] - olo[0]) * (ohi[1] - olo[1]) * (ohi[2] - olo[2])
     t = _otsu(hist, total)
-    keep = np.empty(m, np.bool_)
+    keep = np.zeros(m, np.bool_)
     for c in range(m):
-        keep[c] = img[coords[c, 0] - lo[0], coords[c, 1] - lo[1], coords[c, 2] - lo[2]] > t
+        if olo[0] <= coords[c, 0] < ohi[0] and olo[1] <= coords[c, 1] < ohi[1] and olo[2] <= coords[c, 2] < ohi[2]:
+            v = x[coords[c, 0] - ilo[0], coords[c, 1] - ilo[1], coords[c, 2] - ilo[2]]
+            keep[c] = min(np.rint(v * s), np.float32(255.0)) > t
     return keep
 
 
@@ -267,7 +288,7 @@ def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32
         shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
         # opencv's axis order, in the 3-D view's numbering (order 2's axes are 1 and 2 there)
         axes = np.array([a + 3 - len(shape) for a in blur_order(len(shape))] if blur else [], np.int64)
-        kept = _otsu_keep(flat, values, shape3, 1 if blur else 0, axes, int(np.prod(shape)))
+        kept = _otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)))
         if kept.any():
             return flat[kept], values[kept]
     return flat, values

@@ -13,7 +13,7 @@ import pytest
 
 from multitoken.decoding import dynamic, sparse
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import Candidates, dynamic_propose, gaussian_blur, joint_cells
+from multitoken.decoding.dynamic import Candidates, dynamic_propose, gaussian_blur, joint_cells, otsu_keep
 from multitoken.decoding.loop import generate
 from multitoken.pipeline.errors import UsageError
 
@@ -71,6 +71,46 @@ def test_otsu_and_scaling_are_opencvs():
         keep = sparse.otsu_survivors(flat, x.ravel()[flat], x.shape, blur=False)
         np.testing.assert_array_equal(keep, img.ravel()[flat] > threshold)
         assert sparse.otsu_threshold(np.bincount(img.ravel(), minlength=256), img.size) == threshold
+
+
+def otsu_numba(flat, values, shape, blur):
+    from types import SimpleNamespace
+
+    from multitoken.decoding import sparse_numba
+
+    cfg = SimpleNamespace(static_threshold=False, adaptive_threshold=True, blur_kernel=3 if blur else 0)
+    kept_flat, _ = sparse_numba.live(flat, values, shape, cfg, np.float32(0))
+    return np.isin(flat, kept_flat)
+
+
+@pytest.mark.parametrize("shape", [(30, 30), (12, 12, 12), (2, 9, 5), (50, 50, 50)])
+def test_otsu_on_the_pruned_box_equals_otsu_on_the_whole_grid(shape):
+    """Only the box around the cells the 8-bit image can show is blurred: the kept cells are
+    those of opencv on the whole grid, for sparse cells spread over 40 binary orders of
+    magnitude (many far below the image's resolution, some just around it)."""
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    size = int(np.prod(shape))
+    for trial in range(30):
+        m = int(rng.integers(1, max(2, size // [3, 20, 200][trial % 3])))
+        flat = np.sort(rng.choice(size, m, replace=False))
+        values = (rng.random(m) * 2.0 ** -rng.integers(0, 40, m)).astype(np.float32)
+        if trial % 4 == 0:
+            values[:] = np.float32(0.37)  # ties everywhere
+        if trial % 4 == 1:  # around the pruning cut, 1/4080 of the largest cell
+            values = (2.0 ** -rng.uniform(8, 14, m)).astype(np.float32)
+            values[0] = 1.0
+        grid = np.zeros(shape, np.float32)
+        grid.flat[flat] = values
+        for blur in (True, False):
+            image = gaussian_blur(grid, 3) if blur else grid
+            ref = otsu_keep(image).ravel()[flat]
+            img = cv2.convertScaleAbs(image.reshape(-1, shape[-1]), alpha=255.0 / float(image.max())).reshape(shape)
+            outside = np.ones(shape, bool)
+            outside[tuple(slice(olo, ohi) for _, _, olo, ohi in sparse.image_box(flat, values, shape, blur))] = False
+            assert not img[outside].any(), "a cell outside the box shows in the 8-bit image"
+            np.testing.assert_array_equal(sparse.otsu_survivors(flat, values, shape, blur), ref)
+            if "numba" in KERNELS:
+                np.testing.assert_array_equal(otsu_numba(flat, values, shape, blur), ref)
 
 
 def test_kernel_setting_is_checked(monkeypatch):
