@@ -28,6 +28,7 @@ import numpy as np
 
 KERNELS = ("auto", "dense", "numpy", "numba")
 SCAN_FACTOR = 8  # scan a prefix's row when it holds <= 8 keys per candidate, else probe k times
+DENSE_PAIRS = 1 << 20  # two-token prefixes get a dense block map up to a 1024-token vocabulary (8 MB)
 _HALF, _QUARTER = np.float32(0.5), np.float32(0.25)
 
 
@@ -70,6 +71,14 @@ class Layout:
         self.inv = table.inv_unigrams
         self.scale = table.ratio_scale(order)
         self.pos = np.full(self.vocab, -1, dtype=np.int64)  # token -> index in the last list (reset after use)
+        a = self.arrays
+        if order == 3 and self.vocab ** 2 <= DENSE_PAIRS:
+            # small vocabularies: a dense (a, b) -> block map (one gather, no probe chain) for
+            # the compiled lookup; the sentinel block's row is empty
+            blocks = a["row_start"].size - 1
+            dense = np.full(self.vocab ** 2, a["sentinel"], dtype=np.int64)
+            dense[np.asarray(a["keys"])[a["row_start"][:blocks]] // np.uint64(self.vocab)] = np.arange(blocks)
+            self.arrays = dict(a, dense=dense)
 
 
 def layout(table, order: int) -> Layout:
@@ -95,7 +104,7 @@ def seen_cells(lay: Layout, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarr
         col = lead[axis]
         pidx = (pidx[:, None] * ids[axis].size + col[None, :]).ravel()
         pkey = (pkey[:, None] * v + ids[axis][col].astype(np.uint64)[None, :]).ravel()
-    blk = lay.index.blocks(pkey)
+    blk = a["dense"][pkey.astype(np.int64)] if a["dense"].size else lay.index.blocks(pkey)
     hit = blk != a["sentinel"]
     pidx, pkey, blk = pidx[hit], pkey[hit], blk[hit]
     last = ids[-1]
@@ -170,6 +179,16 @@ def blur_order(ndim: int) -> tuple[int, ...]:
     return (1, 0) if ndim == 2 else (1, 0, 2)
 
 
+def otsu_cv2(hist: np.ndarray) -> int:
+    """opencv's Otsu threshold of the 8-bit image with histogram ``hist`` [256]: Otsu reads only
+    the histogram, so an image of the same cells in bin order gives it (numpy has no loop as
+    cheap as this call; the compiled kernel runs ``otsu_threshold`` instead)."""
+    import cv2
+
+    img = np.repeat(np.arange(256, dtype=np.uint8), hist).reshape(1, -1)
+    return int(cv2.threshold(img, 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)[0])
+
+
 def otsu_threshold(hist, total: int) -> int:
     """opencv's ``getThreshVal_Otsu_8u`` on a 256-bin histogram of ``total`` cells (same double
     arithmetic, same skips, first maximum wins on ties)."""
@@ -237,7 +256,7 @@ def otsu_survivors(flat: np.ndarray, values: np.ndarray, shape: tuple[int, ...],
     hist = np.bincount(img.ravel(), minlength=256)
     total = int(np.prod(shape))
     hist[0] += total - img.size  # the zeros outside the box
-    threshold = otsu_threshold(hist, total)
+    threshold = otsu_cv2(hist)
     keep = np.ones(flat.size, bool)
     for i, (_, _, lo, hi) in zip(axes, box):
         keep &= (i >= lo) & (i < hi)

@@ -155,7 +155,7 @@ def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     if buf is None or buf[0].size < cap:
         buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
     ids1 = ids[1] if len(ids) == 3 else np.zeros(0, np.int64)
-    m = _cells(ids[0], ids1, ids[-1], lay.vocab, sparse.SCAN_FACTOR * ids[-1].size, lay.pos, a["keys"], a["counts"],
+    m = _cells(ids[0], ids1, ids[-1], lay.vocab, int(sparse.SCAN_FACTOR * ids[-1].size), lay.pos, a["keys"], a["counts"],
                a["row_start"], a["row_length"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
                a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
                a["sentinel"], buf[0], buf[1])

@@ -54,8 +54,14 @@ def assert_same(cands, cfg, table, seen, kernel, expect_kernel=None):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("lookup", ["scan", "probe"])
-def test_random_grids_match_the_dense_path(zipf_table, monkeypatch, kernel, lookup):
+@pytest.mark.parametrize("prefix_map", ["dense", "hash"])
+def test_random_grids_match_the_dense_path(zipf_table, monkeypatch, kernel, lookup, prefix_map):
+    """Rows scanned or probed; two-token prefixes found through the dense map (small
+    vocabularies) or the index's hash table (large ones)."""
     monkeypatch.setattr(sparse, "SCAN_FACTOR", 10**9 if lookup == "scan" else 0)
+    monkeypatch.setattr(sparse, "DENSE_PAIRS", 1 << 20 if prefix_map == "dense" else 0)
+    zipf_table = CooccurrenceTable(zipf_table.path)  # layouts are cached per table object
+    assert (sparse.layout(zipf_table, 3).arrays["dense"].size > 0) == (prefix_map == "dense")
     rng = np.random.default_rng(7)
     seen = rng.random(VOCAB) < 0.2
     live, used = 0, Counter()
