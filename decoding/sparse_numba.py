@@ -187,38 +187,62 @@ def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
 
 @nb.njit(cache=True)
 def _blur_pass(x, axis, lo, full):
-    """``sparse._blur_axis`` on a 3-D box: opencv's 3-tap arithmetic, reflect-101 at the grid's
-    borders, zeros past the box."""
-    out = np.empty_like(x)
-    n0, n1, n2 = x.shape
-    nb_ = x.shape[axis]
-    h, q = np.float32(0.5), np.float32(0.25)
+    """``sparse._blur_axis`` on a box padded by one cell per side: opencv's 3-tap arithmetic
+    ``x * 0.5 + (left + right) * 0.25``; this axis' margins hold the reflect-101 neighbour at the
+    grid's borders, zeros elsewhere (cells past the box), so the loops carry no branch."""
+    n = x.shape[axis] - 2
+    at_lo, at_hi = lo == 0, lo + n == full
     zero = np.float32(0.0)
-    for p in range(nb_):
-        g = lo + p
-        gl = 1 if g == 0 else g - 1
-        gr = full - 2 if g == full - 1 else g + 1
-        pl, pr = gl - lo, gr - lo
-        okl, okr = 0 <= pl < nb_, 0 <= pr < nb_
-        if axis == 0:
-            for j in range(n1):
-                for l in range(n2):
-                    left = x[pl, j, l] if okl else zero
-                    right = x[pr, j, l] if okr else zero
-                    out[p, j, l] = x[p, j, l] * h + (left + right) * q
-        elif axis == 1:
-            for i in range(n0):
-                for l in range(n2):
-                    left = x[i, pl, l] if okl else zero
-                    right = x[i, pr, l] if okr else zero
-                    out[i, p, l] = x[i, p, l] * h + (left + right) * q
-        else:
-            for i in range(n0):
-                for j in range(n1):
-                    left = x[i, j, pl] if okl else zero
-                    right = x[i, j, pr] if okr else zero
-                    out[i, j, p] = x[i, j, p] * h + (left + right) * q
+    if axis == 0:
+        x[0] = zero
+        x[n + 1] = zero
+        if at_lo:
+            x[0] = x[2]
+        if at_hi:
+            x[n + 1] = x[n - 1]
+    elif axis == 1:
+        x[:, 0] = zero
+        x[:, n + 1] = zero
+        if at_lo:
+            x[:, 0] = x[:, 2]
+        if at_hi:
+            x[:, n + 1] = x[:, n - 1]
+    else:
+        x[:, :, 0] = zero
+        x[:, :, n + 1] = zero
+        if at_lo:
+            x[:, :, 0] = x[:, :, 2]
+        if at_hi:
+            x[:, :, n + 1] = x[:, :, n - 1]
+    out = np.zeros_like(x)
+    h, q = np.float32(0.5), np.float32(0.25)
+    n0, n1, n2 = x.shape[0] - 1, x.shape[1] - 1, x.shape[2] - 1
+    for i in range(1, n0):
+        for j in range(1, n1):
+            if axis == 2:
+                for l in range(1, n2):
+                    out[i, j, l] = x[i, j, l] * h + (x[i, j, l - 1] + x[i, j, l + 1]) * q
+            elif axis == 1:
+                for l in range(1, n2):
+                    out[i, j, l] = x[i, j, l] * h + (x[i, j - 1, l] + x[i, j + 1, l]) * q
+            else:
+                for l in range(1, n2):
+                    out[i, j, l] = x[i, j, l] * h + (x[i - 1, j, l] + x[i + 1, j, l]) * q
     return out
+
+
+@nb.njit(cache=True)
+def _neighbourhood_max(x, coords, values, big, ilo, b0, b1, b2, e0, e1, e2, r):
+    """Largest cell of the out box [b, e) of padded box ``x`` within ``r`` of a cell >= ``big``."""
+    top = np.float32(0.0)
+    for t in range(values.size):
+        if values[t] >= big:
+            i0, j0, l0 = coords[t, 0] - ilo[0] + 1, coords[t, 1] - ilo[1] + 1, coords[t, 2] - ilo[2] + 1
+            for i in range(max(i0 - r, b0), min(i0 + r + 1, e0)):
+                for j in range(max(j0 - r, b1), min(j0 + r + 1, e1)):
+                    for l in range(max(l0 - r, b2), min(l0 + r + 1, e2)):
+                        top = max(top, x[i, j, l])
+    return top
 
 
 @nb.njit(cache=True)
@@ -247,33 +271,49 @@ def _otsu_keep(flat, values, shape, blur, axes, total):
     for a in range(3):
         ilo[a], ihi[a] = max(lo[a] - 2 * r, 0), min(hi[a] + 2 * r, shape[a])
         olo[a], ohi[a] = max(lo[a] - r, 0), min(hi[a] + r, shape[a])
-    x = np.zeros((ihi[0] - ilo[0], ihi[1] - ilo[1], ihi[2] - ilo[2]), np.float32)
+    # the blur's box, padded by one cell per side (box cell c sits at c + 1)
+    x = np.zeros((ihi[0] - ilo[0] + 2, ihi[1] - ilo[1] + 2, ihi[2] - ilo[2] + 2), np.float32)
     for t in range(m):
         if ilo[0] <= coords[t, 0] < ihi[0] and ilo[1] <= coords[t, 1] < ihi[1] and ilo[2] <= coords[t, 2] < ihi[2]:
-            x[coords[t, 0] - ilo[0], coords[t, 1] - ilo[1], coords[t, 2] - ilo[2]] = values[t]
+            x[coords[t, 0] - ilo[0] + 1, coords[t, 1] - ilo[1] + 1, coords[t, 2] - ilo[2] + 1] = values[t]
     for a in axes:
         x = _blur_pass(x, a, ilo[a], shape[a])
-    top = np.float32(0.0)
-    for i in range(olo[0] - ilo[0], ohi[0] - ilo[0]):
-        for j in range(olo[1] - ilo[1], ohi[1] - ilo[1]):
-            for l in range(olo[2] - ilo[2], ohi[2] - ilo[2]):
-                top = max(top, x[i, j, l])
+    b0, b1, b2 = olo[0] - ilo[0] + 1, olo[1] - ilo[1] + 1, olo[2] - ilo[2] + 1
+    e0, e1, e2 = ohi[0] - ilo[0] + 1, ohi[1] - ilo[1] + 1, ohi[2] - ilo[2] + 1
+    # the image's top lies next to a cell >= xmax / 8 (see sparse.CUT): search only there
+    big = xmax * np.float32(0.125) if xmax > TINY else np.float32(0.0)
+    top = _neighbourhood_max(x, coords, values, big, ilo, b0, b1, b2, e0, e1, e2, r)
     s = np.float32(255.0 / np.float64(top))
     hist = np.zeros(256, np.int64)
-    for i in range(olo[0] - ilo[0], ohi[0] - ilo[0]):
-        for j in range(olo[1] - ilo[1], ohi[1] - ilo[1]):
-            for l in range(olo[2] - ilo[2], ohi[2] - ilo[2]):
-                v = x[i, j, l]
-                if v != 0:
-                    hist[np.int64(min(np.rint(v * s), np.float32(255.0)))] += 1  # convertScaleAbs (>= 0 here)
-                else:
-                    hist[0] += 1
-    hist[0] += total - (ohi[0] - olo[0]) * (ohi[1] - olo[1]) * (ohi[2] - olo[2])
+    shown = 0  # cells of the out box in a bin > 0; rint(y) is 0 for y <= 0.5
+    if 27 * m < (e0 - b0) * (e1 - b1) * (e2 - b2):  # few cells: visit their neighbourhoods only
+        seen = np.zeros(x.shape, np.bool_)
+        for t in range(m):
+            if values[t] > cut:  # the only neighbourhoods the image shows
+                i0, j0, l0 = coords[t, 0] - ilo[0] + 1, coords[t, 1] - ilo[1] + 1, coords[t, 2] - ilo[2] + 1
+                for i in range(max(i0 - r, b0), min(i0 + r + 1, e0)):
+                    for j in range(max(j0 - r, b1), min(j0 + r + 1, e1)):
+                        for l in range(max(l0 - r, b2), min(l0 + r + 1, e2)):
+                            if not seen[i, j, l]:
+                                seen[i, j, l] = True
+                                y = x[i, j, l] * s
+                                if y > np.float32(0.5):
+                                    hist[np.int64(min(np.rint(y), np.float32(255.0)))] += 1
+                                    shown += 1
+    else:
+        for i in range(b0, e0):
+            for j in range(b1, e1):
+                for l in range(b2, e2):
+                    y = x[i, j, l] * s
+                    if y > np.float32(0.5):
+                        hist[np.int64(min(np.rint(y), np.float32(255.0)))] += 1  # convertScaleAbs (>= 0)
+                        shown += 1
+    hist[0] += total - shown
     t = _otsu(hist, total)
     keep = np.zeros(m, np.bool_)
     for c in range(m):
         if olo[0] <= coords[c, 0] < ohi[0] and olo[1] <= coords[c, 1] < ohi[1] and olo[2] <= coords[c, 2] < ohi[2]:
-            v = x[coords[c, 0] - ilo[0], coords[c, 1] - ilo[1], coords[c, 2] - ilo[2]]
+            v = x[coords[c, 0] - ilo[0] + 1, coords[c, 1] - ilo[1] + 1, coords[c, 2] - ilo[2] + 1]
             keep[c] = min(np.rint(v * s), np.float32(255.0)) > t
     return keep
 
