@@ -1,8 +1,9 @@
 """numba kernels of the sparse DynaMo step (``sparse.py`` holds the numpy reference of each).
 
-Compiled on first use and cached on disk (``cache=True``: a few seconds once per install and
-table count dtype, ~0.1 s to load in a new process); ``prepare`` compiles them before a
-generation's clock starts. float32 values stay float32 through every operation (numba keeps the
+Compiled on first use and cached on disk (``cache=True``, in ``__pycache__`` or
+``NUMBA_CACHE_DIR``): ~15 s once per install (and table count dtype) on a loaded 2-core CPU, then
+~0.5-0.9 s per new process to import numba and load them. ``prepare`` (called by ``generate``
+before its clock starts) does either, so no decoding step pays for it. float32 values stay float32 through every operation (numba keeps the
 operand type, and no fastmath), so results match numpy's bit for bit.
 """
 
@@ -344,9 +345,6 @@ def prepare(table, order: int) -> None:
     lay = layout(table, order)
     ids = np.arange(min(2, table.vocab_size), dtype=np.int64)
     cands = [Candidates(ids, np.full(ids.size, 0.5, np.float32)) for _ in range(order)]
-    for alpha in (1.0, 0.5):
-        masked_cells(lay, cands, alpha)
+    masked_cells(lay, cands, 1.0)  # one specialisation per count dtype; alpha is a runtime value
     cfg = SimpleNamespace(static_threshold=False, adaptive_threshold=True, blur_kernel=3)
-    for n in (2, 3):
-        shape = (2,) * n
-        live(np.arange(2, dtype=np.int64), np.ones(2, np.float32), shape, cfg, np.float32(0))
+    live(np.arange(2, dtype=np.int64), np.ones(2, np.float32), (2, 2, 2), cfg, np.float32(0))  # any order
