@@ -75,7 +75,7 @@ class Layout:
         if order == 3 and self.vocab ** 2 <= DENSE_PAIRS:
             # small vocabularies: a dense (a, b) -> block map (one gather, no probe chain) for
             # the compiled lookup; the sentinel block's row is empty
-            blocks = a["row_start"].size - 1
+            blocks = a["row_start"].size - 2
             dense = np.full(self.vocab ** 2, a["sentinel"], dtype=np.int64)
             dense[np.asarray(a["keys"])[a["row_start"][:blocks]] // np.uint64(self.vocab)] = np.arange(blocks)
             self.arrays = dict(a, dense=dense)
@@ -109,7 +109,8 @@ def seen_cells(lay: Layout, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarr
     pidx, pkey, blk = pidx[hit], pkey[hit], blk[hit]
     last = ids[-1]
     k = last.size
-    start, length = a["row_start"][blk], a["row_length"][blk]
+    start = a["row_start"][blk]
+    length = a["row_start"][blk + 1] - start
     short = length <= SCAN_FACTOR * k
     flats, counts = [], []
     if short.any():

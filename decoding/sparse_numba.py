@@ -54,7 +54,7 @@ def _probe(blk, tok, base, mask, shift, slots, count_bits, count_mask):
 
 
 @nb.njit(cache=True)
-def _cells(ids0, ids1, last, vocab, scan_max, pos, keys, counts, row_start, row_length, base, mask, shift, slots,
+def _cells(ids0, ids1, last, vocab, scan_max, pos, keys, counts, row_start, base, mask, shift, slots,
            count_bits, count_mask, dense, pkeys, pvalues, pshift, pmask, sentinel, out_flat, out_count):
     """Seen n-grams over the candidate lists (order 2: ``ids1`` empty) in ascending flat order:
     each seen prefix's row is scanned when short, else each last candidate probed."""
@@ -78,7 +78,7 @@ def _cells(ids0, ids1, last, vocab, scan_max, pos, keys, counts, row_start, row_
             if blk == sentinel:
                 continue
             row = i * n1 + j
-            length = row_length[blk]
+            length = row_start[blk + 1] - row_start[blk]
             if length <= scan_max:
                 start = m
                 first = row_start[blk]
@@ -157,7 +157,7 @@ def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
     ids1 = ids[1] if len(ids) == 3 else np.zeros(0, np.int64)
     m = _cells(ids[0], ids1, ids[-1], lay.vocab, int(sparse.SCAN_FACTOR * ids[-1].size), lay.pos, a["keys"], a["counts"],
-               a["row_start"], a["row_length"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
+               a["row_start"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
                a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
                a["sentinel"], buf[0], buf[1])
     return buf[0][:m], buf[1][:m]

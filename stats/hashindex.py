@@ -120,8 +120,8 @@ class PrefixBlockIndex:
         # per block (= per prefix, in key order): its row range in the sorted key / count arrays,
         # for readers that scan a short row instead of probing (decoding/sparse.py)
         self.keys, self.counts = keys, counts
-        self.row_start = np.append(starts, keys.size).astype(np.int64)  # the sentinel's row is empty
-        self.row_length = np.append(lengths, 0).astype(np.int64)
+        # block b's row is [row_start[b], row_start[b + 1]); the sentinel's row is empty
+        self.row_start = np.append(starts, [keys.size, keys.size]).astype(np.int64)
         # plus one empty block that unseen prefixes point to: their rows probe like the others
         # (and find nothing), so a grid needs no per-row seen/unseen bookkeeping
         self.sentinel = starts.size
@@ -153,10 +153,10 @@ class PrefixBlockIndex:
 
     def layout(self) -> dict:
         """The raw arrays behind lookups, for compiled readers: sorted keys / counts, per-block
-        row range, hash block (base, mask, shift) and slots, and the prefix -> block map (dense
+        row start, hash block (base, mask, shift) and slots, and the prefix -> block map (dense
         for one-token prefixes, else the open-addressing table's keys / values / shift)."""
         dense = self.dense is not None
-        return dict(keys=self.keys, counts=self.counts, row_start=self.row_start, row_length=self.row_length,
+        return dict(keys=self.keys, counts=self.counts, row_start=self.row_start,
                     base=self.base, mask=self.mask, shift=self.shift, slots=self.slots,
                     count_bits=self.count_bits, count_mask=self.count_mask, sentinel=self.sentinel,
                     dense=self.dense if dense else np.zeros(0, np.int64),
@@ -225,4 +225,4 @@ class PrefixBlockIndex:
     @property
     def nbytes(self) -> int:
         prefixes = self.dense.nbytes if self.dense is not None else self.prefixes.nbytes
-        return int(self.slots.nbytes + self.mask.nbytes + self.shift.nbytes + self.base.nbytes + prefixes)
+        return int(self.slots.nbytes + self.mask.nbytes + self.shift.nbytes + self.base.nbytes + self.row_start.nbytes + prefixes)
