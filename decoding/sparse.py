@@ -10,11 +10,12 @@ in their hash block), then reproduces ``dynamic.joint_cells`` on them bit for bi
   float64 numpy sum of the same compact array of non-zero masked cells (ascending flat order)
   that the dense path sums;
 * the static threshold;
-* blur + Otsu only over the bounding box of the surviving cells, grown by the kernel radius
-  (cells outside are 0 before and after the blur): opencv's 3-tap arithmetic
-  ``x * 0.5 + (left + right) * 0.25`` with reflect-101 borders, axes in opencv's order (2-D: 1, 0;
-  3-D: 1, 0, 2), then ``convertScaleAbs`` (float32 scale, round half to even) and opencv's Otsu
-  on the 256-bin histogram, whose bin 0 also counts every cell outside the box.
+* blur + Otsu only over the box of cells the 8-bit image can show (``image_box``: around the
+  surviving cells within 1/4080 of the largest, grown by the kernel radius; every other cell
+  provably scales to 0): opencv's 3-tap arithmetic ``x * 0.5 + (left + right) * 0.25`` with
+  reflect-101 borders, axes in opencv's order (2-D: 1, 0; 3-D: 1, 0, 2), then
+  ``convertScaleAbs`` (float32 scale, round half to even) and opencv's Otsu on the 256-bin
+  histogram, whose bin 0 also counts every cell outside the box.
 
 Where this is not exact (no table or a stand-in without the layout, alpha_c 0, absent != 0, a
 blur kernel other than 0 / 1 / 3, an axis shorter than 2 under the blur, more than 512 candidates,
