@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 
 from multitoken.pipeline.errors import UsageError
 
+from .sparse import KERNELS, numba_available
+
 MODES = ("ar", "dynamic", "speculative", "typical")
 DRAFTERS = ("auto", "independent", "cp", "joint")
 DYNAMO_PENALTY = 1.1  # DynaMo's repetition penalty (its sampling setting)
@@ -30,6 +32,11 @@ class DecodeConfig:
     static_threshold: bool = field(default=True, metadata={"help": "zero cells <= eps_b^(n-1)"})
     adaptive_threshold: bool = field(default=True, metadata={"help": "Otsu adaptive thresholding of the joint grid"})
     blur_kernel: int = field(default=3, metadata={"help": "Gaussian blur kernel before Otsu (odd; 0 or 1 = no blur)"})
+    dynamic_kernel: str = field(default="auto", metadata={"help": (
+        "how dynamic / joint-draft grids are built: dense (the whole k^n grid, the reference), numpy or numba "
+        "(only the seen n-grams, identical results; used where exact: a stats table with absent ratio 0 and "
+        "--alpha-c > 0, else dense); auto = numba when installed (pip install multitoken[fast]), else numpy"),
+        "choices": KERNELS})
     # speculative / typical
     drafter: str = field(default="auto", metadata={"help": "drafts: independent heads, cp (sequential), joint (co-occurrence-masked joint); auto = cp for cp heads, else joint with stats, else independent", "choices": DRAFTERS})
     draft_k: int = field(default=20, metadata={"help": "joint drafter: candidates per head (acceptance barely moves past ~20, lookup cost does)"})
@@ -56,6 +63,11 @@ class DecodeConfig:
         if self.n is not None and not 1 <= self.n <= n_heads:
             raise UsageError(f"--n {self.n} needs {self.n} heads, the model's heads predict {n_heads} token(s) per position",
                              f"pass --n between 1 and {n_heads}, or heads trained for more tokens (--heads DIR)")
+        if self.dynamic_kernel not in KERNELS:
+            raise UsageError(f"unknown dynamic kernel {self.dynamic_kernel!r}", f"use one of {', '.join(KERNELS)}")
+        if self.dynamic_kernel == "numba" and not numba_available():
+            raise UsageError("--dynamic-kernel numba needs numba, which is not installed",
+                             "pip install 'multitoken[fast]', or use --dynamic-kernel auto")
         if self.draft_k < 1:
             raise UsageError(f"--draft-k must be >= 1, got {self.draft_k}")
         if self.alpha_c < 0:

@@ -13,10 +13,12 @@ keeps the cells > eps_b^(n-1) and the order is used iff one exists. So eps_b = 0
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .sparse import applies, resolve_kernel, sparse_live
 
 
 @dataclass
@@ -48,7 +50,9 @@ def apply_mask(grid: np.ndarray, cands: list[Candidates], table, alpha: float) -
     if table is None or alpha == 0:
         return grid
     masked = grid * _lookup(table, cands, alpha)
-    total = masked.sum(dtype=np.float64)
+    # the float64 sum of the non-zero cells in flat order: the sparse step (sparse.py) sums the
+    # very same compact array, so both normalise to the same bits on any numpy
+    total = masked[masked != 0].sum(dtype=np.float64)
     return masked / np.float32(total) if total > 0 else grid
 
 
@@ -124,6 +128,7 @@ class Cells:
     shape: tuple[int, ...]
     flat: np.ndarray  # [m] flat indices into the grid
     values: np.ndarray  # [m] float32 weights (unnormalised)
+    kernel: str = "dense"  # the path that built them: dense | numpy | numba (sparse.py)
 
     def dense(self) -> np.ndarray:
         grid = np.zeros(self.shape, dtype=np.float32)
@@ -134,15 +139,27 @@ class Cells:
 def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | None = None) -> Cells:
     """Alg. 1 lines 6-10 for order len(cands): outer product, co-occurrence mask, static
     threshold, blur + Otsu, repetition penalty. Returns the live cells (unnormalised)."""
-    order = len(cands)
-    threshold = np.float32(cfg.eps_b ** (order - 1))
+    shape = tuple(c.ids.size for c in cands)
+    live, kernel = None, resolve_kernel(getattr(cfg, "dynamic_kernel", "dense"))
+    if kernel != "dense" and applies(cands, cfg, table):
+        live = sparse_live(cands, cfg, table, kernel)  # None: no seen cell carries mass
+    if live is None:
+        flat, values = _dense_live(cands, cfg, table)
+        kernel = "dense"
+    else:
+        flat, values = live
+    if cfg.penalty != 1 and seen is not None and flat.size:
+        values[repetition_cells(cands, seen, np.unravel_index(flat, shape))] /= np.float32(cfg.penalty)
+    return Cells(shape, flat, values, kernel)
+
+
+def _dense_live(cands: list[Candidates], cfg, table) -> tuple[np.ndarray, np.ndarray]:
+    """The reference: the whole k^n grid, masked, thresholded, blurred and Otsu'd."""
+    threshold = np.float32(cfg.eps_b ** (len(cands) - 1))
     grid = apply_mask(outer(cands), cands, table, cfg.alpha_c)  # [k]*order, cells >= 0
     if cfg.static_threshold and threshold > 0:  # cells are >= 0: a zero threshold zeroes nothing
         grid[grid <= threshold] = 0.0
-    flat, values = _live(grid, cfg)
-    if cfg.penalty != 1 and seen is not None and flat.size:
-        values[repetition_cells(cands, seen, np.unravel_index(flat, grid.shape))] /= np.float32(cfg.penalty)
-    return Cells(grid.shape, flat, values)
+    return _live(grid, cfg)
 
 
 def _live(grid: np.ndarray, cfg) -> tuple[np.ndarray, np.ndarray]:
@@ -178,6 +195,7 @@ class DynamicChoice:
     tokens: list[int]
     order: int  # tokens emitted (n after back-off)
     backed_off: list[int]  # orders tried and rejected, e.g. [3, 2]
+    kernels: list[str] = field(default_factory=list)  # the path of each grid built (sparse.py)
 
 
 def always_backs_off(cfg) -> bool:
@@ -222,17 +240,18 @@ def dynamic_propose(head_logps: list[torch.Tensor], cfg, table, seen: np.ndarray
             cache[head] = top_candidates(head_logps[head], k, temperature)
         return cache[head]
 
-    backed_off = []
+    backed_off, kernels = [], []
     for order in range(len(head_logps), 1, -1):
         if cannot_reach(cand, order, cfg, table):
             backed_off.append(order)
             continue
         cands = [cand(h) for h in range(order)]
         cells = joint_cells(cands, cfg, table, seen)
+        kernels.append(cells.kernel)
         if (cells.values > np.float32(cfg.eps_b ** (order - 1))).any():
             cell = np.unravel_index(cells.flat[sample_index(cells.values, rng)], cells.shape)
-            return DynamicChoice([int(cands[a].ids[i]) for a, i in enumerate(cell)], order, backed_off)
+            return DynamicChoice([int(cands[a].ids[i]) for a, i in enumerate(cell)], order, backed_off, kernels)
         backed_off.append(order)
     first = cand(0)
     probs = np.where(seen[first.ids], first.probs / cfg.penalty, first.probs)
-    return DynamicChoice([int(first.ids[sample_index(probs, rng)])], 1, backed_off)
+    return DynamicChoice([int(first.ids[sample_index(probs, rng)])], 1, backed_off, kernels)

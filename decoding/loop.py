@@ -9,6 +9,7 @@ the state is per sequence, so a batch version keeps one of each per row.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -19,6 +20,7 @@ from .config import DecodeConfig, check_context
 from .dynamic import always_backs_off, dynamic_propose
 from .proposal import Drafts, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
+from .sparse import prepare_kernel
 from .trace import Trace
 
 
@@ -34,6 +36,7 @@ class RunState:
     rng: np.random.Generator | None  # grid sampling; None = greedy
     vocab_size: int
     draft_cfg: DecodeConfig | None = None  # the joint drafter's grid: no thresholds (set once)
+    kernels: Counter = field(default_factory=Counter)  # grids built per path (sparse.py), for the trace
 
     def seen_array(self) -> np.ndarray:
         """``seen`` for the numpy grids (a view on the CPU, a copy from an accelerator)."""
@@ -164,6 +167,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         trace.forward_passes += 1
         return result
 
+    if cfg.mode == "dynamic" or drafter is joint_drafts:
+        prepare_kernel(cfg, table, order)  # numba compiles / loads its cache here, off the clock
     t0 = time.perf_counter()
     caches = model.new_caches()
     out = forward(ids, ids.shape[1] - 1)
@@ -177,6 +182,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             commit, drafts = choice.tokens, Drafts.empty()
             trace.orders[choice.order] += 1
             trace.backoffs.update(choice.backed_off)
+            run.kernels.update(choice.kernels)
         else:
             # the next token comes from the base model itself (head 1 may differ: WHS all_heads)
             commit = [forced if forced is not None else next_token(anchor)]
@@ -200,6 +206,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
                 break
     trace.model_s += out.model_s
     trace.wall_s = time.perf_counter() - t0
+    trace.dynamic_kernel = run.kernels
     trace.new_tokens = len(out_ids)
     tok = model.backbone.tokenizer
     text = tok.decode(out_ids, skip_special_tokens=True) if tok is not None else ""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .dynamic import Candidates, joint_grid, top_candidates
+from .dynamic import Candidates, joint_cells, top_candidates
 from .sampling import with_tokens
 
 
@@ -84,7 +84,9 @@ def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
     cands = [Candidates(np.array([first]), np.ones(1, dtype=np.float32))]
     cands += [top_candidates(out.head_log_probs(i, anchor)[0], k, temperature) for i in range(1, g + 1)]
-    grid = joint_grid(cands, run.draft_cfg, run.table, run.seen_array())[0]  # [k]*g
+    cells = joint_cells(cands, run.draft_cfg, run.table, run.seen_array())
+    run.kernels[cells.kernel] += 1
+    grid = cells.dense()[0]  # [k]*g: the marginals below sum it whole, as ever
     tokens, probs = [], []
     for axis in range(1, g + 1):
         marginal = grid.reshape(grid.shape[0], -1).sum(-1, dtype=np.float64)  # [k]

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import dynamic_propose
 from multitoken.decoding.loop import generate
 from multitoken.pipeline.backbone import Backbone, BackboneConfig, load_backbone
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
@@ -53,12 +52,13 @@ def parse_args(argv=None):
     p.add_argument("--pythia-heads", default=None, help="heads trained for pythia-mini by scripts/build_heads.py (default: untrained copies)")
     p.add_argument("--pythia-stats", default=None, help="stats dir with the pythia tokenizer (dynamic masking on pythia-mini)")
     p.add_argument("--logic-stats", default=None,
-                   help="stats dir of any tokenizer for the logic timing's mask lookups, e.g. the >= 10M-trigram table "
-                        "scripts/bench_stats.py --work DIR leaves in DIR/merged (default: --pythia-stats, else no mask)")
+                   help="a big stats dir (any tokenizer) for a second logic timing, e.g. the 18.4M-trigram table "
+                        "scripts/bench_stats.py --work DIR leaves in DIR/merged")
     p.add_argument("--temperature", type=float, default=0.7, help="sampled rows (DynaMo: 0.7)")
     p.add_argument("--top-k", type=int, default=50, help="sampled rows (DynaMo: 50)")
     p.add_argument("--repetition-penalty", type=float, default=1.1, help="sampled rows (DynaMo: 1.1; hf_sample: transformers' logit form)")
-    p.add_argument("--logic-steps", type=int, default=200)
+    p.add_argument("--logic-new-tokens", type=int, default=120, help="tokens per prompt of the recorded dynamic decoding (steps of the logic timing)")
+    p.add_argument("--logic-reps", type=int, default=5, help="passes over the recorded steps per timing")
     p.add_argument("--logic-only", action="store_true", help="only the per-step decoding-logic timing (seconds, not minutes)")
     return p.parse_args(argv)
 
@@ -174,8 +174,13 @@ def median_ms(fn, steps: int) -> float:
 
 
 def bench_logic(args) -> dict:
-    """Median per-step time of the dynamic proposal (top-k of n heads over a 50k vocabulary, joint
-    grid, mask lookup, thresholds, blur + Otsu, penalty, sampling) vs one decoding forward."""
+    """Per-step DynaMo logic split into stages (top-k, lookup, grid + threshold, blur + Otsu,
+    penalty + sample) for the dense, sparse-numpy and sparse-numba kernels at k = 50, n = 2 and 3:
+    on steps recorded from the embedded model with its heads and stats, and (``--logic-stats``)
+    on a big table with head distributions leaning to its frequent tokens; next to one forward of
+    a pythia-70m-shaped model for scale."""
+    from logic_stages import bench_stages, recorded_steps, synthetic_steps
+
     model = pythia70m_shaped()
     vocab = model.backbone.vocab_size
     caches = model.new_caches()
@@ -187,27 +192,38 @@ def bench_logic(args) -> dict:
         out.head_log_probs(0, 0)
         caches.crop(1)
 
-    forward = median_ms(forward_one, 30)
-    table, stats_dir = None, args.logic_stats or args.pythia_stats
-    if stats_dir:
+    out = {"forward_ms_pythia70m_shape_1_token_ctx128": round(median_ms(forward_one, 30), 3),
+           "targets_ms": {"embedded_n3_dynamic_propose": 0.3, "big_table_n3_dynamic_propose": 1.5}}
+    emb, _ = load(str(DEFAULT_BASE), args.embedded_heads)
+    table = open_table(args.embedded_stats, emb.backbone.tokenizer)
+    prompts = [emb.backbone.tokenizer.encode(p) for p in PROMPTS["stories"]]
+    steps = recorded_steps(emb, table, prompts, args.logic_new_tokens)  # [3 heads' logps], seen
+    out["embedded"] = bench_stages({2: steps, 3: steps}, table, args.logic_reps)
+    out["embedded"]["steps"] = len(steps)
+    if args.logic_stats:
         from multitoken.stats.table import CooccurrenceTable
 
-        table = CooccurrenceTable(stats_dir)  # timing only: any tokenizer will do
-        vocab = min(vocab, table.vocab_size)  # candidates must be ids the table knows
-    gen = torch.Generator().manual_seed(0)
-    seen = np.zeros(vocab, dtype=bool)
-    seen[torch.randint(0, vocab, (128,), generator=gen).numpy()] = True
-    rng = np.random.default_rng(0)
-    out = {"forward_ms_pythia70m_shape_1_token_ctx128": round(forward, 3), "stats_table": stats_dir,
-           "stats_distinct": table.meta["distinct"] if table is not None else None}
-    for n in (2, 3):
-        logps = [torch.log_softmax(torch.randn(vocab, generator=gen) * 3, -1) for _ in range(n)]
-        for eps in (0.0, 0.5, 1.0):  # 0: the full order-n grid every step; 0.5: back-offs; 1: order 1 only
-            cfg = DecodeConfig(mode="dynamic", top_k=50, eps_b=eps)
-            ms = median_ms(lambda: dynamic_propose(logps, cfg, table, seen, rng), args.logic_steps)
-            out[f"logic_ms_k50_n{n}_eps{eps}"] = round(ms, 3)
-    out["targets_ms"] = {"n2": 1.0, "n3": 3.0}
+        big = CooccurrenceTable(args.logic_stats)  # timing only: any tokenizer will do
+        count = max(len(steps), 50)
+        out["big_table"] = bench_stages({n: synthetic_steps(big, n, count) for n in (2, 3)}, big, args.logic_reps)
+        out["big_table"]["steps"] = count
     return out
+
+
+def print_logic(logic: dict) -> None:
+    print(f"forward of a pythia-70m-shaped model: {logic['forward_ms_pythia70m_shape_1_token_ctx128']} ms")
+    for key in ("embedded", "big_table"):
+        if key not in logic:
+            continue
+        r = logic[key]
+        print(f"\n{key}: {r['stats']} ({r['steps']} steps), numba prepare {r.get('numba_prepare_s')} s, machine {r['machine']}")
+        print(f"{'case':22s} {'topk':>7s} {'lookup':>7s} {'grid+thr':>8s} {'blur+otsu':>9s} {'pen+samp':>8s} {'sum':>7s} "
+              f"{'propose':>8s} {'seen':>6s} {'live':>5s}  (ms, medians)")
+        for case, t in r.items():
+            if isinstance(t, dict) and "topk" in t:
+                print(f"{case:22s} {t['topk']:7.3f} {t['lookup']:7.3f} {t['grid_threshold']:8.3f} {t['blur_otsu']:9.3f} "
+                      f"{t['penalty_sample']:8.3f} {t['stages_sum']:7.3f} {t['dynamic_propose']:8.3f} "
+                      f"{t['seen_cells_median']:6d} {t['live_cells_median']:5d}")
 
 
 def main(argv=None) -> dict:
@@ -219,7 +235,7 @@ def main(argv=None) -> dict:
     if args.logic_only:
         record["logic"] = bench_logic(args)
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-        print("per-step decoding logic (ms):", json.dumps(record["logic"]))
+        print_logic(record["logic"])
         return record
     emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads)
     record["embedded"] = bench_model("stories260K (embedded)", emb, emb_heads, open_table(args.embedded_stats, emb.backbone.tokenizer),
@@ -244,7 +260,7 @@ def print_table(record: dict) -> None:
             print(f"{label:22s} {m['tokens_per_s']:8.1f} {m['speedup_vs_hf_greedy']:6.2f} {m.get('speedup_vs_ar_sample', float('nan')):6.2f} "
                   f"{m.get('tokens_per_forward', float('nan')):8.2f} {m.get('logic_ms_per_forward', float('nan')):13.3f} "
                   f"{m.get('identical_to_hf_greedy', '')}")
-    print("\nper-step decoding logic (ms):", json.dumps(record["logic"]))
+    print_logic(record["logic"])
     print("load average start/end:", record["machine"]["loadavg_start"], record["machine"]["loadavg_end"])
 
 

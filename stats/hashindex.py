@@ -117,6 +117,11 @@ class PrefixBlockIndex:
             )
         starts = np.flatnonzero(np.concatenate([[True], prefix[1:] != prefix[:-1]])) if keys.size else np.zeros(0, np.intp)
         lengths = np.diff(starts, append=keys.size)
+        # per block (= per prefix, in key order): its row range in the sorted key / count arrays,
+        # for readers that scan a short row instead of probing (decoding/sparse.py)
+        self.keys, self.counts = keys, counts
+        # block b's row is [row_start[b], row_start[b + 1]); the sentinel's row is empty
+        self.row_start = np.append(starts, [keys.size, keys.size]).astype(np.int64)
         # plus one empty block that unseen prefixes point to: their rows probe like the others
         # (and find nothing), so a grid needs no per-row seen/unseen bookkeeping
         self.sentinel = starts.size
@@ -141,6 +146,24 @@ class PrefixBlockIndex:
         else:
             self.dense = None
             self.prefixes = HashIndex(block_prefix, np.arange(starts.size, dtype=np.int64))
+
+    def blocks(self, prefix_keys: np.ndarray) -> np.ndarray:
+        """Block of each prefix key # [P] -> [P] int64 (``sentinel`` where the prefix is unseen)."""
+        return self._blocks(np.asarray(prefix_keys, np.uint64).ravel())
+
+    def layout(self) -> dict:
+        """The raw arrays behind lookups, for compiled readers: sorted keys / counts, per-block
+        row start, hash block (base, mask, shift) and slots, and the prefix -> block map (dense
+        for one-token prefixes, else the open-addressing table's keys / values / shift)."""
+        dense = self.dense is not None
+        return dict(keys=self.keys, counts=self.counts, row_start=self.row_start,
+                    base=self.base, mask=self.mask, shift=self.shift, slots=self.slots,
+                    count_bits=self.count_bits, count_mask=self.count_mask, sentinel=self.sentinel,
+                    dense=self.dense if dense else np.zeros(0, np.int64),
+                    prefix_keys=np.zeros(0, np.uint64) if dense else self.prefixes.keys,
+                    prefix_values=np.zeros(0, np.int64) if dense else self.prefixes.values,
+                    prefix_shift=np.uint64(0) if dense else self.prefixes.shift,
+                    prefix_mask=0 if dense else self.prefixes.mask)
 
     def _blocks(self, prefix_keys: np.ndarray) -> np.ndarray:
         if self.dense is not None:
@@ -202,4 +225,4 @@ class PrefixBlockIndex:
     @property
     def nbytes(self) -> int:
         prefixes = self.dense.nbytes if self.dense is not None else self.prefixes.nbytes
-        return int(self.slots.nbytes + self.mask.nbytes + self.shift.nbytes + self.base.nbytes + prefixes)
+        return int(self.slots.nbytes + self.mask.nbytes + self.shift.nbytes + self.base.nbytes + self.row_start.nbytes + prefixes)

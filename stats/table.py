@@ -152,7 +152,7 @@ class CooccurrenceTable:
         n = len(ids)
         joint = self._counts(ids)
         # ratio = count * N1^n / N_n / prod(unigram counts): in place, one axis at a time
-        r = np.multiply(joint, np.float32(self.totals[1] ** n / self.totals[n]), dtype=np.float32)
+        r = np.multiply(joint, self.ratio_scale(n), dtype=np.float32)
         for axis, x in enumerate(ids):
             shape = [1] * n
             shape[axis] = len(x)
@@ -164,6 +164,15 @@ class CooccurrenceTable:
                 if idx.size:
                     r[(slice(None),) * axis + (idx,)] = self.absent
         return r
+
+    def ratio_scale(self, order: int) -> np.float32:
+        """N1^n / N_n, the float32 factor of every order-n ratio (before the 1/unigram factors)."""
+        return np.float32(self.totals[1] ** order / self.totals[order])
+
+    @property
+    def inv_unigrams(self) -> np.ndarray:
+        """Per-token 1/unigram count in float32, 0 for never-seen tokens # [V] (read-only use)."""
+        return self._inv_uni
 
     def mask(self, cands, alpha: float = 1.0):
         """The co-occurrence mask ``ratio ** alpha`` (DynaMo eq. 6) over the candidate grid.

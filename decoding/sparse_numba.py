@@ -1,0 +1,350 @@
+"""numba kernels of the sparse DynaMo step (``sparse.py`` holds the numpy reference of each).
+
+Compiled on first use and cached on disk (``cache=True``, in ``__pycache__`` or
+``NUMBA_CACHE_DIR``): ~15 s once per install (and table count dtype) on a loaded 2-core CPU, then
+~0.5-0.9 s per new process to import numba and load them. ``prepare`` (called by ``generate``
+before its clock starts) does either, so no decoding step pays for it. float32 values stay float32 through every operation (numba keeps the
+operand type, and no fastmath), so results match numpy's bit for bit.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from .sparse import CUT, TINY, blur_order, otsu_threshold
+
+EMPTY64 = np.uint64(2**64 - 1)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_otsu = nb.njit(cache=True)(otsu_threshold)
+
+
+@nb.njit(cache=True)
+def _home(x, shift):
+    return np.int64((np.uint64(x) * GOLDEN) >> shift)
+
+
+@nb.njit(cache=True)
+def _prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel):
+    """Block of a prefix key: the dense map (one-token prefixes) or open-addressing probes."""
+    if dense.size:
+        return dense[np.int64(key)]
+    slot = _home(key, pshift)
+    while True:
+        found = pkeys[slot]
+        if found == key:
+            return pvalues[slot]
+        if found == EMPTY64:
+            return sentinel
+        slot = (slot + 1) & pmask
+
+
+@nb.njit(cache=True)
+def _probe(blk, tok, base, mask, shift, slots, count_bits, count_mask):
+    """Count of ``tok`` in block ``blk`` (0 when absent): linear probing inside the block."""
+    b = base[blk]
+    s = b + _home(tok, shift[blk])
+    while True:
+        found = slots[s]
+        if found == EMPTY64:
+            return np.uint64(0)
+        if (found >> count_bits) == np.uint64(tok):
+            return found & count_mask
+        s = b + ((s - b + 1) & mask[blk])
+
+
+@nb.njit(cache=True)
+def _cells(ids0, ids1, last, vocab, scan_max, pos, keys, counts, row_start, base, mask, shift, slots,
+           count_bits, count_mask, dense, pkeys, pvalues, pshift, pmask, sentinel, out_flat, out_count):
+    """Seen n-grams over the candidate lists (order 2: ``ids1`` empty) in ascending flat order:
+    each seen prefix's row is scanned when short, else each last candidate probed."""
+    k = last.size
+    v = np.uint64(vocab)
+    for c in range(k):
+        if last[c] < vocab:
+            pos[last[c]] = c
+    m = 0
+    n1 = max(ids1.size, 1)
+    for i in range(ids0.size):
+        if ids0[i] >= vocab:
+            continue
+        for j in range(n1):
+            key = np.uint64(ids0[i])
+            if ids1.size:
+                if ids1[j] >= vocab:
+                    continue
+                key = key * v + np.uint64(ids1[j])
+            blk = _prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel)
+            if blk == sentinel:
+                continue
+            row = i * n1 + j
+            length = row_start[blk + 1] - row_start[blk]
+            if length <= scan_max:
+                start = m
+                first = row_start[blk]
+                for t in range(first, first + length):
+                    c = pos[np.int64(keys[t] - key * v)]
+                    if c >= 0:
+                        # insertion by column: the row is in token order, the grid in candidate order
+                        f = row * k + c
+                        cnt = np.uint64(counts[t])
+                        at = m
+                        while at > start and out_flat[at - 1] > f:
+                            out_flat[at] = out_flat[at - 1]
+                            out_count[at] = out_count[at - 1]
+                            at -= 1
+                        out_flat[at] = f
+                        out_count[at] = cnt
+                        m += 1
+            else:
+                for c in range(k):
+                    if last[c] < vocab:
+                        cnt = _probe(blk, last[c], base, mask, shift, slots, count_bits, count_mask)
+                        if cnt:
+                            out_flat[m] = row * k + c
+                            out_count[m] = cnt
+                            m += 1
+    for c in range(k):
+        if last[c] < vocab:
+            pos[last[c]] = -1
+    return m
+
+
+@nb.njit(cache=True)
+def _values(flat, count, shape, probs0, probs1, probs2, ids0, ids1, ids2, scale, inv, fuse):
+    """grid value and ratio of each seen cell, in the dense path's float32 order; ``fuse``
+    (alpha 1): their product with the zero products dropped, else both for numpy's power."""
+    m = flat.size
+    grid = np.empty(m, np.float32)
+    ratio = np.empty(m, np.float32)
+    keep = 0
+    k1, k2 = shape[1], shape[2]
+    for t in range(m):
+        f = flat[t]
+        i, rest = f // (k1 * k2), f % (k1 * k2)
+        j, l = rest // k2, rest % k2
+        if probs2.size:  # order 3
+            g = (probs0[i] * probs1[j]) * probs2[l]
+            r = np.float32(count[t]) * scale
+            r = r * inv[ids0[i]]
+            r = r * inv[ids1[j]]
+            r = r * inv[ids2[l]]
+        else:  # order 2: the grid is [k1, k2]
+            g = probs0[j] * probs1[l]
+            r = np.float32(count[t]) * scale
+            r = r * inv[ids0[j]]
+            r = r * inv[ids1[l]]
+        if fuse:
+            x = g * r
+            if x != 0:
+                flat[keep] = f
+                grid[keep] = x
+                keep += 1
+        else:
+            grid[t] = g
+            ratio[t] = r
+    return (keep if fuse else m), grid, ratio
+
+
+def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``sparse.seen_cells`` compiled # -> flat [m] ascending, counts [m] (views of scratch buffers)."""
+    from . import sparse
+
+    a = lay.arrays
+    cap = int(np.prod([x.size for x in ids]))
+    buf = lay.__dict__.get("buffers")
+    if buf is None or buf[0].size < cap:
+        buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
+    ids1 = ids[1] if len(ids) == 3 else np.zeros(0, np.int64)
+    m = _cells(ids[0], ids1, ids[-1], lay.vocab, int(sparse.SCAN_FACTOR * ids[-1].size), lay.pos, a["keys"], a["counts"],
+               a["row_start"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
+               a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
+               a["sentinel"], buf[0], buf[1])
+    return buf[0][:m], buf[1][:m]
+
+
+def masked_values(lay, cands, flat: np.ndarray, count: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """``sparse.masked_values`` compiled # -> flat [m'] (a new array), masked [m'] float32."""
+    shape = [c.ids.size for c in cands]
+    flat = flat.copy()  # compacted in place below; the lookup's buffer is reused next call
+    shape3 = np.array(([1] + shape) if len(shape) == 2 else shape, np.int64)
+    p = [c.probs for c in cands] + [np.zeros(0, np.float32)]
+    ids = [c.ids for c in cands] + [np.zeros(0, np.int64)]
+    keep, grid, ratio = _values(flat, count, shape3, p[0], p[1], p[2], ids[0], ids[1], ids[2],
+                                lay.scale, lay.inv, alpha == 1)
+    if alpha == 1:
+        return flat[:keep], grid[:keep]
+    np.power(ratio, np.float32(alpha), out=ratio)
+    masked = grid * ratio
+    nz = masked != 0
+    return flat[nz], masked[nz]
+
+
+def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """``seen_cells`` + ``masked_values`` # -> flat [m], masked [m] float32."""
+    flat, count = seen_cells(lay, [c.ids for c in cands])
+    return masked_values(lay, cands, flat, count, alpha)
+
+
+@nb.njit(cache=True)
+def _blur_pass(x, axis, lo, full):
+    """``sparse._blur_axis`` on a box padded by one cell per side: opencv's 3-tap arithmetic
+    ``x * 0.5 + (left + right) * 0.25``; this axis' margins hold the reflect-101 neighbour at the
+    grid's borders, zeros elsewhere (cells past the box), so the loops carry no branch."""
+    n = x.shape[axis] - 2
+    at_lo, at_hi = lo == 0, lo + n == full
+    zero = np.float32(0.0)
+    if axis == 0:
+        x[0] = zero
+        x[n + 1] = zero
+        if at_lo:
+            x[0] = x[2]
+        if at_hi:
+            x[n + 1] = x[n - 1]
+    elif axis == 1:
+        x[:, 0] = zero
+        x[:, n + 1] = zero
+        if at_lo:
+            x[:, 0] = x[:, 2]
+        if at_hi:
+            x[:, n + 1] = x[:, n - 1]
+    else:
+        x[:, :, 0] = zero
+        x[:, :, n + 1] = zero
+        if at_lo:
+            x[:, :, 0] = x[:, :, 2]
+        if at_hi:
+            x[:, :, n + 1] = x[:, :, n - 1]
+    out = np.zeros_like(x)
+    h, q = np.float32(0.5), np.float32(0.25)
+    n0, n1, n2 = x.shape[0] - 1, x.shape[1] - 1, x.shape[2] - 1
+    for i in range(1, n0):
+        for j in range(1, n1):
+            if axis == 2:
+                for l in range(1, n2):
+                    out[i, j, l] = x[i, j, l] * h + (x[i, j, l - 1] + x[i, j, l + 1]) * q
+            elif axis == 1:
+                for l in range(1, n2):
+                    out[i, j, l] = x[i, j, l] * h + (x[i, j - 1, l] + x[i, j + 1, l]) * q
+            else:
+                for l in range(1, n2):
+                    out[i, j, l] = x[i, j, l] * h + (x[i - 1, j, l] + x[i + 1, j, l]) * q
+    return out
+
+
+@nb.njit(cache=True)
+def _neighbourhood_max(x, coords, values, big, ilo, b0, b1, b2, e0, e1, e2, r):
+    """Largest cell of the out box [b, e) of padded box ``x`` within ``r`` of a cell >= ``big``."""
+    top = np.float32(0.0)
+    for t in range(values.size):
+        if values[t] >= big:
+            i0, j0, l0 = coords[t, 0] - ilo[0] + 1, coords[t, 1] - ilo[1] + 1, coords[t, 2] - ilo[2] + 1
+            for i in range(max(i0 - r, b0), min(i0 + r + 1, e0)):
+                for j in range(max(j0 - r, b1), min(j0 + r + 1, e1)):
+                    for l in range(max(l0 - r, b2), min(l0 + r + 1, e2)):
+                        top = max(top, x[i, j, l])
+    return top
+
+
+@nb.njit(cache=True)
+def _otsu_keep(flat, values, shape, blur, axes, total):
+    """``sparse.otsu_survivors`` on a 3-D view of the grid (order 2: a leading axis of 1)."""
+    m = flat.size
+    coords = np.empty((m, 3), np.int64)
+    xmax = np.float32(0.0)
+    for t in range(m):
+        f = flat[t]
+        coords[t, 2] = f % shape[2]
+        f //= shape[2]
+        coords[t, 1] = f % shape[1]
+        coords[t, 0] = f // shape[1]
+        xmax = max(xmax, values[t])
+    cut = CUT * np.float64(xmax) if blur and xmax > TINY else 0.0
+    lo = np.full(3, 1 << 62, np.int64)
+    hi = np.full(3, -1, np.int64)
+    for t in range(m):
+        if values[t] > cut:
+            for a in range(3):
+                lo[a] = min(lo[a], coords[t, a])
+                hi[a] = max(hi[a], coords[t, a] + 1)
+    r = 1 if blur else 0
+    ilo, ihi, olo, ohi = np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64)
+    for a in range(3):
+        ilo[a], ihi[a] = max(lo[a] - 2 * r, 0), min(hi[a] + 2 * r, shape[a])
+        olo[a], ohi[a] = max(lo[a] - r, 0), min(hi[a] + r, shape[a])
+    # the blur's box, padded by one cell per side (box cell c sits at c + 1)
+    x = np.zeros((ihi[0] - ilo[0] + 2, ihi[1] - ilo[1] + 2, ihi[2] - ilo[2] + 2), np.float32)
+    for t in range(m):
+        if ilo[0] <= coords[t, 0] < ihi[0] and ilo[1] <= coords[t, 1] < ihi[1] and ilo[2] <= coords[t, 2] < ihi[2]:
+            x[coords[t, 0] - ilo[0] + 1, coords[t, 1] - ilo[1] + 1, coords[t, 2] - ilo[2] + 1] = values[t]
+    for a in axes:
+        x = _blur_pass(x, a, ilo[a], shape[a])
+    b0, b1, b2 = olo[0] - ilo[0] + 1, olo[1] - ilo[1] + 1, olo[2] - ilo[2] + 1
+    e0, e1, e2 = ohi[0] - ilo[0] + 1, ohi[1] - ilo[1] + 1, ohi[2] - ilo[2] + 1
+    # the image's top lies next to a cell >= xmax / 8 (see sparse.CUT): search only there
+    big = xmax * np.float32(0.125) if xmax > TINY else np.float32(0.0)
+    top = _neighbourhood_max(x, coords, values, big, ilo, b0, b1, b2, e0, e1, e2, r)
+    s = np.float32(255.0 / np.float64(top))
+    hist = np.zeros(256, np.int64)
+    shown = 0  # cells of the out box in a bin > 0; rint(y) is 0 for y <= 0.5
+    if 27 * m < (e0 - b0) * (e1 - b1) * (e2 - b2):  # few cells: visit their neighbourhoods only
+        seen = np.zeros(x.shape, np.bool_)
+        for t in range(m):
+            if values[t] > cut:  # the only neighbourhoods the image shows
+                i0, j0, l0 = coords[t, 0] - ilo[0] + 1, coords[t, 1] - ilo[1] + 1, coords[t, 2] - ilo[2] + 1
+                for i in range(max(i0 - r, b0), min(i0 + r + 1, e0)):
+                    for j in range(max(j0 - r, b1), min(j0 + r + 1, e1)):
+                        for l in range(max(l0 - r, b2), min(l0 + r + 1, e2)):
+                            if not seen[i, j, l]:
+                                seen[i, j, l] = True
+                                y = x[i, j, l] * s
+                                if y > np.float32(0.5):
+                                    hist[np.int64(min(np.rint(y), np.float32(255.0)))] += 1
+                                    shown += 1
+    else:
+        for i in range(b0, e0):
+            for j in range(b1, e1):
+                for l in range(b2, e2):
+                    y = x[i, j, l] * s
+                    if y > np.float32(0.5):
+                        hist[np.int64(min(np.rint(y), np.float32(255.0)))] += 1  # convertScaleAbs (>= 0)
+                        shown += 1
+    hist[0] += total - shown
+    t = _otsu(hist, total)
+    keep = np.zeros(m, np.bool_)
+    for c in range(m):
+        if olo[0] <= coords[c, 0] < ohi[0] and olo[1] <= coords[c, 1] < ohi[1] and olo[2] <= coords[c, 2] < ohi[2]:
+            v = x[coords[c, 0] - ilo[0] + 1, coords[c, 1] - ilo[1] + 1, coords[c, 2] - ilo[2] + 1]
+            keep[c] = min(np.rint(v * s), np.float32(255.0)) > t
+    return keep
+
+
+def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
+    """``sparse.live_cells`` with the blur and Otsu compiled."""
+    if cfg.static_threshold and threshold > 0:
+        keep = values > threshold
+        flat, values = flat[keep], values[keep]
+    if cfg.adaptive_threshold and flat.size:
+        blur = cfg.blur_kernel > 1
+        shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
+        # opencv's axis order, in the 3-D view's numbering (order 2's axes are 1 and 2 there)
+        axes = np.array([a + 3 - len(shape) for a in blur_order(len(shape))] if blur else [], np.int64)
+        kept = _otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)))
+        if kept.any():
+            return flat[kept], values[kept]
+    return flat, values
+
+
+def prepare(table, order: int) -> None:
+    """Compile (or load from the cache) every kernel for this table's arrays, outside any clock."""
+    from types import SimpleNamespace
+
+    from .dynamic import Candidates
+    from .sparse import layout
+
+    lay = layout(table, order)
+    ids = np.arange(min(2, table.vocab_size), dtype=np.int64)
+    cands = [Candidates(ids, np.full(ids.size, 0.5, np.float32)) for _ in range(order)]
+    masked_cells(lay, cands, 1.0)  # one specialisation per count dtype; alpha is a runtime value
+    cfg = SimpleNamespace(static_threshold=False, adaptive_threshold=True, blur_kernel=3)
+    live(np.arange(2, dtype=np.int64), np.ones(2, np.float32), (2, 2, 2), cfg, np.float32(0))  # any order
