@@ -54,14 +54,16 @@ def penalised_logits(logits: torch.Tensor, seen: torch.Tensor | None, penalty: f
 
 def rows_seen(seen: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
     """Row i's context: ``seen`` [V] plus tokens[:i] # -> [rows, V] bool (verification row i
-    judges the token after drafts[:i])."""
-    out = seen.expand(rows, -1).clone()
+    judges the token after drafts[:i]). Fixed shapes throughout: no data-dependent op (nonzero
+    would make the host wait for the device)."""
     g = tokens.numel()
-    if g and rows > 1:
-        pos = torch.arange(max(rows, g), device=seen.device)
-        r, c = (pos[:g][None, :] < pos[:rows][:, None]).nonzero(as_tuple=True)  # [rows, g]: c < r
-        out[r, tokens.to(seen.device)[c]] = True
-    return out
+    if not g or rows <= 1:
+        return seen.expand(rows, -1).clone()
+    pos = torch.arange(max(rows, g), device=seen.device)
+    earlier = (pos[:g][None, :] < pos[:rows][:, None]).long()  # [rows, g]: draft c precedes row r
+    index = tokens.to(seen.device)[None, :].expand(rows, g)
+    hits = torch.zeros(rows, seen.shape[-1], dtype=torch.long, device=seen.device).scatter_add_(1, index, earlier)
+    return seen | (hits > 0)  # [rows, V]
 
 
 def with_tokens(seen: torch.Tensor, tokens) -> torch.Tensor:
