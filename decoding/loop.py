@@ -188,11 +188,13 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             budget = cfg.max_new_tokens - len(out_ids) - 1
             g = min(order - 1, budget) if speculative else 0
             drafts = drafter(out, anchor, commit[0], g, run) if g > 0 else Drafts.empty(ids.device)
+            if drafts.tokens.device != ids.device:  # a custom drafter's host tensors: moved once
+                drafts = Drafts(drafts.tokens.to(ids.device), None if drafts.probs is None else drafts.probs.to(ids.device))
         trace.model_s, out.model_s = trace.model_s + out.model_s, 0.0  # head distributions: model time
         if emit(commit):
             break
         # one forward pass over the decided tokens and the drafts
-        new = torch.cat([torch.tensor(commit, dtype=torch.long, device=ids.device), drafts.tokens.to(ids.device)])
+        new = torch.cat([torch.tensor(commit, dtype=torch.long, device=ids.device), drafts.tokens])
         out = forward(new, len(commit) - 1)
         anchor, forced = len(commit) - 1, None
         if drafts.tokens.numel():
