@@ -11,7 +11,7 @@ CONSTRAINTS = constraints.txt
 PIP = $(VENV)/bin/python -m pip -q
 STAMP = $(VENV)/.multitoken-installed
 
-.PHONY: demo test test-all clean-venv
+.PHONY: demo test test-gpu test-all clean-venv
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+# The GPU suite: exactness (greedy == transformers generate, every head type, both architectures,
+# fp32 / bf16 / 4-bit / 8-bit), chi-square, seeds and bench_decode.py on CUDA. Install a CUDA torch
+# (TORCH="torch") first; without CUDA every test skips, saying so.
+test-gpu: $(STAMP)
+	$(VENV)/bin/python -m pytest -m gpu -v
 
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -m ""

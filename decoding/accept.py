@@ -19,39 +19,66 @@ import torch
 
 @dataclass
 class Verdict:
-    accepted: int
-    next_token: int
+    """How many drafts are kept and the token after them, as 0-d long tensors on the target's
+    device: deciding them never waits for the device. ``host()`` reads both (one transfer); the
+    loop reads them together with the drafts instead (``packed``)."""
+
+    accepted_t: torch.Tensor  # [] long
+    next_token_t: torch.Tensor  # [] long
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """[accepted, next_token] # [2] long on the device."""
+        return torch.stack([self.accepted_t, self.next_token_t])
+
+    def host(self) -> tuple[int, int]:
+        accepted, next_token = self.packed.tolist()
+        return accepted, next_token
+
+    @property
+    def accepted(self) -> int:
+        return self.host()[0]
+
+    @property
+    def next_token(self) -> int:
+        return self.host()[1]
 
 
-def _leading_true(ok: torch.Tensor) -> int:
-    """Length of the run of True at the start of ``ok`` [g]."""
-    return int(ok.long().cumprod(0).sum()) if ok.numel() else 0
+def _leading_true(ok: torch.Tensor) -> torch.Tensor:
+    """Length of the run of True at the start of ``ok`` [g] # -> [] long, on ``ok``'s device."""
+    return ok.long().cumprod(0).sum()
+
+
+def _row(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """x[i] for a 0-d device index # [R, V] -> [V] (index_select: no host read of ``i``)."""
+    return x.index_select(0, i.reshape(1))[0]
 
 
 def greedy_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
     """Keep drafts while they equal the base model's argmax; then the base argmax."""
     best = target_probs.argmax(-1)  # [g + 1]
-    m = _leading_true(drafts.to(best.device) == best[: drafts.numel()])
-    return Verdict(m, int(best[m]))
+    m = _leading_true(drafts == best[: drafts.numel()])
+    return Verdict(m, _row(best[:, None], m)[0])
 
 
 def speculative_accept(drafts, draft_probs, target_probs, sampler) -> Verdict:
     """Leviathan et al.: keep draft i with probability min(1, p_i(d)/q_i(d)); at the first
     rejection draw from norm(max(0, p_i - q_i)); if all are kept draw the bonus from p_g.
-    The emitted tokens are then distributed exactly as the target (Leviathan et al.)."""
+    The emitted tokens are then distributed exactly as the target (Leviathan et al.).
+    Branch-free on the device: the residual of every row is formed, row m is drawn from."""
     if sampler.greedy:
         return greedy_accept(drafts, draft_probs, target_probs, sampler)
     g = drafts.numel()
-    rows = torch.arange(g)
+    rows = torch.arange(g, device=drafts.device)
     p = target_probs[rows, drafts].double()  # [g]
     q = draft_probs[rows, drafts].double()  # [g] > 0: each draft was drawn from its q
     m = _leading_true(sampler.uniform(g) * q < p)  # u < p/q without dividing
-    if m == g:
-        return Verdict(g, sampler.draw(target_probs[g]))
-    residual = (target_probs[m].double() - draft_probs[m].double()).clamp_(min=0)
-    if not residual.sum() > 0:  # p == q up to rounding: rejection had probability ~0
-        residual = target_probs[m].double()
-    return Verdict(m, sampler.draw(residual / residual.sum()))
+    target = target_probs.double()  # [g + 1, V]
+    residual = (target[:g] - draft_probs.double()).clamp_(min=0)  # [g, V]
+    mass = residual.sum(-1, keepdim=True)  # [g, 1]
+    # p == q up to rounding: rejection had probability ~0, draw from p
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-300), target[:g])
+    return Verdict(m, sampler.draw(_row(torch.cat([residual, target[g:]]), m)))
 
 
 def typical_accept(drafts, draft_probs, target_probs, sampler, eps: float = 0.09, delta: float = 0.3,
@@ -65,8 +92,8 @@ def typical_accept(drafts, draft_probs, target_probs, sampler, eps: float = 0.09
     p = (target_probs if rule_probs is None else rule_probs)[:g].double()  # [g, V]
     entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [g]
     bound = torch.clamp(delta * torch.exp(-entropy), max=eps)
-    m = _leading_true(p[torch.arange(g), drafts] > bound)
-    return Verdict(m, sampler.draw(target_probs[m]))
+    m = _leading_true(p[torch.arange(g, device=drafts.device), drafts] > bound)
+    return Verdict(m, sampler.draw(_row(target_probs, m)))
 
 
 def typical_rule(eps: float, delta: float):

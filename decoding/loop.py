@@ -8,7 +8,6 @@ the state is per sequence, so a batch version keeps one of each per row.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -21,6 +20,7 @@ from .dynamic import always_backs_off, dynamic_propose
 from .proposal import Drafts, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
 from .sparse import prepare_kernel
+from .timing import clock_for
 from .trace import Trace
 
 
@@ -92,12 +92,15 @@ class HeadLogps:
 
 @torch.inference_mode()  # cheaper than no_grad per op: a small model's step is mostly op overhead
 def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, on_tokens=None,
-             drafter=None, acceptor=None) -> DecodeResult:
+             drafter=None, acceptor=None, profile: bool = False) -> DecodeResult:
     """Continue ``prompt_ids`` (list or [1, T] tensor) with ``model`` (a ``MultiTokenModel``).
 
     ``table``: co-occurrence stats for dynamic masking; ``on_tokens(list[int])`` is called as
     tokens become final (streaming). ``drafter`` / ``acceptor`` override the proposal and
-    acceptance functions (same signatures as in ``proposal`` / ``accept``).
+    acceptance functions (same signatures as in ``proposal`` / ``accept``). ``profile``: make
+    the trace's model / logic split exact on an accelerator (synchronise at every clock reading;
+    off by default: the waits cost time). Per step, the host reads the device once: the
+    committed ids (dynamic's grid reads its candidates, built on the host).
     """
     cfg = cfg or DecodeConfig()
     vocab = model.backbone.vocab_size
@@ -126,8 +129,9 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     wants_rule = getattr(acceptor, "wants_rule_probs", False) and not cfg.greedy
 
     def next_token(pos: int) -> int:
-        """A token from the base's target after position ``pos`` (top-k first: k-sized work)."""
-        return run.sampler.sample(out.base_logits()[0, pos - out.first], run.seen)
+        """A token from the base's target after position ``pos`` (top-k first: k-sized work);
+        read on the host: it is committed."""
+        return int(run.sampler.sample(out.base_logits()[0, pos - out.first], run.seen))
 
     def verify_rows(pos: int, drafts: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The base's targets after ``pos`` and after each draft # [g + 1, V] (greedy: penalised
@@ -143,7 +147,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         return run.sampler.target(logits, seen), rule
 
     trace = Trace(mode=cfg.mode, prompt_tokens=ids.shape[1], repetition_penalty=cfg.penalty,
-                  stats_order_cap=cap or 0)
+                  stats_order_cap=cap or 0, device=str(ids.device), synchronised=profile)
+    clock = clock_for(ids.device, profile)
     out_ids = []
 
     def emit(tokens: list[int]) -> bool:
@@ -158,18 +163,18 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             on_tokens(tokens)
         return len(out_ids) >= cfg.max_new_tokens or (cfg.stop_at_eos and bool(tokens) and tokens[-1] in eos)
 
-    def forward(new: list[int] | torch.Tensor, read_from: int):
-        start = time.perf_counter()
-        new = torch.as_tensor(new, dtype=torch.long, device=ids.device).reshape(1, -1)
+    def forward(new: torch.Tensor, read_from: int):
+        start = clock()
         # heads past heads_read and positions before read_from are never read
-        result = model.step(new, caches, heads_upto=heads_read, read_from=read_from)
-        trace.model_s += time.perf_counter() - start
+        result = model.step(new.reshape(1, -1), caches, heads_upto=heads_read, read_from=read_from)
+        result.clock, result.unembed_rows = clock, trace.unembed_rows  # its lazy unembeddings report here
+        trace.model_s += clock() - start
         trace.forward_passes += 1
         return result
 
     if cfg.mode == "dynamic" or drafter is joint_drafts:
         prepare_kernel(cfg, table, order)  # numba compiles / loads its cache here, off the clock
-    t0 = time.perf_counter()
+    t0 = clock()
     caches = model.new_caches()
     out = forward(ids, ids.shape[1] - 1)
     trace.prefill_s = trace.model_s
@@ -179,7 +184,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
         if cfg.mode == "dynamic":
             logps = HeadLogps(out, anchor, order)  # read on demand: back-offs skip later heads
             choice = dynamic_propose(logps, cfg, table, run.seen_array(), run.rng)
-            commit, drafts = choice.tokens, Drafts.empty()
+            commit, drafts = choice.tokens, Drafts.empty(ids.device)
             trace.orders[choice.order] += 1
             trace.backoffs.update(choice.backed_off)
             run.kernels.update(choice.kernels)
@@ -188,24 +193,29 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             commit = [forced if forced is not None else next_token(anchor)]
             budget = cfg.max_new_tokens - len(out_ids) - 1
             g = min(order - 1, budget) if speculative else 0
-            drafts = drafter(out, anchor, commit[0], g, run) if g > 0 else Drafts.empty()
+            drafts = drafter(out, anchor, commit[0], g, run) if g > 0 else Drafts.empty(ids.device)
+            if drafts.tokens.device != ids.device:  # a custom drafter's host tensors: moved once
+                drafts = Drafts(drafts.tokens.to(ids.device), None if drafts.probs is None else drafts.probs.to(ids.device))
         trace.model_s, out.model_s = trace.model_s + out.model_s, 0.0  # head distributions: model time
         if emit(commit):
             break
         # one forward pass over the decided tokens and the drafts
-        out = forward(commit + drafts.tokens.tolist(), len(commit) - 1)
+        new = torch.cat([torch.tensor(commit, dtype=torch.long, device=ids.device), drafts.tokens])
+        out = forward(new, len(commit) - 1)
         anchor, forced = len(commit) - 1, None
         if drafts.tokens.numel():
             # accept: the base judges draft i by its distribution after position anchor + i
             target, rule = verify_rows(anchor, drafts.tokens)  # [g + 1, V]
             verdict = acceptor(drafts.tokens, drafts.probs, target, run.sampler, **rule)
-            trace.accepted_lengths[verdict.accepted] += 1
-            caches.crop(drafts.tokens.numel() - verdict.accepted)  # commit: forget rejected drafts
-            anchor, forced = anchor + verdict.accepted, verdict.next_token
-            if emit(drafts.tokens[: verdict.accepted].tolist()):
+            # the step's one host read: [accepted, next token, drafts...]
+            accepted, forced, *drafted = torch.cat([verdict.packed, drafts.tokens]).tolist()
+            trace.accepted_lengths[accepted] += 1
+            caches.crop(len(drafted) - accepted)  # commit: forget rejected drafts
+            anchor += accepted
+            if emit(drafted[:accepted]):
                 break
     trace.model_s += out.model_s
-    trace.wall_s = time.perf_counter() - t0
+    trace.wall_s = clock() - t0
     trace.dynamic_kernel = run.kernels
     trace.new_tokens = len(out_ids)
     tok = model.backbone.tokenizer

@@ -21,38 +21,41 @@ from .sampling import with_tokens
 
 @dataclass
 class Drafts:
-    tokens: torch.Tensor  # [g] int64
+    tokens: torch.Tensor  # [g] int64 on the target's device
     probs: torch.Tensor | None  # [g, V] the q each draft was drawn from (None: greedy drafts)
 
     @staticmethod
-    def empty() -> "Drafts":
-        return Drafts(torch.zeros(0, dtype=torch.long), None)
+    def empty(device: torch.device | str = "cpu") -> "Drafts":
+        return Drafts(torch.zeros(0, dtype=torch.long, device=device), None)
 
 
-def _draw(logp: torch.Tensor, run, context: list[int]) -> tuple[int, torch.Tensor | None]:
-    """A draft from a head's log-distribution, processed like the target # [V] -> (id, q [V]).
-    ``context``: the tokens between the committed context and this draft (``first`` and the
-    earlier drafts), penalised like the context, as the verification row judging it does.
-    Greedy drafts have no q: greedy verification compares tokens only."""
+def _draw(logp: torch.Tensor, run, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft from a head's log-distribution, processed like the target # [V] -> (id [], q [V]).
+    ``context`` [j] (on the device): the tokens between the committed context and this draft
+    (``first`` and the earlier drafts), penalised like the context, as the verification row
+    judging it does. Greedy drafts have no q: greedy verification compares tokens only."""
     seen = with_tokens(run.seen, context) if run.sampler.penalty != 1 else run.seen
     return run.sampler.draft(logp, seen)
 
 
-def _pack(tokens: list[int], probs: list[torch.Tensor | None]) -> Drafts:
+def _pack(tokens: list[torch.Tensor], probs: list[torch.Tensor | None], device) -> Drafts:
+    """Drafts from 0-d device ids (stacked where they are: no host round trip)."""
     if not tokens:
-        return Drafts.empty()
+        return Drafts.empty(device)
     probs = [q for q in probs if q is not None]
-    return Drafts(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+    return Drafts(torch.stack(tokens), torch.stack(probs) if probs else None)
 
 
 def independent_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
     """Head i+1 drafts token t+i+1 on its own (the heads ignore ``first``)."""
+    context = torch.tensor([first], dtype=torch.long, device=run.seen.device)  # [1 + i]
     tokens, probs = [], []
     for i in range(1, g + 1):
-        tok, q = _draw(out.head_log_probs(i, anchor)[0], run, [first, *tokens])
+        tok, q = _draw(out.head_log_probs(i, anchor)[0], run, context)
         tokens.append(tok)
         probs.append(q)
-    return _pack(tokens, probs)
+        context = torch.cat([context, tok.reshape(1)])
+    return _pack(tokens, probs, run.seen.device)
 
 
 def cp_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
@@ -60,17 +63,18 @@ def cp_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
     token already chosen, ``first`` included, before the next token is drawn."""
     heads = run.model.heads
     e = out.anchor_hidden(anchor)  # [1, H]
-    prefix = torch.tensor([[first]], dtype=torch.long, device=e.device)  # [1, 1]
+    prefix = torch.tensor([[first]], dtype=torch.long, device=e.device)  # [1, 1 + i]
+    clock = getattr(out, "clock", time.perf_counter)
     tokens, probs = [], []
     for _ in range(g):
-        start = time.perf_counter()
+        start = clock()
         logp = heads.conditional_log_probs(e, prefix)[0]  # [V]
-        out.model_s += time.perf_counter() - start
-        tok, q = _draw(logp, run, [first, *tokens])
+        out.model_s += clock() - start
+        tok, q = _draw(logp, run, prefix[0])
         tokens.append(tok)
         probs.append(q)
-        prefix = torch.cat([prefix, prefix.new_tensor([[tok]])], 1)
-    return _pack(tokens, probs)
+        prefix = torch.cat([prefix, tok.reshape(1, 1)], 1)
+    return _pack(tokens, probs, e.device)
 
 
 def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
@@ -95,15 +99,16 @@ def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
         if run.sampler.greedy:  # greedy verification reads the drafts only, not their q
             i = int(marginal.argmax())
         else:
-            device = run.sampler.gen.device  # q and the draw live where the target does
+            device = run.sampler.device  # q and the draw live where the target does
             ids = torch.from_numpy(cands[axis].ids).to(device)
             q = torch.zeros(run.vocab_size, dtype=torch.float64, device=device)
             q[ids] = torch.from_numpy(marginal / marginal.sum()).to(device)
             i = int(torch.multinomial(q[ids], 1, generator=run.sampler.gen))
             probs.append(q.float())
-        tokens.append(int(cands[axis].ids[i]))
+        tokens.append(int(cands[axis].ids[i]))  # host ids: the grid is built on the host
         grid = grid[i]
-    return _pack(tokens, probs)
+    device = run.seen.device
+    return Drafts(torch.tensor(tokens, dtype=torch.long, device=device), torch.stack(probs) if probs else None)
 
 
 DRAFTERS = {"independent": independent_drafts, "cp": cp_drafts, "joint": joint_drafts}

@@ -54,27 +54,37 @@ def penalised_logits(logits: torch.Tensor, seen: torch.Tensor | None, penalty: f
 
 def rows_seen(seen: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
     """Row i's context: ``seen`` [V] plus tokens[:i] # -> [rows, V] bool (verification row i
-    judges the token after drafts[:i])."""
-    out = seen.expand(rows, -1).clone()
+    judges the token after drafts[:i]). Fixed shapes throughout: no data-dependent op (nonzero
+    would make the host wait for the device)."""
     g = tokens.numel()
-    if g and rows > 1:
-        pos = torch.arange(max(rows, g), device=seen.device)
-        r, c = (pos[:g][None, :] < pos[:rows][:, None]).nonzero(as_tuple=True)  # [rows, g]: c < r
-        out[r, tokens.to(seen.device)[c]] = True
-    return out
+    if not g or rows <= 1:
+        return seen.expand(rows, -1).clone()
+    pos = torch.arange(max(rows, g), device=seen.device)
+    earlier = (pos[:g][None, :] < pos[:rows][:, None]).long()  # [rows, g]: draft c precedes row r
+    index = tokens.to(seen.device)[None, :].expand(rows, g)
+    hits = torch.zeros(rows, seen.shape[-1], dtype=torch.long, device=seen.device).scatter_add_(1, index, earlier)
+    return seen | (hits > 0)  # [rows, V]
 
 
-def with_tokens(seen: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    """``seen`` [V] plus ``tokens`` (a copy)."""
+def with_tokens(seen: torch.Tensor, tokens) -> torch.Tensor:
+    """``seen`` [V] plus ``tokens`` (a list of ids, or an id tensor on ``seen``'s device; a copy)."""
     out = seen.clone()
-    if tokens:
+    if len(tokens):
         out[tokens] = True
     return out
 
 
+def _generator(device: torch.device, seed: int) -> torch.Generator | None:
+    """A seeded generator on ``device``: the same seed gives the same draws there. ``meta``
+    tensors carry no values (they stand in for an accelerator in device-placement tests): no
+    generator, and draws on them return meta tensors."""
+    return None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
+
+
 class Sampler:
     """Greedy (argmax) or seeded multinomial draws from the target; one object per decoding run.
-    The generator lives on the logits' device: draws never move a distribution to the CPU."""
+    The generator lives on the logits' device and every draw returns a device tensor (0-d long):
+    nothing here waits for the device; the loop moves the committed ids to the host once a step."""
 
     def __init__(self, greedy: bool, temperature: float, top_k: int, seed: int = 0, penalty: float = 1.0,
                  device: torch.device | str = "cpu"):
@@ -82,7 +92,8 @@ class Sampler:
         self.temperature = temperature
         self.top_k = top_k
         self.penalty = penalty
-        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.device = torch.device(device)
+        self.gen = _generator(self.device, seed)
 
     def target(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
         """The dense distribution a token is drawn from # [..., V] -> [..., V] probs. Greedy:
@@ -97,30 +108,33 @@ class Sampler:
         temperature = 1.0 if self.greedy else self.temperature
         return torch.softmax(penalised_logits(logits.float() / temperature, seen, self.penalty), dim=-1)
 
-    def sample(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
-        """One token from the target of ``logits`` [V]: top-k first, then everything on k values."""
+    def _pick(self, logits: torch.Tensor, seen: torch.Tensor | None):
+        """(token [] long, ids [k] | None, probs [k] | [V] | None): the draw from the target of
+        ``logits`` [V], top-k first then everything on k values (greedy: argmax, no probs)."""
         if self.greedy:
-            return int(penalised_logits(logits, seen, self.penalty).argmax())
+            return penalised_logits(logits, seen, self.penalty).argmax(), None, None
         ids, probs = top_probs(logits, self.temperature, self.top_k, seen, self.penalty)
-        i = torch.multinomial(probs, 1, generator=self.gen)
-        return int(i if ids is None else ids[i])
+        i = torch.multinomial(probs, 1, generator=self.gen)  # [1]
+        return (i if ids is None else ids.gather(-1, i)).reshape(()), ids, probs
 
-    def draft(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
-        """A draft from a head's ``logits`` [V] and the dense q [V] it was drawn from (the
-        target's processing; None when greedy: greedy verification compares tokens only)."""
-        if self.greedy:
-            return int(penalised_logits(logits, seen, self.penalty).argmax()), None
-        ids, probs = top_probs(logits, self.temperature, self.top_k, seen, self.penalty)
-        i = torch.multinomial(probs, 1, generator=self.gen)
-        if ids is None:
-            return int(i), probs
-        return int(ids[i]), torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device).scatter_(-1, ids, probs)
+    def sample(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """One token from the target of ``logits`` [V] # -> [] long on the logits' device."""
+        return self._pick(logits, seen)[0]
 
-    def draw(self, probs: torch.Tensor) -> int:
-        """One token from a dense distribution ``probs`` [V] (argmax when greedy)."""
+    def draft(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft from a head's ``logits`` [V] (# [] long) and the dense q [V] it was drawn from
+        (the target's processing; None when greedy: greedy verification compares tokens only)."""
+        tok, ids, probs = self._pick(logits, seen)
+        if probs is None or ids is None:
+            return tok, probs
+        return tok, torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device).scatter_(-1, ids, probs)
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token from a dense distribution ``probs`` [V] (argmax when greedy) # -> [] long."""
         if self.greedy:
-            return int(probs.argmax())
-        return int(torch.multinomial(probs.float(), 1, generator=self.gen))
+            return probs.argmax()
+        return torch.multinomial(probs.float(), 1, generator=self.gen).reshape(())
 
     def uniform(self, n: int) -> torch.Tensor:
-        return torch.rand(n, generator=self.gen, dtype=torch.float64, device=self.gen.device)
+        """n uniforms in [0, 1) # [n] float64 on the sampler's device."""
+        return torch.rand(n, generator=self.gen, dtype=torch.float64, device=self.device)

@@ -21,6 +21,9 @@ class Trace:
     prefill_s: float = 0.0  # the prompt's forward pass (part of model_s)
     stats_order_cap: int = 0  # heads read capped at the stats' highest order (0: no cap)
     dynamic_kernel: Counter = field(default_factory=Counter)  # grids built per path: dense | numpy | numba
+    device: str = "cpu"  # where the model ran
+    synchronised: bool = False  # model / logic split exact on an accelerator (generate(profile=True))
+    unembed_rows: Counter = field(default_factory=Counter)  # rows per unembedding call -> calls (base and layer heads)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -37,7 +40,7 @@ class Trace:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        for key in ("accepted_lengths", "orders", "backoffs", "dynamic_kernel"):
+        for key in ("accepted_lengths", "orders", "backoffs", "dynamic_kernel", "unembed_rows"):
             d[key] = {str(k): v for k, v in sorted(getattr(self, key).items())}
         d.update(tokens_per_forward=round(self.tokens_per_forward, 4), decoding_s=self.decoding_s,
                  tokens_per_s=self.tokens_per_s)
@@ -58,6 +61,8 @@ class Trace:
             lines.append("back-offs from order: " + _hist(self.backoffs))
         if self.dynamic_kernel:
             lines.append("grids built by: " + _hist(self.dynamic_kernel))
+        if self.unembed_rows:
+            lines.append("rows per unembedding call: " + _hist(self.unembed_rows))
         return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ Everything goes through ``Backbone.run_layer`` / ``layer_context``: no patched t
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -48,12 +49,47 @@ def new_caches(model) -> DecodeCaches:
     return DecodeCaches(backbone=_new_cache(), heads=[_new_cache() for _ in range(model.heads.num_head_layers)])
 
 
+# Rows one unembedding call takes at the 1-row rate. On the CPU, F.linear of 1-3 rows against a
+# [V, H] weight costs what 1 row does (reading the weight dominates) and 4+ rows switch BLAS path
+# (1.6-1.8x, 9 rows 3.3x on a pythia-160m shape), while (W @ x.T).T of 9 rows costs ~2x one row
+# (scripts/bench_unembed.py measures all three). An accelerator reads the weight once per call
+# whatever the row count (memory-bound): rows are free there, calls are not.
+CPU_FAST_ROWS = 3
+
+
+def fast_rows(device: torch.device) -> int | None:
+    """Rows an unembedding call on ``device`` takes at the 1-row rate (None: any number)."""
+    return CPU_FAST_ROWS if device.type == "cpu" else None
+
+
+def unembed(bb, rows: torch.Tensor) -> torch.Tensor:
+    """Logits of ``rows`` [B, R, H] # -> [B, R, V]: F.linear up to the fast row count, beyond it
+    on the CPU (W @ x^T)^T, which keeps a plain Linear's weight-bound rate (no bias to add: the
+    unembeddings of both architectures have none; a biased or quantized one takes F.linear).
+    Neither form is bit-identical to 1-row calls for R > 1 (nor is the other): the logits agree
+    to float rounding, which is all the greedy argmax of a model's own forward can promise."""
+    limit, head = fast_rows(rows.device), bb.unembedding
+    plain = type(head) is torch.nn.Linear and head.bias is None
+    if limit is None or rows.shape[0] * rows.shape[1] <= limit or not plain:
+        return bb.logits(rows)
+    flat = rows.reshape(-1, rows.shape[-1])  # [B * R, H]
+    return (head.weight @ flat.T).T.reshape(*rows.shape[:-1], -1)
+
+
 class StepOutput:
-    """One incremental pass over T new tokens. Distributions are computed on demand: logits of
-    the base and the layer heads at every position in one unembedding call on first read, log-
-    softmax only for the rows the decoder asks for (the base at every position for verification,
-    the other heads at the anchor the next proposal starts from). ``model_s`` accumulates the
-    time spent in these computations (it counts as model time, not decoding logic)."""
+    """One incremental pass over T new tokens. Distributions are computed on demand, and only the
+    rows the decoder reads are unembedded: the base after every position (verification reads all
+    of them, argmax decoding the last) and the layer heads at one position (the anchor the next
+    proposal starts from, known only after acceptance). When all of those rows fit one call at
+    the 1-row rate (``fast_rows``: on an accelerator always, on the CPU 3 rows) they go in one
+    call, head rows at every position included; otherwise the base rows go first and the head
+    rows at the anchor in a second call. Log-softmax only for rows read. ``model_s`` accumulates
+    the time spent here (model time, not decoding logic), read by ``clock`` (the loop's, which
+    synchronises an accelerator when profiling); ``unembed_rows`` counts rows per call made here
+    (one-position heads, Medusa and CP, unembed their single row inside the adapter, per head or
+    per CP expert: not counted)."""
+
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor], first: int = 0):
         self.model = model
@@ -61,8 +97,9 @@ class StepOutput:
         self.hiddens = hiddens  # head index -> [B, T, H] normalised (layer heads only)
         self.first = first  # positions before it are never read: no logits for them (a prompt's)
         self.model_s = 0.0
+        self.unembed_rows: Counter = Counter()  # rows per unembedding call -> calls
         self._base = self._logits = None
-        self._head_logits: dict[int, torch.Tensor] = {}
+        self._head_logits: dict[int, dict[int, torch.Tensor]] = {}  # position -> head -> [B, V]
 
     @property
     def length(self) -> int:
@@ -72,29 +109,48 @@ class StepOutput:
         """Base (head 1) logits after positions first..T-1 # [B, T - first, V]: all argmax
         decoding reads."""
         if self._logits is None:
-            self._unembed()
+            self._unembed_base()
         return self._logits
 
-    def _unembed(self) -> None:
-        """Logits of the base and of every layer head, at every new position, in one call:
-        decoding one sequence is bound by reading the [V, H] unembedding weight, so one read for
-        all rows beats one per head (the extra rows of positions never read are cheap)."""
-        start = time.perf_counter()
-        heads = sorted(self.hiddens)
+    def _unembed(self, rows: torch.Tensor) -> torch.Tensor:
+        """One unembedding call, timed and counted # [B, R, H] -> [B, R, V]."""
+        start = self.clock()
+        logits = unembed(self.model.backbone, rows)
+        self.model_s += self.clock() - start
+        self.unembed_rows[rows.shape[0] * rows.shape[1]] += 1
+        return logits
+
+    def _unembed_base(self) -> None:
+        """The base rows, with every head's rows in the same call when all fit at the 1-row rate."""
+        heads, t = sorted(self.hiddens), self.length - self.first
+        limit = fast_rows(self.feats.base.device)
+        if not heads or (limit is not None and t * (1 + len(heads)) > limit):
+            self._logits = self._unembed(self.feats.base[:, self.first:])  # [B, T - first, V]
+            return
         read = [self.feats.base] + [self.hiddens[i] for i in heads]  # (1 + L) x [B, T, H]
-        rows = [h[:, self.first:] for h in read]
-        rows = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)  # [B, (T - first) * (1 + L), H]
-        parts = self.model.backbone.logits(rows).split(self.length - self.first, dim=1)  # (1 + L) x [B, T - first, V]
-        self._logits, self._head_logits = parts[0], dict(zip(heads, parts[1:]))
-        self.model_s += time.perf_counter() - start
+        parts = self._unembed(torch.cat([h[:, self.first:] for h in read], dim=1)).split(t, dim=1)
+        self._logits = parts[0]
+        for pos in range(self.first, self.length):
+            self._head_logits[pos] = {i: part[:, pos - self.first] for i, part in zip(heads, parts[1:])}
+
+    def _head_row(self, index: int, pos: int) -> torch.Tensor:
+        """Logits of layer head ``index`` at ``pos`` # [B, V]; the first read at ``pos``
+        unembeds every layer head there in one call (their rows fit the 1-row rate)."""
+        if self._logits is None:
+            self._unembed_base()  # the base is always read first; this may bring the heads along
+        if pos not in self._head_logits:
+            heads = sorted(self.hiddens)
+            logits = self._unembed(torch.cat([self.hiddens[i][:, pos:pos + 1] for i in heads], dim=1))  # [B, L, V]
+            self._head_logits[pos] = {i: logits[:, j] for j, i in enumerate(heads)}
+        return self._head_logits[pos][index]
 
     def base_log_probs(self) -> torch.Tensor:
         """Base (head 1) log-distribution after positions first..T-1 # [B, T - first, V] float32."""
         if self._base is None:
             logits = self.base_logits()
-            start = time.perf_counter()
+            start = self.clock()
             self._base = torch.log_softmax(logits.float(), dim=-1)
-            self.model_s += time.perf_counter() - start
+            self.model_s += self.clock() - start
         return self._base
 
     def head_log_probs(self, index: int, pos: int) -> torch.Tensor:
@@ -104,16 +160,16 @@ class StepOutput:
             raise ValueError(f"position {pos} was not kept: this pass computes logits from position {self.first} on")
         if index == 0 and index not in self.hiddens:
             return self.base_log_probs()[:, pos - self.first]
-        if index in self.hiddens and self._logits is None:
-            self._unembed()
-        start = time.perf_counter()
         if index in self.hiddens:
-            out = torch.log_softmax(self._head_logits[index][:, pos - self.first].float(), dim=-1)
+            logits = self._head_row(index, pos)
+        start = self.clock()
+        if index in self.hiddens:
+            out = torch.log_softmax(logits.float(), dim=-1)
         else:  # one-position heads (Medusa, CP) read only this position's base hidden state
             f = self.feats
             sliced = Features(f.trunk[:, pos:pos + 1], f.base[:, pos:pos + 1], (), f.ctx)
             out = self.model.heads.log_probs(index, sliced)[:, 0]
-        self.model_s += time.perf_counter() - start
+        self.model_s += self.clock() - start
         return out
 
     def anchor_hidden(self, pos: int) -> torch.Tensor:

@@ -10,7 +10,11 @@ time of the dynamic proposal (k = 50, n = 2, 3) next to a pythia-70m-shaped forw
 Every method decodes the same prompts; each repetition runs the methods interleaved and the best
 repetition counts (the machine may be shared). Prints a table and writes JSON.
 
-    python scripts/bench_decode.py --out bench_decode.json [--pythia-heads DIR]
+    python scripts/bench_decode.py --out bench_decode.json [--pythia-heads DIR] [--device cuda --dtype bfloat16]
+
+Our rows run with ``generate(profile=True)``: on an accelerator the model / logic split then
+synchronises the device at every clock reading. The record names the device, dtype, threads and
+the load average at the start and end.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import platform
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the same for every method)")
+    p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:1 (the logic timing stays on the CPU)")
+    p.add_argument("--dtype", default="float32", help="weights dtype of the models (float32, bfloat16, float16)")
     p.add_argument("--embedded-heads", default=str(EMBEDDED_HEADS))
     p.add_argument("--embedded-stats", default=str(EMBEDDED_STATS))
     p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
@@ -63,10 +70,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load(base: str, heads: str | None):
+def load(base: str, heads: str | None, device: str = "cpu", dtype: str = "float32"):
+    config = BackboneConfig(base=base, device=device, dtype=dtype)
     if heads and Path(heads).is_dir():
-        return MultiTokenModel.from_pretrained(BackboneConfig(base=base), heads), heads
-    bb = load_backbone(BackboneConfig(base=base))
+        return MultiTokenModel.from_pretrained(config, heads), heads
+    bb = load_backbone(config)
     return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "copy"}), "untrained (copy-initialised replicated, n=3)"
 
 
@@ -87,6 +95,7 @@ def hf_runner(model, prompt_lookup: bool, max_new: int, sample: dict | None = No
         extra.update(top_p=1.0, **sample)
 
     def run(ids):
+        ids = ids.to(bb.device)
         if sample:
             torch.manual_seed(0)
         out = bb.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
@@ -97,7 +106,7 @@ def hf_runner(model, prompt_lookup: bool, max_new: int, sample: dict | None = No
 
 def our_runner(model, cfg: DecodeConfig, table):
     def run(ids):
-        res = generate(model, ids, cfg, table=table)
+        res = generate(model, ids, cfg, table=table, profile=True)  # exact model / logic split on any device
         return res.token_ids, res.trace
     return run
 
@@ -144,7 +153,8 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
             row.update(forward_passes=fw, tokens_per_forward=round(r["tokens"] / fw, 3),
                        model_s=round(sum(t.model_s for t in r["traces"]), 4),
                        decoding_logic_s=round(sum(t.decoding_s for t in r["traces"]), 4),
-                       logic_ms_per_forward=round(1000 * sum(t.decoding_s for t in r["traces"]) / fw, 3))
+                       logic_ms_per_forward=round(1000 * sum(t.decoding_s for t in r["traces"]) / fw, 3),
+                       unembed_rows=dict(sorted(sum((t.unembed_rows for t in r["traces"]), Counter()).items())))
         if label in ("ar", "speculative_greedy", "speculative_greedy_n2", "hf_prompt_lookup"):
             row["identical_to_hf_greedy"] = r["outputs"] == best["hf_greedy"]["outputs"]
         rows[label] = row
@@ -226,21 +236,29 @@ def print_logic(logic: dict) -> None:
                       f"{t['seen_cells_median']:6d} {t['live_cells_median']:5d}")
 
 
+def device_name(device: str) -> str:
+    """The accelerator's name (or the CPU's platform) for the record."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    record = {"machine": {"platform": platform.platform(), "threads": args.threads, "cpu_count": torch.get_num_threads(),
-                          "loadavg_start": list(__import__("os").getloadavg())},
+    record = {"machine": {"platform": platform.platform(), "threads": args.threads, "cpu_count": __import__("os").cpu_count(),
+                          "device": args.device, "device_name": device_name(args.device), "dtype": args.dtype,
+                          "torch": torch.__version__, "loadavg_start": list(__import__("os").getloadavg())},
               "max_new_tokens": args.max_new_tokens, "reps": args.reps}
     if args.logic_only:
         record["logic"] = bench_logic(args)
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
         print_logic(record["logic"])
         return record
-    emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads)
+    emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
     record["embedded"] = bench_model("stories260K (embedded)", emb, emb_heads, open_table(args.embedded_stats, emb.backbone.tokenizer),
                                      PROMPTS["stories"], args)
-    pm, pm_heads = load(args.pythia_mini, args.pythia_heads)
+    pm, pm_heads = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype)
     record["pythia_mini"] = bench_model("pythia-mini", pm, pm_heads, open_table(args.pythia_stats, pm.backbone.tokenizer),
                                         PROMPTS["pile"], args)
     record["logic"] = bench_logic(args)
@@ -261,7 +279,9 @@ def print_table(record: dict) -> None:
                   f"{m.get('tokens_per_forward', float('nan')):8.2f} {m.get('logic_ms_per_forward', float('nan')):13.3f} "
                   f"{m.get('identical_to_hf_greedy', '')}")
     print_logic(record["logic"])
-    print("load average start/end:", record["machine"]["loadavg_start"], record["machine"]["loadavg_end"])
+    m = record["machine"]
+    print(f"device {m['device']} ({m['device_name']}), dtype {m['dtype']}, {m['threads']} torch threads")
+    print("load average start/end:", m["loadavg_start"], m["loadavg_end"])
 
 
 if __name__ == "__main__":

@@ -71,3 +71,57 @@ def test_quantized_backbone_decodes_like_its_own_generate(tiny_neox_q_dir, tiny_
         assert generate(model, ids, DecodeConfig(mode=mode, greedy=True, max_new_tokens=12)).token_ids == ref
     res = generate(model, ids, DecodeConfig(mode="dynamic", eps_b=0.0, max_new_tokens=12))
     assert len(res.token_ids) == 12
+
+
+def test_cpu_steps_unembed_only_the_rows_read_at_the_one_row_rate(tiny_backbones):
+    """Verification (3 positions, 2 head layers): the 3 base rows in one call, then the heads at
+    the anchor in a call of 2 rows, per anchor read; never a call over the CPU's 3 fast rows. The
+    logits are those of one call over every row, to float rounding."""
+    model = attach(tiny_backbones["llama"], "replicated")
+    caches = model.new_caches()
+    model.step(torch.tensor([[1, 5, 9, 4]]), caches)
+    out = model.step(torch.tensor([[7, 11, 13]]), caches)  # commit + 2 drafts
+    heads = sorted(out.hiddens)
+    every = torch.cat([out.feats.base] + [out.hiddens[i] for i in heads], 1)  # [1, 9, H]
+    ref = torch.log_softmax(model.backbone.logits(every).float(), -1).split(3, 1)  # (1 + L) x [1, 3, V]
+    torch.testing.assert_close(out.base_log_probs(), ref[0])
+    for pos in (1, 2):
+        for j, i in enumerate(heads):
+            torch.testing.assert_close(out.head_log_probs(i, pos)[0], ref[1 + j][0, pos])
+    assert dict(out.unembed_rows) == {3: 1, 2: 2}
+
+
+def test_a_one_position_step_unembeds_base_and_heads_in_one_call(tiny_backbones):
+    """Dynamic / ar steps read one position: 1 base + 2 head rows fit one fast call."""
+    model = attach(tiny_backbones["llama"], "replicated")
+    caches = model.new_caches()
+    out = model.step(torch.tensor([[1, 5, 9, 4]]), caches, read_from=3)
+    out.head_log_probs(0, 3), out.head_log_probs(2, 3), out.head_log_probs(1, 3)
+    assert dict(out.unembed_rows) == {3: 1}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_unembed_beyond_the_fast_rows_agrees_within_rounding(tiny_backbones, rows):
+    """(W x^T)^T for more rows than the CPU's fast count: each logit is the same dot product
+    summed in another order, so it differs from F.linear's by at most H * eps * sum |w_i x_i|."""
+    from multitoken.pipeline.incremental import unembed
+
+    bb = tiny_backbones["gpt_neox"]
+    x = torch.randn(1, rows, bb.hidden_size, generator=torch.Generator().manual_seed(rows))
+    got, ref = unembed(bb, x), bb.logits(x)
+    w = bb.unembedding.weight
+    bound = bb.hidden_size * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T)  # [1, R, V]
+    assert got.shape == ref.shape and bool(((got - ref).abs() <= bound).all())
+    if rows <= 3:
+        assert torch.equal(got, ref)  # the fast rows go through the module itself
+
+
+def test_the_trace_records_device_sync_and_rows_per_call(tiny_backbones):
+    model = attach(tiny_backbones["llama"], "replicated")
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=12)
+    plain = generate(model, [1, 5, 9, 4], cfg)
+    profiled = generate(model, [1, 5, 9, 4], cfg, profile=True)
+    assert plain.token_ids == profiled.token_ids
+    assert (plain.trace.device, plain.trace.synchronised, profiled.trace.synchronised) == ("cpu", False, True)
+    rows = plain.trace.unembed_rows
+    assert rows and max(rows) <= 3 and plain.trace.as_dict()["unembed_rows"] == {str(k): v for k, v in sorted(rows.items())}

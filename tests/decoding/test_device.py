@@ -1,0 +1,178 @@
+"""Device placement of decoding, checked on the CPU: every proposal, acceptance and sampling
+function runs with its target tensors on ``meta`` (the stand-in for an accelerator: shapes and
+devices, no values). Under ``OnlyOn`` every aten op must read and write tensors of that device
+only (0-d CPU scalars aside), so a CPU tensor mixed in, a CPU index, or a host read (``int()``,
+``.tolist()``: meta has no values to read) fails the test. Host ids may travel *to* the device
+(copies). Exempt by design: ``joint_drafts`` (DynaMo's grid is built on the host from the
+heads' top-k) and the loop's one host read per step (the committed ids).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from multitoken.decoding.accept import greedy_accept, speculative_accept, typical_accept, typical_rule
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.loop import RunState
+from multitoken.decoding.proposal import cp_drafts, independent_drafts
+from multitoken.decoding.sampling import Sampler, penalised_logits, processed_probs, rows_seen, top_probs, with_tokens
+from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+
+from .conftest import attach
+
+META = torch.device("meta")
+V = 11
+COPIES = {"_to_copy", "copy_", "lift_fresh", "lift_fresh_copy"}  # host data moving to the device
+
+
+class OnlyOn(TorchDispatchMode):
+    """Records every aten op that touches a tensor off ``device`` (inputs or outputs); copies
+    onto the device are allowed (a host id becoming a device tensor), copies off it are not."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.bad = device, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        inputs = [] if name in COPIES else tree_leaves((args, kwargs))
+        out = func(*args, **kwargs)
+        for t in inputs + tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device != self.device and not (t.dim() == 0 and t.device.type == "cpu"):
+                self.bad.append(f"{name}: a tensor on {t.device}")
+        return out
+
+
+@pytest.fixture
+def only_meta():
+    mode = OnlyOn(META)
+    with mode:
+        yield mode
+    assert not mode.bad, mode.bad
+
+
+def on_meta(*tensors) -> bool:
+    return all(t.device == META for t in tensors)
+
+
+def sampler(greedy: bool, penalty: float = 1.1, top_k: int = 4) -> Sampler:
+    return Sampler(greedy, 0.7, top_k, seed=0, penalty=penalty, device=META)
+
+
+def test_the_checker_catches_mixing_and_host_reads():
+    """The stand-in works: a CPU tensor in an op, or a host read, fails on meta."""
+    x = torch.zeros(V, device=META)
+    mode = OnlyOn(META)
+    with mode:
+        x[torch.tensor([1, 2])]  # a CPU index into a device tensor: an implicit transfer
+    assert mode.bad
+    with pytest.raises(RuntimeError, match="meta"):
+        x + torch.zeros(V)
+    with pytest.raises(RuntimeError):
+        int(x.argmax())
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_target_functions_stay_on_the_device(only_meta, top_k):
+    logits, seen = torch.randn(3, V, device=META), torch.zeros(V, dtype=torch.bool, device=META)
+    ids, probs = top_probs(logits, 0.7, top_k, seen, 1.1)
+    assert on_meta(probs) and (ids is None or on_meta(ids))
+    assert on_meta(processed_probs(logits, 0.7, top_k, seen, 1.1), penalised_logits(logits, seen, 1.1))
+    rows = rows_seen(seen, torch.zeros(2, dtype=torch.long, device=META), 3)
+    assert rows.shape == (3, V) and on_meta(rows)
+    assert on_meta(with_tokens(seen, torch.tensor([1, 4], device=META)), with_tokens(seen, [1, 4]))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_sampler_methods_stay_on_the_device(only_meta, greedy):
+    s, logits = sampler(greedy), torch.randn(V, device=META)
+    seen = torch.zeros(V, dtype=torch.bool, device=META)
+    tok = s.sample(logits, seen)
+    assert tok.shape == () and tok.dtype == torch.long and on_meta(tok)
+    tok, q = s.draft(logits, seen)
+    assert on_meta(tok) and (q is None if greedy else on_meta(q) and q.shape == (V,))
+    assert on_meta(s.target(logits[None], seen), s.full(logits[None], seen), s.draw(torch.rand(V, device=META)), s.uniform(3))
+
+
+@pytest.mark.parametrize("rule", ["greedy", "speculative", "typical"])
+def test_acceptance_stays_on_the_device(only_meta, rule):
+    g = 2
+    drafts = torch.zeros(g, dtype=torch.long, device=META)
+    target = torch.rand(g + 1, V, device=META)
+    q = None if rule == "greedy" else torch.rand(g, V, device=META)
+    s = sampler(greedy=rule == "greedy")
+    if rule == "typical":
+        verdict = typical_accept(drafts, q, target, s)
+        verdict2 = typical_rule(0.09, 0.3)(drafts, q, target, s, rule_probs=torch.rand(g, V, device=META))
+        assert on_meta(verdict2.packed)
+    else:
+        verdict = (greedy_accept if rule == "greedy" else speculative_accept)(drafts, q, target, s)
+    assert on_meta(verdict.packed) and verdict.packed.shape == (2,)
+
+
+def fake_out(n_heads: int):
+    """A ``StepOutput`` stand-in whose head distributions live on meta."""
+    return SimpleNamespace(head_log_probs=lambda i, pos: torch.randn(1, V, device=META), model_s=0.0)
+
+
+def meta_run(model, greedy: bool, vocab: int = V) -> RunState:
+    cfg = DecodeConfig(mode="speculative", greedy=greedy, top_k=min(4, vocab))
+    return RunState(model, cfg, sampler(greedy, top_k=min(4, vocab)), None,
+                    torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_independent_drafts_stay_on_the_device(only_meta, greedy):
+    drafts = independent_drafts(fake_out(3), 0, 5, 2, meta_run(None, greedy))
+    assert drafts.tokens.shape == (2,) and on_meta(drafts.tokens)
+    assert drafts.probs is None if greedy else on_meta(drafts.probs) and drafts.probs.shape == (2, V)
+
+
+@pytest.fixture(scope="module")
+def meta_models(tiny_llama_dir):
+    """CP and replicated heads on a tiny Llama, everything moved to meta (a fresh backbone: the
+    shared one stays usable)."""
+    models = {}
+    for head_type in ("cp", "replicated"):
+        model = attach(load_backbone(BackboneConfig(base=str(tiny_llama_dir))), head_type)
+        models[head_type] = model.to(META)
+    return models
+
+
+def meta_step(model, tokens: int, read_from: int):
+    """A real incremental pass on meta (prompt, or commit + drafts)."""
+    caches = model.new_caches()
+    return model.step(torch.zeros(1, tokens, dtype=torch.long, device=META), caches, read_from=read_from)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_cp_drafts_stay_on_the_device(meta_models, greedy):
+    model = meta_models["cp"]
+    out = meta_step(model, 4, 3)
+    mode = OnlyOn(META)
+    with mode:
+        drafts = cp_drafts(out, 3, 5, 2, meta_run(model, greedy, model.backbone.vocab_size))
+    assert not mode.bad, mode.bad
+    assert drafts.tokens.shape == (2,) and on_meta(drafts.tokens)
+    assert drafts.probs is None if greedy else on_meta(drafts.probs)
+
+
+def test_a_verification_pass_unembeds_only_the_rows_read_on_the_device(meta_models):
+    """Layer heads on meta: the base rows of every position, then the heads at one position.
+    On meta (an accelerator stand-in: any row count runs at the 1-row rate) everything goes in
+    one call; the CPU rule is tested with real values in test_incremental."""
+    model = meta_models["replicated"]
+    out = meta_step(model, 3, 0)  # commit + 2 drafts
+    mode = OnlyOn(META)
+    with mode:
+        base = out.base_logits()
+        head = out.head_log_probs(1, 2)
+    assert not mode.bad, mode.bad
+    assert base.shape[:2] == (1, 3) and on_meta(base, head)
+    assert dict(out.unembed_rows) == {3 * 3: 1}  # base + 2 head layers at 3 positions, one call

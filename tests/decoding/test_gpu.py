@@ -1,0 +1,140 @@
+"""The GPU suite (``make test-gpu`` = ``pytest -m gpu``): the exactness tests on CUDA -- greedy
+== transformers' ``generate`` for every head type, both architectures, float32 / bfloat16 and
+4 / 8-bit backbones; the chi-square tests of sampled speculative decoding; same seed, same
+output; ``bench_decode.py --device cuda``. Without CUDA every test here is skipped, saying so
+(the device-placement logic is checked on every CPU by test_device.py, on ``meta``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.loop import generate
+from multitoken.decoding.proposal import Drafts
+from multitoken.pipeline.backbone import Backbone, BackboneConfig, load_backbone
+
+from .conftest import RatioTable, attach, build_small_vocab
+from .test_exactness import PROMPTS, exact_pairs, merge_small_cells
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)"),
+]
+CUDA = "cuda"
+
+
+def hf_greedy(backbone, ids: torch.Tensor, new: int) -> list[int]:
+    ids = ids.to(backbone.device)
+    out = backbone.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                  pad_token_id=backbone.tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def cuda_backbones(tiny_neox_dir, tiny_llama_dir) -> dict:
+    dirs = {"gpt_neox": tiny_neox_dir, "llama": tiny_llama_dir}
+    return {(arch, dtype): load_backbone(BackboneConfig(base=str(d), device=CUDA, dtype=dtype))
+            for arch, d in dirs.items() for dtype in ("float32", "bfloat16")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_speculative_and_ar_equal_generate_on_cuda(cuda_backbones, arch, head_type, dtype):
+    backbone = cuda_backbones[(arch, dtype)]
+    model = attach(backbone, head_type)
+    for prompt in PROMPTS:
+        ids = backbone.tokenizer(prompt, return_tensors="pt").input_ids
+        ref = hf_greedy(backbone, ids, 24)
+        for mode in ("speculative", "ar"):
+            res = generate(model, ids, DecodeConfig(mode=mode, greedy=True, max_new_tokens=24))
+            assert res.token_ids == ref, (mode, prompt)
+            assert res.trace.device.startswith("cuda")
+
+
+@pytest.mark.parametrize("head_type", ["replicated", "medusa"])
+def test_greedy_joint_drafts_equal_generate_on_cuda(cuda_backbones, arch, head_type):
+    backbone = cuda_backbones[(arch, "float32")]
+    model = attach(backbone, head_type)
+    ids = backbone.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    res = generate(model, ids, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=24, drafter="joint"),
+                   table=RatioTable())
+    assert res.token_ids == hf_greedy(backbone, ids, 24)
+
+
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_quantized_greedy_equals_its_own_generate_on_cuda(tiny_neox_q_dir, tiny_llama_q_dir, arch, quantization):
+    base = {"llama": tiny_llama_q_dir, "gpt_neox": tiny_neox_q_dir}[arch]
+    bb = load_backbone(BackboneConfig(base=str(base), quantization=quantization, device=CUDA))
+    model = attach(bb, "replicated")
+    ids = bb.tokenizer("Once upon a time", return_tensors="pt").input_ids
+    ref = hf_greedy(bb, ids, 12)
+    for mode in ("ar", "speculative"):
+        assert generate(model, ids, DecodeConfig(mode=mode, greedy=True, max_new_tokens=12)).token_ids == ref
+    assert len(generate(model, ids, DecodeConfig(mode="dynamic", eps_b=0.0, max_new_tokens=12)).token_ids) == 12
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory) -> tuple[Backbone, Backbone]:
+    """The enumerable-vocabulary model on the CPU (exact distributions) and the same weights on CUDA."""
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("small_vocab_gpu")
+    cpu = build_small_vocab(out)
+    model = LlamaForCausalLM.from_pretrained(out).eval().to(CUDA)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return cpu, Backbone(model, None, str(out), BackboneConfig(base=str(out), device=CUDA))
+
+
+@pytest.mark.parametrize("head_type,drafter", [("medusa", "heads"), ("medusa", "rigged"), ("medusa", "joint"), ("cp", "cp")])
+def test_sampled_speculative_matches_base_distribution_on_cuda(small_vocab_pair, head_type, drafter):
+    cpu, gpu = small_vocab_pair
+    model = attach(gpu, head_type, n_future=2)
+    if head_type == "medusa":
+        with torch.no_grad():  # a head clearly different from the base: q != p
+            model.heads.blocks[0][0].linear.weight.normal_(0, 1.0)
+    prompt, v = [0, 3, 1], gpu.vocab_size
+    kwargs = {"rigged": {"drafter": rigged_on_device}, "joint": {"table": RatioTable()}}.get(drafter, {})
+    counts, accepted = torch.zeros(v, v), torch.zeros(2)
+    for seed in range(400):
+        res = generate(model, prompt, DecodeConfig(mode="speculative", temperature=1.0, top_k=v, max_new_tokens=2,
+                                                   n=2, seed=seed, stop_at_eos=False), **kwargs)
+        a, b = res.token_ids
+        counts[a, b] += 1
+        for length, c in res.trace.accepted_lengths.items():
+            accepted[length] += c
+    expected = exact_pairs(cpu, prompt) * counts.sum()
+    stat = chisquare(*merge_small_cells(counts.flatten(), expected.flatten()))
+    assert stat.pvalue > 1e-3, (counts, expected)
+    assert accepted[0] > 20 and accepted[1] > 20
+
+
+def rigged_on_device(out, anchor, first, g, run):
+    """test_exactness's rigged drafter (blind, prefers token 0), its q on the model's device."""
+    q = torch.tensor([0.7, 0.1, 0.1, 0.1], device=run.seen.device).expand(g, 4)
+    tokens = torch.multinomial(q, 1, generator=run.sampler.gen).reshape(-1)
+    return Drafts(tokens, q.clone())
+
+
+@pytest.mark.parametrize("mode", ["speculative", "dynamic", "ar"])
+def test_same_seed_same_output_on_cuda(cuda_backbones, mode):
+    model = attach(cuda_backbones[("llama", "float32")], "replicated")
+    cfg = DecodeConfig(mode=mode, max_new_tokens=20, seed=3, stop_at_eos=False)
+    runs = [generate(model, [1, 5, 9, 4], cfg).token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 20
+
+
+def test_bench_decode_runs_on_cuda(tmp_path, monkeypatch, pythia_mini_dir):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_decode
+
+    record = bench_decode.main(["--device", CUDA, "--dtype", "bfloat16", "--max-new-tokens", "8", "--reps", "1",
+                                "--logic-steps", "2", "--out", str(tmp_path / "bench.json")])
+    assert record["machine"]["device"] == CUDA and record["machine"]["dtype"] == "bfloat16"
+    assert record["machine"]["device_name"] == torch.cuda.get_device_name(0)
+    for key in ("embedded", "pythia_mini"):
+        assert record[key]["methods"]["speculative_greedy"]["tokens"] > 0
