@@ -3,7 +3,7 @@ defaults (trained heads and stats), and co-occurrence stats. One loader for ever
 
 from __future__ import annotations
 
-from .embedded import EMBEDDED_HEADS, EMBEDDED_STATS, default_base, is_default_base
+from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, default_base, is_default_base
 
 
 def default_heads() -> str:
@@ -20,8 +20,8 @@ def backbone_config(heads: str | None, base: str | None = None, **fields):
     """How to load the base of ``heads``: ``base`` when given, else the base recorded in the
     heads dir (else, without heads, the default base). ``fields``: other ``BackboneConfig``
     fields (dtype, device, quantization, threads)."""
-    from .backbone import BackboneConfig
-    from .heads_io import read_heads_config
+    from multitoken.pipeline.backbone import BackboneConfig
+    from multitoken.pipeline.heads_io import read_heads_config
 
     if not base:
         base = read_heads_config(heads)["base"] if heads else default_base()
@@ -32,8 +32,8 @@ def load_model(heads: str, base: str | None = None, dtype: str = "float32", devi
     """``(MultiTokenModel, heads dir)``: the heads on ``base`` (None: the base recorded in the
     heads dir); ``heads`` '' means the embedded trained heads. ``fields``: other
     ``BackboneConfig`` fields (quantization, threads)."""
-    from .errors import UsageError
-    from .model import MultiTokenModel
+    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.model import MultiTokenModel
 
     heads = heads or default_heads()
     if not heads:
@@ -45,8 +45,8 @@ def load_model(heads: str, base: str | None = None, dtype: str = "float32", devi
 
 def load_base_only(config):
     """The base model alone, as a one-head model: one token per forward pass in every mode."""
-    from .backbone import load_backbone
-    from .model import MultiTokenModel
+    from multitoken.pipeline.backbone import load_backbone
+    from multitoken.pipeline.model import MultiTokenModel
 
     return MultiTokenModel.attach(load_backbone(config), {"head_type": "medusa", "n_future": 1})
 

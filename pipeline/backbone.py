@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .embedded import default_base, resolve_base
-from .errors import CheckpointError, UnsupportedModelError, UsageError
-from .hub import locate
-from .threads import set_threads, threads_field
+from multitoken.pipeline.embedded import default_base, resolve_base
+from multitoken.pipeline.errors import CheckpointError, UnsupportedModelError, UsageError
+from multitoken.pipeline.hub import locate
+from multitoken.pipeline.threads import set_threads, threads_field
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def _quantization_plan(model_config, config: "BackboneConfig"):
         return None
     if config.quantization not in QUANTIZATIONS:
         raise UsageError(f"unknown quantization {config.quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
-    from .quantization import checked_plan
+    from multitoken.pipeline.quantization import checked_plan
 
     return checked_plan(model_config, config.quantization, config.device, str(config.base))
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_dir
-from .errors import CheckpointError
+from multitoken.pipeline.atomic import atomic_dir
+from multitoken.pipeline.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 

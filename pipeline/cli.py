@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import MultitokenError
+from multitoken.pipeline.errors import MultitokenError
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
 # --help order. Only the chosen command's module is imported: most import torch (~2 s), which
@@ -52,7 +52,7 @@ DESCRIPTIONS = {
 def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
     """The subparser of ``name``: its help, one flag per field of each dataclass in ``configs``,
     and ``run(args)`` as its action. Called by the command's own ``register``."""
-    from .cliargs import add_dataclass_args
+    from multitoken.pipeline.cliargs import add_dataclass_args
 
     summary = COMMANDS[name][1]
     parser = sub.add_parser(name, help=summary, description=DESCRIPTIONS.get(name, summary))

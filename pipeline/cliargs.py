@@ -18,7 +18,7 @@ import types
 import typing
 from pathlib import Path
 
-from .atomic import atomic_write_text
+from multitoken.pipeline.atomic import atomic_write_text
 
 # --help group title of each config class (class name -> plain words)
 TITLES = {

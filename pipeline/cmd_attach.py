@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backbone import BackboneConfig
+from multitoken.pipeline.backbone import BackboneConfig
 
 RESOLVED_CONFIG = "attach_config.json"
 _SKIP = ("head_type", "n_future")  # set by --head and --n
@@ -31,7 +31,7 @@ class AttachConfig:
 def register(sub) -> None:
     from multitoken.adapters.registry import registered_heads
 
-    from .cli import add_command
+    from multitoken.pipeline.cli import add_command
 
     p = add_command(sub, "attach", AttachConfig, BackboneConfig, run=run)
     for action in p._actions:  # the head names are only known once the registry is loaded
@@ -44,7 +44,7 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
     """One flag per head-config field across all registered types (absent unless given)."""
     from multitoken.adapters.registry import get_head, registered_heads
 
-    from .cliargs import plain
+    from multitoken.pipeline.cliargs import plain
 
     group = parser.add_argument_group("head options (each applies to the head types listed)")
     owners: dict[str, list[str]] = {}
@@ -72,7 +72,7 @@ def head_options(args) -> dict:
 
 
 def _check_out(cfg: AttachConfig, base: str) -> Path:
-    from .outputs import prepare_output
+    from multitoken.pipeline.outputs import prepare_output
 
     return prepare_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(base,))
 
@@ -80,9 +80,9 @@ def _check_out(cfg: AttachConfig, base: str) -> Path:
 def run(args) -> None:
     from multitoken.adapters.registry import make_config
 
-    from .backbone import load_backbone
-    from .cliargs import dataclass_from_args, resolved_config_text
-    from .model import MultiTokenModel
+    from multitoken.pipeline.backbone import load_backbone
+    from multitoken.pipeline.cliargs import dataclass_from_args, resolved_config_text
+    from multitoken.pipeline.model import MultiTokenModel
 
     cfg = dataclass_from_args(AttachConfig, args)
     backbone_config = dataclass_from_args(BackboneConfig, args)

@@ -13,18 +13,18 @@ class ConvertLlama2cConfig:
 
 
 def register(sub) -> None:
-    from .cli import add_command
+    from multitoken.pipeline.cli import add_command
 
-    from .outputs import add_overwrite_flag
+    from multitoken.pipeline.outputs import add_overwrite_flag
 
     add_overwrite_flag(add_command(sub, "convert-llama2c", ConvertLlama2cConfig, run=run))
 
 
 def run(args) -> None:
-    from .cliargs import dataclass_from_args
-    from .errors import UsageError
-    from .llama2c import convert_llama2c
-    from .outputs import prepare_output
+    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.llama2c import convert_llama2c
+    from multitoken.pipeline.outputs import prepare_output
 
     cfg = dataclass_from_args(ConvertLlama2cConfig, args)
     prepare_output(cfg.out, "convert", overwrite=args.overwrite, inputs=(cfg.model, cfg.tokenizer))

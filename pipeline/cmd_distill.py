@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 
-from .backbone import BackboneConfig
-from .distill import DistillConfig
+from multitoken.pipeline.backbone import BackboneConfig
+from multitoken.pipeline.distill import DistillConfig
 
 
 def register(sub) -> None:
-    from .cli import add_command
-    from .cliargs import set_default
-    from .threads import THREADS_BATCHES, threads_field
+    from multitoken.pipeline.cli import add_command
+    from multitoken.pipeline.cliargs import set_default
+    from multitoken.pipeline.threads import THREADS_BATCHES, threads_field
 
-    from .outputs import add_overwrite_flag
+    from multitoken.pipeline.outputs import add_overwrite_flag
 
     parser = add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
     add_overwrite_flag(parser)
@@ -22,10 +22,10 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from .backbone import load_backbone
-    from .cliargs import dataclass_from_args, save_resolved_config
-    from .distill import distill, validate
-    from .outputs import prepare_output_file
+    from multitoken.pipeline.backbone import load_backbone
+    from multitoken.pipeline.cliargs import dataclass_from_args, save_resolved_config
+    from multitoken.pipeline.distill import distill, validate
+    from multitoken.pipeline.outputs import prepare_output_file
 
     cfg = dataclass_from_args(DistillConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)

@@ -17,23 +17,23 @@ LENS_PNG = "logit_lens.png"
 
 
 def register(sub) -> None:
-    from .cli import add_command
-    from .data import DataConfig
-    from .evaluate import EvalConfig
+    from multitoken.pipeline.cli import add_command
+    from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.evaluate import EvalConfig
 
-    from .outputs import add_overwrite_flag
+    from multitoken.pipeline.outputs import add_overwrite_flag
 
     add_overwrite_flag(add_command(sub, "eval", EvalConfig, DataConfig, run=run))
 
 
 def run(args) -> None:
-    from .atomic import atomic_dir
-    from .cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
-    from .data import DataConfig, describe_files
-    from .errors import UsageError
-    from .assets import default_stats, load_model
-    from .evaluate import EvalConfig, evaluate
-    from .outputs import EVAL, prepare_output
+    from multitoken.pipeline.atomic import atomic_dir
+    from multitoken.pipeline.cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
+    from multitoken.pipeline.data import DataConfig, describe_files
+    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.assets import default_stats, load_model
+    from multitoken.pipeline.evaluate import EvalConfig, evaluate
+    from multitoken.pipeline.outputs import EVAL, prepare_output
 
     cfg = dataclass_from_args(EvalConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
@@ -50,7 +50,7 @@ def run(args) -> None:
     out = Path(cfg.out)
     with atomic_dir(out, marker=EVAL.marker, owned=EVAL.owned) as stage:
         if "logit_lens" in report:
-            from .lens import plot_lens
+            from multitoken.pipeline.lens import plot_lens
 
             plot_lens(report["logit_lens"]["kl_per_layer"], stage / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
             report["logit_lens"]["png"] = str(out / LENS_PNG)

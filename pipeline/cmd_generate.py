@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backbone import BackboneConfig
-from .embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
+from multitoken.pipeline.backbone import BackboneConfig
+from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
 
 
 @dataclass
@@ -33,8 +33,8 @@ BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (defau
 def register(sub) -> None:
     from multitoken.decoding.config import DecodeConfig
 
-    from .cli import add_command
-    from .cliargs import set_default
+    from multitoken.pipeline.cli import add_command
+    from multitoken.pipeline.cliargs import set_default
 
     parser = add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
     set_default(parser, "base", None, {"help": BASE_HELP})  # None: not given, so --heads' own base
@@ -48,7 +48,7 @@ def _embedded(base: str, shipped: Path) -> str | None:
 def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
     """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
     without ``--heads``, the embedded heads on the embedded base, else the base alone."""
-    from .assets import load_base_only, load_model
+    from multitoken.pipeline.assets import load_base_only, load_model
 
     heads = cfg.heads or _embedded(base_cfg.base, EMBEDDED_HEADS)
     if heads is None:
@@ -92,9 +92,9 @@ def run(args) -> None:
     from multitoken.decoding.config import DecodeConfig, check_context
     from multitoken.decoding.loop import generate
 
-    from .assets import backbone_config, load_stats
-    from .cliargs import config_dict, dataclass_from_args
-    from .errors import UsageError
+    from multitoken.pipeline.assets import backbone_config, load_stats
+    from multitoken.pipeline.cliargs import config_dict, dataclass_from_args
+    from multitoken.pipeline.errors import UsageError
 
     cfg = dataclass_from_args(GenerateConfig, args)
     decode = dataclass_from_args(DecodeConfig, args)

@@ -23,21 +23,21 @@ FILES = ("sweep.json", "sweep.csv", "sweep.png")
 
 
 def register(sub) -> None:
-    from .cli import add_command
-    from .sweep import SweepConfig
+    from multitoken.pipeline.cli import add_command
+    from multitoken.pipeline.sweep import SweepConfig
 
-    from .outputs import add_overwrite_flag
+    from multitoken.pipeline.outputs import add_overwrite_flag
 
     add_overwrite_flag(add_command(sub, "sweep", SweepConfig, run=run))
 
 
 def run(args) -> None:
-    from .assets import default_stats, load_model, load_stats
-    from .atomic import atomic_dir
-    from .cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
-    from .errors import UsageError
-    from .outputs import SWEEP, prepare_output
-    from .sweep import SweepConfig, parse_grid, read_prompts, sweep
+    from multitoken.pipeline.assets import default_stats, load_model, load_stats
+    from multitoken.pipeline.atomic import atomic_dir
+    from multitoken.pipeline.cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
+    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.outputs import SWEEP, prepare_output
+    from multitoken.pipeline.sweep import SweepConfig, parse_grid, read_prompts, sweep
 
     cfg = dataclass_from_args(SweepConfig, args)
     prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, cfg.prompts))
@@ -75,7 +75,7 @@ def _rows(result: dict) -> list[dict]:
 
 
 def to_csv(result: dict) -> str:
-    from .sweep import CRITERIA
+    from multitoken.pipeline.sweep import CRITERIA
 
     buf = io.StringIO()
     writer = csv.writer(buf)
@@ -162,7 +162,7 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     from matplotlib.colors import Normalize
     from matplotlib.lines import Line2D
 
-    from .plotting import pyplot, save_figure
+    from multitoken.pipeline.plotting import pyplot, save_figure
 
     plt = pyplot()
     ar, hf, sq = result["ar"], result.get("hf_sample"), result["same_quality_speedup"]

@@ -6,21 +6,21 @@ training; the flags are the same.
 
 from __future__ import annotations
 
-from .data import DataConfig
-from .trainer_config import TrainConfig
+from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.trainer_config import TrainConfig
 
 
 def register(sub) -> None:
-    from .cli import add_command
-    from .outputs import add_overwrite_flag
+    from multitoken.pipeline.cli import add_command
+    from multitoken.pipeline.outputs import add_overwrite_flag
 
     add_overwrite_flag(add_command(sub, "train", TrainConfig, DataConfig, run=run))
 
 
 def run(args) -> None:
-    from .cliargs import dataclass_from_args
-    from .errors import UsageError
-    from .train import format_summary, train
+    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.train import format_summary, train
 
     cfg = dataclass_from_args(TrainConfig, args)
     data = dataclass_from_args(DataConfig, args)
@@ -36,9 +36,9 @@ def _check_out(cfg, data, overwrite: bool) -> None:
     run's own output, which is not an overwrite."""
     from pathlib import Path
 
-    from .checkpoint import list_checkpoints
-    from .errors import UsageError
-    from .outputs import prepare_output
+    from multitoken.pipeline.checkpoint import list_checkpoints
+    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.outputs import prepare_output
 
     if cfg.out and Path(cfg.out).name and not cfg.resume and list_checkpoints(cfg.ckpt_dir()):
         raise UsageError(f"{cfg.ckpt_dir()} already holds checkpoints of a run",

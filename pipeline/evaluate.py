@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import metrics as M
-from .threads import THREADS_BATCHES, threads_field
+from multitoken.pipeline import metrics as M
+from multitoken.pipeline.threads import THREADS_BATCHES, threads_field
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
 DEFAULT_PARTS = PARTS
@@ -46,7 +46,7 @@ class EvalConfig:
     quiet: bool = field(default=False, metadata={"help": "no progress bars (they go to stderr, and only when it is a terminal)"})
 
     def validate(self) -> None:
-        from .errors import UsageError
+        from multitoken.pipeline.errors import UsageError
 
         bad = [p for p in self.parts if p not in PARTS]
         if bad:
@@ -120,7 +120,7 @@ class HeadAccumulator:
 
 def _batches(cfg: EvalConfig, data_cfg, tokenizer, device):
     """Packed eval sequences, ``batch_size`` at a time # -> [B, seq_len] int64."""
-    from .packing import PackedStream
+    from multitoken.pipeline.packing import PackedStream
 
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     stream = PackedStream(data_cfg, tokenizer, cfg.seq_len, eos, loop=False)
@@ -179,9 +179,9 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
 
 
 def _evaluate(model, cfg: EvalConfig, data_cfg, acc: HeadAccumulator, timer: _Timer) -> dict:
-    from .errors import DataError
-    from .headscores import score_head
-    from .speedup import draft_cost_ratio, theory_from_tokens
+    from multitoken.pipeline.errors import DataError
+    from multitoken.pipeline.headscores import score_head
+    from multitoken.pipeline.speedup import draft_cost_ratio, theory_from_tokens
 
     bb, n = model.backbone, model.n_future
     dyn = _dynamic_state(cfg, model) if "dynamic" in cfg.parts else None
@@ -208,7 +208,7 @@ def _evaluate(model, cfg: EvalConfig, data_cfg, acc: HeadAccumulator, timer: _Ti
             marg.add(model, feats, ids, cfg, tokens - ids.numel())
             timer.add("marginal", start, ids.numel())
         if "lens" in cfg.parts and lens_count < cfg.lens_tokens:
-            from .lens import lens_kl_sums
+            from multitoken.pipeline.lens import lens_kl_sums
 
             start = timer.start()
             take = max(1, min(ids.shape[0], -(-(cfg.lens_tokens - lens_count) // ids.shape[1])))
@@ -243,8 +243,8 @@ class _MarginalSums:
         self.size = self.mass = 0.0
 
     def add(self, model, feats, ids: torch.Tensor, cfg: EvalConfig, offset: int) -> None:
-        from .headscores import logp_at
-        from .marginal import marginal_second_token
+        from multitoken.pipeline.headscores import logp_at
+        from multitoken.pipeline.marginal import marginal_second_token
 
         for b in range(ids.shape[0]):
             first = offset + b * ids.shape[1]  # global index of this sequence's first token
@@ -280,8 +280,8 @@ class _MarginalSums:
 
 
 def _dynamic_state(cfg: EvalConfig, model):
-    from .assets import load_stats
-    from .dynamic_ppl import DynamicPPL
+    from multitoken.pipeline.assets import load_stats
+    from multitoken.pipeline.dynamic_ppl import DynamicPPL
 
     table = load_stats(cfg.stats, model.backbone.tokenizer)
     return DynamicPPL(cfg.eps_b, model, table=table, budget=cfg.dynamic_tokens)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metrics import nucleus
+from multitoken.pipeline.metrics import nucleus
 
 
 @dataclass

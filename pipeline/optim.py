@@ -32,8 +32,8 @@ import math
 
 import torch
 
-from .errors import UsageError
-from .trainer_config import TrainConfig
+from multitoken.pipeline.errors import UsageError
+from multitoken.pipeline.trainer_config import TrainConfig
 
 
 def param_groups(model, cfg: TrainConfig) -> list[dict]:

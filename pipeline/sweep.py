@@ -30,9 +30,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import metrics as M
-from .speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
-from .threads import THREADS_ONE_SEQUENCE, threads_field
+from multitoken.pipeline import metrics as M
+from multitoken.pipeline.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
+from multitoken.pipeline.threads import THREADS_ONE_SEQUENCE, threads_field
 
 # DynaMo's Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (
@@ -87,8 +87,8 @@ def parse_grid(spec) -> list[float]:
     """eps_b values -> sorted unique values in [0, 1]. ``spec``: numbers, or tokens each a value
     or a ``start:stop:step`` range (stop included), as ``--eps-b`` takes them: ``[0, 0.5, 1]``,
     ``["0:1:0.1"]``, or one such string (``"0:1:0.1"``, ``"0 0.5 1"``)."""
-    from .cliargs import expand_range
-    from .errors import UsageError
+    from multitoken.pipeline.cliargs import expand_range
+    from multitoken.pipeline.errors import UsageError
 
     tokens = spec.split() if isinstance(spec, str) else list(spec)
     try:
@@ -105,7 +105,7 @@ def read_prompts(path: str) -> list[str]:
     import json
     from pathlib import Path
 
-    from .errors import DataError
+    from multitoken.pipeline.errors import DataError
 
     if not path:
         return list(TABLE7_PROMPTS)

@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import optim
-from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from .data import DataConfig, describe_files
-from .errors import DataError, UsageError
-from .packing import PackedStream, PackPosition, take_sequences
-from .trainer_config import TrainConfig, validate
+from multitoken.pipeline import optim
+from multitoken.pipeline.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from multitoken.pipeline.data import DataConfig, describe_files
+from multitoken.pipeline.errors import DataError, UsageError
+from multitoken.pipeline.packing import PackedStream, PackPosition, take_sequences
+from multitoken.pipeline.trainer_config import TrainConfig, validate
 
 
 @dataclass
@@ -62,9 +62,9 @@ def _device(cfg: TrainConfig, dist: Dist) -> str:
 # Model ----------------------------------------------------------------------------------
 def load_model(cfg: TrainConfig, dist: Dist):
     """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes."""
-    from .backbone import BackboneConfig, LoraSpec, load_backbone
-    from .heads_io import read_heads_config
-    from .model import MultiTokenModel
+    from multitoken.pipeline.backbone import BackboneConfig, LoraSpec, load_backbone
+    from multitoken.pipeline.heads_io import read_heads_config
+    from multitoken.pipeline.model import MultiTokenModel
 
     record = read_heads_config(cfg.heads)
     if any(k.startswith("base_head.") for k in record["shapes"]) and not cfg.train_base_head:
@@ -337,7 +337,7 @@ def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, 
 def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict) -> None:
     """Save heads, resolved config and metrics: staged, then published over ``--out`` (only
     our files are replaced; see ``heads_io.save_heads``)."""
-    from .cliargs import resolved_config_text
+    from multitoken.pipeline.cliargs import resolved_config_text
 
     model.save_heads(Path(cfg.out), extra={
         "train_config.json": resolved_config_text("train", cfg, data, extra=files),
