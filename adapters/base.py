@@ -137,6 +137,6 @@ class HeadAdapter(nn.Module):
 
 def head_dtype(backbone) -> torch.dtype:
     """Heads compute in the backbone's compute dtype (a quantized backbone's too)."""
-    from multitoken.pipeline.backbone import resolve_dtype
+    from multitoken.pipeline.base.dtypes import resolve_dtype
 
     return resolve_dtype(backbone.load_config.dtype)

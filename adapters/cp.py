@@ -33,7 +33,7 @@ class CPConfig:
     init_std: float = field(default=0.02, metadata={"help": "std of the expert blocks' initial weights (breaks expert symmetry)"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.errors import UsageError
+        from multitoken.pipeline.base.errors import UsageError
 
         if self.rank < 1:
             raise UsageError(f"rank must be >= 1, got {self.rank}")

@@ -22,7 +22,7 @@ class MedusaConfig:
     num_blocks: int = field(default=1, metadata={"help": "residual SiLU blocks per head"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.errors import UsageError
+        from multitoken.pipeline.base.errors import UsageError
 
         if self.num_blocks < 1:
             raise UsageError(f"num_blocks must be >= 1, got {self.num_blocks}")

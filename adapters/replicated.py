@@ -26,7 +26,7 @@ class ReplicatedConfig:
     init: str = field(default="copy", metadata={"help": "heads 2..n start as copies of the final layer or random", "choices": INITS})
 
     def validate(self) -> None:
-        from multitoken.pipeline.errors import UsageError
+        from multitoken.pipeline.base.errors import UsageError
 
         if self.init not in INITS:
             raise UsageError(f"unknown init {self.init!r}", f"use one of {', '.join(INITS)}")

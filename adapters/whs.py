@@ -30,7 +30,7 @@ class WHSConfig:
     all_heads: bool = field(default=False, metadata={"help": "head 1 also reads weighted states (head 1 then differs from the base)"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.errors import UsageError
+        from multitoken.pipeline.base.errors import UsageError
 
         if self.init not in INITS:
             raise UsageError(f"unknown init {self.init!r}", f"use one of {', '.join(INITS)}")

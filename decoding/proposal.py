@@ -113,7 +113,7 @@ def pick_drafter(name: str, heads, table=None):
     if name == "auto":
         name = "cp" if hasattr(heads, "conditional_log_probs") else "joint" if table is not None else "independent"
     if name == "cp" and not hasattr(heads, "conditional_log_probs"):
-        from multitoken.pipeline.errors import UsageError
+        from multitoken.pipeline.base.errors import UsageError
 
         raise UsageError(f"--drafter cp needs cp heads, these are {heads.config.head_type!r}", "use --drafter independent or joint")
     return DRAFTERS[name]

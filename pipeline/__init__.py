@@ -1,6 +1,6 @@
 """Load a backbone, attach heads, train, save/load, evaluate; and the ``multitoken`` CLI.
 
-Names are imported lazily so that ``import multitoken.pipeline.errors`` stays cheap.
+Names are imported lazily so that ``import multitoken.pipeline.base.errors`` stays cheap.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ _EXPORTS = {
     "BackboneConfig": "backbone",
     "LoraSpec": "backbone",
     "load_backbone": "backbone",
-    "load_tokenizer": "backbone",
-    "tokenizer_fingerprint": "backbone",
-    "DataConfig": "data",
-    "iter_documents": "data",
+    "load_tokenizer": "base.tokenizer",
+    "tokenizer_fingerprint": "base.tokenizer",
+    "DataConfig": "base.data",
+    "iter_documents": "base.data",
     "ARCHITECTURES": "backbone",
     "convert_llama2c": "llama2c",
     "default_base": "embedded",

@@ -32,7 +32,7 @@ def load_model(heads: str, base: str | None = None, dtype: str = "float32", devi
     """``(MultiTokenModel, heads dir)``: the heads on ``base`` (None: the base recorded in the
     heads dir); ``heads`` '' means the embedded trained heads. ``fields``: other
     ``BackboneConfig`` fields (quantization, threads)."""
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.model import MultiTokenModel
 
     heads = heads or default_heads()

@@ -7,7 +7,6 @@ Architectures differ only in a few names, kept in ``ARCHITECTURES`` (one row per
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,9 +14,11 @@ import torch
 from torch import nn
 
 from multitoken.pipeline.embedded import default_base, resolve_base
-from multitoken.pipeline.errors import CheckpointError, UnsupportedModelError, UsageError
-from multitoken.pipeline.hub import locate
-from multitoken.pipeline.threads import set_threads, threads_field
+from multitoken.pipeline.base.errors import CheckpointError, UnsupportedModelError, UsageError
+from multitoken.pipeline.base.hub import locate
+from multitoken.pipeline.base.dtypes import DTYPES, resolve_dtype
+from multitoken.pipeline.base.threads import set_threads, threads_field
+from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec("norm", "past_key_values", ("q_proj", "k_proj", "v_proj")),
 }
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 QUANTIZATIONS = ("8bit", "4bit")
 
 
@@ -63,12 +63,6 @@ class LoraSpec:
     alpha: int = 16
     dropout: float = 0.0
     target_modules: tuple[str, ...] | None = None
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise UsageError(f"unknown dtype {name!r}", f"use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def read_model_type(base: str) -> str:
@@ -155,27 +149,6 @@ def _quantization_plan(model_config, config: "BackboneConfig"):
     from multitoken.pipeline.quantization import checked_plan
 
     return checked_plan(model_config, config.quantization, config.device, str(config.base))
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    base, hub_kwargs = locate(resolve_base(str(path)))
-    try:
-        return AutoTokenizer.from_pretrained(base, **hub_kwargs)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(
-            f"could not load a tokenizer from {path!r}: {err}",
-            "the checkpoint needs tokenizer.json (or tokenizer.model) and tokenizer_config.json",
-        ) from err
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 of the token -> id map (special tokens included); equal iff ids mean the same."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
 @dataclass

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from multitoken.pipeline.errors import MultitokenError
+from multitoken.pipeline.base.errors import MultitokenError
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
 # --help order. Only the chosen command's module is imported: most import torch (~2 s), which

@@ -72,7 +72,7 @@ def head_options(args) -> dict:
 
 
 def _check_out(cfg: AttachConfig, base: str) -> Path:
-    from multitoken.pipeline.outputs import prepare_output
+    from multitoken.pipeline.base.outputs import prepare_output
 
     return prepare_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(base,))
 
@@ -81,7 +81,8 @@ def run(args) -> None:
     from multitoken.adapters.registry import make_config
 
     from multitoken.pipeline.backbone import load_backbone
-    from multitoken.pipeline.cliargs import dataclass_from_args, resolved_config_text
+    from multitoken.pipeline.base.config_io import resolved_config_text
+    from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.model import MultiTokenModel
 
     cfg = dataclass_from_args(AttachConfig, args)

@@ -15,16 +15,16 @@ class ConvertLlama2cConfig:
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
 
-    from multitoken.pipeline.outputs import add_overwrite_flag
+    from multitoken.pipeline.base.outputs import add_overwrite_flag
 
     add_overwrite_flag(add_command(sub, "convert-llama2c", ConvertLlama2cConfig, run=run))
 
 
 def run(args) -> None:
     from multitoken.pipeline.cliargs import dataclass_from_args
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.llama2c import convert_llama2c
-    from multitoken.pipeline.outputs import prepare_output
+    from multitoken.pipeline.base.outputs import prepare_output
 
     cfg = dataclass_from_args(ConvertLlama2cConfig, args)
     prepare_output(cfg.out, "convert", overwrite=args.overwrite, inputs=(cfg.model, cfg.tokenizer))

@@ -11,9 +11,9 @@ from multitoken.pipeline.distill import DistillConfig
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
     from multitoken.pipeline.cliargs import set_default
-    from multitoken.pipeline.threads import THREADS_BATCHES, threads_field
+    from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
 
-    from multitoken.pipeline.outputs import add_overwrite_flag
+    from multitoken.pipeline.base.outputs import add_overwrite_flag
 
     parser = add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
     add_overwrite_flag(parser)
@@ -23,9 +23,10 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from multitoken.pipeline.backbone import load_backbone
-    from multitoken.pipeline.cliargs import dataclass_from_args, save_resolved_config
+    from multitoken.pipeline.base.config_io import save_resolved_config
+    from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.distill import distill, validate
-    from multitoken.pipeline.outputs import prepare_output_file
+    from multitoken.pipeline.base.outputs import prepare_output_file
 
     cfg = dataclass_from_args(DistillConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)

@@ -18,22 +18,24 @@ LENS_PNG = "logit_lens.png"
 
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.base.data import DataConfig
     from multitoken.pipeline.evaluate import EvalConfig
 
-    from multitoken.pipeline.outputs import add_overwrite_flag
+    from multitoken.pipeline.base.outputs import add_overwrite_flag
 
     add_overwrite_flag(add_command(sub, "eval", EvalConfig, DataConfig, run=run))
 
 
 def run(args) -> None:
-    from multitoken.pipeline.atomic import atomic_dir
-    from multitoken.pipeline.cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
-    from multitoken.pipeline.data import DataConfig, describe_files
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.atomic import atomic_dir
+    from multitoken.pipeline.base.atomic import atomic_write_text
+    from multitoken.pipeline.base.config_io import save_resolved_config
+    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.base.data import DataConfig, describe_files
+    from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.assets import default_stats, load_model
     from multitoken.pipeline.evaluate import EvalConfig, evaluate
-    from multitoken.pipeline.outputs import EVAL, prepare_output
+    from multitoken.pipeline.base.outputs import EVAL, prepare_output
 
     cfg = dataclass_from_args(EvalConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)

@@ -93,8 +93,9 @@ def run(args) -> None:
     from multitoken.decoding.loop import generate
 
     from multitoken.pipeline.assets import backbone_config, load_stats
-    from multitoken.pipeline.cliargs import config_dict, dataclass_from_args
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.config_io import config_dict
+    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.base.errors import UsageError
 
     cfg = dataclass_from_args(GenerateConfig, args)
     decode = dataclass_from_args(DecodeConfig, args)

@@ -26,17 +26,19 @@ def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
     from multitoken.pipeline.sweep import SweepConfig
 
-    from multitoken.pipeline.outputs import add_overwrite_flag
+    from multitoken.pipeline.base.outputs import add_overwrite_flag
 
     add_overwrite_flag(add_command(sub, "sweep", SweepConfig, run=run))
 
 
 def run(args) -> None:
     from multitoken.pipeline.assets import default_stats, load_model, load_stats
-    from multitoken.pipeline.atomic import atomic_dir
-    from multitoken.pipeline.cliargs import atomic_write_text, dataclass_from_args, save_resolved_config
-    from multitoken.pipeline.errors import UsageError
-    from multitoken.pipeline.outputs import SWEEP, prepare_output
+    from multitoken.pipeline.base.atomic import atomic_dir
+    from multitoken.pipeline.base.atomic import atomic_write_text
+    from multitoken.pipeline.base.config_io import save_resolved_config
+    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.base.errors import UsageError
+    from multitoken.pipeline.base.outputs import SWEEP, prepare_output
     from multitoken.pipeline.sweep import SweepConfig, parse_grid, read_prompts, sweep
 
     cfg = dataclass_from_args(SweepConfig, args)

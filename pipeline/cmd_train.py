@@ -6,20 +6,20 @@ training; the flags are the same.
 
 from __future__ import annotations
 
-from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.trainer_config import TrainConfig
 
 
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.outputs import add_overwrite_flag
+    from multitoken.pipeline.base.outputs import add_overwrite_flag
 
     add_overwrite_flag(add_command(sub, "train", TrainConfig, DataConfig, run=run))
 
 
 def run(args) -> None:
     from multitoken.pipeline.cliargs import dataclass_from_args
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.train import format_summary, train
 
     cfg = dataclass_from_args(TrainConfig, args)
@@ -37,8 +37,8 @@ def _check_out(cfg, data, overwrite: bool) -> None:
     from pathlib import Path
 
     from multitoken.pipeline.checkpoint import list_checkpoints
-    from multitoken.pipeline.errors import UsageError
-    from multitoken.pipeline.outputs import prepare_output
+    from multitoken.pipeline.base.errors import UsageError
+    from multitoken.pipeline.base.outputs import prepare_output
 
     if cfg.out and Path(cfg.out).name and not cfg.resume and list_checkpoints(cfg.ckpt_dir()):
         raise UsageError(f"{cfg.ckpt_dir()} already holds checkpoints of a run",

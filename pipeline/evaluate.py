@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from multitoken.pipeline import metrics as M
-from multitoken.pipeline.threads import THREADS_BATCHES, threads_field
+from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
 DEFAULT_PARTS = PARTS
@@ -46,7 +46,7 @@ class EvalConfig:
     quiet: bool = field(default=False, metadata={"help": "no progress bars (they go to stderr, and only when it is a terminal)"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.errors import UsageError
+        from multitoken.pipeline.base.errors import UsageError
 
         bad = [p for p in self.parts if p not in PARTS]
         if bad:
@@ -120,7 +120,7 @@ class HeadAccumulator:
 
 def _batches(cfg: EvalConfig, data_cfg, tokenizer, device):
     """Packed eval sequences, ``batch_size`` at a time # -> [B, seq_len] int64."""
-    from multitoken.pipeline.packing import PackedStream
+    from multitoken.pipeline.base.packing import PackedStream
 
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     stream = PackedStream(data_cfg, tokenizer, cfg.seq_len, eos, loop=False)
@@ -179,7 +179,7 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
 
 
 def _evaluate(model, cfg: EvalConfig, data_cfg, acc: HeadAccumulator, timer: _Timer) -> dict:
-    from multitoken.pipeline.errors import DataError
+    from multitoken.pipeline.base.errors import DataError
     from multitoken.pipeline.headscores import score_head
     from multitoken.pipeline.speedup import draft_cost_ratio, theory_from_tokens
 

@@ -24,9 +24,9 @@ import torch
 from multitoken.adapters.registry import build_head, config_from_dict
 
 from multitoken.pipeline.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
-from multitoken.pipeline.atomic import atomic_dir
+from multitoken.pipeline.base.atomic import atomic_dir
 from multitoken.pipeline.embedded import portable_base
-from multitoken.pipeline.errors import CheckpointError, MismatchError, UsageError
+from multitoken.pipeline.base.errors import CheckpointError, MismatchError, UsageError
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "heads_config.json"
@@ -60,7 +60,7 @@ def save_heads(model, out_dir: str | Path, extra: dict[str, str] | None = None) 
     """Write the heads dir ``out_dir`` atomically (staged, then published: an existing heads dir
     is replaced file by file, the config last; files we did not write stay). ``extra`` maps
     more file names to text written with it (resolved configs, metrics)."""
-    from multitoken.pipeline.outputs import HEADS
+    from multitoken.pipeline.base.outputs import HEADS
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

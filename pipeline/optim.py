@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from multitoken.pipeline.errors import UsageError
+from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.trainer_config import TrainConfig
 
 

@@ -32,7 +32,7 @@ import torch
 
 from multitoken.pipeline import metrics as M
 from multitoken.pipeline.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
-from multitoken.pipeline.threads import THREADS_ONE_SEQUENCE, threads_field
+from multitoken.pipeline.base.threads import THREADS_ONE_SEQUENCE, threads_field
 
 # DynaMo's Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (
@@ -87,8 +87,8 @@ def parse_grid(spec) -> list[float]:
     """eps_b values -> sorted unique values in [0, 1]. ``spec``: numbers, or tokens each a value
     or a ``start:stop:step`` range (stop included), as ``--eps-b`` takes them: ``[0, 0.5, 1]``,
     ``["0:1:0.1"]``, or one such string (``"0:1:0.1"``, ``"0 0.5 1"``)."""
-    from multitoken.pipeline.cliargs import expand_range
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.config_io import expand_range
+    from multitoken.pipeline.base.errors import UsageError
 
     tokens = spec.split() if isinstance(spec, str) else list(spec)
     try:
@@ -105,7 +105,7 @@ def read_prompts(path: str) -> list[str]:
     import json
     from pathlib import Path
 
-    from multitoken.pipeline.errors import DataError
+    from multitoken.pipeline.base.errors import DataError
 
     if not path:
         return list(TABLE7_PROMPTS)

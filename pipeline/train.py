@@ -22,9 +22,9 @@ import torch
 
 from multitoken.pipeline import optim
 from multitoken.pipeline.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from multitoken.pipeline.data import DataConfig, describe_files
-from multitoken.pipeline.errors import DataError, UsageError
-from multitoken.pipeline.packing import PackedStream, PackPosition, take_sequences
+from multitoken.pipeline.base.data import DataConfig, describe_files
+from multitoken.pipeline.base.errors import DataError, UsageError
+from multitoken.pipeline.base.packing import PackedStream, PackPosition, take_sequences
 from multitoken.pipeline.trainer_config import TrainConfig, validate
 
 
@@ -337,7 +337,7 @@ def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, 
 def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict) -> None:
     """Save heads, resolved config and metrics: staged, then published over ``--out`` (only
     our files are replaced; see ``heads_io.save_heads``)."""
-    from multitoken.pipeline.cliargs import resolved_config_text
+    from multitoken.pipeline.base.config_io import resolved_config_text
 
     model.save_heads(Path(cfg.out), extra={
         "train_config.json": resolved_config_text("train", cfg, data, extra=files),

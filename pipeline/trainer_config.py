@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multitoken.pipeline.errors import UsageError
-from multitoken.pipeline.threads import THREADS_BATCHES, threads_field
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
 
 MODES = ("heads", "joint", "warmup")
 SCHEDULES = ("cosine", "constant")

@@ -30,7 +30,7 @@ from multitoken.pipeline.assets import load_stats
 from multitoken.pipeline.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model import MultiTokenModel
-from multitoken.pipeline.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
+from multitoken.pipeline.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))

@@ -69,7 +69,7 @@ def interleave(sources: list[Path], out: Path) -> Path:
     if not out.is_file():
         import itertools
 
-        from multitoken.pipeline.atomic import atomic_write_text
+        from multitoken.pipeline.base.atomic import atomic_write_text
 
         lines = [p.read_text().splitlines() for p in sources if p.is_file()]
         mixed = [line for group in itertools.zip_longest(*lines) for line in group if line is not None]
@@ -81,9 +81,9 @@ def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[s
     """Per-head metrics of the heads in ``heads_dir`` on each held-out corpus (model loaded once)."""
     import numpy as np
 
-    from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.base.data import DataConfig
     from multitoken.pipeline.model import MultiTokenModel
-    from multitoken.pipeline.packing import PackedStream
+    from multitoken.pipeline.base.packing import PackedStream
     from multitoken.pipeline.train import evaluate
 
     model = MultiTokenModel.from_pretrained(None, heads_dir)
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     import torch
 
     from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-    from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.base.data import DataConfig
     from multitoken.pipeline.model import MultiTokenModel
     from multitoken.pipeline.train import train
     from multitoken.pipeline.trainer_config import TrainConfig

@@ -40,8 +40,8 @@ INFO_DESCRIPTION = (
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
     from multitoken.pipeline.cliargs import add_dataclass_args
-    from multitoken.pipeline.data import DataConfig
-    from multitoken.pipeline.outputs import add_overwrite_flag
+    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.pipeline.base.outputs import add_overwrite_flag
 
     from .job import BuildConfig
 
@@ -63,9 +63,9 @@ def register(sub) -> None:
 
 def run_build(args) -> None:
     from multitoken.pipeline.cliargs import dataclass_from_args
-    from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.base.data import DataConfig
 
-    from multitoken.pipeline.outputs import prepare_output
+    from multitoken.pipeline.base.outputs import prepare_output
 
     from .job import BuildConfig, build
 
@@ -77,12 +77,13 @@ def run_build(args) -> None:
 
 
 def run_merge(args) -> None:
-    from multitoken.pipeline.cliargs import dataclass_from_args, save_resolved_config
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.config_io import save_resolved_config
+    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.base.errors import UsageError
 
     from .job import merge
 
-    from multitoken.pipeline.outputs import prepare_output
+    from multitoken.pipeline.base.outputs import prepare_output
 
     cfg = dataclass_from_args(MergeConfig, args)
     if not cfg.out:
@@ -106,12 +107,12 @@ def run_info(args) -> None:
 
 def _try_tokenizer(name: str | None):
     """The stats' tokenizer, to show pairs as text; ids are shown if it is not available here."""
-    from multitoken.pipeline.errors import CheckpointError
+    from multitoken.pipeline.base.errors import CheckpointError
 
     if not name:
         return None
     try:
-        from multitoken.pipeline.backbone import load_tokenizer
+        from multitoken.pipeline.base.tokenizer import load_tokenizer
 
         return load_tokenizer(name)
     except CheckpointError:

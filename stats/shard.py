@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.atomic import lock_file
-from multitoken.pipeline.cliargs import atomic_write_text
-from multitoken.pipeline.data import DataConfig, iter_documents
-from multitoken.pipeline.errors import CheckpointError, UsageError
+from multitoken.pipeline.base.atomic import lock_file
+from multitoken.pipeline.base.atomic import atomic_write_text
+from multitoken.pipeline.base.data import DataConfig, iter_documents
+from multitoken.pipeline.base.errors import CheckpointError, UsageError
 
 from .counting import ChunkBuilder, count_chunk
 from .format import MAX_ORDER, load_array, read_info, write_array_dir
@@ -72,7 +72,7 @@ class LazyTokenizer:
 
     def __call__(self, *args, **kwargs):
         if self._tok is None:
-            from multitoken.pipeline.backbone import load_tokenizer
+            from multitoken.pipeline.base.tokenizer import load_tokenizer
 
             self._tok = load_tokenizer(self.path)
         return self._tok(*args, **kwargs)

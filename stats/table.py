@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.errors import CheckpointError, DataError, MismatchError, UsageError
+from multitoken.pipeline.base.errors import CheckpointError, DataError, MismatchError, UsageError
 
 from .format import MAX_ORDER, META_NAME, NPY_ERRORS, check_meta, encode
 from .hashindex import PrefixBlockIndex
@@ -64,7 +64,7 @@ class CooccurrenceTable:
     @classmethod
     def for_tokenizer(cls, path: str | Path, tokenizer, **kwargs) -> CooccurrenceTable:
         """Open ``path`` checking it was counted with ``tokenizer`` (MismatchError if not)."""
-        from multitoken.pipeline.backbone import tokenizer_fingerprint
+        from multitoken.pipeline.base.tokenizer import tokenizer_fingerprint
 
         return cls(path, fingerprint=tokenizer_fingerprint(tokenizer), **kwargs)
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS  # noqa: E402
-from multitoken.pipeline.errors import MultitokenError  # noqa: E402
+from multitoken.pipeline.base.errors import MultitokenError  # noqa: E402
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

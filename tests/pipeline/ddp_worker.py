@@ -13,7 +13,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.train import Dist, init_distributed, load_model, train
 from multitoken.pipeline.trainer_config import TrainConfig
 

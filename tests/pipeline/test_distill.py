@@ -8,9 +8,9 @@ import pytest
 
 from multitoken.pipeline.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.cli import main
-from multitoken.pipeline.data import DataConfig, iter_documents
+from multitoken.pipeline.base.data import DataConfig, iter_documents
 from multitoken.pipeline.distill import DistillConfig, distill
-from multitoken.pipeline.errors import UsageError
+from multitoken.pipeline.base.errors import UsageError
 
 
 @pytest.fixture(scope="module")

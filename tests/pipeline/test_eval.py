@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.evaluate import EvalConfig, HeadAccumulator, evaluate
 from multitoken.pipeline.headscores import score_head
 from multitoken.pipeline.lens import lens_kl_sums

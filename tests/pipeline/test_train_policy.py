@@ -10,7 +10,7 @@ from train_helpers import make_heads_dir, train_cfg
 
 from multitoken.adapters.base import LossOutput
 from multitoken.pipeline import optim
-from multitoken.pipeline.errors import UsageError
+from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.trainer_config import validate
 
 

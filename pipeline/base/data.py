@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.errors import DataError, UsageError
+from multitoken.pipeline.base.errors import DataError, UsageError
 
 ID_COLUMNS = ("input_ids", "token_ids", "tokens", "ids")
 TEXT_COLUMNS = ("text", "content")

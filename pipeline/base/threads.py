@@ -29,7 +29,7 @@ def threads_field(cli_default: int = THREADS_ONE_SEQUENCE):
 
 def set_threads(threads: int | None) -> None:
     """Set torch's CPU threads for this process (0: torch's default; None: leave it as it is)."""
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.errors import UsageError
 
     if threads is None:
         return

@@ -164,7 +164,7 @@ def lock_file(path: str | Path, what: str):
     """Hold an exclusive lock on ``path`` for the block; the file is created now and removed on
     release (the OS drops the lock itself if the process dies). A held lock raises UsageError
     naming the holder's pid."""
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.errors import UsageError
 
     path = Path(path)
     while True:
