@@ -8,16 +8,18 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Backbone": "backbone",
-    "BackboneConfig": "backbone",
-    "LoraSpec": "backbone",
-    "load_backbone": "backbone",
+    "Backbone": "model.backbone",
+    "BackboneConfig": "model.backbone",
+    "LoraSpec": "model.backbone",
+    "load_backbone": "model.backbone",
     "load_tokenizer": "base.tokenizer",
     "tokenizer_fingerprint": "base.tokenizer",
     "DataConfig": "base.data",
     "iter_documents": "base.data",
-    "ARCHITECTURES": "backbone",
-    "convert_llama2c": "llama2c",
+    "ARCHITECTURES": "model.backbone",
+    "convert_llama2c": "model.llama2c",
+    "MultiTokenModel": "model.model",
+    "load_model": "model.assets",
     "default_base": "embedded",
 }
 

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multitoken.pipeline.backbone import BackboneConfig
+from multitoken.pipeline.model.backbone import BackboneConfig
 
 RESOLVED_CONFIG = "attach_config.json"
 _SKIP = ("head_type", "n_future")  # set by --head and --n
@@ -80,10 +80,10 @@ def _check_out(cfg: AttachConfig, base: str) -> Path:
 def run(args) -> None:
     from multitoken.adapters.registry import make_config
 
-    from multitoken.pipeline.backbone import load_backbone
+    from multitoken.pipeline.model.backbone import load_backbone
     from multitoken.pipeline.base.config_io import resolved_config_text
     from multitoken.pipeline.cliargs import dataclass_from_args
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     cfg = dataclass_from_args(AttachConfig, args)
     backbone_config = dataclass_from_args(BackboneConfig, args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from multitoken.pipeline.backbone import BackboneConfig
+from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.distill import DistillConfig
 
 
@@ -22,7 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.backbone import load_backbone
+    from multitoken.pipeline.model.backbone import load_backbone
     from multitoken.pipeline.base.config_io import save_resolved_config
     from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.distill import distill, validate

@@ -33,7 +33,7 @@ def run(args) -> None:
     from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.base.data import DataConfig, describe_files
     from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.assets import default_stats, load_model
+    from multitoken.pipeline.model.assets import default_stats, load_model
     from multitoken.pipeline.evaluate import EvalConfig, evaluate
     from multitoken.pipeline.base.outputs import EVAL, prepare_output
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multitoken.pipeline.backbone import BackboneConfig
+from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
 
 
@@ -48,7 +48,7 @@ def _embedded(base: str, shipped: Path) -> str | None:
 def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
     """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
     without ``--heads``, the embedded heads on the embedded base, else the base alone."""
-    from multitoken.pipeline.assets import load_base_only, load_model
+    from multitoken.pipeline.model.assets import load_base_only, load_model
 
     heads = cfg.heads or _embedded(base_cfg.base, EMBEDDED_HEADS)
     if heads is None:
@@ -92,7 +92,7 @@ def run(args) -> None:
     from multitoken.decoding.config import DecodeConfig, check_context
     from multitoken.decoding.loop import generate
 
-    from multitoken.pipeline.assets import backbone_config, load_stats
+    from multitoken.pipeline.model.assets import backbone_config, load_stats
     from multitoken.pipeline.base.config_io import config_dict
     from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.base.errors import UsageError

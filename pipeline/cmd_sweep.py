@@ -32,7 +32,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.assets import default_stats, load_model, load_stats
+    from multitoken.pipeline.model.assets import default_stats, load_model, load_stats
     from multitoken.pipeline.base.atomic import atomic_dir
     from multitoken.pipeline.base.atomic import atomic_write_text
     from multitoken.pipeline.base.config_io import save_resolved_config

@@ -280,7 +280,7 @@ class _MarginalSums:
 
 
 def _dynamic_state(cfg: EvalConfig, model):
-    from multitoken.pipeline.assets import load_stats
+    from multitoken.pipeline.model.assets import load_stats
     from multitoken.pipeline.dynamic_ppl import DynamicPPL
 
     table = load_stats(cfg.stats, model.backbone.tokenizer)

@@ -62,9 +62,9 @@ def _device(cfg: TrainConfig, dist: Dist) -> str:
 # Model ----------------------------------------------------------------------------------
 def load_model(cfg: TrainConfig, dist: Dist):
     """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes."""
-    from multitoken.pipeline.backbone import BackboneConfig, LoraSpec, load_backbone
-    from multitoken.pipeline.heads_io import read_heads_config
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+    from multitoken.pipeline.model.heads_io import read_heads_config
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     record = read_heads_config(cfg.heads)
     if any(k.startswith("base_head.") for k in record["shapes"]) and not cfg.train_base_head:

@@ -26,10 +26,10 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
-from multitoken.pipeline.assets import load_stats
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.assets import load_stats
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
 
 REPO = Path(__file__).resolve().parents[1]

@@ -86,8 +86,8 @@ def _batch(tokenizer, batch: int, seq: int):
 def _model(mode: str, n: int):
     import torch
 
-    from multitoken.pipeline.backbone import BackboneConfig, LoraSpec, load_backbone
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(0)
     quant = "4bit" if mode == "heads_4bit" else None
@@ -143,7 +143,7 @@ def child_backbone(batch: int, seq: int, steps: int) -> dict:
     """The base model's own forward (HF causal LM, logits included), no autograd."""
     import torch
 
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
     backbone = load_backbone(BackboneConfig(base=str(FIXTURES / "pythia-mini")))
     ids, _ = _batch(backbone.tokenizer, batch, seq)

@@ -82,7 +82,7 @@ def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[s
     import numpy as np
 
     from multitoken.pipeline.base.data import DataConfig
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.pipeline.base.packing import PackedStream
     from multitoken.pipeline.train import evaluate
 
@@ -101,9 +101,9 @@ def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[s
 def main(argv=None) -> int:
     import torch
 
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
     from multitoken.pipeline.base.data import DataConfig
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.pipeline.train import train
     from multitoken.pipeline.trainer_config import TrainConfig
 

@@ -72,7 +72,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 # The width of the tiny models that quantized tests load. bitsandbytes' 4-bit kernel on CPUs with
 # AVX512-BF16 needs out_features % 32 == 0 and in_features % 64 == 0 for every Linear
-# (pipeline/quantization.py); 32-wide models fit only the other kernels. At 64 every Linear of
+# (pipeline/model/quantization.py); 32-wide models fit only the other kernels. At 64 every Linear of
 # both architectures fits: 64, 32 (GQA k/v), 192 and 256 (MLP) outputs on 64, 192, 256 inputs.
 QUANTIZABLE_HIDDEN = 64
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from multitoken.pipeline.model import LossOutput, MultiTokenModel
+from multitoken.pipeline.model.model import LossOutput, MultiTokenModel
 
 from .conftest import random_ids, small_config
 

@@ -7,7 +7,7 @@ import torch
 
 from multitoken.adapters.registry import make_config
 from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.model import MultiTokenModel
 
 from .conftest import random_ids
 

@@ -78,7 +78,7 @@ def _damage(root: Path, data) -> None:
 
 @pytest.fixture(scope="module")
 def backbone():
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
     from multitoken.pipeline.embedded import DEFAULT_BASE
 
     return load_backbone(BackboneConfig(base=str(DEFAULT_BASE)))
@@ -105,7 +105,7 @@ def test_a_damaged_stats_dir_loads_or_fails_cleanly(tmp_path_factory, data):
 def test_a_damaged_heads_dir_loads_or_fails_cleanly(tmp_path_factory, backbone, data):
     import torch
 
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     root = Path(shutil.copytree(EMBEDDED_HEADS, tmp_path_factory.mktemp("h") / "H"))
     _damage(root, data)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from multitoken.pipeline.backbone import (
+from multitoken.pipeline.model.backbone import (
     ARCHITECTURES, BackboneConfig, LoraSpec, fingerprints_match, load_backbone, tokenizer_fingerprint,
 )
 from multitoken.pipeline.base.errors import CheckpointError, UnsupportedModelError, UsageError

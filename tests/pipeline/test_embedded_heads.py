@@ -15,7 +15,7 @@ HEADS = EMBEDDED_DIR / "stories260K-heads"
 
 @pytest.fixture(scope="module")
 def model():
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     return MultiTokenModel.from_pretrained(None, HEADS)  # base named "embedded:stories260K" in the dir
 

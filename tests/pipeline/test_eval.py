@@ -8,13 +8,13 @@ import sys
 import pytest
 import torch
 
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.evaluate import EvalConfig, HeadAccumulator, evaluate
 from multitoken.pipeline.headscores import score_head
 from multitoken.pipeline.lens import lens_kl_sums
 from multitoken.pipeline.marginal import marginal_second_token
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.model import MultiTokenModel
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.dynamic_ppl import DynamicPPL
 from multitoken.pipeline.headscores import score_head
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.model import MultiTokenModel
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.sweep import (
     TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, decode_configs, parse_grid, quality_vs_ar, read_prompts,
     run_hf_sample, same_quality, sweep,

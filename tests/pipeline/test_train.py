@@ -45,7 +45,7 @@ def test_heads_only_training_lowers_the_loss_and_leaves_the_base_alone(stories_d
 
 def test_backbone_pass_runs_without_autograd_in_heads_mode(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):
     seen = []
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     real = MultiTokenModel.features
 
@@ -198,7 +198,7 @@ def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_di
 
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
 def test_heads_train_on_a_quantized_backbone(tiny_llama_q_dir, corpus, tmp_path, quantization):
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     heads_dir = make_heads_dir(tiny_llama_q_dir, tmp_path / "heads")  # a width every CPU kernel takes
     out = tmp_path / "q"

@@ -20,8 +20,8 @@ def heads_dir(tiny_llama_dir, tmp_path_factory):
 
 
 def _model(tiny_llama_dir, heads_dir, lora: bool):
-    from multitoken.pipeline.backbone import BackboneConfig, LoraSpec, load_backbone
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(0)
     bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)), lora=LoraSpec() if lora else None, trainable_lora=lora)

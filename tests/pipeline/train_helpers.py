@@ -24,8 +24,8 @@ def phrase_corpus(path: Path, docs: int = 60, seed: int = 0) -> Path:
 
 
 def make_heads_dir(base: Path, out: Path, n: int = 3, head_type: str = "replicated", seed: int = 0, **options) -> Path:
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(seed)
     backbone = load_backbone(BackboneConfig(base=str(base)))
@@ -34,7 +34,7 @@ def make_heads_dir(base: Path, out: Path, n: int = 3, head_type: str = "replicat
 
 
 def load_trained(base: Path, heads_dir: Path):
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     return MultiTokenModel.from_pretrained(str(base), heads_dir)
 

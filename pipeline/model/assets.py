@@ -20,8 +20,8 @@ def backbone_config(heads: str | None, base: str | None = None, **fields):
     """How to load the base of ``heads``: ``base`` when given, else the base recorded in the
     heads dir (else, without heads, the default base). ``fields``: other ``BackboneConfig``
     fields (dtype, device, quantization, threads)."""
-    from multitoken.pipeline.backbone import BackboneConfig
-    from multitoken.pipeline.heads_io import read_heads_config
+    from multitoken.pipeline.model.backbone import BackboneConfig
+    from multitoken.pipeline.model.heads_io import read_heads_config
 
     if not base:
         base = read_heads_config(heads)["base"] if heads else default_base()
@@ -33,7 +33,7 @@ def load_model(heads: str, base: str | None = None, dtype: str = "float32", devi
     heads dir); ``heads`` '' means the embedded trained heads. ``fields``: other
     ``BackboneConfig`` fields (quantization, threads)."""
     from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     heads = heads or default_heads()
     if not heads:
@@ -45,8 +45,8 @@ def load_model(heads: str, base: str | None = None, dtype: str = "float32", devi
 
 def load_base_only(config):
     """The base model alone, as a one-head model: one token per forward pass in every mode."""
-    from multitoken.pipeline.backbone import load_backbone
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     return MultiTokenModel.attach(load_backbone(config), {"head_type": "medusa", "n_future": 1})
 

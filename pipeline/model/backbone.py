@@ -146,7 +146,7 @@ def _quantization_plan(model_config, config: "BackboneConfig"):
         return None
     if config.quantization not in QUANTIZATIONS:
         raise UsageError(f"unknown quantization {config.quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
-    from multitoken.pipeline.quantization import checked_plan
+    from multitoken.pipeline.model.quantization import checked_plan
 
     return checked_plan(model_config, config.quantization, config.device, str(config.base))
 
@@ -186,7 +186,7 @@ class Backbone:
         self.spec = check_supported(self.model_type)
         self.decoder = getattr(self.causal_lm, self.causal_lm.base_model_prefix)
         # Linear layers a quantized load kept in float: no kernel of the device takes their
-        # shape (name -> (out_features, in_features)); see pipeline/quantization.py.
+        # shape (name -> (out_features, in_features)); see pipeline/model/quantization.py.
         self.float_layers: dict[str, tuple[int, int]] = {}
 
     # Generic access ---------------------------------------------------------------------

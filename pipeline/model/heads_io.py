@@ -23,7 +23,7 @@ import torch
 
 from multitoken.adapters.registry import build_head, config_from_dict
 
-from multitoken.pipeline.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
+from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
 from multitoken.pipeline.base.atomic import atomic_dir
 from multitoken.pipeline.embedded import portable_base
 from multitoken.pipeline.base.errors import CheckpointError, MismatchError, UsageError
