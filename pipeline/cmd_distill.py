@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from multitoken.pipeline.model.backbone import BackboneConfig
-from multitoken.pipeline.distill import DistillConfig
+from multitoken.pipeline.train.distill import DistillConfig
 
 
 def register(sub) -> None:
@@ -25,7 +25,7 @@ def run(args) -> None:
     from multitoken.pipeline.model.backbone import load_backbone
     from multitoken.pipeline.base.config_io import save_resolved_config
     from multitoken.pipeline.cliargs import dataclass_from_args
-    from multitoken.pipeline.distill import distill, validate
+    from multitoken.pipeline.train.distill import distill, validate
     from multitoken.pipeline.base.outputs import prepare_output_file
 
     cfg = dataclass_from_args(DistillConfig, args)

@@ -7,7 +7,7 @@ training; the flags are the same.
 from __future__ import annotations
 
 from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.trainer_config import TrainConfig
+from multitoken.pipeline.train.trainer_config import TrainConfig
 
 
 def register(sub) -> None:
@@ -20,7 +20,7 @@ def register(sub) -> None:
 def run(args) -> None:
     from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.train import format_summary, train
+    from multitoken.pipeline.train.train import format_summary, train
 
     cfg = dataclass_from_args(TrainConfig, args)
     data = dataclass_from_args(DataConfig, args)
@@ -36,7 +36,7 @@ def _check_out(cfg, data, overwrite: bool) -> None:
     run's own output, which is not an overwrite."""
     from pathlib import Path
 
-    from multitoken.pipeline.checkpoint import list_checkpoints
+    from multitoken.pipeline.train.checkpoint import list_checkpoints
     from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.base.outputs import prepare_output
 

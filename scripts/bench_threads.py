@@ -86,9 +86,9 @@ def time_train(model, args) -> dict:
     """``multitoken train``'s own step (heads mode, its default settings) on random ids."""
     import numpy as np
 
-    from multitoken.pipeline import optim
-    from multitoken.pipeline.train import Dist, Runner, train_step
-    from multitoken.pipeline.trainer_config import TrainConfig
+    from multitoken.pipeline.train import optim
+    from multitoken.pipeline.train.train import Dist, Runner, train_step
+    from multitoken.pipeline.train.trainer_config import TrainConfig
 
     cfg = TrainConfig(heads="-", out="-", batch_size=args.batch_size, seq_len=args.seq_len)
     for p in model.base_head_parameters():  # as train() does: head 1 stays the base model

@@ -100,9 +100,9 @@ def _model(mode: str, n: int):
 def _trainer(model, mode: str, steps: int):
     import torch
 
-    from multitoken.pipeline import optim
-    from multitoken.pipeline.train import Dist, Runner
-    from multitoken.pipeline.trainer_config import TrainConfig
+    from multitoken.pipeline.train import optim
+    from multitoken.pipeline.train.train import Dist, Runner
+    from multitoken.pipeline.train.trainer_config import TrainConfig
 
     cfg = TrainConfig(heads=".", out=".", mode="joint" if mode == "lora" else "heads", max_steps=steps, lr=1e-4)
     optimizer = torch.optim.AdamW(optim.param_groups(model, cfg), lr=cfg.lr)
@@ -111,7 +111,7 @@ def _trainer(model, mode: str, steps: int):
 
 def child_steps(mode: str, n: int, batch: int, seq: int, steps: int) -> dict:
     """Tokens/s and peak memory of whole trainer steps (one warm-up step first, untimed)."""
-    from multitoken.pipeline.train import train_step
+    from multitoken.pipeline.train.train import train_step
 
     model = _model(mode, n)
     ids, source = _batch(model.backbone.tokenizer, batch, seq)
@@ -171,8 +171,8 @@ def child_parts(n: int, batch: int, seq: int, repeats: int) -> dict:
     import torch
 
     from multitoken.adapters.base import DEFAULT_CHUNK, chunked_cross_entropy, shifted_targets
-    from multitoken.pipeline import optim
-    from multitoken.pipeline.train import train_step
+    from multitoken.pipeline.train import optim
+    from multitoken.pipeline.train.train import train_step
 
     model = _model("heads", n)
     ids, _ = _batch(model.backbone.tokenizer, batch, seq)

@@ -50,7 +50,7 @@ def parse_args(argv=None):
 
 
 def distill_corpora(args, work: Path, backbone) -> dict[str, Path]:
-    from multitoken.pipeline.distill import DistillConfig, distill
+    from multitoken.pipeline.train.distill import DistillConfig, distill
 
     plan = {"train": (args.train_tokens, 0, -1), "heldout": (args.heldout_tokens, 1, -1),
             "greedy": (args.greedy_tokens, 2, args.greedy_after), "greedy_heldout": (args.heldout_tokens, 3, args.greedy_after)}
@@ -84,7 +84,7 @@ def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[s
     from multitoken.pipeline.base.data import DataConfig
     from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.pipeline.base.packing import PackedStream
-    from multitoken.pipeline.train import evaluate
+    from multitoken.pipeline.train.train import evaluate
 
     model = MultiTokenModel.from_pretrained(None, heads_dir)
     tok = model.backbone.tokenizer
@@ -104,8 +104,8 @@ def main(argv=None) -> int:
     from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
     from multitoken.pipeline.base.data import DataConfig
     from multitoken.pipeline.model.model import MultiTokenModel
-    from multitoken.pipeline.train import train
-    from multitoken.pipeline.trainer_config import TrainConfig
+    from multitoken.pipeline.train.train import train
+    from multitoken.pipeline.train.trainer_config import TrainConfig
 
     args = parse_args(argv)
     if args.dest is None:

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.train import Dist, init_distributed, load_model, train
-from multitoken.pipeline.trainer_config import TrainConfig
+from multitoken.pipeline.train.train import Dist, init_distributed, load_model, train
+from multitoken.pipeline.train.trainer_config import TrainConfig
 
 
 def run(heads: str, data: str, out: str, dump: str, mode: str, batch: str, accum: str = "1") -> None:

@@ -9,10 +9,10 @@ import torch
 from train_helpers import corpus, heads_dir  # noqa: F401 (shared fixtures)
 from train_helpers import head_state, load_trained, make_heads_dir, train_cfg
 
-from multitoken.pipeline import train as train_mod
+from multitoken.pipeline.train import train as train_mod
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.base.errors import DataError
-from multitoken.pipeline.train import train
+from multitoken.pipeline.train.train import train
 
 
 def _base_weights(model) -> dict[str, torch.Tensor]:
@@ -128,7 +128,7 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_llama_dir, heads_dir, corpu
 
 
 def test_time_based_checkpoints_come_first_and_resume(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):
-    from multitoken.pipeline.checkpoint import list_checkpoints
+    from multitoken.pipeline.train.checkpoint import list_checkpoints
 
     data = DataConfig(data=str(corpus))
     # the step-based checkpoint would come at step 500; a tiny time interval saves after every step
@@ -156,7 +156,7 @@ def test_time_based_checkpoints_come_first_and_resume(tiny_llama_dir, heads_dir,
 
 
 def test_no_time_based_checkpoint_when_off(heads_dir, corpus, tmp_path):
-    from multitoken.pipeline.checkpoint import list_checkpoints
+    from multitoken.pipeline.train.checkpoint import list_checkpoints
 
     train(train_cfg(heads_dir, tmp_path / "o", max_steps=3, save_every=500, save_every_minutes=0), DataConfig(data=str(corpus)))
     assert [p.name for p in list_checkpoints(tmp_path / "o.checkpoints")] == ["step-00000003"]  # the final one only
@@ -183,7 +183,7 @@ def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_di
     with pytest.raises(DataError):
         train(train_cfg(heads_dir, out, max_steps=1, checkpoint_dir=str(tmp_path / "c1")), DataConfig(data=str(bad)))
 
-    from multitoken.pipeline import heads_io
+    from multitoken.pipeline.model import heads_io
 
     def broken_write(model, d):  # fails half-way through writing the staged heads dir
         (d / "heads.safetensors").write_bytes(b"partial")
@@ -213,7 +213,7 @@ def test_heads_train_on_a_quantized_backbone(tiny_llama_q_dir, corpus, tmp_path,
 @pytest.mark.parametrize("head_type", ["replicated", "whs", "medusa", "cp"])
 def test_every_head_type_trains(tiny_llama_dir, corpus, tmp_path, head_type, monkeypatch):
     """Two steps per registered type; CP's aux balancing loss enters with its weight."""
-    from multitoken.pipeline import optim
+    from multitoken.pipeline.train import optim
 
     heads = make_heads_dir(tiny_llama_dir, tmp_path / "h", head_type=head_type, **({"rank": 2} if head_type == "cp" else {}))
     seen_aux = []

@@ -9,9 +9,9 @@ import torch
 from train_helpers import make_heads_dir, train_cfg
 
 from multitoken.adapters.base import LossOutput
-from multitoken.pipeline import optim
+from multitoken.pipeline.train import optim
 from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.trainer_config import validate
+from multitoken.pipeline.train.trainer_config import validate
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ def load_trained(base: Path, heads_dir: Path):
 
 
 def train_cfg(heads: Path, out: Path, **kw):
-    from multitoken.pipeline.trainer_config import TrainConfig
+    from multitoken.pipeline.train.trainer_config import TrainConfig
 
     defaults = dict(heads=str(heads), out=str(out), max_steps=6, seq_len=32, batch_size=4, lr=5e-3,
                     eval_every=0, eval_batches=1, save_every=0, progress=False)

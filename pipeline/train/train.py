@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from multitoken.pipeline import optim
-from multitoken.pipeline.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from multitoken.pipeline.train import optim
+from multitoken.pipeline.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from multitoken.pipeline.base.data import DataConfig, describe_files
 from multitoken.pipeline.base.errors import DataError, UsageError
 from multitoken.pipeline.base.packing import PackedStream, PackPosition, take_sequences
-from multitoken.pipeline.trainer_config import TrainConfig, validate
+from multitoken.pipeline.train.trainer_config import TrainConfig, validate
 
 
 @dataclass

@@ -33,7 +33,7 @@ import math
 import torch
 
 from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.trainer_config import TrainConfig
+from multitoken.pipeline.train.trainer_config import TrainConfig
 
 
 def param_groups(model, cfg: TrainConfig) -> list[dict]:
