@@ -19,7 +19,7 @@ LENS_PNG = "logit_lens.png"
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
     from multitoken.pipeline.base.data import DataConfig
-    from multitoken.pipeline.evaluate import EvalConfig
+    from multitoken.pipeline.eval.evaluate import EvalConfig
 
     from multitoken.pipeline.base.outputs import add_overwrite_flag
 
@@ -34,7 +34,7 @@ def run(args) -> None:
     from multitoken.pipeline.base.data import DataConfig, describe_files
     from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.model.assets import default_stats, load_model
-    from multitoken.pipeline.evaluate import EvalConfig, evaluate
+    from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate
     from multitoken.pipeline.base.outputs import EVAL, prepare_output
 
     cfg = dataclass_from_args(EvalConfig, args)
@@ -52,7 +52,7 @@ def run(args) -> None:
     out = Path(cfg.out)
     with atomic_dir(out, marker=EVAL.marker, owned=EVAL.owned) as stage:
         if "logit_lens" in report:
-            from multitoken.pipeline.lens import plot_lens
+            from multitoken.pipeline.eval.lens import plot_lens
 
             plot_lens(report["logit_lens"]["kl_per_layer"], stage / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
             report["logit_lens"]["png"] = str(out / LENS_PNG)

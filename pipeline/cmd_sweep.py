@@ -24,7 +24,7 @@ FILES = ("sweep.json", "sweep.csv", "sweep.png")
 
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.sweep import SweepConfig
+    from multitoken.pipeline.eval.sweep import SweepConfig
 
     from multitoken.pipeline.base.outputs import add_overwrite_flag
 
@@ -39,7 +39,7 @@ def run(args) -> None:
     from multitoken.pipeline.cliargs import dataclass_from_args
     from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.base.outputs import SWEEP, prepare_output
-    from multitoken.pipeline.sweep import SweepConfig, parse_grid, read_prompts, sweep
+    from multitoken.pipeline.eval.sweep import SweepConfig, parse_grid, read_prompts, sweep
 
     cfg = dataclass_from_args(SweepConfig, args)
     prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, cfg.prompts))
@@ -77,7 +77,7 @@ def _rows(result: dict) -> list[dict]:
 
 
 def to_csv(result: dict) -> str:
-    from multitoken.pipeline.sweep import CRITERIA
+    from multitoken.pipeline.eval.sweep import CRITERIA
 
     buf = io.StringIO()
     writer = csv.writer(buf)
@@ -164,7 +164,7 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     from matplotlib.colors import Normalize
     from matplotlib.lines import Line2D
 
-    from multitoken.pipeline.plotting import pyplot, save_figure
+    from multitoken.pipeline.eval.plotting import pyplot, save_figure
 
     plt = pyplot()
     ar, hf, sq = result["ar"], result.get("hf_sample"), result["same_quality_speedup"]

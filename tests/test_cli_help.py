@@ -60,8 +60,8 @@ def test_help_reads_in_plain_words(name):
 
 def test_value_lists_take_spaces_and_ranges():
     from multitoken.pipeline.cliargs import dataclass_from_args
-    from multitoken.pipeline.evaluate import EvalConfig
-    from multitoken.pipeline.sweep import SweepConfig
+    from multitoken.pipeline.eval.evaluate import EvalConfig
+    from multitoken.pipeline.eval.sweep import SweepConfig
     from multitoken.stats.job import BuildConfig
 
     for name, cls in (("eval", EvalConfig), ("sweep", SweepConfig)):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.dynamic_ppl import DynamicPPL
-from multitoken.pipeline.headscores import score_head
+from multitoken.pipeline.eval.dynamic_ppl import DynamicPPL
+from multitoken.pipeline.eval.headscores import score_head
 from multitoken.pipeline.model.model import MultiTokenModel
 
 

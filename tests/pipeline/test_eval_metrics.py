@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from multitoken.pipeline import metrics as M
+from multitoken.pipeline.eval import metrics as M
 
 
 def _logp(rows):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from multitoken.pipeline.speedup import (
+from multitoken.pipeline.eval.speedup import (
     acceptance_from_tokens, expected_tokens, operations_factor, speedup_table, walltime_improvement,
 )
 
@@ -35,7 +35,7 @@ def test_hand_values_and_limits():
 
 
 def test_theory_from_measured_tokens():
-    from multitoken.pipeline.speedup import theory_from_tokens
+    from multitoken.pipeline.eval.speedup import theory_from_tokens
 
     row = theory_from_tokens(1.75, 2, c=0.1)  # a = 0.5 gives 1.75 tokens per step
     assert row["a"] == pytest.approx(0.5, abs=1e-8)

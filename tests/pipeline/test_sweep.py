@@ -8,7 +8,7 @@ import torch
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.model.model import MultiTokenModel
-from multitoken.pipeline.sweep import (
+from multitoken.pipeline.eval.sweep import (
     TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, decode_configs, parse_grid, quality_vs_ar, read_prompts,
     run_hf_sample, same_quality, sweep,
 )
@@ -157,7 +157,7 @@ def test_ablations_add_one_curve_each(tiny_model):
 
 
 def test_ar_reference_timing_is_the_mean_of_its_two_runs():
-    from multitoken.pipeline.sweep import _average_timing
+    from multitoken.pipeline.eval.sweep import _average_timing
 
     a = {"nll": 1.0, "sec_per_token": 0.010, "cpu_per_token": 0.008}
     b = {"nll": 1.0, "sec_per_token": 0.030, "cpu_per_token": 0.010}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multitoken.pipeline.metrics import nucleus
+from multitoken.pipeline.eval.metrics import nucleus
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from multitoken.pipeline import metrics as M
+from multitoken.pipeline.eval import metrics as M
 from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
@@ -180,8 +180,8 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
 
 def _evaluate(model, cfg: EvalConfig, data_cfg, acc: HeadAccumulator, timer: _Timer) -> dict:
     from multitoken.pipeline.base.errors import DataError
-    from multitoken.pipeline.headscores import score_head
-    from multitoken.pipeline.speedup import draft_cost_ratio, theory_from_tokens
+    from multitoken.pipeline.eval.headscores import score_head
+    from multitoken.pipeline.eval.speedup import draft_cost_ratio, theory_from_tokens
 
     bb, n = model.backbone, model.n_future
     dyn = _dynamic_state(cfg, model) if "dynamic" in cfg.parts else None
@@ -208,7 +208,7 @@ def _evaluate(model, cfg: EvalConfig, data_cfg, acc: HeadAccumulator, timer: _Ti
             marg.add(model, feats, ids, cfg, tokens - ids.numel())
             timer.add("marginal", start, ids.numel())
         if "lens" in cfg.parts and lens_count < cfg.lens_tokens:
-            from multitoken.pipeline.lens import lens_kl_sums
+            from multitoken.pipeline.eval.lens import lens_kl_sums
 
             start = timer.start()
             take = max(1, min(ids.shape[0], -(-(cfg.lens_tokens - lens_count) // ids.shape[1])))
@@ -243,8 +243,8 @@ class _MarginalSums:
         self.size = self.mass = 0.0
 
     def add(self, model, feats, ids: torch.Tensor, cfg: EvalConfig, offset: int) -> None:
-        from multitoken.pipeline.headscores import logp_at
-        from multitoken.pipeline.marginal import marginal_second_token
+        from multitoken.pipeline.eval.headscores import logp_at
+        from multitoken.pipeline.eval.marginal import marginal_second_token
 
         for b in range(ids.shape[0]):
             first = offset + b * ids.shape[1]  # global index of this sequence's first token
@@ -281,7 +281,7 @@ class _MarginalSums:
 
 def _dynamic_state(cfg: EvalConfig, model):
     from multitoken.pipeline.model.assets import load_stats
-    from multitoken.pipeline.dynamic_ppl import DynamicPPL
+    from multitoken.pipeline.eval.dynamic_ppl import DynamicPPL
 
     table = load_stats(cfg.stats, model.backbone.tokenizer)
     return DynamicPPL(cfg.eps_b, model, table=table, budget=cfg.dynamic_tokens)

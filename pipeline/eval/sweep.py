@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from multitoken.pipeline import metrics as M
-from multitoken.pipeline.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
+from multitoken.pipeline.eval import metrics as M
+from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
 from multitoken.pipeline.base.threads import THREADS_ONE_SEQUENCE, threads_field
 
 # DynaMo's Table 7: the sentence-completion benchmark.
