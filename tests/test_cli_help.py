@@ -59,7 +59,7 @@ def test_help_reads_in_plain_words(name):
 
 
 def test_value_lists_take_spaces_and_ranges():
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.eval.evaluate import EvalConfig
     from multitoken.pipeline.eval.sweep import SweepConfig
     from multitoken.stats.job import BuildConfig

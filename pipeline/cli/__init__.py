@@ -13,14 +13,14 @@ from multitoken.pipeline.base.errors import MultitokenError
 # --help order. Only the chosen command's module is imported: most import torch (~2 s), which
 # ``multitoken --help`` and a mistyped command should not wait for.
 COMMANDS = {
-    "generate": ("multitoken.pipeline.cmd_generate", "generate text from a prompt with multi-token decoding (default: the embedded model)"),
-    "convert-llama2c": ("multitoken.pipeline.cmd_convert", "convert a llama2.c .bin checkpoint to a Hugging Face Llama"),
-    "attach": ("multitoken.pipeline.cmd_attach", "create an untrained heads dir for a base model"),
-    "train": ("multitoken.pipeline.cmd_train", "train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)"),
-    "distill": ("multitoken.pipeline.cmd_distill", "sample a self-distillation corpus (jsonl) from the base model"),
-    "stats": ("multitoken.stats.cli", "co-occurrence statistics: build, merge, info"),
-    "eval": ("multitoken.pipeline.cmd_eval", "PPL_n, PPL_1:n, PPL_d, top-k, marginalization baseline, logit lens"),
-    "sweep": ("multitoken.pipeline.cmd_sweep", "dynamic decoding over prompts x seeds x eps_b vs ar sampling: JSON, CSV, PNG"),
+    "generate": ("multitoken.pipeline.cli.cmd_generate", "generate text from a prompt with multi-token decoding (default: the embedded model)"),
+    "convert-llama2c": ("multitoken.pipeline.cli.cmd_convert", "convert a llama2.c .bin checkpoint to a Hugging Face Llama"),
+    "attach": ("multitoken.pipeline.cli.cmd_attach", "create an untrained heads dir for a base model"),
+    "train": ("multitoken.pipeline.cli.cmd_train", "train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)"),
+    "distill": ("multitoken.pipeline.cli.cmd_distill", "sample a self-distillation corpus (jsonl) from the base model"),
+    "stats": ("multitoken.pipeline.cli.cmd_stats", "co-occurrence statistics: build, merge, info"),
+    "eval": ("multitoken.pipeline.cli.cmd_eval", "PPL_n, PPL_1:n, PPL_d, top-k, marginalization baseline, logit lens"),
+    "sweep": ("multitoken.pipeline.cli.cmd_sweep", "dynamic decoding over prompts x seeds x eps_b vs ar sampling: JSON, CSV, PNG"),
 }
 
 
@@ -52,7 +52,7 @@ DESCRIPTIONS = {
 def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
     """The subparser of ``name``: its help, one flag per field of each dataclass in ``configs``,
     and ``run(args)`` as its action. Called by the command's own ``register``."""
-    from multitoken.pipeline.cliargs import add_dataclass_args
+    from multitoken.pipeline.cli.args import add_dataclass_args
 
     summary = COMMANDS[name][1]
     parser = sub.add_parser(name, help=summary, description=DESCRIPTIONS.get(name, summary))
@@ -144,6 +144,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -44,7 +44,7 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
     """One flag per head-config field across all registered types (absent unless given)."""
     from multitoken.adapters.registry import get_head, registered_heads
 
-    from multitoken.pipeline.cliargs import plain
+    from multitoken.pipeline.cli.args import plain
 
     group = parser.add_argument_group("head options (each applies to the head types listed)")
     owners: dict[str, list[str]] = {}
@@ -82,7 +82,7 @@ def run(args) -> None:
 
     from multitoken.pipeline.model.backbone import load_backbone
     from multitoken.pipeline.base.config_io import resolved_config_text
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.model.model import MultiTokenModel
 
     cfg = dataclass_from_args(AttachConfig, args)

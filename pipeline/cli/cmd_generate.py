@@ -34,7 +34,7 @@ def register(sub) -> None:
     from multitoken.decoding.config import DecodeConfig
 
     from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.cliargs import set_default
+    from multitoken.pipeline.cli.args import set_default
 
     parser = add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
     set_default(parser, "base", None, {"help": BASE_HELP})  # None: not given, so --heads' own base
@@ -94,7 +94,7 @@ def run(args) -> None:
 
     from multitoken.pipeline.model.assets import backbone_config, load_stats
     from multitoken.pipeline.base.config_io import config_dict
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.base.errors import UsageError
 
     cfg = dataclass_from_args(GenerateConfig, args)

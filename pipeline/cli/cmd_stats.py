@@ -39,11 +39,11 @@ INFO_DESCRIPTION = (
 
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.cliargs import add_dataclass_args
+    from multitoken.pipeline.cli.args import add_dataclass_args
     from multitoken.pipeline.base.data import DataConfig
     from multitoken.pipeline.base.outputs import add_overwrite_flag
 
-    from .job import BuildConfig
+    from multitoken.stats.job import BuildConfig
 
     p = add_command(sub, "stats")
     ssub = p.add_subparsers(dest="stats_command", metavar="SUBCOMMAND", required=True)
@@ -62,12 +62,12 @@ def register(sub) -> None:
 
 
 def run_build(args) -> None:
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.base.data import DataConfig
 
     from multitoken.pipeline.base.outputs import prepare_output
 
-    from .job import BuildConfig, build
+    from multitoken.stats.job import BuildConfig, build
 
     cfg, data = dataclass_from_args(BuildConfig, args), dataclass_from_args(DataConfig, args)
     prepare_output(cfg.out, "stats", overwrite=args.overwrite, inputs=(data.data, cfg.tokenizer), resume=True)
@@ -78,10 +78,10 @@ def run_build(args) -> None:
 
 def run_merge(args) -> None:
     from multitoken.pipeline.base.config_io import save_resolved_config
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.base.errors import UsageError
 
-    from .job import merge
+    from multitoken.stats.job import merge
 
     from multitoken.pipeline.base.outputs import prepare_output
 
@@ -95,10 +95,10 @@ def run_merge(args) -> None:
 
 
 def run_info(args) -> None:
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
 
-    from .info import summary
-    from .table import CooccurrenceTable
+    from multitoken.stats.info import summary
+    from multitoken.stats.table import CooccurrenceTable
 
     cfg = dataclass_from_args(InfoConfig, args)
     name = CooccurrenceTable(cfg.dir).meta["tokenizer"]["name"]  # load_tokenizer resolves embedded:NAME

@@ -10,7 +10,7 @@ from multitoken.pipeline.train.distill import DistillConfig
 
 def register(sub) -> None:
     from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.cliargs import set_default
+    from multitoken.pipeline.cli.args import set_default
     from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
 
     from multitoken.pipeline.base.outputs import add_overwrite_flag
@@ -24,7 +24,7 @@ def register(sub) -> None:
 def run(args) -> None:
     from multitoken.pipeline.model.backbone import load_backbone
     from multitoken.pipeline.base.config_io import save_resolved_config
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.train.distill import distill, validate
     from multitoken.pipeline.base.outputs import prepare_output_file
 

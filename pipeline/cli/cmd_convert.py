@@ -21,7 +21,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.model.llama2c import convert_llama2c
     from multitoken.pipeline.base.outputs import prepare_output

@@ -36,7 +36,7 @@ def run(args) -> None:
     from multitoken.pipeline.base.atomic import atomic_dir
     from multitoken.pipeline.base.atomic import atomic_write_text
     from multitoken.pipeline.base.config_io import save_resolved_config
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.base.outputs import SWEEP, prepare_output
     from multitoken.pipeline.eval.sweep import SweepConfig, parse_grid, read_prompts, sweep

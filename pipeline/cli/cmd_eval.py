@@ -30,7 +30,7 @@ def run(args) -> None:
     from multitoken.pipeline.base.atomic import atomic_dir
     from multitoken.pipeline.base.atomic import atomic_write_text
     from multitoken.pipeline.base.config_io import save_resolved_config
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.base.data import DataConfig, describe_files
     from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.model.assets import default_stats, load_model

@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.cliargs import dataclass_from_args
+    from multitoken.pipeline.cli.args import dataclass_from_args
     from multitoken.pipeline.base.errors import UsageError
     from multitoken.pipeline.train.train import format_summary, train
 
