@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .unembed import target_log_probs
+from multitoken.pipeline.base.dtypes import resolve_dtype
 
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # tokens per unembedding chunk: bounds the [chunk, V] logits alive at once
@@ -137,6 +138,4 @@ class HeadAdapter(nn.Module):
 
 def head_dtype(backbone) -> torch.dtype:
     """Heads compute in the backbone's compute dtype (a quantized backbone's too)."""
-    from multitoken.pipeline.base.dtypes import resolve_dtype
-
     return resolve_dtype(backbone.load_config.dtype)

@@ -23,6 +23,7 @@ from torch import nn
 from .base import IGNORE, Features, HeadAdapter, LossOutput, head_dtype, shifted_targets
 from .registry import register_head
 from .unembed import target_log_probs
+from multitoken.pipeline.base.errors import UsageError
 
 
 @dataclass
@@ -33,8 +34,6 @@ class CPConfig:
     init_std: float = field(default=0.02, metadata={"help": "std of the expert blocks' initial weights (breaks expert symmetry)"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.base.errors import UsageError
-
         if self.rank < 1:
             raise UsageError(f"rank must be >= 1, got {self.rank}")
         if self.init_std < 0:

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from .base import Features, HeadAdapter
 from .layers import INITS, new_layer_like_final
 from .registry import register_head
+from multitoken.pipeline.base.errors import UsageError
 
 
 @dataclass
@@ -26,8 +27,6 @@ class ReplicatedConfig:
     init: str = field(default="copy", metadata={"help": "heads 2..n start as copies of the final layer or random", "choices": INITS})
 
     def validate(self) -> None:
-        from multitoken.pipeline.base.errors import UsageError
-
         if self.init not in INITS:
             raise UsageError(f"unknown init {self.init!r}", f"use one of {', '.join(INITS)}")
 

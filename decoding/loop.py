@@ -20,6 +20,7 @@ from .dynamic import always_backs_off, dynamic_propose
 from .proposal import Drafts, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
 from .trace import Trace
+from multitoken.pipeline.base.errors import UsageError
 
 
 @dataclass
@@ -102,8 +103,6 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1).to(model.backbone.device)
     if ids.shape[1] == 0:
-        from multitoken.pipeline.base.errors import UsageError
-
         raise UsageError("the prompt is empty", "pass at least one token")
     check_context(ids.shape[1], cfg.max_new_tokens, model.backbone.config.max_position_embeddings)
     speculative = cfg.mode in ("speculative", "typical")

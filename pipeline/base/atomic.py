@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from multitoken.pipeline.base.errors import UsageError
 
 
 def _umask() -> int:
@@ -164,8 +165,6 @@ def lock_file(path: str | Path, what: str):
     """Hold an exclusive lock on ``path`` for the block; the file is created now and removed on
     release (the OS drops the lock itself if the process dies). A held lock raises UsageError
     naming the holder's pid."""
-    from multitoken.pipeline.base.errors import UsageError
-
     path = Path(path)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import field
 
 import torch
+from multitoken.pipeline.base.errors import UsageError
 
 THREADS_ONE_SEQUENCE = 1
 THREADS_BATCHES = 0
@@ -29,8 +30,6 @@ def threads_field(cli_default: int = THREADS_ONE_SEQUENCE):
 
 def set_threads(threads: int | None) -> None:
     """Set torch's CPU threads for this process (0: torch's default; None: leave it as it is)."""
-    from multitoken.pipeline.base.errors import UsageError
-
     if threads is None:
         return
     if threads < 0:

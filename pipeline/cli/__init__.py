@@ -1,5 +1,10 @@
 """The ``multitoken`` command line. Each subcommand lives in its own module exposing
-``register(subparsers)``; errors of the package family print without a traceback."""
+``register(subparsers)``; errors of the package family print without a traceback.
+
+The one place where first-party imports sit inside functions (tests/test_layers.py allows it
+here only): the command table imports just the chosen command's module, and each command
+imports its heavy modules (torch, transformers, datasets) in ``run``, so ``--help`` and a
+mistyped command answer at once."""
 
 from __future__ import annotations
 

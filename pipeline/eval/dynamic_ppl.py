@@ -21,14 +21,14 @@ import math
 
 import numpy as np
 import torch
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.dynamic import dynamic_propose
 
 
 class DynamicPPL:
     """Collects per-head top-k and reference log-probs, then walks each sequence per eps_b."""
 
     def __init__(self, eps_b, model, decode_cfg=None, table=None, budget: int = 4096):
-        from multitoken.decoding.config import DecodeConfig
-
         self.eps_b = list(eps_b)
         self.n = model.n_future
         self.cfg = decode_cfg or DecodeConfig(mode="dynamic")
@@ -65,8 +65,6 @@ class DynamicPPL:
 
     def _walk(self, row: torch.Tensor, tops, ref, eps_b: float) -> None:
         from dataclasses import replace
-
-        from multitoken.decoding.dynamic import dynamic_propose
 
         cfg = replace(self.cfg, eps_b=eps_b)
         seen = np.zeros(self.vocab, dtype=bool)

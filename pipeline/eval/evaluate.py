@@ -20,6 +20,14 @@ import torch
 
 from multitoken.pipeline.eval import metrics as M
 from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
+from multitoken.pipeline.base.errors import DataError, UsageError
+from multitoken.pipeline.base.packing import PackedStream
+from multitoken.pipeline.eval.dynamic_ppl import DynamicPPL
+from multitoken.pipeline.eval.headscores import logp_at, score_head
+from multitoken.pipeline.eval.lens import lens_kl_sums
+from multitoken.pipeline.eval.marginal import marginal_second_token
+from multitoken.pipeline.eval.speedup import draft_cost_ratio, theory_from_tokens
+from multitoken.pipeline.model.assets import load_stats
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
 DEFAULT_PARTS = PARTS
@@ -46,8 +54,6 @@ class EvalConfig:
     quiet: bool = field(default=False, metadata={"help": "no progress bars (they go to stderr, and only when it is a terminal)"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.base.errors import UsageError
-
         bad = [p for p in self.parts if p not in PARTS]
         if bad:
             raise UsageError(f"unknown eval parts {bad}", f"choose among {', '.join(PARTS)}")
@@ -120,8 +126,6 @@ class HeadAccumulator:
 
 def _batches(cfg: EvalConfig, data_cfg, tokenizer, device):
     """Packed eval sequences, ``batch_size`` at a time # -> [B, seq_len] int64."""
-    from multitoken.pipeline.base.packing import PackedStream
-
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     stream = PackedStream(data_cfg, tokenizer, cfg.seq_len, eos, loop=False)
     rows = []
@@ -179,10 +183,6 @@ def evaluate(model, cfg: EvalConfig, data_cfg) -> dict:
 
 
 def _evaluate(model, cfg: EvalConfig, data_cfg, acc: HeadAccumulator, timer: _Timer) -> dict:
-    from multitoken.pipeline.base.errors import DataError
-    from multitoken.pipeline.eval.headscores import score_head
-    from multitoken.pipeline.eval.speedup import draft_cost_ratio, theory_from_tokens
-
     bb, n = model.backbone, model.n_future
     dyn = _dynamic_state(cfg, model) if "dynamic" in cfg.parts else None
     lens_sum, lens_count, marg = None, 0, _MarginalSums()
@@ -208,8 +208,6 @@ def _evaluate(model, cfg: EvalConfig, data_cfg, acc: HeadAccumulator, timer: _Ti
             marg.add(model, feats, ids, cfg, tokens - ids.numel())
             timer.add("marginal", start, ids.numel())
         if "lens" in cfg.parts and lens_count < cfg.lens_tokens:
-            from multitoken.pipeline.eval.lens import lens_kl_sums
-
             start = timer.start()
             take = max(1, min(ids.shape[0], -(-(cfg.lens_tokens - lens_count) // ids.shape[1])))
             sums = lens_kl_sums(bb, ids[:take])
@@ -243,9 +241,6 @@ class _MarginalSums:
         self.size = self.mass = 0.0
 
     def add(self, model, feats, ids: torch.Tensor, cfg: EvalConfig, offset: int) -> None:
-        from multitoken.pipeline.eval.headscores import logp_at
-        from multitoken.pipeline.eval.marginal import marginal_second_token
-
         for b in range(ids.shape[0]):
             first = offset + b * ids.shape[1]  # global index of this sequence's first token
             t0 = (-first) % cfg.marginal_every
@@ -280,8 +275,5 @@ class _MarginalSums:
 
 
 def _dynamic_state(cfg: EvalConfig, model):
-    from multitoken.pipeline.model.assets import load_stats
-    from multitoken.pipeline.eval.dynamic_ppl import DynamicPPL
-
     table = load_stats(cfg.stats, model.backbone.tokenizer)
     return DynamicPPL(cfg.eps_b, model, table=table, budget=cfg.dynamic_tokens)

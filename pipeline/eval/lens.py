@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from multitoken.pipeline.eval.metrics import kl_divergence
+from multitoken.pipeline.eval.plotting import pyplot, save_figure
 
 
 @torch.no_grad()
@@ -32,8 +33,6 @@ def lens_kl_sums(backbone, ids: torch.Tensor, chunk: int = 128) -> torch.Tensor:
 
 def plot_lens(kl: list[float], path: str | Path, title: str = "") -> Path:
     """Line plot of mean KL per layer (log scale when every value is positive)."""
-    from multitoken.pipeline.eval.plotting import pyplot, save_figure
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
     ax.plot(range(len(kl)), kl, marker="o")

@@ -33,6 +33,10 @@ import torch
 from multitoken.pipeline.eval import metrics as M
 from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
 from multitoken.pipeline.base.threads import THREADS_ONE_SEQUENCE, threads_field
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.loop import generate
+from multitoken.pipeline.base.config_io import expand_range
+from multitoken.pipeline.base.errors import DataError, UsageError
 
 # DynaMo's Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (
@@ -87,9 +91,6 @@ def parse_grid(spec) -> list[float]:
     """eps_b values -> sorted unique values in [0, 1]. ``spec``: numbers, or tokens each a value
     or a ``start:stop:step`` range (stop included), as ``--eps-b`` takes them: ``[0, 0.5, 1]``,
     ``["0:1:0.1"]``, or one such string (``"0:1:0.1"``, ``"0 0.5 1"``)."""
-    from multitoken.pipeline.base.config_io import expand_range
-    from multitoken.pipeline.base.errors import UsageError
-
     tokens = spec.split() if isinstance(spec, str) else list(spec)
     try:
         values = [v for t in tokens for v in expand_range(t)]
@@ -104,8 +105,6 @@ def read_prompts(path: str) -> list[str]:
     """Prompts from a text file (one per non-empty line) or jsonl (``prompt`` or ``text``)."""
     import json
     from pathlib import Path
-
-    from multitoken.pipeline.base.errors import DataError
 
     if not path:
         return list(TABLE7_PROMPTS)
@@ -136,8 +135,6 @@ def continuation_nll(backbone, prompt_ids: list[int], new_ids: list[int]) -> flo
 
 def run_once(model, prompt_ids: list[int], decode_cfg, table) -> dict:
     """One generation and its per-run measurements."""
-    from multitoken.decoding.loop import generate
-
     cpu = time.process_time()
     result = generate(model, prompt_ids, decode_cfg, table=table)
     cpu = time.process_time() - cpu  # immune to other processes' load, unlike wall time
@@ -197,8 +194,6 @@ def decode_configs(cfg: SweepConfig, grid: list[float]):
     """ar's config and every (config name, eps_b, dynamic config): the dynamic points differ from
     ar only in mode, eps_b and the Table 8 switches, never in a sampling setting (seeds are set
     per run, the same for all)."""
-    from multitoken.decoding.config import DecodeConfig
-
     ar = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                       repetition_penalty=cfg.repetition_penalty)
     return ar, [(name, eps, replace(ar, mode="dynamic", eps_b=eps, **TABLE8[name])) for name in cfg.configs() for eps in grid]

@@ -4,6 +4,11 @@ defaults (trained heads and stats), and co-occurrence stats. One loader for ever
 from __future__ import annotations
 
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, default_base, is_default_base
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.heads_io import read_heads_config
+from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.stats.table import CooccurrenceTable
 
 
 def default_heads() -> str:
@@ -20,9 +25,6 @@ def backbone_config(heads: str | None, base: str | None = None, **fields):
     """How to load the base of ``heads``: ``base`` when given, else the base recorded in the
     heads dir (else, without heads, the default base). ``fields``: other ``BackboneConfig``
     fields (dtype, device, quantization, threads)."""
-    from multitoken.pipeline.model.backbone import BackboneConfig
-    from multitoken.pipeline.model.heads_io import read_heads_config
-
     if not base:
         base = read_heads_config(heads)["base"] if heads else default_base()
     return BackboneConfig(base=str(base), **fields)
@@ -32,9 +34,6 @@ def load_model(heads: str, base: str | None = None, dtype: str = "float32", devi
     """``(MultiTokenModel, heads dir)``: the heads on ``base`` (None: the base recorded in the
     heads dir); ``heads`` '' means the embedded trained heads. ``fields``: other
     ``BackboneConfig`` fields (quantization, threads)."""
-    from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.model.model import MultiTokenModel
-
     heads = heads or default_heads()
     if not heads:
         raise UsageError("no heads dir given and no embedded heads found",
@@ -45,9 +44,6 @@ def load_model(heads: str, base: str | None = None, dtype: str = "float32", devi
 
 def load_base_only(config):
     """The base model alone, as a one-head model: one token per forward pass in every mode."""
-    from multitoken.pipeline.model.backbone import load_backbone
-    from multitoken.pipeline.model.model import MultiTokenModel
-
     return MultiTokenModel.attach(load_backbone(config), {"head_type": "medusa", "n_future": 1})
 
 
@@ -55,6 +51,4 @@ def load_stats(path: str, tokenizer):
     """The co-occurrence table at ``path`` (checked against ``tokenizer``), or None for ''/none."""
     if not path or path == "none":
         return None
-    from multitoken.stats.table import CooccurrenceTable
-
     return CooccurrenceTable.for_tokenizer(path, tokenizer)

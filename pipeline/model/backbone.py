@@ -19,6 +19,7 @@ from multitoken.pipeline.base.hub import locate
 from multitoken.pipeline.base.dtypes import DTYPES, resolve_dtype
 from multitoken.pipeline.base.threads import set_threads, threads_field
 from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
+from multitoken.pipeline.model.quantization import checked_plan
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,6 @@ def _quantization_plan(model_config, config: "BackboneConfig"):
         return None
     if config.quantization not in QUANTIZATIONS:
         raise UsageError(f"unknown quantization {config.quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
-    from multitoken.pipeline.model.quantization import checked_plan
-
     return checked_plan(model_config, config.quantization, config.device, str(config.base))
 
 

@@ -27,6 +27,7 @@ from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerp
 from multitoken.pipeline.base.atomic import atomic_dir
 from multitoken.pipeline.embedded import portable_base
 from multitoken.pipeline.base.errors import CheckpointError, MismatchError, UsageError
+from multitoken.pipeline.base.outputs import HEADS
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "heads_config.json"
@@ -60,8 +61,6 @@ def save_heads(model, out_dir: str | Path, extra: dict[str, str] | None = None) 
     """Write the heads dir ``out_dir`` atomically (staged, then published: an existing heads dir
     is replaced file by file, the config last; files we did not write stay). ``extra`` maps
     more file names to text written with it (resolved configs, metrics)."""
-    from multitoken.pipeline.base.outputs import HEADS
-
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out} exists and is not a directory", "pass a directory path for the heads")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from multitoken.adapters.base import Features
+from multitoken.pipeline.model.backbone import LayerContext
 
 
 def _new_cache():
@@ -130,8 +131,6 @@ def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
     past, t = caches.length, hidden.shape[1]
     if t > 1 and bb.config._attn_implementation != "sdpa":
         return bb.layer_context(hidden, None, caches.backbone)
-    from multitoken.pipeline.model.backbone import LayerContext
-
     position_ids = torch.arange(past, past + t, device=hidden.device).unsqueeze(0)  # [1, T]
     mask = None
     if t > 1:

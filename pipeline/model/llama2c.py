@@ -21,6 +21,7 @@ import numpy as np
 
 from multitoken.pipeline.base.atomic import atomic_dir
 from multitoken.pipeline.base.errors import CheckpointError
+from multitoken.pipeline.base.outputs import CONVERTED
 
 HEADER_INTS = 7
 HEADER_BYTES = HEADER_INTS * 4
@@ -198,8 +199,6 @@ def convert_llama2c(model_bin: str | Path, tokenizer_model: str | Path, out: str
     """
     import torch
     from transformers import LlamaForCausalLM
-
-    from multitoken.pipeline.base.outputs import CONVERTED
 
     model_bin, tokenizer_model, out = Path(model_bin), Path(tokenizer_model), Path(out)
     header, arrays = read_llama2c(model_bin)

@@ -17,6 +17,8 @@ from multitoken.adapters.base import DEFAULT_CHUNK, Features, LossOutput
 from multitoken.adapters.registry import build_head, make_config
 
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
+from multitoken.pipeline.model.heads_io import load_heads, save_heads
+from multitoken.pipeline.model.incremental import new_caches, step
 
 __all__ = ["MultiTokenModel", "LossOutput"]
 
@@ -56,16 +58,12 @@ class MultiTokenModel(nn.Module):
         """Load saved heads (and their LoRA adapter, if any) onto ``base``: a Hub id or dir, a
         ``BackboneConfig``, an already loaded ``Backbone``, or None for the base recorded in
         the heads dir. Fails clearly on a different base, a corrupt file or an unknown type."""
-        from multitoken.pipeline.model.heads_io import load_heads
-
         return load_heads(cls, base, heads_dir, quantization=quantization, dtype=dtype, device=device,
                           trainable_lora=trainable_lora, **kwargs)
 
     def save_heads(self, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
         """Write heads.safetensors + heads_config.json (+ peft's adapter files in ``lora/``, and
         ``extra`` {file name: text}) atomically."""
-        from multitoken.pipeline.model.heads_io import save_heads
-
         return save_heads(self, out_dir, extra)
 
     # Introspection ----------------------------------------------------------------------
@@ -150,8 +148,6 @@ class MultiTokenModel(nn.Module):
     # Incremental decoding (see incremental.py) --------------------------------------------
     def new_caches(self):
         """Empty KV caches for one decoding run: the backbone's plus one per head layer."""
-        from multitoken.pipeline.model.incremental import new_caches
-
         return new_caches(self)
 
     def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0):
@@ -159,8 +155,6 @@ class MultiTokenModel(nn.Module):
         returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
         ``caches.crop(m)`` drops the last m positions (rejected drafts); ``heads_upto`` skips
         the layers of heads a run never reads; ``read_from`` skips the logits of earlier positions."""
-        from multitoken.pipeline.model.incremental import step
-
         return step(self, new_ids, caches, heads_upto, read_from)
 
 

@@ -26,6 +26,10 @@ from multitoken.pipeline.base.data import DataConfig, describe_files
 from multitoken.pipeline.base.errors import DataError, UsageError
 from multitoken.pipeline.base.packing import PackedStream, PackPosition, take_sequences
 from multitoken.pipeline.train.trainer_config import TrainConfig, validate
+from multitoken.pipeline.base.config_io import resolved_config_text
+from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+from multitoken.pipeline.model.heads_io import read_heads_config
+from multitoken.pipeline.model.model import MultiTokenModel
 
 
 @dataclass
@@ -62,10 +66,6 @@ def _device(cfg: TrainConfig, dist: Dist) -> str:
 # Model ----------------------------------------------------------------------------------
 def load_model(cfg: TrainConfig, dist: Dist):
     """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes."""
-    from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
-    from multitoken.pipeline.model.heads_io import read_heads_config
-    from multitoken.pipeline.model.model import MultiTokenModel
-
     record = read_heads_config(cfg.heads)
     if any(k.startswith("base_head.") for k in record["shapes"]) and not cfg.train_base_head:
         # Saving frozen heads would drop the trained final layer (only trained weights are saved).
@@ -337,8 +337,6 @@ def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, 
 def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict) -> None:
     """Save heads, resolved config and metrics: staged, then published over ``--out`` (only
     our files are replaced; see ``heads_io.save_heads``)."""
-    from multitoken.pipeline.base.config_io import resolved_config_text
-
     model.save_heads(Path(cfg.out), extra={
         "train_config.json": resolved_config_text("train", cfg, data, extra=files),
         "train_metrics.json": json.dumps(history, indent=2) + "\n",
