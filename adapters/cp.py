@@ -103,20 +103,6 @@ class CPHeads(HeadAdapter):
             log_w = log_w + hit
         return self._mix(torch.log_softmax(log_w, dim=-1), prefix.shape[1], e)
 
-    @torch.no_grad()
-    def sample(self, e: torch.Tensor, first: torch.Tensor, temperature: float = 1.0, generator=None) -> torch.Tensor:
-        """Sequential sampling of tokens 2..n given token 1 (from the base path, eq. 12-13)
-        # e [B, H], first [B] -> [B, n]. temperature 0 = argmax."""
-        tokens = first[:, None]
-        for _ in range(1, self.n_future):
-            lp = self.conditional_log_probs(e, tokens)  # [B, V]
-            if temperature == 0:
-                nxt = lp.argmax(-1)
-            else:
-                nxt = torch.multinomial(torch.softmax(lp / temperature, -1), 1, generator=generator).squeeze(-1)
-            tokens = torch.cat([tokens, nxt[:, None]], 1)
-        return tokens
-
     # Training --------------------------------------------------------------------------------
     def loss(self, feats: Features, input_ids: torch.Tensor, valid: torch.Tensor, chunk: int,
              skip_constant: bool = False) -> LossOutput:

@@ -17,7 +17,7 @@ from torch import nn
 from .base import Features, head_dtype
 from .layers import INITS
 from .registry import register_head
-from .replicated import LayerHeads
+from .layer_heads import LayerHeads
 from multitoken.pipeline.base.errors import UsageError
 
 

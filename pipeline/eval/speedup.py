@@ -59,11 +59,6 @@ def speedup_row(a: float, g: int, c: float = 0.0, c_hat: float = 0.0) -> Speedup
     return SpeedupRow(a, g, c, c_hat, expected_tokens(a, g), walltime_improvement(a, g, c), operations_factor(a, g, c_hat))
 
 
-def speedup_table(points, c: float = 0.0, c_hat: float = 0.0) -> list[dict]:
-    """Rows for (a, g) pairs, as in the speculative-sampling speed-up table (Leviathan et al.'s formulas, there with c = c_hat = 0)."""
-    return [asdict(speedup_row(a, g, c, c_hat)) for a, g in points]
-
-
 def draft_cost_ratio(model) -> float:
     """c for multi-token heads: one draft's cost relative to one base forward, estimated as the
     head parameters per draft over the base model's parameters (FLOPs per token scale with them)."""

@@ -64,8 +64,9 @@ def _device(cfg: TrainConfig, dist: Dist) -> str:
 
 
 # Model ----------------------------------------------------------------------------------
-def load_model(cfg: TrainConfig, dist: Dist):
-    """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes."""
+def load_trainable_model(cfg: TrainConfig, dist: Dist):
+    """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes (what
+    training needs on top of ``model.assets.load_model``, the loader of every other command)."""
     record = read_heads_config(cfg.heads)
     if any(k.startswith("base_head.") for k in record["shapes"]) and not cfg.train_base_head:
         # Saving frozen heads would drop the trained final layer (only trained weights are saved).
@@ -212,7 +213,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
         raise UsageError(f"{ckpt_root} already holds checkpoints", "pass --resume to continue, or another --checkpoint-dir")
     files = _list_data(cfg, data, dist)
     torch.manual_seed(cfg.seed)
-    model = model if model is not None else load_model(cfg, dist)
+    model = model if model is not None else load_trainable_model(cfg, dist)
     for p in model.base_head_parameters():  # head 1's own layer: base weights unless asked for
         p.requires_grad_(cfg.train_base_head)
     set_backbone_trainable(model, cfg.joint_at(0))

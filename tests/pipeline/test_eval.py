@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from eval_reference import target_logprobs, topk_hits
 
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.base.data import DataConfig
@@ -148,8 +149,6 @@ def test_eval_progress_bars_go_to_a_terminal_stderr_only(tiny_model, tmp_path, m
 
 @pytest.mark.parametrize("head_type", ["replicated", "cp"])
 def test_score_head_matches_full_log_probs(tiny_model, ids, head_type):
-    from multitoken.pipeline.eval.metrics import target_logprobs, topk_hits
-
     model = tiny_model if head_type == "replicated" else MultiTokenModel.attach(
         tiny_model.backbone, {"head_type": "cp", "n_future": 2, "rank": 2})
     feats = model.features(ids)
