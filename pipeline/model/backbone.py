@@ -18,7 +18,7 @@ from multitoken.pipeline.base.errors import CheckpointError, UnsupportedModelErr
 from multitoken.pipeline.base.hub import locate
 from multitoken.pipeline.base.dtypes import DTYPES, resolve_dtype
 from multitoken.pipeline.base.threads import set_threads, threads_field
-from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
+from multitoken.pipeline.base.tokenizer import load_tokenizer
 from multitoken.pipeline.model.quantization import checked_plan
 
 

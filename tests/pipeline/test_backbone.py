@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from multitoken.pipeline.model.backbone import (
-    ARCHITECTURES, BackboneConfig, LoraSpec, fingerprints_match, load_backbone, tokenizer_fingerprint,
+    ARCHITECTURES, BackboneConfig, LoraSpec, fingerprints_match, load_backbone,
 )
+from multitoken.pipeline.base.tokenizer import tokenizer_fingerprint
 from multitoken.pipeline.base.errors import CheckpointError, UnsupportedModelError, UsageError
 
 

@@ -9,20 +9,12 @@ import pytest
 import torch
 from eval_reference import target_logprobs, topk_hits
 
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.eval.evaluate import EvalConfig, HeadAccumulator, evaluate
 from multitoken.pipeline.eval.headscores import score_head
 from multitoken.pipeline.eval.lens import lens_kl_sums
 from multitoken.pipeline.eval.marginal import marginal_second_token
 from multitoken.pipeline.model.model import MultiTokenModel
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_dir):
-    torch.manual_seed(0)
-    bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
-    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
 
 
 @pytest.fixture(scope="module")

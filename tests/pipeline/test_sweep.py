@@ -5,20 +5,11 @@ import json
 import pytest
 import torch
 
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.eval.sweep import (
     TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, decode_configs, parse_grid, quality_vs_ar, read_prompts,
     run_hf_sample, same_quality, sweep,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_dir):
-    torch.manual_seed(0)
-    bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
-    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
 
 
 def test_parse_grid_lists_and_ranges():

@@ -10,6 +10,7 @@ from train_helpers import corpus, heads_dir  # noqa: F401 (shared fixtures)
 from train_helpers import head_state, load_trained, make_heads_dir, train_cfg
 
 from multitoken.pipeline.train import train as train_mod
+from multitoken.adapters.registry import registered_heads
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.base.errors import DataError
 from multitoken.pipeline.train.train import train
@@ -210,7 +211,7 @@ def test_heads_train_on_a_quantized_backbone(tiny_llama_q_dir, corpus, tmp_path,
     assert all(v.dtype == torch.float32 for v in head_state(after).values())  # heads stay in full precision
 
 
-@pytest.mark.parametrize("head_type", ["replicated", "whs", "medusa", "cp"])
+@pytest.mark.parametrize("head_type", registered_heads())
 def test_every_head_type_trains(tiny_llama_dir, corpus, tmp_path, head_type, monkeypatch):
     """Two steps per registered type; CP's aux balancing loss enters with its weight."""
     from multitoken.pipeline.train import optim
