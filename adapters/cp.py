@@ -41,6 +41,8 @@ class CPConfig:
 
 
 class CPHeads(HeadAdapter):
+    supports_sequential_drafts = True  # conditional_log_probs: posterior over experts
+
     def __init__(self, config: CPConfig, backbone):
         super().__init__(config, backbone)
         n, r, width = config.n_future, config.rank, backbone.hidden_size

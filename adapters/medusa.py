@@ -49,7 +49,7 @@ class MedusaHeads(HeadAdapter):
             for _ in range(config.n_future - 1)
         ).to(device=backbone.device, dtype=head_dtype(backbone))
 
-    def hidden(self, index: int, feats: Features) -> torch.Tensor:
+    def hidden(self, index: int, feats: Features, cache=None) -> torch.Tensor:
         if index == 0:
             return feats.base
         return self.blocks[index - 1](feats.base)  # [B, T, H]
