@@ -1,10 +1,10 @@
 """The ``multitoken`` command line. Each subcommand lives in its own module exposing
 ``register(subparsers)``; errors of the package family print without a traceback.
 
-The one place where first-party imports sit inside functions (tests/test_layers.py allows it
-here only): the command table imports just the chosen command's module, and each command
-imports its heavy modules (torch, transformers, datasets) in ``run``, so ``--help`` and a
-mistyped command answer at once."""
+The one place where first-party imports sit inside functions, each marked ``# lazy:``
+(tests/test_layers.py checks): the command table imports just the chosen command's module, and
+each command imports its heavy modules (torch, transformers) in ``register`` / ``run``, so
+``--help`` and a mistyped command answer at once."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from multitoken.pipeline.base.errors import MultitokenError
+from multitoken.pipeline.cli.args import add_dataclass_args
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
 # --help order. Only the chosen command's module is imported: most import torch (~2 s), which
@@ -57,8 +58,6 @@ DESCRIPTIONS = {
 def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
     """The subparser of ``name``: its help, one flag per field of each dataclass in ``configs``,
     and ``run(args)`` as its action. Called by the command's own ``register``."""
-    from multitoken.pipeline.cli.args import add_dataclass_args
-
     summary = COMMANDS[name][1]
     parser = sub.add_parser(name, help=summary, description=DESCRIPTIONS.get(name, summary))
     for config in configs:

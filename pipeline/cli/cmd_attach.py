@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.base.config_io import resolved_config_text
+from multitoken.pipeline.base.outputs import prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args, plain
 
 RESOLVED_CONFIG = "attach_config.json"
 _SKIP = ("head_type", "n_future")  # set by --head and --n
@@ -29,9 +33,7 @@ class AttachConfig:
 
 
 def register(sub) -> None:
-    from multitoken.adapters.registry import registered_heads
-
-    from multitoken.pipeline.cli import add_command
+    from multitoken.adapters.registry import registered_heads  # lazy: torch
 
     p = add_command(sub, "attach", AttachConfig, BackboneConfig, run=run)
     for action in p._actions:  # the head names are only known once the registry is loaded
@@ -42,9 +44,7 @@ def register(sub) -> None:
 
 def _add_head_options(parser: argparse.ArgumentParser) -> None:
     """One flag per head-config field across all registered types (absent unless given)."""
-    from multitoken.adapters.registry import get_head, registered_heads
-
-    from multitoken.pipeline.cli.args import plain
+    from multitoken.adapters.registry import get_head, registered_heads  # lazy: torch
 
     group = parser.add_argument_group("head options (each applies to the head types listed)")
     owners: dict[str, list[str]] = {}
@@ -72,18 +72,14 @@ def head_options(args) -> dict:
 
 
 def _check_out(cfg: AttachConfig, base: str) -> Path:
-    from multitoken.pipeline.base.outputs import prepare_output
-
     return prepare_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(base,))
 
 
 def run(args) -> None:
-    from multitoken.adapters.registry import make_config
+    from multitoken.adapters.registry import make_config  # lazy: torch
 
-    from multitoken.pipeline.model.backbone import load_backbone
-    from multitoken.pipeline.base.config_io import resolved_config_text
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.model.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
+    from multitoken.pipeline.model.model import MultiTokenModel  # lazy: torch
 
     cfg = dataclass_from_args(AttachConfig, args)
     backbone_config = dataclass_from_args(BackboneConfig, args)

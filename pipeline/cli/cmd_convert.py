@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args
+from multitoken.pipeline.model.llama2c import convert_llama2c
+
 
 @dataclass
 class ConvertLlama2cConfig:
@@ -13,19 +19,10 @@ class ConvertLlama2cConfig:
 
 
 def register(sub) -> None:
-    from multitoken.pipeline.cli import add_command
-
-    from multitoken.pipeline.base.outputs import add_overwrite_flag
-
     add_overwrite_flag(add_command(sub, "convert-llama2c", ConvertLlama2cConfig, run=run))
 
 
 def run(args) -> None:
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.model.llama2c import convert_llama2c
-    from multitoken.pipeline.base.outputs import prepare_output
-
     cfg = dataclass_from_args(ConvertLlama2cConfig, args)
     prepare_output(cfg.out, "convert", overwrite=args.overwrite, inputs=(cfg.model, cfg.tokenizer))
     if not cfg.tokenizer or not cfg.out:

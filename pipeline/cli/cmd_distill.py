@@ -6,14 +6,14 @@ import json
 
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.train.distill import DistillConfig
+from multitoken.pipeline.base.config_io import save_resolved_config
+from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output_file
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args, set_default
 
 
 def register(sub) -> None:
-    from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.cli.args import set_default
-    from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
-
-    from multitoken.pipeline.base.outputs import add_overwrite_flag
+    from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field  # lazy: torch
 
     parser = add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
     add_overwrite_flag(parser)
@@ -22,11 +22,8 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.model.backbone import load_backbone
-    from multitoken.pipeline.base.config_io import save_resolved_config
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.train.distill import distill, validate
-    from multitoken.pipeline.base.outputs import prepare_output_file
+    from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
+    from multitoken.pipeline.train.distill import distill, validate  # lazy: torch
 
     cfg = dataclass_from_args(DistillConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)

@@ -11,31 +11,28 @@ import math
 import sys
 from pathlib import Path
 
+from multitoken.pipeline.base.atomic import atomic_dir, atomic_write_text
+from multitoken.pipeline.base.config_io import save_resolved_config
+from multitoken.pipeline.base.data import DataConfig, describe_files
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import EVAL, add_overwrite_flag, prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args
+
 RESOLVED_CONFIG = "eval_config.json"
 REPORT = "report.json"
 LENS_PNG = "logit_lens.png"
 
 
 def register(sub) -> None:
-    from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.base.data import DataConfig
-    from multitoken.pipeline.eval.evaluate import EvalConfig
-
-    from multitoken.pipeline.base.outputs import add_overwrite_flag
+    from multitoken.pipeline.eval.evaluate import EvalConfig  # lazy: torch
 
     add_overwrite_flag(add_command(sub, "eval", EvalConfig, DataConfig, run=run))
 
 
 def run(args) -> None:
-    from multitoken.pipeline.base.atomic import atomic_dir
-    from multitoken.pipeline.base.atomic import atomic_write_text
-    from multitoken.pipeline.base.config_io import save_resolved_config
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.base.data import DataConfig, describe_files
-    from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.model.assets import default_stats, load_model
-    from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate
-    from multitoken.pipeline.base.outputs import EVAL, prepare_output
+    from multitoken.pipeline.model.assets import default_stats, load_model  # lazy: torch
+    from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate  # lazy: torch
 
     cfg = dataclass_from_args(EvalConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
@@ -52,7 +49,7 @@ def run(args) -> None:
     out = Path(cfg.out)
     with atomic_dir(out, marker=EVAL.marker, owned=EVAL.owned) as stage:
         if "logit_lens" in report:
-            from multitoken.pipeline.eval.lens import plot_lens
+            from multitoken.pipeline.eval.lens import plot_lens  # lazy: torch
 
             plot_lens(report["logit_lens"]["kl_per_layer"], stage / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
             report["logit_lens"]["png"] = str(out / LENS_PNG)

@@ -16,6 +16,10 @@ from pathlib import Path
 
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
+from multitoken.pipeline.base.config_io import config_dict
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args, set_default
 
 
 @dataclass
@@ -31,10 +35,7 @@ BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (defau
 
 
 def register(sub) -> None:
-    from multitoken.decoding.config import DecodeConfig
-
-    from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.cli.args import set_default
+    from multitoken.decoding.config import DecodeConfig  # lazy: torch
 
     parser = add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
     set_default(parser, "base", None, {"help": BASE_HELP})  # None: not given, so --heads' own base
@@ -48,7 +49,7 @@ def _embedded(base: str, shipped: Path) -> str | None:
 def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
     """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
     without ``--heads``, the embedded heads on the embedded base, else the base alone."""
-    from multitoken.pipeline.model.assets import load_base_only, load_model
+    from multitoken.pipeline.model.assets import load_base_only, load_model  # lazy: torch
 
     heads = cfg.heads or _embedded(base_cfg.base, EMBEDDED_HEADS)
     if heads is None:
@@ -59,8 +60,8 @@ def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
 
 def _note_order_cap(decode, model, table) -> None:
     """One line on stderr when the stats' order caps the heads read (recorded in the trace too)."""
-    from multitoken.decoding.loop import stats_order_cap
-    from multitoken.decoding.proposal import joint_drafts, pick_drafter
+    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
+    from multitoken.decoding.proposal import joint_drafts, pick_drafter  # lazy: torch
 
     speculative = decode.mode in ("speculative", "typical")
     joint = speculative and pick_drafter(decode.drafter, model.heads, table) is joint_drafts
@@ -89,13 +90,10 @@ class _Streamer:
 
 
 def run(args) -> None:
-    from multitoken.decoding.config import DecodeConfig, check_context
-    from multitoken.decoding.loop import generate
+    from multitoken.decoding.config import DecodeConfig, check_context  # lazy: torch
+    from multitoken.decoding.loop import generate  # lazy: torch
 
-    from multitoken.pipeline.model.assets import backbone_config, load_stats
-    from multitoken.pipeline.base.config_io import config_dict
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.base.errors import UsageError
+    from multitoken.pipeline.model.assets import backbone_config, load_stats  # lazy: torch
 
     cfg = dataclass_from_args(GenerateConfig, args)
     decode = dataclass_from_args(DecodeConfig, args)

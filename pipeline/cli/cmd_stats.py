@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from multitoken.pipeline.base.config_io import save_resolved_config
+from multitoken.pipeline.base.data import DataConfig
+from multitoken.pipeline.base.errors import CheckpointError, UsageError
+from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.pipeline.base.tokenizer import load_tokenizer
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import add_dataclass_args, dataclass_from_args
+from multitoken.stats.info import summary
+from multitoken.stats.job import BuildConfig, build, merge
+from multitoken.stats.table import CooccurrenceTable
+
 
 @dataclass
 class MergeConfig:
@@ -38,13 +49,6 @@ INFO_DESCRIPTION = (
 
 
 def register(sub) -> None:
-    from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.cli.args import add_dataclass_args
-    from multitoken.pipeline.base.data import DataConfig
-    from multitoken.pipeline.base.outputs import add_overwrite_flag
-
-    from multitoken.stats.job import BuildConfig
-
     p = add_command(sub, "stats")
     ssub = p.add_subparsers(dest="stats_command", metavar="SUBCOMMAND", required=True)
     b = ssub.add_parser("build", help=BUILD_HELP, description=BUILD_DESCRIPTION)
@@ -62,13 +66,6 @@ def register(sub) -> None:
 
 
 def run_build(args) -> None:
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.base.data import DataConfig
-
-    from multitoken.pipeline.base.outputs import prepare_output
-
-    from multitoken.stats.job import BuildConfig, build
-
     cfg, data = dataclass_from_args(BuildConfig, args), dataclass_from_args(DataConfig, args)
     prepare_output(cfg.out, "stats", overwrite=args.overwrite, inputs=(data.data, cfg.tokenizer), resume=True)
     out = build(cfg, data, overwrite=args.overwrite)
@@ -77,14 +74,6 @@ def run_build(args) -> None:
 
 
 def run_merge(args) -> None:
-    from multitoken.pipeline.base.config_io import save_resolved_config
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.base.errors import UsageError
-
-    from multitoken.stats.job import merge
-
-    from multitoken.pipeline.base.outputs import prepare_output
-
     cfg = dataclass_from_args(MergeConfig, args)
     if not cfg.out:
         raise UsageError("no output directory given", "pass --out DIR")
@@ -95,11 +84,6 @@ def run_merge(args) -> None:
 
 
 def run_info(args) -> None:
-    from multitoken.pipeline.cli.args import dataclass_from_args
-
-    from multitoken.stats.info import summary
-    from multitoken.stats.table import CooccurrenceTable
-
     cfg = dataclass_from_args(InfoConfig, args)
     name = CooccurrenceTable(cfg.dir).meta["tokenizer"]["name"]  # load_tokenizer resolves embedded:NAME
     print(summary(cfg.dir, cfg.top, cfg.min_pair_count, tokenizer=_try_tokenizer(name)))
@@ -107,13 +91,9 @@ def run_info(args) -> None:
 
 def _try_tokenizer(name: str | None):
     """The stats' tokenizer, to show pairs as text; ids are shown if it is not available here."""
-    from multitoken.pipeline.base.errors import CheckpointError
-
     if not name:
         return None
     try:
-        from multitoken.pipeline.base.tokenizer import load_tokenizer
-
         return load_tokenizer(name)
     except CheckpointError:
         return None

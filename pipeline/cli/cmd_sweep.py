@@ -18,28 +18,26 @@ import json
 import sys
 from pathlib import Path
 
+from multitoken.pipeline.base.atomic import atomic_dir, atomic_write_text
+from multitoken.pipeline.base.config_io import save_resolved_config
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import SWEEP, add_overwrite_flag, prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args
+
 RESOLVED_CONFIG = "sweep_config.json"
 FILES = ("sweep.json", "sweep.csv", "sweep.png")
 
 
 def register(sub) -> None:
-    from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.eval.sweep import SweepConfig
-
-    from multitoken.pipeline.base.outputs import add_overwrite_flag
+    from multitoken.pipeline.eval.sweep import SweepConfig  # lazy: torch
 
     add_overwrite_flag(add_command(sub, "sweep", SweepConfig, run=run))
 
 
 def run(args) -> None:
-    from multitoken.pipeline.model.assets import default_stats, load_model, load_stats
-    from multitoken.pipeline.base.atomic import atomic_dir
-    from multitoken.pipeline.base.atomic import atomic_write_text
-    from multitoken.pipeline.base.config_io import save_resolved_config
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.base.outputs import SWEEP, prepare_output
-    from multitoken.pipeline.eval.sweep import SweepConfig, parse_grid, read_prompts, sweep
+    from multitoken.pipeline.model.assets import default_stats, load_model, load_stats  # lazy: torch
+    from multitoken.pipeline.eval.sweep import SweepConfig, parse_grid, read_prompts, sweep  # lazy: torch
 
     cfg = dataclass_from_args(SweepConfig, args)
     prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, cfg.prompts))
@@ -77,7 +75,7 @@ def _rows(result: dict) -> list[dict]:
 
 
 def to_csv(result: dict) -> str:
-    from multitoken.pipeline.eval.sweep import CRITERIA
+    from multitoken.pipeline.eval.sweep import CRITERIA  # lazy: torch
 
     buf = io.StringIO()
     writer = csv.writer(buf)
@@ -164,7 +162,7 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     from matplotlib.colors import Normalize
     from matplotlib.lines import Line2D
 
-    from multitoken.pipeline.eval.plotting import pyplot, save_figure
+    from multitoken.pipeline.eval.plotting import pyplot, save_figure  # lazy: torch
 
     plt = pyplot()
     ar, hf, sq = result["ar"], result.get("hf_sample"), result["same_quality_speedup"]

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.train.trainer_config import TrainConfig
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args
 
 
 def register(sub) -> None:
-    from multitoken.pipeline.cli import add_command
-    from multitoken.pipeline.base.outputs import add_overwrite_flag
-
     add_overwrite_flag(add_command(sub, "train", TrainConfig, DataConfig, run=run))
 
 
 def run(args) -> None:
-    from multitoken.pipeline.cli.args import dataclass_from_args
-    from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.train.train import format_summary, train
+    from multitoken.pipeline.train.train import format_summary, train  # lazy: torch
 
     cfg = dataclass_from_args(TrainConfig, args)
     data = dataclass_from_args(DataConfig, args)
@@ -36,9 +35,7 @@ def _check_out(cfg, data, overwrite: bool) -> None:
     run's own output, which is not an overwrite."""
     from pathlib import Path
 
-    from multitoken.pipeline.train.checkpoint import list_checkpoints
-    from multitoken.pipeline.base.errors import UsageError
-    from multitoken.pipeline.base.outputs import prepare_output
+    from multitoken.pipeline.train.checkpoint import list_checkpoints  # lazy: torch
 
     if cfg.out and Path(cfg.out).name and not cfg.resume and list_checkpoints(cfg.ckpt_dir()):
         raise UsageError(f"{cfg.ckpt_dir()} already holds checkpoints of a run",
