@@ -95,6 +95,17 @@ def tiny_model_dir(request, tiny_neox_dir, tiny_llama_dir) -> Path:
     return {"gpt_neox": tiny_neox_dir, "llama": tiny_llama_dir}[request.param]
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_dir):
+    """Random 3-token replicated heads on the tiny Llama (eval, PPL_d and sweep tests)."""
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
+
+    torch.manual_seed(0)
+    bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
+    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     from multitoken.pipeline.embedded import DEFAULT_BASE
