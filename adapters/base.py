@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .unembed import target_log_probs
+from multitoken.pipeline.base.dtypes import resolve_dtype
 
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # tokens per unembedding chunk: bounds the [chunk, V] logits alive at once
@@ -80,6 +81,9 @@ class HeadAdapter(nn.Module):
 
     needs_layer_states = False  # WHS reads every trunk layer's output
     head1_is_base = True  # False only for variants that replace head 1 on purpose
+    # Drafts tokens 2..n one at a time, each conditioned on the ones before
+    # (``conditional_log_probs(e, prefix)``, CP's eqs. 11-13); others draft each head independently.
+    supports_sequential_drafts = False
 
     def __init__(self, config, backbone):
         super().__init__()
@@ -92,8 +96,10 @@ class HeadAdapter(nn.Module):
     def n_future(self) -> int:
         return self.config.n_future
 
-    def hidden(self, index: int, feats: Features) -> torch.Tensor:
-        """Normalised hidden state of head ``index`` (0-based) # [B, T, H]."""
+    def hidden(self, index: int, feats: Features, cache=None) -> torch.Tensor:
+        """Normalised hidden state of head ``index`` (0-based) # [B, T, H]. ``cache``: when
+        decoding, the KV cache of the head's own layer (``layer_slot(index)`` not None), which
+        ``feats`` then extends by the new positions only; None otherwise."""
         raise NotImplementedError
 
     def log_probs(self, index: int, feats: Features, last_only: bool = False) -> torch.Tensor:
@@ -137,6 +143,4 @@ class HeadAdapter(nn.Module):
 
 def head_dtype(backbone) -> torch.dtype:
     """Heads compute in the backbone's compute dtype (a quantized backbone's too)."""
-    from multitoken.pipeline.backbone import resolve_dtype
-
     return resolve_dtype(backbone.load_config.dtype)

@@ -23,6 +23,7 @@ from torch import nn
 from .base import IGNORE, Features, HeadAdapter, LossOutput, head_dtype, shifted_targets
 from .registry import register_head
 from .unembed import target_log_probs
+from multitoken.pipeline.base.errors import UsageError
 
 
 @dataclass
@@ -33,8 +34,6 @@ class CPConfig:
     init_std: float = field(default=0.02, metadata={"help": "std of the expert blocks' initial weights (breaks expert symmetry)"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.errors import UsageError
-
         if self.rank < 1:
             raise UsageError(f"rank must be >= 1, got {self.rank}")
         if self.init_std < 0:
@@ -42,6 +41,8 @@ class CPConfig:
 
 
 class CPHeads(HeadAdapter):
+    supports_sequential_drafts = True  # conditional_log_probs: posterior over experts
+
     def __init__(self, config: CPConfig, backbone):
         super().__init__(config, backbone)
         n, r, width = config.n_future, config.rank, backbone.hidden_size
@@ -103,20 +104,6 @@ class CPHeads(HeadAdapter):
                                for a in range(self.rank)], -1)  # [B, r]
             log_w = log_w + hit
         return self._mix(torch.log_softmax(log_w, dim=-1), prefix.shape[1], e)
-
-    @torch.no_grad()
-    def sample(self, e: torch.Tensor, first: torch.Tensor, temperature: float = 1.0, generator=None) -> torch.Tensor:
-        """Sequential sampling of tokens 2..n given token 1 (from the base path, eq. 12-13)
-        # e [B, H], first [B] -> [B, n]. temperature 0 = argmax."""
-        tokens = first[:, None]
-        for _ in range(1, self.n_future):
-            lp = self.conditional_log_probs(e, tokens)  # [B, V]
-            if temperature == 0:
-                nxt = lp.argmax(-1)
-            else:
-                nxt = torch.multinomial(torch.softmax(lp / temperature, -1), 1, generator=generator).squeeze(-1)
-            tokens = torch.cat([tokens, nxt[:, None]], 1)
-        return tokens
 
     # Training --------------------------------------------------------------------------------
     def loss(self, feats: Features, input_ids: torch.Tensor, valid: torch.Tensor, chunk: int,

@@ -13,6 +13,7 @@ from torch import nn
 
 from .base import Features, HeadAdapter, head_dtype
 from .registry import register_head
+from multitoken.pipeline.base.errors import UsageError
 
 
 @dataclass
@@ -22,8 +23,6 @@ class MedusaConfig:
     num_blocks: int = field(default=1, metadata={"help": "residual SiLU blocks per head"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.errors import UsageError
-
         if self.num_blocks < 1:
             raise UsageError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
@@ -50,7 +49,7 @@ class MedusaHeads(HeadAdapter):
             for _ in range(config.n_future - 1)
         ).to(device=backbone.device, dtype=head_dtype(backbone))
 
-    def hidden(self, index: int, feats: Features) -> torch.Tensor:
+    def hidden(self, index: int, feats: Features, cache=None) -> torch.Tensor:
         if index == 0:
             return feats.base
         return self.blocks[index - 1](feats.base)  # [B, T, H]

@@ -17,7 +17,8 @@ from torch import nn
 from .base import Features, head_dtype
 from .layers import INITS
 from .registry import register_head
-from .replicated import LayerHeads
+from .layer_heads import LayerHeads
+from multitoken.pipeline.base.errors import UsageError
 
 
 @dataclass
@@ -30,8 +31,6 @@ class WHSConfig:
     all_heads: bool = field(default=False, metadata={"help": "head 1 also reads weighted states (head 1 then differs from the base)"})
 
     def validate(self) -> None:
-        from multitoken.pipeline.errors import UsageError
-
         if self.init not in INITS:
             raise UsageError(f"unknown init {self.init!r}", f"use one of {', '.join(INITS)}")
         if not self.temperature > 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from multitoken.pipeline.errors import UsageError
+from multitoken.pipeline.base.errors import UsageError
 
 from .sparse import KERNELS, numba_available
 

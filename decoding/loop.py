@@ -22,6 +22,7 @@ from .sampling import Sampler, penalised_logits, rows_seen
 from .sparse import prepare_kernel
 from .timing import clock_for
 from .trace import Trace
+from multitoken.pipeline.base.errors import UsageError
 
 
 @dataclass
@@ -108,8 +109,6 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1).to(model.backbone.device)
     if ids.shape[1] == 0:
-        from multitoken.pipeline.errors import UsageError
-
         raise UsageError("the prompt is empty", "pass at least one token")
     check_context(ids.shape[1], cfg.max_new_tokens, model.backbone.config.max_position_embeddings)
     speculative = cfg.mode in ("speculative", "typical")

@@ -17,6 +17,7 @@ import torch
 
 from .dynamic import Candidates, joint_cells, top_candidates
 from .sampling import with_tokens
+from multitoken.pipeline.base.errors import UsageError
 
 
 @dataclass
@@ -120,7 +121,5 @@ def pick_drafter(name: str, heads, table=None):
     if name == "auto":
         name = "cp" if hasattr(heads, "conditional_log_probs") else "joint" if table is not None else "independent"
     if name == "cp" and not hasattr(heads, "conditional_log_probs"):
-        from multitoken.pipeline.errors import UsageError
-
         raise UsageError(f"--drafter cp needs cp heads, these are {heads.config.head_type!r}", "use --drafter independent or joint")
     return DRAFTERS[name]

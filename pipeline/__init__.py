@@ -1,6 +1,6 @@
 """Load a backbone, attach heads, train, save/load, evaluate; and the ``multitoken`` CLI.
 
-Names are imported lazily so that ``import multitoken.pipeline.errors`` stays cheap.
+Names are imported lazily so that ``import multitoken.pipeline.base.errors`` stays cheap.
 """
 
 from __future__ import annotations
@@ -8,16 +8,18 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Backbone": "backbone",
-    "BackboneConfig": "backbone",
-    "LoraSpec": "backbone",
-    "load_backbone": "backbone",
-    "load_tokenizer": "backbone",
-    "tokenizer_fingerprint": "backbone",
-    "DataConfig": "data",
-    "iter_documents": "data",
-    "ARCHITECTURES": "backbone",
-    "convert_llama2c": "llama2c",
+    "Backbone": "model.backbone",
+    "BackboneConfig": "model.backbone",
+    "LoraSpec": "model.backbone",
+    "load_backbone": "model.backbone",
+    "load_tokenizer": "base.tokenizer",
+    "tokenizer_fingerprint": "base.tokenizer",
+    "DataConfig": "base.data",
+    "iter_documents": "base.data",
+    "ARCHITECTURES": "model.backbone",
+    "convert_llama2c": "model.llama2c",
+    "MultiTokenModel": "model.model",
+    "load_model": "model.assets",
     "default_base": "embedded",
 }
 

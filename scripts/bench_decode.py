@@ -32,10 +32,10 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
-from multitoken.pipeline.backbone import Backbone, BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.embedded import DEFAULT_BASE
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.model import MultiTokenModel
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"

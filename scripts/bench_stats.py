@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.base.data import DataConfig
 from multitoken.stats.job import write_stats
 from multitoken.stats.shard import Job, count_shard, shard_dir
 from multitoken.stats.table import CooccurrenceTable
@@ -49,8 +49,8 @@ def zipf_docs(tokens: int, seed: int) -> list[np.ndarray]:
 
 def text_docs(tokens: int) -> list[np.ndarray]:
     """tinyshakespeare tokenized with the Pythia tokenizer, repeated up to ``tokens``."""
-    from multitoken.pipeline.backbone import load_tokenizer
-    from multitoken.pipeline.data import iter_documents
+    from multitoken.pipeline.base.tokenizer import load_tokenizer
+    from multitoken.pipeline.base.data import iter_documents
 
     repo = Path(__file__).resolve().parents[1]
     text = repo.parent / "shared" / "fixtures" / "tinyshakespeare" / "input.txt"

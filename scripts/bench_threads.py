@@ -26,11 +26,11 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
-from multitoken.pipeline.assets import load_stats
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.assets import load_stats
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
-from multitoken.pipeline.model import MultiTokenModel
-from multitoken.pipeline.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
+from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))
@@ -86,9 +86,9 @@ def time_train(model, args) -> dict:
     """``multitoken train``'s own step (heads mode, its default settings) on random ids."""
     import numpy as np
 
-    from multitoken.pipeline import optim
-    from multitoken.pipeline.train import Dist, Runner, train_step
-    from multitoken.pipeline.trainer_config import TrainConfig
+    from multitoken.pipeline.train import optim
+    from multitoken.pipeline.train.train import Dist, Runner, train_step
+    from multitoken.pipeline.train.trainer_config import TrainConfig
 
     cfg = TrainConfig(heads="-", out="-", batch_size=args.batch_size, seq_len=args.seq_len)
     for p in model.base_head_parameters():  # as train() does: head 1 stays the base model

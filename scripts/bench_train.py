@@ -86,8 +86,8 @@ def _batch(tokenizer, batch: int, seq: int):
 def _model(mode: str, n: int):
     import torch
 
-    from multitoken.pipeline.backbone import BackboneConfig, LoraSpec, load_backbone
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(0)
     quant = "4bit" if mode == "heads_4bit" else None
@@ -100,9 +100,9 @@ def _model(mode: str, n: int):
 def _trainer(model, mode: str, steps: int):
     import torch
 
-    from multitoken.pipeline import optim
-    from multitoken.pipeline.train import Dist, Runner
-    from multitoken.pipeline.trainer_config import TrainConfig
+    from multitoken.pipeline.train import optim
+    from multitoken.pipeline.train.train import Dist, Runner
+    from multitoken.pipeline.train.trainer_config import TrainConfig
 
     cfg = TrainConfig(heads=".", out=".", mode="joint" if mode == "lora" else "heads", max_steps=steps, lr=1e-4)
     optimizer = torch.optim.AdamW(optim.param_groups(model, cfg), lr=cfg.lr)
@@ -111,7 +111,7 @@ def _trainer(model, mode: str, steps: int):
 
 def child_steps(mode: str, n: int, batch: int, seq: int, steps: int) -> dict:
     """Tokens/s and peak memory of whole trainer steps (one warm-up step first, untimed)."""
-    from multitoken.pipeline.train import train_step
+    from multitoken.pipeline.train.train import train_step
 
     model = _model(mode, n)
     ids, source = _batch(model.backbone.tokenizer, batch, seq)
@@ -143,7 +143,7 @@ def child_backbone(batch: int, seq: int, steps: int) -> dict:
     """The base model's own forward (HF causal LM, logits included), no autograd."""
     import torch
 
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
     backbone = load_backbone(BackboneConfig(base=str(FIXTURES / "pythia-mini")))
     ids, _ = _batch(backbone.tokenizer, batch, seq)
@@ -171,8 +171,8 @@ def child_parts(n: int, batch: int, seq: int, repeats: int) -> dict:
     import torch
 
     from multitoken.adapters.base import DEFAULT_CHUNK, chunked_cross_entropy, shifted_targets
-    from multitoken.pipeline import optim
-    from multitoken.pipeline.train import train_step
+    from multitoken.pipeline.train import optim
+    from multitoken.pipeline.train.train import train_step
 
     model = _model("heads", n)
     ids, _ = _batch(model.backbone.tokenizer, batch, seq)

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from multitoken.pipeline.backbone import load_tokenizer
-from multitoken.pipeline.cliargs import atomic_write_text
-from multitoken.pipeline.data import DataConfig
+from multitoken.pipeline.base.tokenizer import load_tokenizer
+from multitoken.pipeline.base.atomic import atomic_write_text
+from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_DIR
 from multitoken.stats.job import BuildConfig, build
 

@@ -50,7 +50,7 @@ def parse_args(argv=None):
 
 
 def distill_corpora(args, work: Path, backbone) -> dict[str, Path]:
-    from multitoken.pipeline.distill import DistillConfig, distill
+    from multitoken.pipeline.train.distill import DistillConfig, distill
 
     plan = {"train": (args.train_tokens, 0, -1), "heldout": (args.heldout_tokens, 1, -1),
             "greedy": (args.greedy_tokens, 2, args.greedy_after), "greedy_heldout": (args.heldout_tokens, 3, args.greedy_after)}
@@ -69,7 +69,7 @@ def interleave(sources: list[Path], out: Path) -> Path:
     if not out.is_file():
         import itertools
 
-        from multitoken.pipeline.atomic import atomic_write_text
+        from multitoken.pipeline.base.atomic import atomic_write_text
 
         lines = [p.read_text().splitlines() for p in sources if p.is_file()]
         mixed = [line for group in itertools.zip_longest(*lines) for line in group if line is not None]
@@ -81,10 +81,10 @@ def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[s
     """Per-head metrics of the heads in ``heads_dir`` on each held-out corpus (model loaded once)."""
     import numpy as np
 
-    from multitoken.pipeline.data import DataConfig
-    from multitoken.pipeline.model import MultiTokenModel
-    from multitoken.pipeline.packing import PackedStream
-    from multitoken.pipeline.train import evaluate
+    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.pipeline.model.model import MultiTokenModel
+    from multitoken.pipeline.base.packing import PackedStream
+    from multitoken.pipeline.train.train import evaluate
 
     model = MultiTokenModel.from_pretrained(None, heads_dir)
     tok = model.backbone.tokenizer
@@ -101,11 +101,11 @@ def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[s
 def main(argv=None) -> int:
     import torch
 
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-    from multitoken.pipeline.data import DataConfig
-    from multitoken.pipeline.model import MultiTokenModel
-    from multitoken.pipeline.train import train
-    from multitoken.pipeline.trainer_config import TrainConfig
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.pipeline.model.model import MultiTokenModel
+    from multitoken.pipeline.train.train import train
+    from multitoken.pipeline.train.trainer_config import TrainConfig
 
     args = parse_args(argv)
     if args.dest is None:

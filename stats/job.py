@@ -18,16 +18,19 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.atomic import atomic_dir, lock_file
-from multitoken.pipeline.cliargs import atomic_write_text, save_resolved_config
-from multitoken.pipeline.data import DataConfig, describe_files
+from multitoken.pipeline.base.atomic import atomic_dir, lock_file
+from multitoken.pipeline.base.atomic import atomic_write_text
+from multitoken.pipeline.base.config_io import save_resolved_config
+from multitoken.pipeline.base.data import DataConfig, describe_files
 from multitoken.pipeline.embedded import default_base, portable_base
-from multitoken.pipeline.errors import CheckpointError, DataError, UsageError
+from multitoken.pipeline.base.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
 from .merge import merge_orders
 from .shard import JOB_NAME, Job, check_runs, list_runs, read_job, shard_dir
 from .workers import count_shards
+from .table import _read_meta
+from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 LOCK_NAME = ".lock"
 MERGE_WORK = "merge-parts"
@@ -77,8 +80,6 @@ def local_shards(shard: tuple[int, int], num_proc: int) -> list[tuple[int, int]]
 
 
 def make_job(cfg: BuildConfig, data: DataConfig) -> Job:
-    from multitoken.pipeline.backbone import load_tokenizer, tokenizer_fingerprint
-
     if not cfg.out:
         raise UsageError("no output directory given", "pass --out DIR")
     check_order(cfg.order)
@@ -161,8 +162,6 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, log, overwrite:
 
 def _existing_meta(out: Path, overwrite: bool) -> dict:
     """The meta.json already in ``--out`` (validated); damaged, it is refused unless overwriting."""
-    from .table import _read_meta
-
     try:
         return _read_meta(out)
     except CheckpointError as err:

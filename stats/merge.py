@@ -20,6 +20,7 @@ import numpy as np
 
 from .counting import merge_runs
 from .format import load_array, read_info, write_array_dir
+from .workers import die_with_parent
 
 MERGE_BYTES_PER_ENTRY = 64   # concatenation + argsort order + sorted copies + output, per entry
 SAMPLE_PER_RANGE = 64        # sampled keys per range when choosing cut points
@@ -143,8 +144,6 @@ def _map(fn, tasks: list, num_proc: int) -> list:
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn, not fork: the parent may hold tokenizer threads or torch state
-    from .workers import die_with_parent
-
     with ProcessPoolExecutor(max_workers=min(num_proc, len(tasks)), mp_context=mp.get_context("spawn"),
                              initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         return list(pool.map(fn, tasks))

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.errors import CheckpointError, DataError, MismatchError, UsageError
+from multitoken.pipeline.base.errors import CheckpointError, DataError, MismatchError, UsageError
 
 from .format import MAX_ORDER, META_NAME, NPY_ERRORS, check_meta, encode
 from .hashindex import PrefixBlockIndex
+from multitoken.pipeline.base.tokenizer import tokenizer_fingerprint
 
 class CooccurrenceTable:
     """Open a stats dir; ``mask(cands, alpha)`` gives the co-occurrence grid."""
@@ -64,8 +65,6 @@ class CooccurrenceTable:
     @classmethod
     def for_tokenizer(cls, path: str | Path, tokenizer, **kwargs) -> CooccurrenceTable:
         """Open ``path`` checking it was counted with ``tokenizer`` (MismatchError if not)."""
-        from multitoken.pipeline.backbone import tokenizer_fingerprint
-
         return cls(path, fingerprint=tokenizer_fingerprint(tokenizer), **kwargs)
 
     @property

@@ -72,7 +72,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 # The width of the tiny models that quantized tests load. bitsandbytes' 4-bit kernel on CPUs with
 # AVX512-BF16 needs out_features % 32 == 0 and in_features % 64 == 0 for every Linear
-# (pipeline/quantization.py); 32-wide models fit only the other kernels. At 64 every Linear of
+# (pipeline/model/quantization.py); 32-wide models fit only the other kernels. At 64 every Linear of
 # both architectures fits: 64, 32 (GQA k/v), 192 and 256 (MLP) outputs on 64, 192, 256 inputs.
 QUANTIZABLE_HIDDEN = 64
 
@@ -93,6 +93,17 @@ def tiny_llama_q_dir(tmp_path_factory) -> Path:
 def tiny_model_dir(request, tiny_neox_dir, tiny_llama_dir) -> Path:
     """Both architectures, for tests that must hold for each."""
     return {"gpt_neox": tiny_neox_dir, "llama": tiny_llama_dir}[request.param]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_dir):
+    """Random 3-token replicated heads on the tiny Llama (eval, PPL_d and sweep tests)."""
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
+
+    torch.manual_seed(0)
+    bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
+    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
 
 
 @pytest.fixture(scope="session")

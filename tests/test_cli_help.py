@@ -59,9 +59,9 @@ def test_help_reads_in_plain_words(name):
 
 
 def test_value_lists_take_spaces_and_ranges():
-    from multitoken.pipeline.cliargs import dataclass_from_args
-    from multitoken.pipeline.evaluate import EvalConfig
-    from multitoken.pipeline.sweep import SweepConfig
+    from multitoken.pipeline.cli.args import dataclass_from_args
+    from multitoken.pipeline.eval.evaluate import EvalConfig
+    from multitoken.pipeline.eval.sweep import SweepConfig
     from multitoken.stats.job import BuildConfig
 
     for name, cls in (("eval", EvalConfig), ("sweep", SweepConfig)):
@@ -85,7 +85,7 @@ def test_bad_value_lists_are_usage_errors(token, capsys):
 
 
 def test_threads_on_every_command_that_runs_a_model():
-    from multitoken.pipeline.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE
+    from multitoken.pipeline.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE
 
     want = {"generate": THREADS_ONE_SEQUENCE, "sweep": THREADS_ONE_SEQUENCE,
             "train": THREADS_BATCHES, "eval": THREADS_BATCHES, "distill": THREADS_BATCHES}

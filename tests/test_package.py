@@ -82,3 +82,25 @@ def test_generate_rejects_bad_settings(capsys, argv, message):
 def test_generate_streams_a_story(capsys):
     assert main(["generate", "Once upon a time", "--greedy", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out.startswith("Once upon a time, there was a little girl")
+
+
+def test_public_names_where_users_look(tmp_path):
+    """The names the README uses import from the package roots, from any directory; the base
+    floor and the pipeline package import without torch (lazy exports)."""
+    probe = (
+        "import sys\n"
+        "import multitoken.pipeline, multitoken.pipeline.base.errors, multitoken.pipeline.base.config_io\n"
+        "print('torch' in sys.modules)\n"
+        "import multitoken.adapters as a\n"
+        "from multitoken.stats import CooccurrenceTable\n"
+        "from multitoken.decoding import generate, DecodeConfig\n"
+        "from multitoken.pipeline import load_backbone, MultiTokenModel, load_model, BackboneConfig\n"
+        "print(a.registered_heads(), sorted(a.registry._REGISTRY))\n"
+        "print(CooccurrenceTable.__module__, generate.__module__, MultiTokenModel.__module__, load_model.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "False"
+    assert lines[1] == str(["cp", "medusa", "replicated", "whs"]) + " " + str(["cp", "medusa", "replicated", "whs"])
+    assert lines[2].split() == ["multitoken.stats.table", "multitoken.decoding.loop",
+                                "multitoken.pipeline.model.model", "multitoken.pipeline.model.assets"]

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from multitoken.pipeline.model import LossOutput, MultiTokenModel
+from multitoken.pipeline.model.model import LossOutput, MultiTokenModel
 
 from .conftest import random_ids, small_config
 
@@ -98,3 +98,14 @@ def test_padding_is_ignored_by_the_loss(tiny_backbone, head_type):
     alone = model.compute_loss(ids[:, :8])
     for a, b in zip(padded.per_head, alone.per_head):
         torch.testing.assert_close(a, b)
+
+
+def test_declared_capabilities_match_the_methods(tiny_backbone, head_type):
+    """``hidden`` takes ``cache=``, and sequential drafting is declared on the class exactly when
+    the head has ``conditional_log_probs`` (what decoding's CP drafter calls)."""
+    import inspect
+
+    heads = _model(tiny_backbone, head_type).heads
+    assert "cache" in inspect.signature(type(heads).hidden).parameters
+    assert type(heads).supports_sequential_drafts == hasattr(heads, "conditional_log_probs")
+    assert type(heads).supports_sequential_drafts == (head_type == "cp")

@@ -12,8 +12,8 @@ import torch
 
 from multitoken.adapters.base import shifted_targets
 from multitoken.adapters.registry import make_config
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.model import MultiTokenModel
 
 VOCAB = 6
 
@@ -114,18 +114,6 @@ def test_balancing_losses(tiny_vocab_backbone):
     assert 0 < out.aux.item() < 0.5 and out.aux.requires_grad
     out.aux.backward()
     assert model.heads.mixture.bias.grad[0] > 0  # gradient pushes expert 1's weight down
-
-
-def test_sequential_sampling(tiny_vocab_backbone):
-    model = _cp(tiny_vocab_backbone, rank=3)
-    e = model.features(torch.tensor([[1, 2, 3]])).base[:, -1].expand(4, -1)
-    first = torch.tensor([0, 1, 2, 3])
-    tokens = model.heads.sample(e, first, generator=torch.Generator().manual_seed(0))
-    assert tokens.shape == (4, 3) and torch.equal(tokens[:, 0], first)
-    assert int(tokens.max()) < VOCAB
-    greedy = model.heads.sample(e, first, temperature=0)
-    expected = model.heads.conditional_log_probs(e, first[:, None]).argmax(-1)
-    assert torch.equal(greedy[:, 1], expected)
 
 
 def test_eval_metrics_report_head_accuracy(tiny_vocab_backbone):

@@ -10,7 +10,7 @@ import pytest
 
 from multitoken.adapters import registry
 from multitoken.adapters.registry import config_from_dict, get_head, make_config, register_head, registered_heads
-from multitoken.pipeline.errors import CheckpointError, UsageError
+from multitoken.pipeline.base.errors import CheckpointError, UsageError
 
 
 def test_builtin_types_are_registered():
@@ -54,7 +54,7 @@ def test_unknown_type_lists_the_registered_ones():
     assert all(name in str(err.value) for name in registered_heads())
 
 
-@pytest.mark.parametrize("head_type", ["cp", "medusa", "replicated", "whs"])
+@pytest.mark.parametrize("head_type", registered_heads())
 def test_configs_round_trip_through_json(head_type):
     config = make_config(head_type, n_future=4)
     record = json.loads(json.dumps(dataclasses.asdict(config)))
@@ -69,7 +69,7 @@ def test_saved_config_errors_are_checkpoint_errors():
         config_from_dict({"head_type": "medusa", "n_future": 3, "rank": 2})
 
 
-@pytest.mark.parametrize("head_type", ["cp", "medusa", "replicated", "whs"])
+@pytest.mark.parametrize("head_type", registered_heads())
 @pytest.mark.parametrize("n", [0, -2, 1.5])
 def test_every_type_rejects_a_bad_n_future(head_type, n):
     with pytest.raises(UsageError, match="n_future must be an integer >= 1"):

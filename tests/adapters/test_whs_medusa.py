@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from multitoken.adapters.registry import make_config
-from multitoken.pipeline.errors import UsageError
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.model.model import MultiTokenModel
 
 from .conftest import random_ids
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS  # noqa: E402
-from multitoken.pipeline.errors import MultitokenError  # noqa: E402
+from multitoken.pipeline.base.errors import MultitokenError  # noqa: E402
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -78,7 +78,7 @@ def _damage(root: Path, data) -> None:
 
 @pytest.fixture(scope="module")
 def backbone():
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
     from multitoken.pipeline.embedded import DEFAULT_BASE
 
     return load_backbone(BackboneConfig(base=str(DEFAULT_BASE)))
@@ -105,7 +105,7 @@ def test_a_damaged_stats_dir_loads_or_fails_cleanly(tmp_path_factory, data):
 def test_a_damaged_heads_dir_loads_or_fails_cleanly(tmp_path_factory, backbone, data):
     import torch
 
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     root = Path(shutil.copytree(EMBEDDED_HEADS, tmp_path_factory.mktemp("h") / "H"))
     _damage(root, data)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from test_bad_inputs import phrase_corpus, run_cli
 
-from multitoken.pipeline.atomic import atomic_dir, lock_file
+from multitoken.pipeline.base.atomic import atomic_dir, lock_file
 from multitoken.pipeline.embedded import EMBEDDED_STATS
-from multitoken.pipeline.errors import UsageError
-from multitoken.pipeline.outputs import prepare_output
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import prepare_output
 
 
 def _leftovers(root: Path) -> list[Path]:
@@ -68,7 +68,7 @@ def test_new_output_dirs_follow_the_umask(tmp_path):
 
 
 def test_a_full_or_read_only_disk_fails_before_any_work(tmp_path, monkeypatch):
-    import multitoken.pipeline.outputs as outputs
+    import multitoken.pipeline.base.outputs as outputs
 
     class Full:
         f_bavail, f_frsize = 3, 4096
@@ -131,7 +131,7 @@ def test_merge_overwrite_replaces_only_our_arrays(corpus, tmp_path):
 
 
 def test_an_interrupted_assembly_leaves_no_temp_file_and_reruns(corpus, tmp_path, monkeypatch):
-    from multitoken.pipeline.data import DataConfig
+    from multitoken.pipeline.base.data import DataConfig
     from multitoken.stats import merge
     from multitoken.stats.job import BuildConfig, build
 

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.decoding.proposal import Drafts
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.model import MultiTokenModel
 
 from .conftest import RatioTable, attach
 

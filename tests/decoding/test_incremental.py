@@ -8,7 +8,7 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
 from .conftest import attach
 

@@ -13,9 +13,9 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from multitoken.pipeline.data import DataConfig
-from multitoken.pipeline.train import Dist, init_distributed, load_model, train
-from multitoken.pipeline.trainer_config import TrainConfig
+from multitoken.pipeline.base.data import DataConfig
+from multitoken.pipeline.train.train import Dist, init_distributed, load_trainable_model, train
+from multitoken.pipeline.train.trainer_config import TrainConfig
 
 
 def run(heads: str, data: str, out: str, dump: str, mode: str, batch: str, accum: str = "1") -> None:
@@ -25,7 +25,7 @@ def run(heads: str, data: str, out: str, dump: str, mode: str, batch: str, accum
                       progress=False, seed=0)
     torch.manual_seed(cfg.seed)
     dist = init_distributed(cfg) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else Dist()
-    model = load_model(cfg, dist)
+    model = load_trainable_model(cfg, dist)
     train(cfg, DataConfig(data=data), model=model)
     state = {n: p.detach().contiguous() for n, p in model.named_parameters() if "lora_" in n or n.startswith("heads.")}
     save_file(state, f"{dump}-rank{dist.rank}.safetensors")

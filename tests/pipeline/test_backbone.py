@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from multitoken.pipeline.backbone import (
-    ARCHITECTURES, BackboneConfig, LoraSpec, fingerprints_match, load_backbone, tokenizer_fingerprint,
+from multitoken.pipeline.model.backbone import (
+    ARCHITECTURES, BackboneConfig, LoraSpec, fingerprints_match, load_backbone,
 )
-from multitoken.pipeline.errors import CheckpointError, UnsupportedModelError, UsageError
+from multitoken.pipeline.base.tokenizer import tokenizer_fingerprint
+from multitoken.pipeline.base.errors import CheckpointError, UnsupportedModelError, UsageError
 
 
 def test_generic_access_reproduces_the_model(tiny_model_dir):
@@ -80,7 +81,7 @@ def test_dtype_and_fingerprint(tiny_neox_dir, tiny_llama_dir):
 
 
 def test_tokenizer_fingerprint_tells_tokenizers_apart(tiny_neox_dir, pythia_mini_dir, stories_dir):
-    from multitoken.pipeline.backbone import load_tokenizer
+    from multitoken.pipeline.base.tokenizer import load_tokenizer
 
     neox = tokenizer_fingerprint(load_tokenizer(str(tiny_neox_dir)))
     assert neox == tokenizer_fingerprint(load_tokenizer(str(pythia_mini_dir)))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multitoken.pipeline.quantization import fits_4bit, packed_cpu_4bit, plan
+from multitoken.pipeline.model.quantization import fits_4bit, packed_cpu_4bit, plan
 
 # The Hub as seen from a machine without network: nothing listens on port 9 of this machine, so
 # the probe is refused at once, on every machine, with or without network.
@@ -155,7 +155,7 @@ def test_quantized_test_models_fit_every_kernel(tiny_neox_q_dir, tiny_llama_q_di
 
 
 def test_partially_quantized_backbone_matches_its_plan_and_runs(stories_dir):
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
     bb = load_backbone(BackboneConfig(base=str(stories_dir), quantization="4bit"))
     expected = plan(_config(stories_dir), "4bit", "cpu")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from multitoken.pipeline.cli import main
-from multitoken.pipeline.model import MultiTokenModel
+from multitoken.pipeline.model.model import MultiTokenModel
 
 
 def _snapshot(path):

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.cli import main
-from multitoken.pipeline.data import DataConfig, iter_documents
-from multitoken.pipeline.distill import DistillConfig, distill
-from multitoken.pipeline.errors import UsageError
+from multitoken.pipeline.base.data import DataConfig, iter_documents
+from multitoken.pipeline.train.distill import DistillConfig, distill
+from multitoken.pipeline.base.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_distill_is_seeded(stories, tmp_path):
 def test_failure_leaves_existing_file_untouched(stories, tmp_path, monkeypatch):
     out = tmp_path / "d.jsonl"
     out.write_text("old\n")
-    import multitoken.pipeline.distill as mod
+    import multitoken.pipeline.train.distill as mod
 
     calls = {"n": 0}
     real = mod.sample_batch

@@ -15,7 +15,7 @@ HEADS = EMBEDDED_DIR / "stories260K-heads"
 
 @pytest.fixture(scope="module")
 def model():
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     return MultiTokenModel.from_pretrained(None, HEADS)  # base named "embedded:stories260K" in the dir
 
@@ -30,8 +30,8 @@ def test_shipped_heads_are_small_and_name_the_packaged_base(model):
 def test_shipped_heads_predict_fresh_samples_of_the_base(model, stories_dir, tmp_path):
     """Accuracy on new self-samples (another seed than the build's corpora): head 2 must be
     far better than chance, and head 1 is exactly the base model."""
-    from multitoken.pipeline.distill import DistillConfig, distill
-    from multitoken.pipeline.train import evaluate
+    from multitoken.pipeline.train.distill import DistillConfig, distill
+    from multitoken.pipeline.train.train import evaluate
 
     out = tmp_path / "fresh.jsonl"
     distill(model.backbone, DistillConfig(num_tokens=4 * 128, out=str(out), batch_size=4, max_new_tokens=128, seed=123, progress=False, format="ids"))

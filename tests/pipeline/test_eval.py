@@ -7,21 +7,14 @@ import sys
 
 import pytest
 import torch
+from eval_reference import target_logprobs, topk_hits
 
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.data import DataConfig
-from multitoken.pipeline.evaluate import EvalConfig, HeadAccumulator, evaluate
-from multitoken.pipeline.headscores import score_head
-from multitoken.pipeline.lens import lens_kl_sums
-from multitoken.pipeline.marginal import marginal_second_token
-from multitoken.pipeline.model import MultiTokenModel
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_dir):
-    torch.manual_seed(0)
-    bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
-    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
+from multitoken.pipeline.base.data import DataConfig
+from multitoken.pipeline.eval.evaluate import EvalConfig, HeadAccumulator, evaluate
+from multitoken.pipeline.eval.headscores import score_head
+from multitoken.pipeline.eval.lens import lens_kl_sums
+from multitoken.pipeline.eval.marginal import marginal_second_token
+from multitoken.pipeline.model.model import MultiTokenModel
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +141,6 @@ def test_eval_progress_bars_go_to_a_terminal_stderr_only(tiny_model, tmp_path, m
 
 @pytest.mark.parametrize("head_type", ["replicated", "cp"])
 def test_score_head_matches_full_log_probs(tiny_model, ids, head_type):
-    from multitoken.pipeline.metrics import target_logprobs, topk_hits
-
     model = tiny_model if head_type == "replicated" else MultiTokenModel.attach(
         tiny_model.backbone, {"head_type": "cp", "n_future": 2, "rank": 2})
     feats = model.features(ids)

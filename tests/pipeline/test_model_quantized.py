@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from multitoken.adapters.registry import make_config
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.model import MultiTokenModel
-from multitoken.pipeline.quantization import packed_cpu_4bit
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.model.quantization import packed_cpu_4bit
 
 # How far head 2 (a float copy of the final layer) may sit from head 1 (that layer quantized), in
 # log-probabilities. Both use the same dequantized weights, so only the kernels' arithmetic

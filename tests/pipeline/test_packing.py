@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from multitoken.pipeline.data import DataConfig
-from multitoken.pipeline.errors import DataError
-from multitoken.pipeline.packing import PackedStream, PackPosition
+from multitoken.pipeline.base.data import DataConfig
+from multitoken.pipeline.base.errors import DataError
+from multitoken.pipeline.base.packing import PackedStream, PackPosition
 
 EOS = 0
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from multitoken.pipeline.speedup import (
-    acceptance_from_tokens, expected_tokens, operations_factor, speedup_table, walltime_improvement,
+from multitoken.pipeline.eval.speedup import (
+    acceptance_from_tokens, expected_tokens, operations_factor, speedup_row, walltime_improvement,
 )
 
 # (a, g) -> (operations, speed) as printed in the speculative-decoding notes, Table 1.
@@ -14,11 +14,10 @@ SEED_TABLE = {
 
 
 def test_reproduces_seed_table():
-    rows = speedup_table(list(SEED_TABLE))
-    for row in rows:
-        ops, speed = SEED_TABLE[(row["a"], row["g"])]
-        assert round(row["speed"], 2) == speed
-        assert round(row["operations"], 2) == ops
+    for (a, g), (ops, speed) in SEED_TABLE.items():
+        row = speedup_row(a, g)
+        assert round(row.speed, 2) == speed
+        assert round(row.operations, 2) == ops
 
 
 def test_hand_values_and_limits():
@@ -35,7 +34,7 @@ def test_hand_values_and_limits():
 
 
 def test_theory_from_measured_tokens():
-    from multitoken.pipeline.speedup import theory_from_tokens
+    from multitoken.pipeline.eval.speedup import theory_from_tokens
 
     row = theory_from_tokens(1.75, 2, c=0.1)  # a = 0.5 gives 1.75 tokens per step
     assert row["a"] == pytest.approx(0.5, abs=1e-8)

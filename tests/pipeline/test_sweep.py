@@ -5,20 +5,11 @@ import json
 import pytest
 import torch
 
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.errors import UsageError
-from multitoken.pipeline.model import MultiTokenModel
-from multitoken.pipeline.sweep import (
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.eval.sweep import (
     TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, decode_configs, parse_grid, quality_vs_ar, read_prompts,
     run_hf_sample, same_quality, sweep,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_dir):
-    torch.manual_seed(0)
-    bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
-    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
 
 
 def test_parse_grid_lists_and_ranges():
@@ -157,7 +148,7 @@ def test_ablations_add_one_curve_each(tiny_model):
 
 
 def test_ar_reference_timing_is_the_mean_of_its_two_runs():
-    from multitoken.pipeline.sweep import _average_timing
+    from multitoken.pipeline.eval.sweep import _average_timing
 
     a = {"nll": 1.0, "sec_per_token": 0.010, "cpu_per_token": 0.008}
     b = {"nll": 1.0, "sec_per_token": 0.030, "cpu_per_token": 0.010}

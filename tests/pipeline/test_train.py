@@ -9,10 +9,11 @@ import torch
 from train_helpers import corpus, heads_dir  # noqa: F401 (shared fixtures)
 from train_helpers import head_state, load_trained, make_heads_dir, train_cfg
 
-from multitoken.pipeline import train as train_mod
-from multitoken.pipeline.data import DataConfig
-from multitoken.pipeline.errors import DataError
-from multitoken.pipeline.train import train
+from multitoken.pipeline.train import train as train_mod
+from multitoken.adapters.registry import registered_heads
+from multitoken.pipeline.base.data import DataConfig
+from multitoken.pipeline.base.errors import DataError
+from multitoken.pipeline.train.train import train
 
 
 def _base_weights(model) -> dict[str, torch.Tensor]:
@@ -45,7 +46,7 @@ def test_heads_only_training_lowers_the_loss_and_leaves_the_base_alone(stories_d
 
 def test_backbone_pass_runs_without_autograd_in_heads_mode(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):
     seen = []
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     real = MultiTokenModel.features
 
@@ -128,7 +129,7 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_llama_dir, heads_dir, corpu
 
 
 def test_time_based_checkpoints_come_first_and_resume(tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):
-    from multitoken.pipeline.checkpoint import list_checkpoints
+    from multitoken.pipeline.train.checkpoint import list_checkpoints
 
     data = DataConfig(data=str(corpus))
     # the step-based checkpoint would come at step 500; a tiny time interval saves after every step
@@ -156,14 +157,14 @@ def test_time_based_checkpoints_come_first_and_resume(tiny_llama_dir, heads_dir,
 
 
 def test_no_time_based_checkpoint_when_off(heads_dir, corpus, tmp_path):
-    from multitoken.pipeline.checkpoint import list_checkpoints
+    from multitoken.pipeline.train.checkpoint import list_checkpoints
 
     train(train_cfg(heads_dir, tmp_path / "o", max_steps=3, save_every=500, save_every_minutes=0), DataConfig(data=str(corpus)))
     assert [p.name for p in list_checkpoints(tmp_path / "o.checkpoints")] == ["step-00000003"]  # the final one only
 
 
 def test_existing_checkpoints_need_resume(heads_dir, corpus, tmp_path):
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.errors import UsageError
 
     data = DataConfig(data=str(corpus))
     train(train_cfg(heads_dir, tmp_path / "o", max_steps=1), data)
@@ -183,7 +184,7 @@ def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_di
     with pytest.raises(DataError):
         train(train_cfg(heads_dir, out, max_steps=1, checkpoint_dir=str(tmp_path / "c1")), DataConfig(data=str(bad)))
 
-    from multitoken.pipeline import heads_io
+    from multitoken.pipeline.model import heads_io
 
     def broken_write(model, d):  # fails half-way through writing the staged heads dir
         (d / "heads.safetensors").write_bytes(b"partial")
@@ -198,7 +199,7 @@ def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_di
 
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
 def test_heads_train_on_a_quantized_backbone(tiny_llama_q_dir, corpus, tmp_path, quantization):
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     heads_dir = make_heads_dir(tiny_llama_q_dir, tmp_path / "heads")  # a width every CPU kernel takes
     out = tmp_path / "q"
@@ -210,10 +211,10 @@ def test_heads_train_on_a_quantized_backbone(tiny_llama_q_dir, corpus, tmp_path,
     assert all(v.dtype == torch.float32 for v in head_state(after).values())  # heads stay in full precision
 
 
-@pytest.mark.parametrize("head_type", ["replicated", "whs", "medusa", "cp"])
+@pytest.mark.parametrize("head_type", registered_heads())
 def test_every_head_type_trains(tiny_llama_dir, corpus, tmp_path, head_type, monkeypatch):
     """Two steps per registered type; CP's aux balancing loss enters with its weight."""
-    from multitoken.pipeline import optim
+    from multitoken.pipeline.train import optim
 
     heads = make_heads_dir(tiny_llama_dir, tmp_path / "h", head_type=head_type, **({"rank": 2} if head_type == "cp" else {}))
     seen_aux = []
@@ -233,7 +234,7 @@ def test_every_head_type_trains(tiny_llama_dir, corpus, tmp_path, head_type, mon
 def test_dynamo_run_trains_head1_and_keeps_it(tiny_llama_dir, heads_dir, corpus, tmp_path):
     """DynaMo rates with head 1's final layer trained at LR_B: the trained layer is saved, and
     continuing without --train-base-head is refused rather than silently dropping it."""
-    from multitoken.pipeline.errors import UsageError
+    from multitoken.pipeline.base.errors import UsageError
 
     data = DataConfig(data=str(corpus))
     dynamo = dict(mode="joint", lr_b=1e-3, lr_m=1e-2, lr_mb=1e-4, train_base_head=True, max_steps=2)

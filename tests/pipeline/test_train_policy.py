@@ -9,9 +9,9 @@ import torch
 from train_helpers import make_heads_dir, train_cfg
 
 from multitoken.adapters.base import LossOutput
-from multitoken.pipeline import optim
-from multitoken.pipeline.errors import UsageError
-from multitoken.pipeline.trainer_config import validate
+from multitoken.pipeline.train import optim
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.train.trainer_config import validate
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +20,8 @@ def heads_dir(tiny_llama_dir, tmp_path_factory):
 
 
 def _model(tiny_llama_dir, heads_dir, lora: bool):
-    from multitoken.pipeline.backbone import BackboneConfig, LoraSpec, load_backbone
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(0)
     bb = load_backbone(BackboneConfig(base=str(tiny_llama_dir)), lora=LoraSpec() if lora else None, trainable_lora=lora)

@@ -24,8 +24,8 @@ def phrase_corpus(path: Path, docs: int = 60, seed: int = 0) -> Path:
 
 
 def make_heads_dir(base: Path, out: Path, n: int = 3, head_type: str = "replicated", seed: int = 0, **options) -> Path:
-    from multitoken.pipeline.backbone import BackboneConfig, load_backbone
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(seed)
     backbone = load_backbone(BackboneConfig(base=str(base)))
@@ -34,13 +34,13 @@ def make_heads_dir(base: Path, out: Path, n: int = 3, head_type: str = "replicat
 
 
 def load_trained(base: Path, heads_dir: Path):
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
 
     return MultiTokenModel.from_pretrained(str(base), heads_dir)
 
 
 def train_cfg(heads: Path, out: Path, **kw):
-    from multitoken.pipeline.trainer_config import TrainConfig
+    from multitoken.pipeline.train.trainer_config import TrainConfig
 
     defaults = dict(heads=str(heads), out=str(out), max_steps=6, seq_len=32, batch_size=4, lr=5e-3,
                     eval_every=0, eval_batches=1, save_every=0, progress=False)

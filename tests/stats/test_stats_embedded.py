@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from multitoken.pipeline.backbone import load_tokenizer
-from multitoken.pipeline.errors import MismatchError
+from multitoken.pipeline.base.tokenizer import load_tokenizer
+from multitoken.pipeline.base.errors import MismatchError
 from multitoken.pipeline.embedded import EMBEDDED_STATS
 from multitoken.stats.table import CooccurrenceTable
 from multitoken.stats.info import summary

@@ -9,8 +9,8 @@ import tracemalloc
 import pytest
 from stats_helpers import PYTHIA_TOKENIZER, arrays_equal, build_ids, write_jsonl_ids, zipf_docs
 
-from multitoken.pipeline.data import DataConfig
-from multitoken.pipeline.errors import UsageError
+from multitoken.pipeline.base.data import DataConfig
+from multitoken.pipeline.base.errors import UsageError
 from multitoken.stats.job import BuildConfig, check_coverage, make_job, merge, write_stats
 from multitoken.stats.shard import count_shard, list_runs, shard_dir
 
@@ -88,7 +88,7 @@ def test_cli_build_info_and_errors(tmp_path, corpus, capsys):
 
 
 def test_empty_corpus_is_a_clear_error(tmp_path):
-    from multitoken.pipeline.errors import DataError
+    from multitoken.pipeline.base.errors import DataError
 
     data = write_jsonl_ids(tmp_path / "empty.jsonl", [[], []])
     with pytest.raises(DataError, match="no tokens"):

@@ -1,0 +1,71 @@
+"""What decoding reads of a model: the methods and attributes ``generate`` and the proposals use.
+
+Decoding stands below the pipeline (DESIGN.md floors), so it never imports the model class; any
+object with this shape decodes. ``multitoken.pipeline.MultiTokenModel`` is the one the package
+ships (its ``step`` lives in ``pipeline/model/incremental.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Caches(Protocol):
+    """KV caches of one decoding run (backbone + head layers)."""
+
+    def crop(self, remove: int) -> None:
+        """Forget the last ``remove`` positions (rejected drafts)."""
+
+
+@runtime_checkable
+class StepResult(Protocol):
+    """One forward pass over the new tokens; distributions are computed on demand."""
+
+    first: int  # the first position with logits
+    model_s: float  # seconds spent in model computations (counted as model time)
+
+    def base_logits(self) -> torch.Tensor:
+        """Base (head 1) logits after positions first..T-1 # [B, T - first, V]."""
+
+    def base_log_probs(self) -> torch.Tensor:
+        """Base log-distribution # [B, T - first, V] float32."""
+
+    def head_log_probs(self, index: int, pos: int) -> torch.Tensor:
+        """Head ``index``'s log-distribution at position ``pos`` # [B, V] float32."""
+
+    def anchor_hidden(self, pos: int) -> torch.Tensor:
+        """The heads' input at ``pos`` # [B, H] (CP's sequential drafts condition on it)."""
+
+
+@runtime_checkable
+class Backbone(Protocol):
+    tokenizer: Any  # decode ids to text, eos
+    config: Any  # transformers config: max_position_embeddings, eos_token_id
+    causal_lm: Any  # its generation_config supplies sampling defaults
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+@runtime_checkable
+class DecodingModel(Protocol):
+    """A base model with multi-token heads, as ``generate`` drives it."""
+
+    backbone: Backbone
+    heads: Any  # a HeadAdapter: ``config.head_type``; CP heads add ``conditional_log_probs``
+
+    @property
+    def n_future(self) -> int: ...
+
+    def new_caches(self) -> Caches:
+        """Empty caches for one run."""
+
+    def step(self, new_ids: torch.Tensor, caches: Caches, heads_upto: int | None = None,
+             read_from: int = 0) -> StepResult:
+        """Feed ``new_ids`` # [B, T_new]; extend ``caches``; return the pass's outputs."""

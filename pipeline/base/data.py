@@ -1,0 +1,314 @@
+"""Read corpora as documents of token ids, the same way for training, stats and evaluation.
+
+A data spec is a local file, a directory or glob of files (``.jsonl``, ``.jsonl.zst``,
+``.parquet``, ``.txt``), or a Hugging Face Hub dataset id (read with ``streaming=True``).
+Rows carry either text (tokenized here) or token ids already (e.g. the Pile sample
+``EleutherAI/pile-deduped-pythia-random-sampled``). A ``.txt`` file is one document.
+
+Documents are numbered in one deterministic order, so that a job can be split into shards
+(``shard=(i, n)`` takes documents ``i, i+n, ...``) and resumed from a document index.
+
+Local folders have splits as on the Hub (``datasets``' conventions): a file belongs to the
+split whose keyword its folder names, or else its file name, contain as a word (``train`` /
+``training``; ``validation`` / ``valid`` / ``val`` / ``dev``; ``test`` / ``testing`` / ``eval``
+/ ``evaluation``), e.g. ``train_00.jsonl``, ``val.jsonl``, ``data/test/part-1.parquet``. A
+folder without such names, a single file or a glob is all ``train``: another ``--split`` is
+refused. A ``X.jsonl`` beside ``X.jsonl.zst`` is the same content: the ``.zst`` is read (the
+file as published; its frames reveal a truncated copy, which a decompressed one may be) and
+the ``.jsonl`` is skipped, which ``describe_files`` reports.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from multitoken.pipeline.base.errors import DataError, UsageError
+
+ID_COLUMNS = ("input_ids", "token_ids", "tokens", "ids")
+TEXT_COLUMNS = ("text", "content")
+SUFFIXES = (".jsonl.zst", ".jsonl", ".json", ".parquet", ".txt")
+TOKENIZE_BATCH = 256
+# datasets' split keywords (data_files.py): a keyword counts as a word bounded by these characters
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_SEP = r"[-._ 0-9]"
+
+
+@dataclass
+class DataConfig:
+    """Where the corpus comes from. Drives the ``--data/--split/--column`` flags."""
+
+    data: str = field(default="", metadata={"help": "local file, directory or glob (jsonl, jsonl.zst, parquet, txt) or a Hub dataset id"})
+    split: str = field(default="train", metadata={"help": "dataset split: train, validation or test (local folders: files or folders named so, as on the Hub)"})
+    column: str | None = field(default=None, metadata={"help": f"text or token-id column (default: the first of {', '.join(ID_COLUMNS + TEXT_COLUMNS)} present)"})
+    max_tokens: int | None = field(default=None, metadata={"help": "stop after this many tokens"})
+
+
+def _suffix(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((s for s in SUFFIXES if name.endswith(s)), None)
+
+
+@dataclass
+class LocalFiles:
+    """The local files a data spec reads, after split selection and de-duplication."""
+
+    files: list[Path]  # read, in this order
+    skipped: list[tuple[Path, Path]] = field(default_factory=list)  # (not read, same content as)
+    split: str | None = None  # the split selected in a folder with splits, None: no splits
+
+
+def _split_of(name: str) -> str | None:
+    """The split whose keyword ``name`` (a file or folder name) holds as a word, if any."""
+    for split, words in SPLIT_KEYWORDS.items():
+        if any(re.search(rf"(^|{_SEP}){w}({_SEP}|$)", name) for w in words):
+            return split
+    return None
+
+
+def canonical_split(split: str) -> str:
+    """``val`` -> ``validation`` etc.; slicing (``train[:10%]``) is a Hub feature only."""
+    if "[" in split:
+        raise UsageError(f"--split {split!r}: slicing a split works only for Hub datasets",
+                         "pass the split name alone (train, validation or test), and --max-tokens to read less")
+    return next((s for s, words in SPLIT_KEYWORDS.items() if split == s or split in words), split)
+
+
+def _select_split(root: Path, files: list[Path], split: str, spec: str) -> tuple[list[Path], str | None]:
+    """The files of ``split`` in the folder ``root``: folder names decide when any names a
+    split, else file names, as ``datasets`` does; no names at all: everything is train."""
+    rel = [f.relative_to(root) for f in files]
+    by_dir = [next((s for s in map(_split_of, r.parts[:-1]) if s), None) for r in rel]
+    splits = by_dir if any(by_dir) else [_split_of(r.name) for r in rel]
+    want = canonical_split(split)
+    if not any(splits):
+        if want != "train":
+            raise UsageError(f"--split {split}: {spec!r} has no splits (no file or folder named train, validation or test), "
+                             "so all of it is the train split", "drop --split, or point --data at the files you want")
+        return files, None
+    chosen = [f for f, s in zip(files, splits) if s == want]
+    if not chosen:
+        found = ", ".join(sorted({s for s in splits if s}))
+        raise UsageError(f"{spec!r} has no {want} split (it has: {found})", f"pass --split with one of: {found}")
+    return chosen, want
+
+
+def _dedupe(files: list[Path]) -> tuple[list[Path], list[tuple[Path, Path]]]:
+    """Drop ``X.jsonl`` when ``X.jsonl.zst`` is read too: the same documents twice."""
+    present = set(files)
+    skipped = [(f, f.with_name(f.name + ".zst")) for f in files if f.with_name(f.name + ".zst") in present]
+    gone = {f for f, _ in skipped}
+    return [f for f in files if f not in gone], skipped
+
+
+def local_files(cfg: DataConfig) -> LocalFiles | None:
+    """The local files ``cfg`` reads (sorted, split selected, de-duplicated), or None when
+    ``cfg.data`` is not local (a Hub id)."""
+    spec = cfg.data
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and _suffix(f))
+        if not files:
+            raise DataError(f"directory {spec!r} holds no {', '.join(SUFFIXES)} files", "point --data at the data files")
+        files, split = _select_split(p, files, cfg.split, spec)
+    elif p.is_file():
+        if not _suffix(p):
+            raise DataError(f"unsupported file type: {spec!r}", f"use one of {', '.join(SUFFIXES)}")
+        files, split = [p], None
+    elif any(ch in spec for ch in "*?["):
+        files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if _suffix(Path(f)))
+        if not files:
+            raise DataError(f"glob {spec!r} matches no data files", "check the pattern")
+        split = None
+    else:
+        return None
+    if split is None and canonical_split(cfg.split) != "train":
+        raise UsageError(f"--split {cfg.split}: {spec!r} names files, which have no splits (all of it is the train split)",
+                         "drop --split, or point --data at the files you want")
+    files, skipped = _dedupe(files)
+    return LocalFiles(files, skipped, split)
+
+
+def resolve_files(spec: str) -> list[Path] | None:
+    """Local files named by ``spec`` (train split, de-duplicated), or None if ``spec`` is not local."""
+    found = local_files(DataConfig(data=spec))
+    return None if found is None else found.files
+
+
+def describe_files(cfg: DataConfig) -> tuple[list[str] | None, list[str]]:
+    """(the files read, as strings, or None for a Hub dataset; lines saying so, for stderr)."""
+    found = local_files(cfg)
+    if found is None:
+        return None, [f"data: Hub dataset {cfg.data!r}, split {cfg.split!r}"]
+    split = f"split {found.split!r}: " if found.split else ""
+    lines = [f"data: {split}reading {len(found.files)} file{'s' if len(found.files) != 1 else ''}"]
+    lines += [f"  {f}" for f in found.files]
+    lines += [f"data: skipped {skip} (same content as {kept})" for skip, kept in found.skipped]
+    return [str(f) for f in found.files], lines
+
+
+def _iter_jsonl(fh: io.TextIOBase, name: str) -> Iterator[dict]:
+    for lineno, line in enumerate(fh, 1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{name}:{lineno}: not valid JSON ({err.msg})", "each line must be one JSON object") from err
+
+
+def _iter_file_rows(path: Path) -> Iterator[dict]:
+    kind = _suffix(path)
+    if kind == ".txt":
+        yield {"text": path.read_text(encoding="utf-8")}
+    elif kind in (".jsonl", ".json"):
+        with open(path, encoding="utf-8") as fh:
+            yield from _iter_jsonl(fh, str(path))
+    elif kind == ".jsonl.zst":
+        import zstandard
+
+        with open(path, "rb") as raw:
+            reader = zstandard.ZstdDecompressor().stream_reader(raw)
+            try:
+                yield from _iter_jsonl(io.TextIOWrapper(reader, encoding="utf-8"), str(path))
+            except zstandard.ZstdError as err:
+                raise DataError(f"{path}: corrupt zstd stream ({err})", "re-download or re-compress the file") from err
+    elif kind == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as err:  # pyarrow raises several unrelated types for bad files
+            raise DataError(f"{path}: unreadable parquet file ({err})") from err
+        for batch in pf.iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+
+
+def iter_rows(cfg: DataConfig) -> Iterator[dict]:
+    """Raw rows (dicts) of the corpus, in a deterministic order."""
+    if not cfg.data:
+        raise UsageError("no data given", "pass --data FILE|DIR|GLOB|HUB_ID")
+    found = local_files(cfg)
+    if found is not None:
+        for f in found.files:
+            yield from _iter_file_rows(f)
+        return
+    yield from _iter_hub_rows(cfg)
+
+
+def _iter_hub_rows(cfg: DataConfig) -> Iterator[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.data, split=cfg.split, streaming=True)
+    except (FileNotFoundError, ValueError, ConnectionError, OSError) as err:
+        raise DataError(
+            f"{cfg.data!r} is not a local path and could not be opened as a Hub dataset ({type(err).__name__}: {err})",
+            "check the path or dataset id; without network access, download the data and pass its local path",
+        ) from err
+    yield from ds
+
+
+def pick_column(row: dict, column: str | None) -> tuple[str, bool]:
+    """(column name, holds token ids?) for a row, auto-detected unless ``column`` is given."""
+    if column is not None:
+        if column not in row:
+            raise DataError(f"column {column!r} not found; the data has columns {sorted(row)}", "pass --column with one of those")
+        value = row[column]
+        return column, not isinstance(value, str)
+    for c in ID_COLUMNS:
+        if c in row:
+            return c, True
+    for c in TEXT_COLUMNS:
+        if c in row:
+            return c, False
+    raise DataError(
+        f"no text or token-id column found; the data has columns {sorted(row)}",
+        f"pass --column NAME (looked for {', '.join(ID_COLUMNS + TEXT_COLUMNS)})",
+    )
+
+
+def _as_ids(value, vocab_size: int | None, where: str) -> np.ndarray:
+    ids = np.asarray(value)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise DataError(f"{where}: token-id column must hold a flat list of integers", "pass the text column with --column instead")
+    ids = ids.astype(np.int64, copy=False)
+    if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+        raise DataError(
+            f"{where}: token ids outside the vocabulary [0, {vocab_size}) (min {ids.min()}, max {ids.max()})",
+            "the ids were made by another tokenizer; pass the matching --tokenizer",
+        )
+    return ids
+
+
+def _documents(cfg: DataConfig, tokenizer, vocab_size: int | None, shard: tuple[int, int], start: int):
+    index, count = shard
+    column: tuple[str, bool] | None = None
+    pending: list[tuple[int, str]] = []
+    seen = False
+
+    def flush():
+        encoded = tokenizer([t for _, t in pending], add_special_tokens=False)["input_ids"]
+        out = [(i, np.asarray(e, dtype=np.int64)) for (i, _), e in zip(pending, encoded)]
+        pending.clear()
+        return out
+
+    for doc_index, row in enumerate(iter_rows(cfg)):
+        seen = True
+        if doc_index < start or doc_index % count != index:
+            continue
+        column = column or pick_column(row, cfg.column)
+        name, is_ids = column
+        if name not in row:
+            raise DataError(f"row {doc_index} has no column {name!r} (columns: {sorted(row)})")
+        if is_ids:
+            yield doc_index, _as_ids(row[name], vocab_size, f"row {doc_index}")
+            continue
+        if tokenizer is None:
+            raise UsageError("the data holds text but no tokenizer was given", "pass --tokenizer (or --base)")
+        pending.append((doc_index, row[name] or ""))
+        if len(pending) >= TOKENIZE_BATCH:
+            yield from flush()
+    if pending:
+        yield from flush()
+    if not seen:
+        raise DataError(f"{cfg.data!r} holds no rows", "check the data spec and --split")
+
+
+def iter_documents(
+    cfg: DataConfig,
+    tokenizer=None,
+    *,
+    vocab_size: int | None = None,
+    shard: tuple[int, int] = (0, 1),
+    start: int = 0,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield ``(document index, token ids # [len])`` for this shard, from index ``start`` on.
+
+    Text is tokenized in batches without special tokens; id rows are checked against
+    ``vocab_size`` (default: the tokenizer's). ``cfg.max_tokens`` bounds the tokens yielded
+    (the last document is cut to fit).
+    """
+    if not 0 <= shard[0] < shard[1]:
+        raise UsageError(f"shard {shard[0]}/{shard[1]} does not exist", "use --shard I/N with 0 <= I < N")
+    if vocab_size is None and tokenizer is not None:
+        vocab_size = len(tokenizer)
+    budget = cfg.max_tokens if cfg.max_tokens is not None else None
+    for doc_index, ids in _documents(cfg, tokenizer, vocab_size, shard, start):
+        if budget is not None:
+            if budget <= 0:
+                return
+            ids = ids[:budget]
+            budget -= len(ids)
+        yield doc_index, ids

@@ -1,0 +1,108 @@
+"""Where a base model comes from: a local directory, the local Hugging Face cache, or the Hub.
+
+Decided before transformers is asked, so that a mistyped path says "not found" at once and a
+Hub id without network fails in a fraction of a second instead of after huggingface_hub's 25 s
+of retries: a short connectivity probe first; when the Hub is unreachable, models already in
+the local cache load with ``local_files_only`` (no request at all), others fail with one line.
+When the Hub answers, loading takes transformers' ordinary path (downloads, revisions).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+from multitoken.pipeline.base.errors import CheckpointError
+
+# A Hub repo id: "name" or "owner/name" (letters, digits, '-', '_', '.'), never a path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+PROBE_TIMEOUT_S = 1.0  # connect timeout; the whole probe (DNS included) waits at most 1.5x this
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path by its spelling ('/', '.', '~' first, several '/', a backslash, not a Hub
+    id), or one whose first folder exists here (``runs/model`` beside a ``runs`` dir)."""
+    if name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or not HUB_ID.fullmatch(name):
+        return True
+    return "/" in name and Path(name.split("/")[0]).is_dir()
+
+
+def locate(name: str) -> tuple[str, dict]:
+    """``(what to pass to from_pretrained, its extra kwargs)`` for a base model or tokenizer.
+
+    Raises CheckpointError, without touching the network, for a path that does not exist, and
+    for a Hub id that is neither cached nor reachable.
+    """
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path), {}
+    if path.exists():
+        raise CheckpointError(f"{name!r} is a file, not a model directory",
+                              "pass the directory holding config.json and the *.safetensors weights")
+    if looks_like_path(name):
+        raise CheckpointError(f"{name!r} not found: no such directory",
+                              "check the path (--base takes a model directory, a Hub id such as EleutherAI/pythia-70m, or embedded:NAME)")
+    return name, _hub_kwargs(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_kwargs(repo_id: str) -> dict:
+    from huggingface_hub import constants
+
+    quiet_hub_retries()
+    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(constants.ENDPOINT)
+    if offline is None:
+        return {}
+    if _cached(repo_id):
+        return {"local_files_only": True}
+    raise CheckpointError(
+        f"{repo_id!r} is not a local directory, not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+        f"and the Hub is unreachable ({offline})",
+        "connect to the network to download it once, or pass the directory of a downloaded copy",
+    )
+
+
+def _cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+@functools.lru_cache(maxsize=None)
+def hub_unreachable(endpoint: str) -> str | None:
+    """None when a TCP connection to ``endpoint`` opens within the timeout, else why not.
+
+    Runs in a daemon thread so that a hanging DNS lookup (which ignores socket timeouts)
+    cannot hold the caller beyond 1.5 x PROBE_TIMEOUT_S. Through an HTTPS proxy, the proxy
+    is what must answer.
+    """
+    import socket
+    import urllib.request
+
+    url = urlparse(endpoint)
+    proxy = None if urllib.request.proxy_bypass(url.hostname or "") else urllib.request.getproxies().get(url.scheme)
+    target = urlparse(proxy if "://" in (proxy or "") else f"http://{proxy}") if proxy else url
+    host, port = target.hostname, target.port or (443 if target.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+            outcome.append(None)
+        except OSError as err:
+            outcome.append(f"{host}: {err.strerror or type(err).__name__}")
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(1.5 * PROBE_TIMEOUT_S)
+    return outcome[0] if outcome else f"{host}: no answer in {1.5 * PROBE_TIMEOUT_S:.1f} s"
+
+
+def quiet_hub_retries() -> None:
+    """huggingface_hub logs every retry of a failed request as a warning ("Retrying in 8s"):
+    noise for a CLI user, whose one error line says what failed."""
+    logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)

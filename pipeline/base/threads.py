@@ -1,0 +1,37 @@
+"""``--threads``: torch's CPU threads for the commands that run a model, and their defaults.
+
+The defaults live here, and only here. 0 means torch's own default (one thread per core, or
+OMP_NUM_THREADS). One sequence (``generate``, ``sweep``) is latency-bound: on our 2-core
+machine kind ``generate --greedy`` ran at 53-59 tokens/s with torch's default and 467-1000
+with one thread. Batches (``train``, ``eval``, ``distill``) do more work per op; their default
+stays torch's until measured. ``scripts/bench_threads.py`` measures both on a quiet machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+import torch
+from multitoken.pipeline.base.errors import UsageError
+
+THREADS_ONE_SEQUENCE = 1
+THREADS_BATCHES = 0
+_TORCH_THREADS = torch.get_num_threads()  # torch's default, read before anything changes it
+
+
+def threads_field(cli_default: int = THREADS_ONE_SEQUENCE):
+    """The ``--threads`` dataclass field, shared by every config that loads a model. Its value
+    is None (torch's setting left as it is) in library use; the command line defaults to
+    ``cli_default``."""
+    return field(default=None, metadata={
+        "help": "torch CPU threads for this process (0: torch's default, one per core)",
+        "cli_default": cli_default, "default_help": f"{cli_default}" if cli_default else "0, torch's default"})
+
+
+def set_threads(threads: int | None) -> None:
+    """Set torch's CPU threads for this process (0: torch's default; None: leave it as it is)."""
+    if threads is None:
+        return
+    if threads < 0:
+        raise UsageError(f"--threads must be >= 0, got {threads}", "pass 0 for torch's default (one per core)")
+    torch.set_num_threads(threads or _TORCH_THREADS)

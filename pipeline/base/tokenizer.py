@@ -1,0 +1,30 @@
+"""Load a base model's tokenizer (local dir, ``embedded:NAME`` or Hub id) and fingerprint it."""
+
+from __future__ import annotations
+
+import json
+
+from multitoken.pipeline.base.errors import CheckpointError
+from multitoken.pipeline.base.hub import locate
+from multitoken.pipeline.embedded import resolve_base
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    base, hub_kwargs = locate(resolve_base(str(path)))
+    try:
+        return AutoTokenizer.from_pretrained(base, **hub_kwargs)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(
+            f"could not load a tokenizer from {path!r}: {err}",
+            "the checkpoint needs tokenizer.json (or tokenizer.model) and tokenizer_config.json",
+        ) from err
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the token -> id map (special tokens included); equal iff ids mean the same."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()

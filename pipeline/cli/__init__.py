@@ -1,0 +1,150 @@
+"""The ``multitoken`` command line. Each subcommand lives in its own module exposing
+``register(subparsers)``; errors of the package family print without a traceback.
+
+The one place where first-party imports sit inside functions, each marked ``# lazy:``
+(tests/test_layers.py checks): the command table imports just the chosen command's module, and
+each command imports its heavy modules (torch, transformers) in ``register`` / ``run``, so
+``--help`` and a mistyped command answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from multitoken.pipeline.base.errors import MultitokenError
+from multitoken.pipeline.cli.args import add_dataclass_args
+
+# Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
+# --help order. Only the chosen command's module is imported: most import torch (~2 s), which
+# ``multitoken --help`` and a mistyped command should not wait for.
+COMMANDS = {
+    "generate": ("multitoken.pipeline.cli.cmd_generate", "generate text from a prompt with multi-token decoding (default: the embedded model)"),
+    "convert-llama2c": ("multitoken.pipeline.cli.cmd_convert", "convert a llama2.c .bin checkpoint to a Hugging Face Llama"),
+    "attach": ("multitoken.pipeline.cli.cmd_attach", "create an untrained heads dir for a base model"),
+    "train": ("multitoken.pipeline.cli.cmd_train", "train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)"),
+    "distill": ("multitoken.pipeline.cli.cmd_distill", "sample a self-distillation corpus (jsonl) from the base model"),
+    "stats": ("multitoken.pipeline.cli.cmd_stats", "co-occurrence statistics: build, merge, info"),
+    "eval": ("multitoken.pipeline.cli.cmd_eval", "PPL_n, PPL_1:n, PPL_d, top-k, marginalization baseline, logit lens"),
+    "sweep": ("multitoken.pipeline.cli.cmd_sweep", "dynamic decoding over prompts x seeds x eps_b vs ar sampling: JSON, CSV, PNG"),
+}
+
+
+# What --help of each subcommand says under its usage line (the summary above, in more words).
+DESCRIPTIONS = {
+    "generate": "Continue a prompt. With only a prompt it runs the embedded model with its embedded heads and "
+                "stats; --heads DIR decodes with other heads on the base recorded in DIR (or --base). Text streams "
+                "to stdout and a summary of the decoding goes to stderr; --json prints one JSON object instead.",
+    "convert-llama2c": "Convert a llama2.c legacy .bin checkpoint and its SentencePiece tokenizer into a Hugging Face "
+                       "Llama directory that every other command can load with --base.",
+    "attach": "Create a heads dir holding untrained heads of the chosen type for a base model: the starting "
+              "point of `multitoken train`.",
+    "train": "Train the heads of a heads dir on a dataset: heads only (frozen base), jointly with LoRA on the "
+             "base, heads first then jointly, or with DynaMo's three learning rates. Checkpoints let a killed "
+             "run resume (--resume); the trained heads are written to --out at the end.",
+    "distill": "Sample a training corpus (jsonl) from the base model itself, for bases whose training data is "
+               "not at hand (as Medusa does).",
+    "stats": "Co-occurrence statistics of a corpus (counts of token pairs and triples) for dynamic decoding: "
+             "build them, merge shards counted separately, or summarise a stats dir.",
+    "eval": "Measure heads on a text dataset: perplexity and top-k accuracy per head, the joint perplexity of "
+            "heads 1..n, DynaMo's PPL_d, the marginalization baseline of Mehra et al. and the logit lens. "
+            "Writes report.json to --out and prints tables.",
+    "sweep": "Run dynamic decoding over prompts x seeds x eps_b values against ar sampling with the same settings, "
+             "and report speed-up and quality (the base model's NLL of the text, distinct-n, repetition) with "
+             "95% intervals, as JSON, CSV and a plot.",
+}
+
+
+def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
+    """The subparser of ``name``: its help, one flag per field of each dataclass in ``configs``,
+    and ``run(args)`` as its action. Called by the command's own ``register``."""
+    summary = COMMANDS[name][1]
+    parser = sub.add_parser(name, help=summary, description=DESCRIPTIONS.get(name, summary))
+    for config in configs:
+        add_dataclass_args(parser, config)
+    if run is not None:
+        parser.set_defaults(func=run)
+    return parser
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command`` (None: none) gets its full flags."""
+    from importlib.metadata import version
+
+    parser = argparse.ArgumentParser(
+        prog="multitoken",
+        description="Make causal LMs emit several tokens per forward pass.",
+    )
+    parser.add_argument("--version", action="version", version=f"multitoken {version('multitoken')}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, summary) in COMMANDS.items():
+        if name == command:
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=summary)
+    return parser
+
+
+# Dependencies' own console output that says nothing to a multitoken user: progress bars
+# (transformers' "Loading weights", hub downloads, datasets) and info logs. Environment
+# variables, read when each library is first imported, so `--help` imports none of them; a
+# value the user set wins (e.g. TRANSFORMERS_VERBOSITY=info to debug a load).
+QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # also turns off transformers' bars (they ask the hub)
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+# Deprecation notices dependencies raise about their own internals (peft, transformers, hub):
+# nothing a user of this CLI can act on. Other warnings still show.
+QUIET_WARNINGS = (
+    (FutureWarning, r"(peft|transformers|huggingface_hub|datasets|accelerate)(\.|$)"),
+    (DeprecationWarning, r"(peft|transformers|huggingface_hub|datasets|accelerate)(\.|$)"),
+)
+
+
+# Loggers whose warnings concern the dependency's own optional parts (bitsandbytes: "Failed to
+# load CPU gemm_4bit_forward from kernels-community" when the optional `kernels` is absent).
+QUIET_LOGGERS = ("bitsandbytes",)
+
+
+def quiet_dependencies() -> None:
+    """Keep dependencies' progress bars, info logs and internal deprecation notices off the
+    console (and so out of ``--json`` output). Called once, at CLI start."""
+    import logging
+    import os
+    import warnings
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    for category, module in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, module=module)
+    if "transformers" in sys.modules:  # already imported (main() called from Python): too late for the env
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        logging.set_verbosity_error()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    quiet_dependencies()
+    command = next((a for a in argv if not a.startswith("-")), None)  # no option takes a value before it
+    args = build_parser(command).parse_args(argv)
+    try:
+        args.func(args)
+    except MultitokenError as err:
+        print(f"multitoken {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"multitoken {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+

@@ -1,0 +1,141 @@
+"""Dataclass configs drive the CLI: each field becomes a ``--flag`` and back.
+
+Field metadata may carry ``help``, ``choices``, ``flag`` (another flag name), ``positional``,
+``default_help`` (how the default reads in --help, e.g. ``0:1:0.1``) and ``cli_default`` (the
+command line's default where it differs from the library's, e.g. ``--threads``). ``bool`` fields
+become ``--name/--no-name`` switches. Tuple fields take space-separated values; numeric ones
+also take ``start:stop:step`` ranges as one token (stop included): ``--eps-b 0 0.5 1`` or
+``--eps-b 0:1:0.1``. Each config class is shown under a plain-words title (``TITLES``). The
+resolved dataclass is what commands save next to their outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from multitoken.pipeline.base.config_io import expand_range
+
+
+# --help group title of each config class (class name -> plain words)
+TITLES = {
+    "GenerateConfig": "prompt and output",
+    "DecodeConfig": "decoding",
+    "BackboneConfig": "base model",
+    "AttachConfig": "heads to create",
+    "ConvertLlama2cConfig": "checkpoint to convert",
+    "TrainConfig": "training",
+    "DataConfig": "data",
+    "DistillConfig": "sampling the corpus",
+    "EvalConfig": "evaluation",
+    "SweepConfig": "sweep",
+    "BuildConfig": "counting",
+    "MergeConfig": "merging",
+    "InfoConfig": "stats dir",
+}
+
+
+def title(cls) -> str:
+    """The plain-words --help title of a config class."""
+    name = cls.__name__
+    return TITLES.get(name) or name.removesuffix("Config").lower() or "options"
+
+
+def _base_type(tp):
+    """``int | None`` -> ``int``; ``tuple[str, ...]`` -> ``(str, '+')``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin in (tuple, list):
+        return typing.get_args(tp)[0], "+"
+    return tp, None
+
+
+def _list_item(cast):
+    """argparse ``type`` of one token of a numeric list option: a value or a range (a list)."""
+    def parse(token: str) -> list:
+        try:
+            return expand_range(token, cast)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    parse.__name__ = cast.__name__  # argparse names the type in its messages
+    return parse
+
+
+def plain(value) -> str:
+    """A default as a user writes it: ``0 0.5 1`` for tuples, on/off for switches."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return " ".join(plain(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _help(meta, default) -> str:
+    help_ = meta.get("help", "")
+    if "(default" in help_ or meta.get("positional"):
+        return help_
+    shown = meta.get("default_help")
+    if shown is None and default not in (None, "", ()):
+        shown = plain(default)
+    return f"{help_} (default: {shown})".strip() if shown is not None else help_
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", exclude: tuple[str, ...] = ()):
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(title(cls))
+    for f in dataclasses.fields(cls):
+        if f.name in exclude or not f.init:
+            continue
+        meta = f.metadata
+        tp, nargs = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = meta.get("cli_default", default)
+        help_ = _help(meta, default)
+        dest = prefix + f.name
+        if meta.get("positional"):
+            group.add_argument(dest, type=tp, help=help_, nargs=meta.get("nargs"))
+            continue
+        flag = meta.get("flag", "--" + (prefix + f.name).replace("_", "-"))
+        if tp is bool:
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            continue
+        if nargs and tp in (int, float):
+            tp = _list_item(tp)
+        group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
+                           choices=meta.get("choices"), nargs=nargs, metavar=meta.get("metavar"))
+
+
+def set_default(parser: argparse.ArgumentParser, dest: str, value, meta: dict | None = None) -> None:
+    """Another default for one flag of one command; its help is rebuilt from ``meta`` (field
+    metadata: help, default_help) or keeps its text with the new default."""
+    parser.set_defaults(**{dest: value})
+    for action in parser._actions:  # argparse has no public lookup of an action by dest
+        if action.dest == dest:
+            meta = meta or {"help": (action.help or "").split(" (default: ")[0]}
+            action.help = _help(meta, value)
+
+
+def _flatten(values: list) -> tuple:
+    out = []
+    for v in values:
+        out.extend(v if isinstance(v, list) else [v])
+    return tuple(out)
+
+
+def dataclass_from_args(cls, ns: argparse.Namespace, prefix: str = "", **overrides):
+    values = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if f.init and hasattr(ns, key):
+            v = getattr(ns, key)
+            values[f.name] = _flatten(v) if isinstance(v, list) else v
+    values.update(overrides)
+    return cls(**values)

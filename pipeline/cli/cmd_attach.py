@@ -1,0 +1,91 @@
+"""``multitoken attach``: create an untrained heads dir for a base model.
+
+Head options come from the registered head configs (one flag per config field; a flag that
+does not apply to the chosen ``--head`` is an error). Everything is validated and the base is
+loaded before anything is written, and the writes are atomic, so a failed attach never
+damages an existing directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.base.config_io import resolved_config_text
+from multitoken.pipeline.base.outputs import prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args, plain
+
+RESOLVED_CONFIG = "attach_config.json"
+_SKIP = ("head_type", "n_future")  # set by --head and --n
+
+
+@dataclass
+class AttachConfig:
+    head: str = field(default="replicated", metadata={"help": "head type"})
+    n: int = field(default=3, metadata={"help": "tokens predicted per forward pass (head 1 = the base model)"})
+    out: str = field(default="", metadata={"help": "heads directory to create"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing output of this command in --out (only its own files; others stay)"})
+
+
+def register(sub) -> None:
+    from multitoken.adapters.registry import registered_heads  # lazy: torch
+
+    p = add_command(sub, "attach", AttachConfig, BackboneConfig, run=run)
+    for action in p._actions:  # the head names are only known once the registry is loaded
+        if action.dest == "head":
+            action.choices = registered_heads()
+    _add_head_options(p)
+
+
+def _add_head_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per head-config field across all registered types (absent unless given)."""
+    from multitoken.adapters.registry import get_head, registered_heads  # lazy: torch
+
+    group = parser.add_argument_group("head options (each applies to the head types listed)")
+    owners: dict[str, list[str]] = {}
+    fields: dict[str, tuple] = {}
+    for name in registered_heads():
+        cls = get_head(name).config_cls
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in _SKIP:
+                owners.setdefault(f.name, []).append(name)
+                fields.setdefault(f.name, (f, hints[f.name]))
+    for fname, (f, tp) in fields.items():
+        flag = "--" + fname.replace("_", "-")
+        help_ = f"{f.metadata.get('help', '')} [{', '.join(owners[fname])}; default {plain(f.default)}]"
+        if tp is bool:
+            group.add_argument(flag, dest=f"head_{fname}", action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_)
+        else:
+            group.add_argument(flag, dest=f"head_{fname}", type=tp, default=argparse.SUPPRESS,
+                               choices=f.metadata.get("choices"), metavar=fname.upper(), help=help_)
+
+
+def head_options(args) -> dict:
+    return {k[len("head_"):]: v for k, v in vars(args).items() if k.startswith("head_")}
+
+
+def _check_out(cfg: AttachConfig, base: str) -> Path:
+    return prepare_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(base,))
+
+
+def run(args) -> None:
+    from multitoken.adapters.registry import make_config  # lazy: torch
+
+    from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
+    from multitoken.pipeline.model.model import MultiTokenModel  # lazy: torch
+
+    cfg = dataclass_from_args(AttachConfig, args)
+    backbone_config = dataclass_from_args(BackboneConfig, args)
+    out = _check_out(cfg, backbone_config.base)
+    head_config = make_config(cfg.head, n_future=cfg.n, **head_options(args))
+    model = MultiTokenModel.attach(load_backbone(backbone_config), head_config)
+    model.save_heads(out, extra={RESOLVED_CONFIG: resolved_config_text("attach", cfg, backbone_config, head_config)})
+    n_params = sum(p.numel() for p in model.head_parameters())
+    print(f"attached {cfg.head} heads (n={cfg.n}, {n_params:,} trainable parameters) to {backbone_config.base} -> {out}")

@@ -1,0 +1,34 @@
+"""``multitoken distill``: sample a training corpus from the base model itself."""
+
+from __future__ import annotations
+
+import json
+
+from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.train.distill import DistillConfig
+from multitoken.pipeline.base.config_io import save_resolved_config
+from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output_file
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args, set_default
+
+
+def register(sub) -> None:
+    from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field  # lazy: torch
+
+    parser = add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
+    add_overwrite_flag(parser)
+    # distill samples batches, not one sequence
+    set_default(parser, "threads", THREADS_BATCHES, threads_field(THREADS_BATCHES).metadata)
+
+
+def run(args) -> None:
+    from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
+    from multitoken.pipeline.train.distill import distill, validate  # lazy: torch
+
+    cfg = dataclass_from_args(DistillConfig, args)
+    bb_cfg = dataclass_from_args(BackboneConfig, args)
+    validate(cfg, context=1 << 30)  # cheap checks before loading the model
+    prepare_output_file(cfg.out, overwrite=args.overwrite, inputs=(bb_cfg.base,), sidecars=(".config.json",))
+    summary = distill(load_backbone(bb_cfg), cfg)
+    save_resolved_config(cfg.out + ".config.json", "distill", cfg, bb_cfg)
+    print(json.dumps(summary))

@@ -1,0 +1,101 @@
+"""``multitoken eval``: multi-token metrics of a heads dir on a text dataset.
+
+Writes ``report.json``, ``logit_lens.png`` (when the lens part runs) and the resolved config
+``eval_config.json`` to ``--out``, and prints a readable table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from multitoken.pipeline.base.atomic import atomic_dir, atomic_write_text
+from multitoken.pipeline.base.config_io import save_resolved_config
+from multitoken.pipeline.base.data import DataConfig, describe_files
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import EVAL, add_overwrite_flag, prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args
+
+RESOLVED_CONFIG = "eval_config.json"
+REPORT = "report.json"
+LENS_PNG = "logit_lens.png"
+
+
+def register(sub) -> None:
+    from multitoken.pipeline.eval.evaluate import EvalConfig  # lazy: torch
+
+    add_overwrite_flag(add_command(sub, "eval", EvalConfig, DataConfig, run=run))
+
+
+def run(args) -> None:
+    from multitoken.pipeline.model.assets import default_stats, load_model  # lazy: torch
+    from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate  # lazy: torch
+
+    cfg = dataclass_from_args(EvalConfig, args)
+    data_cfg = dataclass_from_args(DataConfig, args)
+    prepare_output(cfg.out, "eval", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, data_cfg.data))
+    cfg.validate()
+    if not cfg.out:
+        raise UsageError("--out is required", "pass a directory for the report, e.g. --out eval/")
+    files, lines = describe_files(data_cfg)  # also refuses a --split the data does not have
+    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    cfg.stats = cfg.stats or default_stats(model.backbone)
+    report = evaluate(model, cfg, data_cfg)
+    report = {"heads_dir": heads, "base": model.backbone.name, "head_type": model.config.head_type, **report}
+    out = Path(cfg.out)
+    with atomic_dir(out, marker=EVAL.marker, owned=EVAL.owned) as stage:
+        if "logit_lens" in report:
+            from multitoken.pipeline.eval.lens import plot_lens  # lazy: torch
+
+            plot_lens(report["logit_lens"]["kl_per_layer"], stage / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
+            report["logit_lens"]["png"] = str(out / LENS_PNG)
+        atomic_write_text(stage / REPORT, json.dumps(report, indent=2, default=_json_default) + "\n")
+        save_resolved_config(stage / RESOLVED_CONFIG, "eval", cfg, data_cfg, extra={"data_files": files})
+    print(format_report(report))
+    print(f"\nreport: {out / REPORT}")
+
+
+def _json_default(value):
+    return float(value) if hasattr(value, "__float__") else str(value)
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def format_report(r: dict) -> str:
+    """Plain-text tables of a report (what ``multitoken eval`` prints)."""
+    lines = [f"{r.get('base', '')} + {r.get('head_type', '')} heads: {r['tokens']} tokens, {r['sequences']} sequences", ""]
+    lines.append(f"{'head':>4} {'PPL_n':>10} {'top-1':>7} {'top-5':>7} {'PPL_1:n':>10}")
+    for h in r["heads"]:
+        joint = r["ppl_joint"][f"PPL_1:{h['head']}"]
+        lines.append(f"{h['head']:>4} {_f(h['ppl'], 2):>10} {_f(h['top1']):>7} {_f(h['top5']):>7} {_f(joint, 2):>10}")
+    a = r["accept_length"]
+    lines += ["", "expected tokens per step from draft top-1 accuracies (heads 2..n):",
+              f"  formula 1 + sum_k prod acc: {_f(a['formula_with_base_token'])} (drafts only: {_f(a['formula_without_base_token'])})",
+              f"  empirical chain:            {_f(a['empirical_with_base_token'])} (drafts only: {_f(a['empirical_without_base_token'])})"]
+    if "speedup_theory" in r:
+        t = r["speedup_theory"]
+        lines.append(f"  speculative-sampling theory (Leviathan et al.) at the implied acceptance a = {_f(t['a'])}, g = {t['g']}, c = {_f(t['c'], 4)}: "
+                     f"wall-time x{_f(t['speed'], 2)}, operations x{_f(t['operations'], 2)}")
+    if "dynamic" in r:
+        lines += ["", f"{'eps_b':>6} {'PPL_d':>10} {'tokens/step':>12}"]
+        lines += [f"{d['eps_b']:>6.2f} {_f(d['ppl_d'], 2):>10} {_f(d['tokens_per_step']):>12}" for d in r["dynamic"]]
+    if "marginal" in r:
+        m = r["marginal"]
+        lines += ["", f"marginalization baseline for t+2 ({m['positions']} positions, nucleus {m['top_p']} capped at "
+                      f"{m['max_candidates']}: mean {_f(m['mean_nucleus_size'], 1)} tokens holding {_f(m['mean_nucleus_mass'])} of the mass)",
+                  f"  marginal: PPL_2 {_f(m['ppl_2'], 2)}  top-1 {_f(m['top1'])}  top-5 {_f(m['top5'])}"]
+        if "head2_same_positions" in m:
+            h = m["head2_same_positions"]
+            lines.append(f"  head 2:   PPL_2 {_f(h['ppl_2'], 2)}  top-1 {_f(h['top1'])}  top-5 {_f(h['top5'])}")
+    if "logit_lens" in r:
+        kl = " ".join(_f(v, 2) for v in r["logit_lens"]["kl_per_layer"])
+        lines += ["", f"logit-lens KL(layer || final) per layer 0..L: {kl}"]
+    lines += ["", "wall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["seconds"].items()),
+              "CPU seconds:  " + ", ".join(f"{k} {v:.1f}" for k, v in r.get("cpu_seconds", {}).items())]
+    return "\n".join(lines)

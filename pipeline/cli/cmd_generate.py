@@ -1,0 +1,123 @@
+"""``multitoken generate``: continue a prompt with multi-token decoding (``DecodeConfig`` modes).
+
+With only a prompt it runs the embedded model with the embedded heads and stats (when shipped);
+``--base/--heads/--stats`` choose others. Text streams to stdout as tokens become final and the
+trace summary goes to stderr; ``--json`` prints one JSON object instead (token ids, text, trace,
+resolved configs), for scripts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
+from multitoken.pipeline.base.config_io import config_dict
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args, set_default
+
+
+@dataclass
+class GenerateConfig:
+    prompt: str = field(default="", metadata={"positional": True, "help": "text to continue"})
+    heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded heads with the embedded base)"})
+    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir for dynamic masking (default: the embedded stats with the embedded base)"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
+
+
+BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (default: the base recorded in "
+             "--heads, else the embedded stories260K)")
+
+
+def register(sub) -> None:
+    from multitoken.decoding.config import DecodeConfig  # lazy: torch
+
+    parser = add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
+    set_default(parser, "base", None, {"help": BASE_HELP})  # None: not given, so --heads' own base
+
+
+def _embedded(base: str, shipped: Path) -> str | None:
+    """The shipped asset when decoding the embedded base (it fits no other)."""
+    return str(shipped) if is_default_base(base) and shipped.is_dir() else None
+
+
+def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
+    """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
+    without ``--heads``, the embedded heads on the embedded base, else the base alone."""
+    from multitoken.pipeline.model.assets import load_base_only, load_model  # lazy: torch
+
+    heads = cfg.heads or _embedded(base_cfg.base, EMBEDDED_HEADS)
+    if heads is None:
+        return load_base_only(base_cfg), None
+    fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
+    return load_model(heads, base_cfg.base, **fields)
+
+
+def _note_order_cap(decode, model, table) -> None:
+    """One line on stderr when the stats' order caps the heads read (recorded in the trace too)."""
+    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
+    from multitoken.decoding.proposal import joint_drafts, pick_drafter  # lazy: torch
+
+    speculative = decode.mode in ("speculative", "typical")
+    joint = speculative and pick_drafter(decode.drafter, model.heads, table) is joint_drafts
+    cap = stats_order_cap(decode, model.n_future, table, joint)
+    if cap:
+        print(f"note: the stats hold n-grams up to order {cap}: reading the first {cap} of the "
+              f"{decode.order(model.n_future)} heads (more tokens per step need stats built with --order "
+              f"{decode.order(model.n_future)})", file=sys.stderr)
+
+
+class _Streamer:
+    """Prints the text of the tokens generated so far, as it grows (whole-sequence decoding,
+    so multi-token characters and sentencepiece spaces come out right)."""
+
+    def __init__(self, tokenizer, prompt: str):
+        self.tok, self.ids, self.shown = tokenizer, [], 0
+        print(prompt, end="", flush=True)
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        print(text[self.shown:], end="", flush=True)
+        self.shown = len(text)
+
+
+def run(args) -> None:
+    from multitoken.decoding.config import DecodeConfig, check_context  # lazy: torch
+    from multitoken.decoding.loop import generate  # lazy: torch
+
+    from multitoken.pipeline.model.assets import backbone_config, load_stats  # lazy: torch
+
+    cfg = dataclass_from_args(GenerateConfig, args)
+    decode = dataclass_from_args(DecodeConfig, args)
+    base_cfg = dataclass_from_args(BackboneConfig, args, base=None)
+    if not cfg.prompt.strip():
+        raise UsageError("the prompt is empty", 'pass the text to continue, e.g. multitoken generate "Once upon a time"')
+    fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
+    base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
+    model, heads = _load(cfg, base_cfg)
+    stats = cfg.stats or _embedded(base_cfg.base, EMBEDDED_STATS)
+    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future)
+    table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None  # dynamic masking, joint drafts
+    _note_order_cap(decode, model, table)
+    tok = model.backbone.tokenizer
+    ids = tok(cfg.prompt, return_tensors="pt").input_ids
+    check_context(ids.shape[1], decode.max_new_tokens, model.backbone.config.max_position_embeddings)
+    if heads is None and not cfg.json:
+        print("note: no heads (pass --heads DIR): decoding one token per forward pass", file=sys.stderr)
+    streamer = None if cfg.json else _Streamer(tok, cfg.prompt)
+    result = generate(model, ids, decode, table=table, on_tokens=streamer)
+    if cfg.json:
+        record = result.as_dict()
+        record.update(heads=heads, stats=stats, config=config_dict(cfg, decode, base_cfg))
+        print(json.dumps(record))
+    else:
+        print(flush=True)
+        print(result.trace.summary(), file=sys.stderr)

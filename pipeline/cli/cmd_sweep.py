@@ -1,0 +1,217 @@
+"""``multitoken sweep``: the eps_b sweep of dynamic decoding against ar sampling.
+
+Writes ``sweep.json``, ``sweep.csv``, ``sweep.png`` and ``sweep_config.json`` to ``--out`` and
+prints the table. How to read the plot: y is the base model's NLL of what was generated (lower =
+text the base model finds likelier), x a speed measure (tokens per forward pass, wall-clock and
+CPU-time speed-up over ar); each marker shape is one decoding configuration, its colour the
+eps_b (colour bar; eps_b = 1 always emits one token per step, so it sits at x = 1 on the left
+panel); filled markers are of ar's quality on all four criteria (NLL, repetition, distinct-2,
+distinct-3), hollow ones fail at least one. ar is the black star with its interval (and the
+grey band), transformers' sampling generate the black cross. The caption spells out the names.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+from multitoken.pipeline.base.atomic import atomic_dir, atomic_write_text
+from multitoken.pipeline.base.config_io import save_resolved_config
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import SWEEP, add_overwrite_flag, prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args
+
+RESOLVED_CONFIG = "sweep_config.json"
+FILES = ("sweep.json", "sweep.csv", "sweep.png")
+
+
+def register(sub) -> None:
+    from multitoken.pipeline.eval.sweep import SweepConfig  # lazy: torch
+
+    add_overwrite_flag(add_command(sub, "sweep", SweepConfig, run=run))
+
+
+def run(args) -> None:
+    from multitoken.pipeline.model.assets import default_stats, load_model, load_stats  # lazy: torch
+    from multitoken.pipeline.eval.sweep import SweepConfig, parse_grid, read_prompts, sweep  # lazy: torch
+
+    cfg = dataclass_from_args(SweepConfig, args)
+    prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, cfg.prompts))
+    if not cfg.out:
+        raise UsageError("--out is required", "pass a directory for the results, e.g. --out sweep/")
+    if cfg.seeds < 1 or cfg.max_new_tokens < 1:
+        raise UsageError("--seeds and --max-new-tokens must be >= 1")
+    grid, prompts = parse_grid(cfg.eps_b), read_prompts(cfg.prompts)
+    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
+    cfg.heads, cfg.stats = heads, cfg.stats or default_stats(model.backbone) or "none"
+    table = load_stats(cfg.stats, model.backbone.tokenizer)
+    log = (lambda _msg: None) if cfg.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    result = sweep(model, cfg, prompts, grid, table, log)
+    result = {"heads": heads, "base": model.backbone.name, "stats": cfg.stats, **result}
+    out = Path(cfg.out)
+    with atomic_dir(out, marker=SWEEP.marker, owned=SWEEP.owned) as stage:  # sweep.png too: all or nothing
+        atomic_write_text(stage / "sweep.json", json.dumps(result, indent=2) + "\n")
+        atomic_write_text(stage / "sweep.csv", to_csv(result))
+        plot_sweep(result, stage / "sweep.png")
+        save_resolved_config(stage / RESOLVED_CONFIG, "sweep", cfg)
+    print(format_table(result))
+    print(f"\nwrote {', '.join(str(out / f) for f in FILES)}")
+
+
+CSV_KEYS = ("tokens_per_forward", "wall_speedup", "cpu_speedup", "nll", "distinct2", "distinct3", "repetition")
+CRITERION_LABELS = {"nll": "NLL", "repetition": "rep", "distinct2": "d2", "distinct3": "d3"}
+# the Table 8 abbreviations, in the order the caption explains them
+GLOSSARY = (("CO-0.5", "co-occurrence mask with exponent alpha_c = 0.5"), ("CO", "co-occurrence mask (alpha_c = 1)"),
+            ("AT", "adaptive (Otsu) threshold of the joint grid"), ("G-3", "Gaussian blur, kernel 3, before Otsu"))
+
+
+def _rows(result: dict) -> list[dict]:
+    """ar, hf-sample (when run), then the dynamic points."""
+    return [result["ar"]] + ([result["hf_sample"]] if result.get("hf_sample") else []) + result["points"]
+
+
+def to_csv(result: dict) -> str:
+    from multitoken.pipeline.eval.sweep import CRITERIA  # lazy: torch
+
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["config", "eps_b"] + [f"{k}_{s}" for k in CSV_KEYS for s in ("mean", "lo", "hi")]
+                    + ["predicted_wall_speedup", "same_quality"] + [f"{k}_overlaps_ar" for k in CRITERIA])
+    for p in _rows(result):
+        row = [p["config"], p.get("eps_b", "")]
+        for k in CSV_KEYS:
+            ci = p.get(k, {"mean": 1.0, "lo": 1.0, "hi": 1.0})  # ar is its own reference: x1
+            row += [f"{ci[s]:.6g}" for s in ("mean", "lo", "hi")]
+        row.append(f"{p['theory']['predicted_wall_speedup']:.4g}" if "theory" in p else "")
+        row += [p.get("same_quality", "")] + [p["vs_ar"][k] if "vs_ar" in p else "" for k in CRITERIA]
+        writer.writerow(row)
+    return buf.getvalue()
+
+
+def _ci(ci: dict, digits: int = 2) -> str:
+    half = (ci["hi"] - ci["lo"]) / 2
+    return f"{ci['mean']:.{digits}f}±{half:.{digits}f}"
+
+
+def _verdict(p: dict) -> str:
+    """``yes`` or the criteria that failed, e.g. ``no: rep,d2``."""
+    failed = [CRITERION_LABELS[k] for k, ok in p["vs_ar"].items() if not ok]
+    return "yes" if not failed else "no: " + ",".join(failed)
+
+
+def format_table(result: dict) -> str:
+    ar = result["ar"]
+    head = (f"{'config':<14} {'eps_b':>5} {'tok/fwd':>11} {'wall x':>11} {'cpu x':>11} {'pred x':>6} {'NLL':>11} "
+            f"{'dist-2':>6} {'dist-3':>6} {'rep':>5}  same quality?")
+    lines = [f"{len(result['prompts'])} prompts x {result['seeds']} seeds, 95% intervals; ar reference: "
+             f"NLL {_ci(ar['nll'], 3)}, {ar['sec_per_token']['mean'] * 1e3:.2f} ms/token",
+             f"same quality = {result.get('same_quality_rule', 'NLL interval overlaps ar')}", "", head]
+
+    def quality(p: dict) -> str:
+        return (f"{_ci(p['nll'], 2):>11} {p['distinct2']['mean']:>6.3f} {p['distinct3']['mean']:>6.3f} "
+                f"{p['repetition']['mean']:>5.3f}")
+
+    for p in result["points"]:
+        lines.append(f"{p['config']:<14} {p['eps_b']:>5.2f} {_ci(p['tokens_per_forward']):>11} {_ci(p['wall_speedup']):>11} "
+                     f"{_ci(p['cpu_speedup']):>11} {p['theory']['predicted_wall_speedup']:>6.2f} {quality(p)}  {_verdict(p)}")
+    hf = result.get("hf_sample")
+    if hf:
+        lines.append(f"{'hf-sample':<14} {'':>5} {'1.00':>11} {_ci(hf['wall_speedup']):>11} {_ci(hf['cpu_speedup']):>11} "
+                     f"{'':>6} {quality(hf)}  {_verdict(hf)}")
+    lines.append(f"{'ar':<14} {'':>5} {'1.00':>11} {'1.00':>11} {'1.00':>11} {'':>6} {quality(ar)}")
+    if hf:
+        lines.append("hf-sample: transformers' generate(do_sample=True) at the same temperature, top-k and penalty value; "
+                     "its penalty is the logit form (logit / penalty if > 0, else x penalty, before temperature and "
+                     "top-k), ours DynaMo's (probability / penalty after them)")
+    sq = result["same_quality_speedup"]
+    lines.append("")
+    if sq is None:
+        lines.append("same_quality_speedup: none (no point meets every same-quality criterion)")
+    else:
+        lines.append(f"same_quality_speedup: {sq['tokens_per_forward']:.2f} tokens/forward, wall-clock x{sq['wall_clock']:.2f}, CPU-time x{sq['cpu_time']:.2f} "
+                     f"({sq['config']}, eps_b {sq['eps_b']:.2f}; NLL {sq['nll']:.3f} vs ar {sq['ar_nll']:.3f})")
+    return "\n".join(lines)
+
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "h")
+DODGE = 0.06  # tokens per forward between configurations on the left panel (said in the caption)
+PANELS = (("tokens_per_forward", "tokens per forward pass"), ("wall_speedup", "wall-clock speed-up over ar"),
+          ("cpu_speedup", "CPU-time speed-up over ar"))
+
+
+def caption(names) -> str:
+    """What the configuration names and the marks mean (only the abbreviations in ``names``)."""
+    used, rest = [], "+".join(names)
+    for abbr, meaning in GLOSSARY:  # CO-0.5 first, so that CO is matched on what is left
+        if abbr in rest.split("+"):
+            used.append(f"{abbr} = {meaning}")
+            rest = rest.replace(abbr, "")
+    return ("; ".join(used) + ".\nColour = eps_b. Filled = same quality as ar (NLL, repetition, distinct-2 and distinct-3 "
+            "95% intervals all overlap ar's), hollow = not;\nringed = the same-quality point; larger marker = smaller eps_b (equal points nest). "
+            f"Bars = 95% intervals. Left panel: configurations drawn side by side, {DODGE:g} tokens/forward apart.")
+
+
+def plot_sweep(result: dict, path: str | Path) -> Path:
+    """NLL vs tokens per forward, vs wall-clock and vs CPU-time speed-up: markers only (shape =
+    configuration, colour = eps_b), ar and hf-sample as points with their intervals."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.lines import Line2D
+
+    from multitoken.pipeline.eval.plotting import pyplot, save_figure  # lazy: torch
+
+    plt = pyplot()
+    ar, hf, sq = result["ar"], result.get("hf_sample"), result["same_quality_speedup"]
+    names = list(dict.fromkeys(p["config"] for p in result["points"]))
+    shape = {name: MARKERS[i % len(MARKERS)] for i, name in enumerate(names)}
+    cmap, norm = plt.get_cmap("viridis"), Normalize(0.0, 1.0)
+    # tokens per forward takes few distinct values: configurations side by side, not on top of each other
+    dodge = {name: (i - (len(names) - 1) / 2) * DODGE for i, name in enumerate(names)}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 5.6), dpi=150, sharey=True)
+    # small eps_b first and largest: points at the same place nest as rings, every colour visible
+    points = sorted(result["points"], key=lambda p: p["eps_b"])
+    for ax, (key, label) in zip(axes, PANELS):
+        ax.axhspan(ar["nll"]["lo"], ar["nll"]["hi"], color="0.92", zorder=0)
+        for p in points:
+            x = p[key]["mean"] + (dodge[p["config"]] if key == "tokens_per_forward" else 0.0)
+            y, (lo, hi) = p["nll"]["mean"], (p[key]["lo"] - p[key]["mean"], p[key]["hi"] - p[key]["mean"])
+            ax.errorbar(x, y, xerr=[[-lo], [hi]], yerr=[[y - p["nll"]["lo"]], [p["nll"]["hi"] - y]],
+                        fmt="none", ecolor="0.8", elinewidth=0.6, zorder=1)
+            colour = cmap(norm(p["eps_b"]))
+            good = p.get("same_quality")  # filled, dark outline (nested markers stay apart); else hollow
+            ax.scatter([x], [y], marker=shape[p["config"]], s=14 + 70 * (1 - p["eps_b"]), zorder=3,
+                       linewidths=0.5 if good else 1.4, facecolors=colour if good else "white",
+                       edgecolors="0.1" if good else colour)
+            if sq is not None and p["config"] == sq["config"] and p["eps_b"] == sq["eps_b"]:
+                ax.scatter([x], [y], marker="o", s=320, facecolors="none", edgecolors="crimson", linewidths=1.5, zorder=4)
+        _reference(ax, ar, 1.0, marker="*", size=15, label="ar")
+        if hf:
+            _reference(ax, hf, hf.get(key, {"mean": 1.0})["mean"], marker="X", size=9, label="hf-sample")
+        ax.axvline(1.0, color="0.6", ls=":", lw=0.8)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("base-model NLL of the continuation (lower = likelier)")
+    handles = [Line2D([], [], ls="", marker=shape[n], mfc="0.5", mec="0.3", label=f"dynamic {n}") for n in names]
+    handles += [Line2D([], [], ls="", marker="*", ms=11, color="black", label="ar (our sampling)")]
+    if hf:
+        handles.append(Line2D([], [], ls="", marker="X", ms=8, color="black", label="hf-sample (transformers generate)"))
+    if sq is not None:
+        handles.append(Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="crimson", label="same-quality point"))
+    axes[0].legend(handles=handles, fontsize=7, loc="best")
+    note = "none" if sq is None else f"{sq['config']} eps_b {sq['eps_b']:g}: {sq['tokens_per_forward']:.2f} tok/fwd, x{sq['wall_clock']:.2f} wall, x{sq['cpu_time']:.2f} CPU"
+    fig.suptitle(f"eps_b sweep: {Path(result['base']).name} — same-quality point: {note}", fontsize=9)
+    fig.text(0.01, 0.01, caption(names), fontsize=7.5, va="bottom", ha="left", wrap=True)
+    fig.subplots_adjust(left=0.06, right=0.9, top=0.92, bottom=0.19, wspace=0.08)
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=fig.add_axes([0.915, 0.19, 0.012, 0.73]), label="eps_b")
+    return save_figure(fig, path)
+
+
+def _reference(ax, row: dict, x: float, marker: str, size: float, label: str) -> None:
+    """A reference run (ar, hf-sample) as a black point with its NLL interval."""
+    y = row["nll"]["mean"]
+    ax.errorbar([x], [y], yerr=[[y - row["nll"]["lo"]], [row["nll"]["hi"] - y]], fmt=marker, ms=size, color="black",
+                mfc="black" if marker == "*" else "white", mew=1.5, capsize=3, zorder=5, label=label)

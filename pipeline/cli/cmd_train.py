@@ -1,0 +1,45 @@
+"""``multitoken train``: train heads (optionally with LoRA on the backbone) on a dataset.
+
+Run it under ``torchrun --nproc-per-node N $(which multitoken) train ...`` for data-parallel
+training; the flags are the same.
+"""
+
+from __future__ import annotations
+
+from multitoken.pipeline.base.data import DataConfig
+from multitoken.pipeline.train.trainer_config import TrainConfig
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli.args import dataclass_from_args
+
+
+def register(sub) -> None:
+    add_overwrite_flag(add_command(sub, "train", TrainConfig, DataConfig, run=run))
+
+
+def run(args) -> None:
+    from multitoken.pipeline.train.train import format_summary, train  # lazy: torch
+
+    cfg = dataclass_from_args(TrainConfig, args)
+    data = dataclass_from_args(DataConfig, args)
+    _check_out(cfg, data, args.overwrite)
+    if not data.data:
+        raise UsageError("no training data given", "pass --data FILE|DIR|GLOB|HUB_ID")
+    summary = train(cfg, data)
+    if summary["eval"]:  # the main process (the others have no evaluation)
+        print(format_summary(summary))
+
+def _check_out(cfg, data, overwrite: bool) -> None:
+    """--out (and the checkpoint dir beside it) before anything loads; --resume continues this
+    run's own output, which is not an overwrite."""
+    from pathlib import Path
+
+    from multitoken.pipeline.train.checkpoint import list_checkpoints  # lazy: torch
+
+    if cfg.out and Path(cfg.out).name and not cfg.resume and list_checkpoints(cfg.ckpt_dir()):
+        raise UsageError(f"{cfg.ckpt_dir()} already holds checkpoints of a run",
+                         "pass --resume to continue it (a finished run then changes nothing), or another --checkpoint-dir")
+    inputs = (cfg.heads, data.data, cfg.eval_data, cfg.base)
+    prepare_output(cfg.out, "heads", overwrite=overwrite, inputs=inputs, resume=cfg.resume)
+    prepare_output(str(cfg.ckpt_dir()), "checkpoints", inputs=inputs, resume=True)  # train checks --resume itself

@@ -1,0 +1,261 @@
+"""``sweep``: dynamic decoding over prompts x seeds x an eps_b grid, against ``ar`` sampling.
+
+Every (configuration, eps_b) point generates a continuation of each prompt with each seed,
+and ``ar`` does the same once at exactly the same sampling settings (temperature, top-k,
+repetition penalty, budget, seeds: ``decode_configs``); so does transformers' own sampling
+``generate`` (``hf-sample``: same top-k, temperature and penalty value, but transformers'
+penalty is its logit form -- a seen token's logit divided by the penalty when positive,
+multiplied when negative, before temperature and top-k -- where ours divides the probability
+after them, as DynaMo does). Per run:
+tokens per forward (the trace), wall and CPU seconds per generated token, and quality measured without an
+external judge: the base model's mean NLL of the continuation given the prompt (temperature
+1, full vocabulary), distinct-2/3 and the repetition rate (share of repeated 4-grams). Each
+point reports means with 95% Student-t intervals over the prompt x seed runs; the wall-clock
+speed-up of a run is ar's seconds per token over the point's, on the same prompt and seed
+(ar runs just before and after that prompt and seed's points; the mean of the two is used);
+the CPU-time speed-up (process time, one thread by default) is the same ratio measured in a
+way other processes on a shared machine cannot inflate.
+
+``same_quality_speedup``: among the points of ar's quality, the one with the most tokens per
+forward (its wall-clock speed-up is reported beside it). Of ar's quality = for each of NLL,
+repetition rate, distinct-2 and distinct-3, the point's 95% interval overlaps ar's (one rule for
+all four; ``SAME_QUALITY_RULE``): a point whose text loops fails on repetition / distinct-n even
+when the base model finds its loops likely (low NLL). Each point reports which criteria passed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from multitoken.pipeline.eval import metrics as M
+from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
+from multitoken.pipeline.base.threads import THREADS_ONE_SEQUENCE, threads_field
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.loop import generate
+from multitoken.pipeline.base.config_io import expand_range
+from multitoken.pipeline.base.errors import DataError, UsageError
+
+# DynaMo's Table 7: the sentence-completion benchmark.
+TABLE7_PROMPTS = (
+    "I am a student at the", "This is going to be a very", "He wanted to play, but", "How can we", "What will",
+    "Will you", "Please explain", "Do not", "Wow! I can't believe that", "This is amazing! We",
+)
+# DynaMo's Table 8 ablations: CO = co-occurrence mask (alpha_c), AT = adaptive (Otsu)
+# thresholding, G-3 = Gaussian blur with kernel 3 before Otsu.
+TABLE8 = {
+    "CO+AT+G-3": {"alpha_c": 1.0, "adaptive_threshold": True, "blur_kernel": 3},
+    "CO+AT": {"alpha_c": 1.0, "adaptive_threshold": True, "blur_kernel": 0},
+    "CO": {"alpha_c": 1.0, "adaptive_threshold": False, "blur_kernel": 0},
+    "CO-0.5+AT+G-3": {"alpha_c": 0.5, "adaptive_threshold": True, "blur_kernel": 3},
+    "AT+G-3": {"alpha_c": 0.0, "adaptive_threshold": True, "blur_kernel": 3},
+}
+DEFAULT_CONFIG = "CO+AT+G-3"
+DEFAULT_GRID = tuple(i / 10 for i in range(11))  # eps_b 0:1:0.1
+QUALITY = ("nll", "distinct2", "distinct3", "repetition")
+CRITERIA = ("nll", "repetition", "distinct2", "distinct3")  # all must hold for "same quality"
+SAME_QUALITY_RULE = ("NLL, repetition rate, distinct-2 and distinct-3: each metric's 95% interval over the "
+                     "prompt x seed runs overlaps ar's")
+
+
+@dataclass
+class SweepConfig:
+    heads: str = field(default="", metadata={"help": "heads dir (default: the embedded trained heads)"})
+    base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
+    stats: str = field(default="", metadata={"help": "co-occurrence stats dir (default: the embedded stats for the embedded base; 'none': no mask)"})
+    prompts: str = field(default="", metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: DynaMo's Table 7)"})
+    eps_b: tuple[float, ...] = field(default=DEFAULT_GRID, metadata={"help": "eps_b values: e.g. 0 0.5 1, or a range start:stop:step (stop included)", "default_help": "0:1:0.1"})
+    seeds: int = field(default=3, metadata={"help": "sampling seeds per prompt"})
+    max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per run"})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (DynaMo: 0.7)"})
+    top_k: int = field(default=50, metadata={"help": "top-k per head (DynaMo: 50)"})
+    repetition_penalty: float = field(default=1.1, metadata={"help": "repetition penalty of every run, ar and hf-sample included (DynaMo: 1.1)"})
+    hf_sample: bool = field(default=True, metadata={"help": "also time transformers' sampling generate (the hf-sample reference row)"})
+    ablations: bool = field(default=False, metadata={"help": f"also run DynaMo's Table 8 ablations ({', '.join(TABLE8)})"})
+    out: str = field(default="", metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})
+    dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    threads: int | None = threads_field(THREADS_ONE_SEQUENCE)  # batch-1 decoding: latency-bound; steadier timings too
+    quiet: bool = field(default=False, metadata={"help": "no progress lines"})
+
+    def configs(self) -> list[str]:
+        names = list(TABLE8) if self.ablations else [DEFAULT_CONFIG]
+        if self.stats == "none":  # no table, no co-occurrence mask: only the CO-free rows apply
+            names = [n for n in names if TABLE8[n]["alpha_c"] == 0.0] or ["AT+G-3"]
+        return names
+
+
+def parse_grid(spec) -> list[float]:
+    """eps_b values -> sorted unique values in [0, 1]. ``spec``: numbers, or tokens each a value
+    or a ``start:stop:step`` range (stop included), as ``--eps-b`` takes them: ``[0, 0.5, 1]``,
+    ``["0:1:0.1"]``, or one such string (``"0:1:0.1"``, ``"0 0.5 1"``)."""
+    tokens = spec.split() if isinstance(spec, str) else list(spec)
+    try:
+        values = [v for t in tokens for v in expand_range(t)]
+    except ValueError as err:
+        raise UsageError(f"bad --eps-b ({err})", "give values like --eps-b 0 0.5 1 or a range like --eps-b 0:1:0.1") from err
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise UsageError(f"--eps-b {' '.join(map(str, tokens))} must give values in [0, 1]")
+    return sorted(set(values))
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a text file (one per non-empty line) or jsonl (``prompt`` or ``text``)."""
+    import json
+    from pathlib import Path
+
+    if not path:
+        return list(TABLE7_PROMPTS)
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"prompts file {path!r} not found")
+    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if p.suffix in (".jsonl", ".json"):
+        rows = [json.loads(line) for line in lines]
+        lines = [r.get("prompt", r.get("text", "")) for r in rows]
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise DataError(f"prompts file {path!r} holds no prompt")
+    return prompts
+
+
+def continuation_nll(backbone, prompt_ids: list[int], new_ids: list[int]) -> float:
+    """Base model's mean -log p(x_t | x_<t) over the continuation (temperature 1, full vocab)."""
+    if not new_ids:
+        return float("nan")
+    ids = torch.tensor([prompt_ids + new_ids], device=backbone.device)  # [1, P + N]
+    with torch.no_grad():
+        logits = backbone.causal_lm(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()  # [N, V]
+    logp = torch.log_softmax(logits, -1)
+    target = torch.tensor(new_ids, device=logp.device)
+    return float(-logp.gather(-1, target[:, None]).mean())
+
+
+def run_once(model, prompt_ids: list[int], decode_cfg, table) -> dict:
+    """One generation and its per-run measurements."""
+    cpu = time.process_time()
+    result = generate(model, prompt_ids, decode_cfg, table=table)
+    cpu = time.process_time() - cpu  # immune to other processes' load, unlike wall time
+    new, trace = result.token_ids, result.trace
+    return {
+        "tokens": len(new), "tokens_per_forward": trace.tokens_per_forward,
+        "sec_per_token": trace.wall_s / max(len(new), 1), "cpu_per_token": cpu / max(len(new), 1),
+        "nll": continuation_nll(model.backbone, prompt_ids, new),
+        "distinct2": M.distinct_n(new, 2), "distinct3": M.distinct_n(new, 3), "repetition": M.repetition_rate(new, 4),
+    }
+
+
+def _average_timing(a: dict, b: dict) -> dict:
+    """Two runs of the same (deterministic) generation: same tokens, mean of the timings."""
+    return {**a, **{k: (a[k] + b[k]) / 2 for k in ("sec_per_token", "cpu_per_token")}}
+
+
+def _summarise(runs: list[dict], ar_runs: list[dict] | None) -> dict:
+    point = {key: M.mean_ci([r[key] for r in runs]) for key in ("tokens_per_forward",) + QUALITY}
+    if ar_runs is not None:
+        for key, per_token in (("wall_speedup", "sec_per_token"), ("cpu_speedup", "cpu_per_token")):
+            ratios = [a[per_token] / r[per_token] for a, r in zip(ar_runs, runs) if r[per_token] > 0]
+            point[key] = M.mean_ci(ratios)
+    point["sec_per_token"] = M.mean_ci([r["sec_per_token"] for r in runs])
+    return point
+
+
+def theory(point: dict, n_future: int, c: float) -> dict:
+    """Acceptance implied by the measured tokens per forward, and speculative sampling's wall-time speed-up (Leviathan et al.)
+    predicted from it with the draft cost ratio c (decoding logic costs nothing in the model)."""
+    g = n_future - 1
+    tpf = min(max(point["tokens_per_forward"]["mean"], 1.0), g + 1.0)
+    if g < 1:
+        return {"implied_acceptance": 0.0, "predicted_wall_speedup": 1.0}
+    a = acceptance_from_tokens(tpf, g)
+    return {"implied_acceptance": a, "predicted_wall_speedup": walltime_improvement(a, g, c)}
+
+
+def quality_vs_ar(point: dict, ar: dict) -> dict[str, bool]:
+    """For each criterion, whether the point's interval overlaps ar's."""
+    return {key: M.intervals_overlap(point[key], ar[key]) for key in CRITERIA}
+
+
+def same_quality(points: list[dict], ar: dict) -> dict | None:
+    """The point with the most tokens per forward that meets every criterion (``SAME_QUALITY_RULE``)."""
+    ok = [p for p in points if all(quality_vs_ar(p, ar).values())]
+    if not ok:
+        return None
+    best = max(ok, key=lambda p: p["tokens_per_forward"]["mean"])
+    return {"config": best["config"], "eps_b": best["eps_b"], "tokens_per_forward": best["tokens_per_forward"]["mean"],
+            "wall_clock": best["wall_speedup"]["mean"], "cpu_time": best["cpu_speedup"]["mean"], "nll": best["nll"]["mean"],
+            "ar_nll": ar["nll"]["mean"], "rule": SAME_QUALITY_RULE,
+            "metrics": {k: {"point": best[k]["mean"], "ar": ar[k]["mean"]} for k in CRITERIA}}
+
+
+def decode_configs(cfg: SweepConfig, grid: list[float]):
+    """ar's config and every (config name, eps_b, dynamic config): the dynamic points differ from
+    ar only in mode, eps_b and the Table 8 switches, never in a sampling setting (seeds are set
+    per run, the same for all)."""
+    ar = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                      repetition_penalty=cfg.repetition_penalty)
+    return ar, [(name, eps, replace(ar, mode="dynamic", eps_b=eps, **TABLE8[name])) for name in cfg.configs() for eps in grid]
+
+
+def run_hf_sample(backbone, prompt_ids: list[int], decode_cfg) -> dict:
+    """transformers' sampling ``generate`` at ``decode_cfg``'s settings and seed, measured like
+    ``run_once``. Its repetition penalty is transformers' logit form (see the module docstring)."""
+    ids = torch.tensor([prompt_ids], device=backbone.device)
+    tok = backbone.tokenizer
+    torch.manual_seed(decode_cfg.seed)  # transformers draws from torch's global generator
+    cpu, wall = time.process_time(), time.perf_counter()
+    out = backbone.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, num_beams=1,
+                                  max_new_tokens=decode_cfg.max_new_tokens, temperature=decode_cfg.temperature,
+                                  top_k=decode_cfg.top_k, top_p=1.0, repetition_penalty=decode_cfg.penalty,
+                                  pad_token_id=getattr(tok, "eos_token_id", None))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    new = out[0, ids.shape[1]:].tolist()
+    return {
+        "tokens": len(new), "tokens_per_forward": 1.0,
+        "sec_per_token": wall / max(len(new), 1), "cpu_per_token": cpu / max(len(new), 1),
+        "nll": continuation_nll(backbone, prompt_ids, new),
+        "distinct2": M.distinct_n(new, 2), "distinct3": M.distinct_n(new, 3), "repetition": M.repetition_rate(new, 4),
+    }
+
+
+def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=None, log=print) -> dict:
+    """Run the whole grid; returns the JSON-ready result (``points``, ``ar``, ``hf_sample``,
+    ``same_quality_speedup``)."""
+    tok = model.backbone.tokenizer
+    prompt_ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    base_cfg, grid_cfgs = decode_configs(cfg, grid)
+    pairs = [(i, s) for i in range(len(prompts)) for s in range(cfg.seeds)]
+    started = time.perf_counter()
+    # Pair-major order: a prompt/seed's ar reference runs just before and just after its grid
+    # points and hf-sample, so on a shared machine the load the timings see changes little between them.
+    ar_runs, hf_runs, point_runs = [], [], [[] for _ in grid_cfgs]
+    for done, (i, s) in enumerate(pairs, 1):
+        before = run_once(model, prompt_ids[i], replace(base_cfg, seed=s), table)
+        for runs, (_, _, dcfg) in zip(point_runs, grid_cfgs):
+            runs.append(run_once(model, prompt_ids[i], replace(dcfg, seed=s), table))
+        if cfg.hf_sample:
+            hf_runs.append(run_hf_sample(model.backbone, prompt_ids[i], replace(base_cfg, seed=s)))
+        ar_runs.append(_average_timing(before, run_once(model, prompt_ids[i], replace(base_cfg, seed=s), table)))
+        log(f"prompt {i + 1}/{len(prompts)} seed {s}: done ({done}/{len(pairs)}, {time.perf_counter() - started:.0f} s)")
+    ar = {"config": "ar", **_summarise(ar_runs, None)}
+    c = draft_cost_ratio(model)
+    points = []
+    for runs, (name, eps, _) in zip(point_runs, grid_cfgs):
+        point = {"config": name, "eps_b": eps, **_summarise(runs, ar_runs)}
+        point["theory"] = theory(point, model.n_future, c)
+        points.append(_judged(point, ar))
+    hf = _judged({"config": "hf-sample", **_summarise(hf_runs, ar_runs)}, ar) if hf_runs else None
+    sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "repetition_penalty": base_cfg.penalty,
+                "max_new_tokens": cfg.max_new_tokens, "seeds": list(range(cfg.seeds))}
+    return {"prompts": prompts, "seeds": cfg.seeds, "eps_b": grid, "n_future": model.n_future, "draft_cost_ratio": c,
+            "sampling": sampling, "ar": ar, "hf_sample": hf, "points": points, "same_quality_rule": SAME_QUALITY_RULE,
+            "same_quality_speedup": same_quality(points, ar), "seconds": round(time.perf_counter() - started, 2)}
+
+
+def _judged(point: dict, ar: dict) -> dict:
+    """The point with its comparison to ar: ``vs_ar`` (criterion -> interval overlaps ar's) and
+    ``same_quality`` (all of them)."""
+    vs = quality_vs_ar(point, ar)
+    return {**point, "vs_ar": vs, "same_quality": all(vs.values())}

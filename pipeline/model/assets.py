@@ -1,0 +1,54 @@
+"""Loading what the commands decode and measure with: heads on their base, the embedded
+defaults (trained heads and stats), and co-occurrence stats. One loader for every command."""
+
+from __future__ import annotations
+
+from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, default_base, is_default_base
+from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.heads_io import read_heads_config
+from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.stats.table import CooccurrenceTable
+
+
+def default_heads() -> str:
+    """The embedded trained heads, when the package ships them ('' otherwise)."""
+    return str(EMBEDDED_HEADS) if (EMBEDDED_HEADS / "heads_config.json").is_file() else ""
+
+
+def default_stats(backbone) -> str:
+    """The embedded stats, but only for the embedded base (another tokenizer would not match)."""
+    return str(EMBEDDED_STATS) if is_default_base(backbone.name) and EMBEDDED_STATS.is_dir() else ""
+
+
+def backbone_config(heads: str | None, base: str | None = None, **fields):
+    """How to load the base of ``heads``: ``base`` when given, else the base recorded in the
+    heads dir (else, without heads, the default base). ``fields``: other ``BackboneConfig``
+    fields (dtype, device, quantization, threads)."""
+    if not base:
+        base = read_heads_config(heads)["base"] if heads else default_base()
+    return BackboneConfig(base=str(base), **fields)
+
+
+def load_model(heads: str, base: str | None = None, dtype: str = "float32", device: str = "cpu", **fields):
+    """``(MultiTokenModel, heads dir)``: the heads on ``base`` (None: the base recorded in the
+    heads dir); ``heads`` '' means the embedded trained heads. ``fields``: other
+    ``BackboneConfig`` fields (quantization, threads)."""
+    heads = heads or default_heads()
+    if not heads:
+        raise UsageError("no heads dir given and no embedded heads found",
+                         "pass --heads DIR (made by `multitoken attach` or `multitoken train`)")
+    config = backbone_config(heads, base, dtype=dtype, device=device, **fields)
+    return MultiTokenModel.from_pretrained(config, heads), heads
+
+
+def load_base_only(config):
+    """The base model alone, as a one-head model: one token per forward pass in every mode."""
+    return MultiTokenModel.attach(load_backbone(config), {"head_type": "medusa", "n_future": 1})
+
+
+def load_stats(path: str, tokenizer):
+    """The co-occurrence table at ``path`` (checked against ``tokenizer``), or None for ''/none."""
+    if not path or path == "none":
+        return None
+    return CooccurrenceTable.for_tokenizer(path, tokenizer)

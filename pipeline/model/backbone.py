@@ -1,0 +1,378 @@
+"""Load a causal LM and expose the pieces multi-token heads need, generically.
+
+Architectures differ only in a few names, kept in ``ARCHITECTURES`` (one row per
+``model_type``); everything else goes through standard transformers interfaces
+(``output_hidden_states``, ``get_output_embeddings()``, ``base_model_prefix``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from multitoken.pipeline.embedded import default_base, resolve_base
+from multitoken.pipeline.base.errors import CheckpointError, UnsupportedModelError, UsageError
+from multitoken.pipeline.base.hub import locate
+from multitoken.pipeline.base.dtypes import DTYPES, resolve_dtype
+from multitoken.pipeline.base.threads import set_threads, threads_field
+from multitoken.pipeline.base.tokenizer import load_tokenizer
+from multitoken.pipeline.model.quantization import checked_plan
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The per-architecture names that no generic transformers interface exposes."""
+
+    final_norm: str  # attribute of the decoder stack
+    cache_kwarg: str  # keyword a decoder layer takes its KV cache by
+    lora_targets: tuple[str, ...]  # default LoRA target modules (q/k/v, as in Mehra et al.)
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "gpt_neox": ArchSpec("final_layer_norm", "layer_past", ("query_key_value",)),
+    "llama": ArchSpec("norm", "past_key_values", ("q_proj", "k_proj", "v_proj")),
+}
+
+QUANTIZATIONS = ("8bit", "4bit")
+
+
+@dataclass
+class BackboneConfig:
+    """How to load the base model. Drives the ``--base/--dtype/--device/--quantization`` flags."""
+
+    base: str = field(
+        default_factory=default_base,
+        metadata={"help": "Hub id, local directory, or embedded:NAME of the base model (default: the embedded stories260K)"},
+    )
+    dtype: str = field(default="float32", metadata={"help": "weights dtype", "choices": tuple(DTYPES)})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu, cuda, cuda:1"})
+    quantization: str | None = field(
+        default=None,
+        metadata={"help": "load the backbone in 8-bit or 4-bit (bitsandbytes)", "choices": QUANTIZATIONS},
+    )
+    threads: int | None = threads_field()  # applied by load_backbone, process-wide
+
+
+@dataclass
+class LoraSpec:
+    """LoRA on the backbone (peft). ``target_modules=None`` takes the architecture's q/k/v."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | None = None
+
+
+def read_model_type(base: str) -> str:
+    """The checkpoint's ``model_type``, read from its config before any weights are loaded."""
+    return read_config(*locate(resolve_base(str(base)))).model_type
+
+
+def read_config(base: str, hub_kwargs: dict | None = None):
+    """The checkpoint's transformers config (``base`` and ``hub_kwargs`` from ``hub.locate``)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(base, **(hub_kwargs or {}))
+    except (OSError, ValueError) as err:
+        raise _load_error(base, err) from err
+
+
+# Device types a model can run on; each has torch.<type>.is_available() and device_count().
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def check_device(name: str) -> torch.device:
+    """``name`` as a torch device that exists on this machine, else a UsageError saying why."""
+    fix = "use --device cpu, or cuda / cuda:N / mps on a machine that has one"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(f"unknown device {name!r}", fix) from None
+    if device.type == "cpu":
+        return device
+    if device.type not in DEVICE_TYPES:
+        raise UsageError(f"device {name!r} cannot run a model", fix)
+    backend = getattr(torch, device.type, None)
+    if backend is None or not backend.is_available():
+        raise UsageError(f"device {name!r} is not available: this machine has no {device.type} device "
+                         f"(or this torch build has no {device.type} support)", fix)
+    count = backend.device_count()
+    if device.index is not None and device.index >= count:
+        raise UsageError(f"device {name!r} does not exist: this machine has {count} {device.type} device(s)",
+                         f"use --device {device.type}:N with 0 <= N < {count}")
+    return device
+
+
+def check_supported(model_type: str) -> ArchSpec:
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported",
+            f"use a checkpoint of a supported type: {', '.join(sorted(ARCHITECTURES))}",
+        )
+    return ARCHITECTURES[model_type]
+
+
+def _load_error(base: str, err: Exception) -> CheckpointError:
+    if Path(base).expanduser().exists():
+        return CheckpointError(
+            f"could not load a model from {base!r}: {err}",
+            "the directory needs a transformers config.json and *.safetensors weights",
+        )
+    return CheckpointError(
+        f"{base!r} is neither a local directory nor a reachable Hugging Face Hub model ({type(err).__name__})",
+        "check the path or Hub id; without network access, download the checkpoint first and pass its directory",
+    )
+
+
+def _quantization_config(quantization: str | None, dtype: torch.dtype, skip_modules: list[str] | None = None):
+    if quantization is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
+    if quantization == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                  llm_int8_skip_modules=skip_modules)
+    raise UsageError(f"unknown quantization {quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
+
+
+def _quantization_plan(model_config, config: "BackboneConfig"):
+    """The Linear layers bitsandbytes can take on ``config.device``; None without quantization."""
+    if config.quantization is None:
+        return None
+    if config.quantization not in QUANTIZATIONS:
+        raise UsageError(f"unknown quantization {config.quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
+    return checked_plan(model_config, config.quantization, config.device, str(config.base))
+
+
+@dataclass
+class LayerContext:
+    """What every decoder layer of one forward pass shares besides its hidden states."""
+
+    mask: torch.Tensor | None  # None = plain causal (SDPA's is_causal path)
+    position_ids: torch.Tensor  # [1, T]
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]  # rotary (cos, sin)
+
+
+@dataclass
+class TrunkOutput:
+    hidden: torch.Tensor  # [B, T, H] output of the last trunk layer (not normalised)
+    layer_states: tuple[torch.Tensor, ...]  # each trunk layer's output, when collected
+    ctx: LayerContext
+
+
+class Backbone:
+    """A loaded causal LM plus generic access to its decoder stack.
+
+    ``model`` is what runs (possibly a peft ``PeftModel``); ``causal_lm`` the transformers
+    model inside it. Hidden states follow transformers' convention: ``L + 1`` tensors, the
+    embeddings first, then each layer's output (the last one after the final norm).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, name: str, config: BackboneConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.load_config = config
+        self.causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.config = self.causal_lm.config
+        self.model_type = self.config.model_type
+        self.spec = check_supported(self.model_type)
+        self.decoder = getattr(self.causal_lm, self.causal_lm.base_model_prefix)
+        # Linear layers a quantized load kept in float: no kernel of the device takes their
+        # shape (name -> (out_features, in_features)); see pipeline/model/quantization.py.
+        self.float_layers: dict[str, tuple[int, int]] = {}
+
+    # Generic access ---------------------------------------------------------------------
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return getattr(self.decoder, self.spec.final_norm)
+
+    @property
+    def rotary_emb(self) -> nn.Module:
+        return self.decoder.rotary_emb
+
+    @property
+    def embeddings(self) -> nn.Module:
+        return self.causal_lm.get_input_embeddings()
+
+    @property
+    def unembedding(self) -> nn.Module:
+        return self.causal_lm.get_output_embeddings()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.unembedding.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embeddings.weight.device
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.load_config.quantization is not None
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """All ``L + 1`` hidden states for ``input_ids`` # L+1 x [B, T, H]."""
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return out.hidden_states
+
+    def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """Unembed an already-normalised hidden state # [..., H] -> [..., V]."""
+        return self.unembedding(normed_hidden)
+
+    # Running decoder layers by hand --------------------------------------------------------
+    # Heads run layers of the same class as the backbone's (head 1 IS its final layer), so the
+    # backbone exposes the decoder's own per-forward inputs (mask, positions, rotary) and a
+    # generic way to call one layer. This mirrors the decoder's forward, never patches it.
+    def layer_context(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None
+    ) -> "LayerContext":
+        """Mask and positions for ``hidden`` [B, T, H] (T new tokens after ``cache``'s)."""
+        from transformers.masking_utils import create_causal_mask
+
+        past = cache.get_seq_length() if cache is not None else 0
+        position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)  # [1, T]
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+            past_key_values=cache, position_ids=position_ids,
+        )
+        rotary = self.rotary_emb(hidden, position_ids=position_ids)
+        return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=rotary)
+
+    def run_layer(self, layer: nn.Module, hidden: torch.Tensor, ctx: "LayerContext", cache=None) -> torch.Tensor:
+        """One decoder layer # [B, T, H] -> [B, T, H]; ``cache`` is that layer's KV cache, if any."""
+        kwargs = {self.spec.cache_kwarg: cache, "use_cache": cache is not None}
+        out = layer(
+            hidden, attention_mask=ctx.mask, position_ids=ctx.position_ids,
+            position_embeddings=ctx.position_embeddings, **kwargs,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def run_trunk(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        num_layers: int | None = None, collect: bool = False, cache=None,
+    ) -> "TrunkOutput":
+        """Embeddings then the first ``num_layers`` layers (default: all but the last).
+
+        Returns the trunk output (un-normalised), every layer's output when ``collect``, and
+        the layer context so heads can run further layers on the same positions.
+        """
+        num_layers = self.num_layers - 1 if num_layers is None else num_layers
+        hidden = self.embeddings(input_ids)  # [B, T, H]
+        ctx = self.layer_context(hidden, attention_mask, cache)
+        states = []
+        for layer in self.layers[:num_layers]:
+            hidden = self.run_layer(layer, hidden, ctx, cache)
+            if collect:
+                states.append(hidden)
+        return TrunkOutput(hidden=hidden, layer_states=tuple(states), ctx=ctx)
+
+    def fingerprint(self) -> dict:
+        """Identifies the base weights, robustly to dtype and quantization (embeddings are
+        never quantized): shapes plus a probe of embedding rows spread over the vocabulary."""
+        emb = self.embeddings.weight.detach()
+        rows = torch.linspace(0, emb.shape[0] - 1, 8).long()
+        probe = emb[rows.to(emb.device), :8].float().flatten().cpu()
+        return {
+            "model_type": self.model_type,
+            "vocab_size": int(emb.shape[0]),
+            "hidden_size": int(self.hidden_size),
+            "num_layers": int(self.num_layers),
+            "embedding_probe": [round(float(x), 6) for x in probe],
+        }
+
+
+def fingerprints_match(a: dict, b: dict, rtol: float = 2e-2) -> bool:
+    """Equal shapes and embedding probes equal up to half-precision rounding."""
+    keys = ("model_type", "vocab_size", "hidden_size", "num_layers")
+    if any(a.get(k) != b.get(k) for k in keys):
+        return False
+    pa, pb = torch.tensor(a["embedding_probe"]), torch.tensor(b["embedding_probe"])
+    if pa.shape != pb.shape:
+        return False
+    scale = max(float(pa.abs().max()), 1e-6)
+    return bool((pa - pb).abs().max() <= rtol * scale)
+
+
+def load_backbone(
+    config: BackboneConfig | None = None,
+    *,
+    lora: LoraSpec | None = None,
+    lora_adapter: str | None = None,
+    trainable_lora: bool = False,
+) -> Backbone:
+    """Load the base model named by ``config.base`` (Hub id or local dir).
+
+    ``lora`` wraps the model with a fresh peft LoRA adapter; ``lora_adapter`` loads a saved
+    one (peft's own format). The backbone is returned in eval mode with every parameter frozen
+    except LoRA ones when ``trainable_lora`` is set; freezing policy lives here, not in heads.
+    """
+    config = config or BackboneConfig()
+    # Everything the user can get wrong is checked before a weight is read, and the base
+    # located before transformers is imported (a second): a mistyped path or an unreachable
+    # Hub fails at once.
+    check_device(config.device)
+    set_threads(config.threads)
+    dtype = resolve_dtype(config.dtype)
+    base, hub_kwargs = locate(resolve_base(str(config.base)))
+    from transformers import AutoModelForCausalLM
+
+    model_config = read_config(base, hub_kwargs)
+    spec = check_supported(model_config.model_type)
+    qplan = _quantization_plan(model_config, config)
+    kwargs: dict = {"dtype": dtype, **hub_kwargs}
+    if qplan is not None:
+        quant = _quantization_config(config.quantization, dtype, qplan.skip_modules())
+        kwargs.update(quantization_config=quant, device_map={"": config.device})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, config=model_config, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error(base, err) from err
+    if qplan is None:
+        model = model.to(config.device)
+    model = _attach_lora(model, spec, lora, lora_adapter, trainable_lora)
+    model.eval()
+    backbone = Backbone(model, load_tokenizer(base), base, config)
+    if qplan is not None:
+        backbone.float_layers = dict(qplan.left_float)
+    return backbone
+
+
+def _attach_lora(model, spec: ArchSpec, lora: LoraSpec | None, adapter: str | None, trainable: bool):
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if lora is None and adapter is None:
+        return model
+    if lora is not None and adapter is not None:
+        raise UsageError("both a new LoRA spec and a saved LoRA adapter were given", "pass only one of them")
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter is not None:
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise CheckpointError(f"no peft adapter in {adapter!r}", "pass the directory holding adapter_config.json")
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+    else:
+        targets = list(lora.target_modules or spec.lora_targets)
+        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+        model = get_peft_model(model, cfg)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable and "lora_" in name)
+    return model

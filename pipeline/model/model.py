@@ -1,0 +1,168 @@
+"""``MultiTokenModel``: a backbone plus a head adapter, predicting tokens t+1..t+n per position.
+
+One backbone pass runs the trunk (layers[:-1]) and the original final layer (head 1, the base
+model's own next-token path); the adapter then produces heads 2..n from it. With a frozen
+backbone the pass runs without autograd. Losses are computed head by head over chunks of
+tokens, so [B, T, n, V] logits never exist at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from multitoken.adapters.base import DEFAULT_CHUNK, Features, LossOutput
+from multitoken.adapters.registry import build_head, make_config
+
+from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
+from multitoken.pipeline.model.heads_io import load_heads, save_heads
+from multitoken.pipeline.model.incremental import new_caches, step
+
+__all__ = ["MultiTokenModel", "LossOutput"]
+
+
+class MultiTokenModel(nn.Module):
+    """Backbone + head adapter.
+
+    ``base_model`` (the backbone's possibly-peft model) is a registered submodule so that
+    ``.parameters()`` / DDP see trainable LoRA weights; frozen base weights are ignored by
+    optimizers and never saved by ``save_heads``. ``heads`` holds only the new head weights.
+    """
+
+    def __init__(self, backbone: Backbone, heads: nn.Module, loss_chunk: int = DEFAULT_CHUNK):
+        super().__init__()
+        self.backbone = backbone
+        self.base_model = backbone.model
+        self.heads = heads
+        self.loss_chunk = loss_chunk
+        self.base_model.eval()
+
+    # Construction -----------------------------------------------------------------------
+    @classmethod
+    def attach(cls, backbone: Backbone, head_config, **kwargs) -> "MultiTokenModel":
+        """New (untrained) heads of ``head_config`` on ``backbone``. ``head_config`` may be a
+        head config dataclass or a dict like ``{"head_type": "cp", "n_future": 3, "rank": 4}``."""
+        if isinstance(head_config, dict):
+            options = dict(head_config)
+            head_config = make_config(options.pop("head_type"), **options)
+        return cls(backbone, build_head(head_config, backbone), **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls, base: str | BackboneConfig | Backbone | None, heads_dir: str | Path, *,
+        quantization: str | None = None, dtype: str | None = None, device: str | None = None,
+        trainable_lora: bool = False, **kwargs,
+    ) -> "MultiTokenModel":
+        """Load saved heads (and their LoRA adapter, if any) onto ``base``: a Hub id or dir, a
+        ``BackboneConfig``, an already loaded ``Backbone``, or None for the base recorded in
+        the heads dir. Fails clearly on a different base, a corrupt file or an unknown type."""
+        return load_heads(cls, base, heads_dir, quantization=quantization, dtype=dtype, device=device,
+                          trainable_lora=trainable_lora, **kwargs)
+
+    def save_heads(self, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
+        """Write heads.safetensors + heads_config.json (+ peft's adapter files in ``lora/``, and
+        ``extra`` {file name: text}) atomically."""
+        return save_heads(self, out_dir, extra)
+
+    # Introspection ----------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.heads.config
+
+    @property
+    def n_future(self) -> int:
+        return self.heads.n_future
+
+    @property
+    def has_lora(self) -> bool:
+        return hasattr(self.base_model, "peft_config")
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        """All trainable parameters of the new heads (copies and random-init alike)."""
+        return [p for p in self.heads.parameters() if p.requires_grad]
+
+    def head_parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """``{"copied": [...], "new": [...]}``: copy-initialised head weights (DynaMo: LR_B)
+        and freshly initialised ones (DynaMo: LR_M)."""
+        copied = self.heads.copied_parameter_names()
+        groups: dict[str, list[nn.Parameter]] = {"copied": [], "new": []}
+        for name, p in self.heads.named_parameters():
+            if p.requires_grad:
+                groups["copied" if name in copied else "new"].append(p)
+        return groups
+
+    def base_head_parameters(self) -> list[nn.Parameter]:
+        """Head 1's own weights: the original final layer and final norm (base weights, frozen
+        unless the trainer unfreezes them, e.g. for DynaMo's LR_B)."""
+        lora = {id(p) for p in self.lora_parameters()}
+        params = list(self.backbone.layers[-1].parameters()) + list(self.backbone.final_norm.parameters())
+        return [p for p in params if id(p) not in lora]
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for n, p in self.base_model.named_parameters() if "lora_" in n]
+
+    def train(self, mode: bool = True) -> "MultiTokenModel":
+        # The base keeps eval-mode behaviour (no dropout) so head 1 stays the base model's path.
+        self.training = mode
+        self.heads.train(mode)
+        self.base_model.eval()
+        return self
+
+    # Forward ----------------------------------------------------------------------------
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Features:
+        """One backbone pass # [B, T] -> Features ([B, T, H] each). Autograd only where a
+        backbone weight is trainable (the trunk and the final layer are checked separately)."""
+        bb = self.backbone
+        grad = torch.is_grad_enabled()
+        trunk_grad = grad and _any_grad(bb.embeddings, *bb.layers[:-1])
+        with torch.set_grad_enabled(trunk_grad):
+            trunk = bb.run_trunk(input_ids, attention_mask, collect=self.heads.needs_layer_states)
+        with torch.set_grad_enabled(trunk_grad or (grad and _any_grad(bb.layers[-1], bb.final_norm))):
+            base = bb.final_norm(bb.run_layer(bb.layers[-1], trunk.hidden, trunk.ctx))  # [B, T, H]
+        return Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
+
+    def compute_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     skip_constant: bool = False) -> LossOutput:
+        """Per-head mean cross-entropy (head i predicts token t+i), aux loss and metrics.
+        ``skip_constant``: leave out heads no gradient reaches (see ``HeadAdapter.loss``)."""
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        feats = self.features(input_ids, attention_mask)
+        return self.heads.loss(feats, input_ids, valid, self.loss_chunk, skip_constant=skip_constant)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                skip_constant: bool = False) -> LossOutput:
+        # forward == compute_loss so DDP(model)(ids) syncs gradients of every trainable weight.
+        return self.compute_loss(input_ids, attention_mask, skip_constant=skip_constant)
+
+    @torch.no_grad()
+    def head_logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, last_only: bool = True
+    ) -> list[torch.Tensor]:
+        """Log-distributions for tokens t+1..t+n: a list of n tensors [B, P, V] (P = 1 with
+        ``last_only``, else T). Entry 0 is the base model's own next-token distribution."""
+        feats = self.features(input_ids, attention_mask)
+        return [self.heads.log_probs(i, feats, last_only=last_only) for i in range(self.n_future)]
+
+    # Incremental decoding (see incremental.py) --------------------------------------------
+    def new_caches(self):
+        """Empty KV caches for one decoding run: the backbone's plus one per head layer."""
+        return new_caches(self)
+
+    def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0):
+        """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
+        returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
+        ``caches.crop(m)`` drops the last m positions (rejected drafts); ``heads_upto`` skips
+        the layers of heads a run never reads; ``read_from`` skips the logits of earlier positions."""
+        return step(self, new_ids, caches, heads_upto, read_from)
+
+
+def _any_grad(*modules: nn.Module) -> bool:
+    return any(p.requires_grad for m in modules for p in m.parameters())
+
+
+def attach(base: str | BackboneConfig, head_config, **backbone_kwargs) -> MultiTokenModel:
+    """Convenience: load ``base`` and attach new heads."""
+    config = base if isinstance(base, BackboneConfig) else BackboneConfig(base=str(base))
+    return MultiTokenModel.attach(load_backbone(config, **backbone_kwargs), head_config)

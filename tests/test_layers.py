@@ -1,0 +1,138 @@
+"""The package imports downward only (DESIGN.md, "floors"), and has no import cycle.
+
+Every first-party import of every module is read with ``ast`` (top level AND inside functions,
+so a lazy import cannot hide an upward edge), mapped to its floor, and checked:
+an import may point to the same floor or below, never above; and the module graph is acyclic.
+An import inside a function must say why on its line (a ``# lazy:`` comment): only the CLI
+has them, so that a command's heavy modules (torch) load when that command is chosen and
+``multitoken --help`` stays fast. (The command table itself imports by name, with importlib.)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = ("adapters", "stats", "decoding", "pipeline")
+
+# Module-name prefix -> floor, bottom up (longest prefix wins).
+FLOORS = {
+    "multitoken.pipeline.base": 0,
+    "multitoken.pipeline.embedded": 0,  # data package: paths of the shipped model, heads, stats
+    "multitoken.adapters": 1,
+    "multitoken.stats": 1,
+    "multitoken.decoding": 2,
+    "multitoken.pipeline.model": 3,
+    "multitoken.pipeline.train": 4,
+    "multitoken.pipeline.eval": 4,
+    "multitoken.pipeline.cli": 5,
+    "multitoken.pipeline": 5,  # the package __init__: lazy re-exports of every floor
+}
+
+
+def floor(module: str) -> int:
+    prefix = max((p for p in FLOORS if module == p or module.startswith(p + ".")), key=len)
+    return FLOORS[prefix]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder in FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if "embedded" in parts and path.name != "__init__.py":
+                continue
+            name = ".".join(("multitoken",) + parts).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool, str]]:
+    """(imported module, line, inside a function, source line) for each first-party import."""
+    tree = ast.parse(path.read_text(), str(path))
+    lines = path.read_text().splitlines()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    in_function = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function.update(id(n) for n in ast.walk(node) if n is not node)
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import submodule` points at the submodule
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for target in targets:
+            if target.startswith("multitoken.") and target != name:
+                out.append((target, node.lineno, id(node) in in_function, lines[node.lineno - 1]))
+    return out
+
+
+MODULES = modules()
+GRAPH = {name: imports(name, path, set(MODULES)) for name, path in MODULES.items()}
+
+
+def test_the_walk_sees_every_package():
+    assert {"multitoken.pipeline.base.errors", "multitoken.adapters.registry", "multitoken.stats.table",
+            "multitoken.decoding.loop", "multitoken.pipeline.model.model", "multitoken.pipeline.cli"} <= set(MODULES)
+    assert sum(len(edges) for edges in GRAPH.values()) > 100  # the walk finds imports at all
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_down(name):
+    up = [f"line {line}: {target} (floor {floor(target)} > {floor(name)})"
+          for target, line, _, _ in GRAPH[name] if floor(target) > floor(name)]
+    assert not up, f"{name} imports upward: " + "; ".join(up)
+
+
+def test_lazy_imports_only_in_the_cli():
+    lazy = {name for name in MODULES for _, _, inside, _ in GRAPH[name] if inside}
+    assert lazy and all(name.startswith("multitoken.pipeline.cli") for name in lazy), sorted(lazy)
+
+
+def test_base_imports_only_base():
+    for name in MODULES:
+        if floor(name) == 0:
+            above = [t for t, *_ in GRAPH[name] if floor(t) != 0]
+            assert not above, f"{name} (base) imports {above}"
+
+
+def test_in_function_imports_say_why():
+    for name in MODULES:
+        hidden = [f"{name}:{line}" for target, line, inside, source in GRAPH[name]
+                  if inside and "# lazy:" not in source]
+        assert not hidden, f"first-party import inside a function without a `# lazy:` reason: {hidden}"
+
+
+def test_no_import_cycle():
+    edges = {name: sorted({t for t, *_ in GRAPH[name] if t in MODULES}) for name in MODULES}
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in edges[node]:
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_the_checker_catches_an_upward_import():
+    assert floor("multitoken.pipeline.model.backbone") > floor("multitoken.decoding.loop")
+    assert floor("multitoken.pipeline.base.errors") < floor("multitoken.adapters.registry")
+    assert floor("multitoken.pipeline") == floor("multitoken.pipeline.cli")
