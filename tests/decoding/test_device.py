@@ -21,7 +21,7 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import RunState
 from multitoken.decoding.proposal import cp_drafts, independent_drafts
 from multitoken.decoding.sampling import Sampler, penalised_logits, processed_probs, rows_seen, top_probs, with_tokens
-from multitoken.pipeline.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
 from .conftest import attach
 

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.decoding.proposal import Drafts
-from multitoken.pipeline.backbone import Backbone, BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 
 from .conftest import RatioTable, attach, build_small_vocab
 from .test_exactness import PROMPTS, exact_pairs, merge_small_cells
