@@ -29,11 +29,21 @@ class Candidates:
     probs: np.ndarray  # [k] float32, sums to 1
 
 
+def head_candidates(scores: torch.Tensor, k: int, temperature: float) -> list[Candidates]:
+    """Top-k of m heads with temperature # [m, V] -> m x (k ids + probs), in one top-k call on
+    the scores' device and one host transfer. ``scores`` may be raw logits or log-probs: softmax
+    is shift-invariant, so the top-k of either gives the same candidates (log-softmax over V is
+    work the grid never reads)."""
+    vals, idx = torch.topk(scores.float(), k, dim=-1)  # [m, k] sorted: the grid's axes run from most to least likely
+    probs = torch.softmax(vals.double() / temperature, dim=-1).float()  # the grid is float32: k^n cells stay cheap
+    # ids (< 2^53) and float32 probs are exact in float64: both cross in one transfer
+    host = torch.stack([idx.double(), probs.double()], dim=1).cpu().numpy()  # [m, 2, k]
+    return [Candidates(row[0].astype(np.int64), row[1].astype(np.float32)) for row in host]
+
+
 def top_candidates(logp: torch.Tensor, k: int, temperature: float) -> Candidates:
-    """Top-k of a log-distribution with temperature # [V] -> k ids + probs."""
-    vals, idx = torch.topk(logp, k)  # sorted: the grid's axes run from most to least likely
-    probs = torch.softmax(vals.double() / temperature, dim=-1).float()  # the grid is float32: k^3 cells stay cheap
-    return Candidates(idx.cpu().numpy(), probs.cpu().numpy())
+    """Top-k of one head's scores with temperature # [V] -> k ids + probs."""
+    return head_candidates(logp[None], k, temperature)[0]
 
 
 def outer(cands: list[Candidates]) -> np.ndarray:
@@ -225,23 +235,33 @@ def cannot_reach(cands, order: int, cfg, table) -> bool:
     return bool(top <= threshold)
 
 
-def dynamic_propose(head_logps: list[torch.Tensor], cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
+def heads_needed(cfg, n: int) -> int:
+    """Heads a step reads out of ``n``: the first order tried reads them all (in ``cannot_reach``'s
+    product or in its grid), unless every order backs off unread (``always_backs_off``)."""
+    return 1 if always_backs_off(cfg) else n
+
+
+def dynamic_propose(head_scores, cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
     """Alg. 1: try order n, n-1, ..., 2 and fall back to top-k sampling of head 1.
 
-    head_logps: n x [V] log-distributions at the anchor position (head i predicts t+i).
+    head_scores: n x [V] scores at the anchor position (head i predicts t+i): log-probs or raw
+    logits (only their top-k is read), a list or a lazy sequence (``loop.HeadScores``); only the
+    heads the step reads are stacked, and their top-k cross to the host in one transfer.
     ``rng`` None = greedy (argmax cell).
     """
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-    k = min(cfg.top_k, head_logps[0].shape[-1])
-    cache: dict[int, Candidates] = {}
+    n = len(head_scores)
+    k = min(cfg.top_k, head_scores[0].shape[-1])
+    cache: list[Candidates] = []
 
-    def cand(head: int) -> Candidates:  # top-k only for the heads an order actually reads
-        if head not in cache:
-            cache[head] = top_candidates(head_logps[head], k, temperature)
+    def cand(head: int) -> Candidates:
+        if head >= len(cache):  # the missing heads the step will read, in one batch
+            rows = torch.stack([head_scores[h] for h in range(len(cache), max(head + 1, heads_needed(cfg, n)))])
+            cache.extend(head_candidates(rows, k, temperature))  # [m, V] -> m x [k]
         return cache[head]
 
     backed_off, kernels = [], []
-    for order in range(len(head_logps), 1, -1):
+    for order in range(n, 1, -1):
         if cannot_reach(cand, order, cfg, table):
             backed_off.append(order)
             continue

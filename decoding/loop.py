@@ -17,7 +17,7 @@ import torch
 from .accept import greedy_accept, speculative_accept, typical_rule
 from .config import DecodeConfig, check_context
 from .dynamic import always_backs_off, dynamic_propose
-from .proposal import Drafts, joint_drafts, pick_drafter
+from .proposal import Drafts, HeadScores, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
 from .sparse import prepare_kernel
 from .timing import clock_for
@@ -38,10 +38,20 @@ class RunState:
     vocab_size: int
     draft_cfg: DecodeConfig | None = None  # the joint drafter's grid: no thresholds (set once)
     kernels: Counter = field(default_factory=Counter)  # grids built per path (sparse.py), for the trace
+    seen_host: np.ndarray | None = None  # ``seen`` for the numpy grids, kept in step by ``mark``
 
     def seen_array(self) -> np.ndarray:
-        """``seen`` for the numpy grids (a view on the CPU, a copy from an accelerator)."""
-        return self.seen.cpu().numpy()
+        """``seen`` for the numpy grids: copied from the device once, then updated on the host
+        alongside it (``mark``), so a step's only reads of the device stay its own."""
+        if self.seen_host is None:
+            self.seen_host = self.seen.cpu().numpy().copy()
+        return self.seen_host
+
+    def mark(self, tokens: list[int]) -> None:
+        """Tokens now in the context (host ids): the device mask and its host mirror."""
+        self.seen[tokens] = True
+        if self.seen_host is not None:
+            self.seen_host[tokens] = True
 
 
 @dataclass
@@ -74,21 +84,6 @@ def _acceptor(cfg: DecodeConfig):
     if cfg.mode == "typical":
         return typical_rule(cfg.typical_eps, cfg.typical_delta)
     return greedy_accept if cfg.greedy else speculative_accept
-
-
-class HeadLogps:
-    """The n heads' log-distributions at ``anchor``, each computed on its first read # i -> [V]."""
-
-    def __init__(self, out, anchor: int, n: int):
-        self.out, self.anchor, self.n, self.cache = out, anchor, n, {}
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if i not in self.cache:
-            self.cache[i] = self.out.head_log_probs(i, self.anchor)[0]
-        return self.cache[i]
 
 
 @torch.inference_mode()  # cheaper than no_grad per op: a small model's step is mostly op overhead
@@ -157,7 +152,7 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             stop = next((i for i, t in enumerate(tokens) if t in eos), None)
             tokens = tokens if stop is None else tokens[: stop + 1]
         out_ids.extend(tokens)
-        run.seen[tokens] = True
+        run.mark(tokens)
         if on_tokens and tokens:
             on_tokens(tokens)
         return len(out_ids) >= cfg.max_new_tokens or (cfg.stop_at_eos and bool(tokens) and tokens[-1] in eos)
@@ -181,8 +176,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     while True:
         # propose: the tokens decided for the next positions (+ drafts to verify)
         if cfg.mode == "dynamic":
-            logps = HeadLogps(out, anchor, order)  # read on demand: back-offs skip later heads
-            choice = dynamic_propose(logps, cfg, table, run.seen_array(), run.rng)
+            heads = HeadScores(out, anchor, order)  # read on demand: eps_b = 1 reads head 1 only
+            choice = dynamic_propose(heads, cfg, table, run.seen_array(), run.rng)
             commit, drafts = choice.tokens, Drafts.empty(ids.device)
             trace.orders[choice.order] += 1
             trace.backoffs.update(choice.backed_off)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .dynamic import Candidates, joint_cells, top_candidates
+from .dynamic import Candidates, head_candidates, joint_cells, sample_index
 from .sampling import with_tokens
 from multitoken.pipeline.base.errors import UsageError
 
@@ -28,6 +28,29 @@ class Drafts:
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Drafts":
         return Drafts(torch.zeros(0, dtype=torch.long, device=device), None)
+
+
+class HeadScores:
+    """The n heads' scores at ``anchor``, each read on first use # i -> [V]: raw logits where the
+    step has them (the base and layer heads: DynaMo reads only their top-k, so no log-softmax
+    over the vocabulary), log-probs from one-position heads (Medusa, CP), which make them so."""
+
+    def __init__(self, out, anchor: int, n: int):
+        self.out, self.anchor, self.n, self.cache = out, anchor, n, {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.cache:
+            out, pos = self.out, self.anchor
+            if i in out.hiddens:
+                self.cache[i] = out._head_row(i, pos)[0]
+            elif i == 0:
+                self.cache[i] = out.base_logits()[0, pos - out.first]
+            else:
+                self.cache[i] = out.head_log_probs(i, pos)[0]
+        return self.cache[i]
 
 
 def _draw(logp: torch.Tensor, run, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,29 +110,38 @@ def joint_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
     cfg = run.cfg
     k = min(cfg.draft_k, cfg.top_k, run.vocab_size)  # a draft outside the target's top-k is always rejected
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
+    heads = HeadScores(out, anchor, g + 1)
+    rows = torch.stack([heads[i] for i in range(1, g + 1)])  # [g, V] raw logits: only their top-k is read
     cands = [Candidates(np.array([first]), np.ones(1, dtype=np.float32))]
-    cands += [top_candidates(out.head_log_probs(i, anchor)[0], k, temperature) for i in range(1, g + 1)]
+    cands += head_candidates(rows, k, temperature)  # one top-k call, one host transfer
     cells = joint_cells(cands, run.draft_cfg, run.table, run.seen_array())
     run.kernels[cells.kernel] += 1
     grid = cells.dense()[0]  # [k]*g: the marginals below sum it whole, as ever
-    tokens, probs = [], []
+    tokens, marginals = [], []
     for axis in range(1, g + 1):
         marginal = grid.reshape(grid.shape[0], -1).sum(-1, dtype=np.float64)  # [k]
         if not marginal.sum() > 0:
             break
         if run.sampler.greedy:  # greedy verification reads the drafts only, not their q
             i = int(marginal.argmax())
-        else:
-            device = run.sampler.device  # q and the draw live where the target does
-            ids = torch.from_numpy(cands[axis].ids).to(device)
-            q = torch.zeros(run.vocab_size, dtype=torch.float64, device=device)
-            q[ids] = torch.from_numpy(marginal / marginal.sum()).to(device)
-            i = int(torch.multinomial(q[ids], 1, generator=run.sampler.gen))
-            probs.append(q.float())
-        tokens.append(int(cands[axis].ids[i]))  # host ids: the grid is built on the host
+        else:  # drawn on the host from the host grid (seeded numpy): no device read per axis
+            i = sample_index(marginal, run.rng)
+            marginals.append(marginal / marginal.sum())
+        tokens.append(int(cands[axis].ids[i]))
         grid = grid[i]
     device = run.seen.device
-    return Drafts(torch.tensor(tokens, dtype=torch.long, device=device), torch.stack(probs) if probs else None)
+    return Drafts(torch.tensor(tokens, dtype=torch.long, device=device), _draft_q(cands, marginals, run))
+
+
+def _draft_q(cands: list[Candidates], marginals: list[np.ndarray], run) -> torch.Tensor | None:
+    """The conditionals the drafts were drawn from, on the target's device # [j, V] float32:
+    each axis's [k] marginal scattered to its candidate ids (one copy of each to the device)."""
+    if not marginals:
+        return None
+    j, device = len(marginals), run.sampler.device
+    ids = torch.from_numpy(np.stack([c.ids for c in cands[1:j + 1]])).to(device)  # [j, k]
+    q = torch.zeros(j, run.vocab_size, dtype=torch.float64, device=device)
+    return q.scatter_(1, ids, torch.from_numpy(np.stack(marginals)).to(device)).float()
 
 
 DRAFTERS = {"independent": independent_drafts, "cp": cp_drafts, "joint": joint_drafts}

@@ -11,6 +11,12 @@ Every method decodes the same prompts; each repetition runs the methods interlea
 repetition counts (the machine may be shared). Prints a table and writes JSON.
 
     python scripts/bench_decode.py --out bench_decode.json [--pythia-heads DIR] [--device cuda --dtype bfloat16]
+    python scripts/bench_decode.py --shapes 160m 410m --out bench_shapes.json   # step cost only
+
+``--shapes``: only the step-cost bench on random-weight GPT-NeoX models of pythia-160m / 410m
+shapes (no download) with 3 random replicated heads: per mode model and logic ms per step,
+tokens per forward, ms per token and the step-cost ratio over an ``ar`` step (issue 13's
+target: <= 1.2x for dynamic and speculative on 410m).
 
 Our rows run with ``generate(profile=True)``: on an accelerator the model / logic split then
 synchronises the device at every clock reading. The record names the device, dtype, threads and
@@ -48,7 +54,7 @@ PROMPTS = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_decode.json")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (32 with --shapes)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the same for every method)")
     p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:1 (the logic timing stays on the CPU)")
@@ -67,7 +73,15 @@ def parse_args(argv=None):
     p.add_argument("--logic-new-tokens", type=int, default=120, help="tokens per prompt of the recorded dynamic decoding (steps of the logic timing)")
     p.add_argument("--logic-reps", type=int, default=5, help="passes over the recorded steps per timing")
     p.add_argument("--logic-only", action="store_true", help="only the per-step decoding-logic timing (seconds, not minutes)")
-    return p.parse_args(argv)
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
+                   help="only the step-cost bench on random-weight models of these pythia shapes")
+    p.add_argument("--shape-prompt", type=int, default=64, help="random prompt tokens (--shapes)")
+    p.add_argument("--shape-stats", default=None, help="a stats dir over a 50304-token vocabulary (the pythia "
+                   "tokenizer) for a masked dynamic row (--shapes; default: unmasked dynamic only)")
+    args = p.parse_args(argv)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 32 if args.shapes else 128
+    return args
 
 
 def load(base: str, heads: str | None, device: str = "cpu", dtype: str = "float32"):
@@ -174,6 +188,88 @@ def pythia70m_shaped() -> MultiTokenModel:
     return MultiTokenModel.attach(bb, {"head_type": "medusa", "n_future": 3})
 
 
+SHAPES = {"160m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12),
+          "410m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16)}
+
+
+def pythia_shaped(shape: str, device: str, dtype: str) -> MultiTokenModel:
+    """A random-weight GPT-NeoX of a pythia shape (config only, no download) with 3 random
+    replicated heads: cost, not quality."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    dims = SHAPES[shape]
+    cfg = GPTNeoXConfig(vocab_size=50304, intermediate_size=4 * dims["hidden_size"], max_position_embeddings=2048,
+                        rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False, **dims)
+    bb = Backbone(GPTNeoXForCausalLM(cfg).eval(), None, f"pythia-{shape}-shaped (random)", BackboneConfig(base="random"))
+    model = MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+
+
+def step_row(traces: list) -> dict:
+    """Per-step costs of a mode from its traces (prefill excluded: a step is a forward pass after
+    the prompt's; the model share includes the head distributions it reads)."""
+    steps = sum(t.forward_passes - 1 for t in traces)
+    tokens = sum(t.new_tokens for t in traces)
+    model = sum(t.model_s - t.prefill_s for t in traces)
+    wall = sum(t.wall_s - t.prefill_s for t in traces)
+    return {"steps": steps, "tokens": tokens, "model_ms_per_step": 1000 * model / steps,
+            "logic_ms_per_step": 1000 * (wall - model) / steps, "ms_per_step": 1000 * wall / steps,
+            "tokens_per_forward": tokens / sum(t.forward_passes for t in traces), "ms_per_token": 1000 * wall / tokens,
+            "unembed_rows": dict(sorted(sum((t.unembed_rows for t in traces), Counter()).items())),
+            "dynamic_kernel": dict(sum((t.dynamic_kernel for t in traces), Counter()))}
+
+
+def bench_shapes(args) -> dict:
+    """Each shape decodes ``--max-new-tokens`` from a random ``--shape-prompt``-token prompt in
+    every mode (interleaved per repetition, the fastest repetition of each kept); the step-cost
+    ratio is a mode's ms per step over ``ar``'s (the issue's target: <= 1.2 on 410m)."""
+    sample = dict(temperature=args.temperature, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
+    base = dict(max_new_tokens=args.max_new_tokens, n=3, stop_at_eos=False)
+    out = {}
+    for shape in args.shapes:
+        model = pythia_shaped(shape, args.device, args.dtype)
+        prompt = torch.randint(0, 50304, (1, args.shape_prompt), generator=torch.Generator().manual_seed(1))
+        table = None
+        if args.shape_stats:
+            from multitoken.stats.table import CooccurrenceTable
+
+            table = CooccurrenceTable(args.shape_stats)
+        modes = {"ar": DecodeConfig(mode="ar", greedy=True, max_new_tokens=args.max_new_tokens, stop_at_eos=False),
+                 "speculative_greedy": DecodeConfig(mode="speculative", greedy=True, **base),
+                 # eps_b 0: the full order-3 grid every step (3 tokens per forward), the costliest logic
+                 "dynamic_eps0": DecodeConfig(mode="dynamic", eps_b=0.0, **base, **sample)}
+        tables = {label: None for label in modes}
+        if table is not None:
+            modes["dynamic_eps0_masked"], tables["dynamic_eps0_masked"] = modes["dynamic_eps0"], table
+        generate(model, prompt, DecodeConfig(mode="ar", greedy=True, max_new_tokens=2))  # warm-up (allocations)
+        best: dict[str, tuple[float, list]] = {}
+        for _ in range(args.reps):
+            for label, cfg in modes.items():
+                trace = generate(model, prompt, cfg, table=tables[label], profile=True).trace
+                per_step = (trace.wall_s - trace.prefill_s) / max(trace.forward_passes - 1, 1)
+                if label not in best or per_step < best[label][0]:
+                    best[label] = (per_step, [trace])
+        rows = {label: step_row(traces) for label, (_, traces) in best.items()}
+        for row in rows.values():
+            row["step_cost_vs_ar"] = row["ms_per_step"] / rows["ar"]["ms_per_step"]
+            row["model_cost_vs_ar"] = row["model_ms_per_step"] / rows["ar"]["model_ms_per_step"]
+        out[shape] = {"model": model.backbone.name,
+                      "prompt_tokens": args.shape_prompt, "stats": args.shape_stats, "sampling": sample, "modes": rows}
+        del model
+    return out
+
+
+def print_shapes(shapes: dict) -> None:
+    for shape, r in shapes.items():
+        print(f"\npythia-{shape}-shaped (random weights, 3 replicated heads), prompt {r['prompt_tokens']} tokens")
+        print(f"{'mode':20s} {'model ms/step':>13s} {'logic ms/step':>13s} {'tok/fwd':>8s} {'ms/token':>9s} "
+              f"{'step x ar':>9s} {'model x ar':>10s}  rows/unembed call")
+        for label, m in r["modes"].items():
+            print(f"{label:20s} {m['model_ms_per_step']:13.3f} {m['logic_ms_per_step']:13.3f} {m['tokens_per_forward']:8.2f} "
+                  f"{m['ms_per_token']:9.3f} {m['step_cost_vs_ar']:9.3f} {m['model_cost_vs_ar']:10.3f}  {m['unembed_rows']}")
+
+
 def median_ms(fn, steps: int) -> float:
     times = []
     for _ in range(steps):
@@ -250,6 +346,12 @@ def main(argv=None) -> dict:
                           "device": args.device, "device_name": device_name(args.device), "dtype": args.dtype,
                           "torch": torch.__version__, "loadavg_start": list(__import__("os").getloadavg())},
               "max_new_tokens": args.max_new_tokens, "reps": args.reps}
+    if args.shapes:
+        record["shapes"] = bench_shapes(args)
+        record["machine"]["loadavg_end"] = list(__import__("os").getloadavg())
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        print_shapes(record["shapes"])
+        return record
     if args.logic_only:
         record["logic"] = bench_logic(args)
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")

@@ -3,14 +3,17 @@ function runs with its target tensors on ``meta`` (the stand-in for an accelerat
 devices, no values). Under ``OnlyOn`` every aten op must read and write tensors of that device
 only (0-d CPU scalars aside), so a CPU tensor mixed in, a CPU index, or a host read (``int()``,
 ``.tolist()``: meta has no values to read) fails the test. Host ids may travel *to* the device
-(copies). Exempt by design: ``joint_drafts`` (DynaMo's grid is built on the host from the
-heads' top-k) and the loop's one host read per step (the committed ids).
+(copies). DynaMo's grids (the dynamic step, ``joint_drafts``) are built on the host from the
+heads' top-k: ``HostReads`` lets those functions read the device, hands them a plausible top-k,
+and counts the reads (one per step). Exempt: the loop's one host read per step (the committed ids).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,7 +22,8 @@ from torch.utils._pytree import tree_leaves
 from multitoken.decoding.accept import greedy_accept, speculative_accept, typical_accept, typical_rule
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import RunState
-from multitoken.decoding.proposal import cp_drafts, independent_drafts
+from multitoken.decoding.dynamic import dynamic_propose, head_candidates
+from multitoken.decoding.proposal import HeadScores, cp_drafts, independent_drafts, joint_drafts
 from multitoken.decoding.sampling import Sampler, penalised_logits, processed_probs, rows_seen, top_probs, with_tokens
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
@@ -176,3 +180,92 @@ def test_a_verification_pass_unembeds_only_the_rows_read_on_the_device(meta_mode
     assert not mode.bad, mode.bad
     assert base.shape[:2] == (1, 3) and on_meta(base, head)
     assert dict(out.unembed_rows) == {3 * 3: 1}  # base + 2 head layers at 3 positions, one call
+
+
+class HostReads(OnlyOn):
+    """``OnlyOn`` that also allows copies off the device, counts them, and answers them with
+    host data (meta has none): a packed top-k [m, 2, k] gets ids 0..k-1 and probabilities
+    falling from the first, anything else zeros. Ops on host tensors alone are the host's work
+    on what it read (numpy views): allowed; an op mixing host and device tensors is not."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args else None
+        if func.overloadpacket.__name__ == "_to_copy" and isinstance(src, torch.Tensor) and src.device == self.device \
+                and torch.device(kwargs.get("device", self.device)).type == "cpu":
+            self.reads.append(tuple(src.shape))
+            return fake_host(tuple(src.shape), kwargs.get("dtype") or src.dtype)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and all(t.device.type == "cpu" for t in tensors):
+            return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def fake_host(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=dtype)
+    if len(shape) == 3 and shape[1] == 2:
+        k = shape[2]
+        out[:, 0] = torch.arange(k, dtype=dtype)
+        weights = torch.arange(k, 0, -1, dtype=torch.float64)
+        out[:, 1] = (weights / weights.sum()).float().to(dtype)
+    return out
+
+
+@pytest.fixture
+def host_reads():
+    mode = HostReads(META)
+    with mode:
+        yield mode
+    assert not mode.bad, mode.bad
+
+
+def test_dynamic_top_k_of_all_heads_is_one_device_call_and_one_read(host_reads):
+    scores = torch.randn(3, V, device=META)  # raw logits of 3 heads
+    cands = head_candidates(scores, 4, 0.7)
+    assert host_reads.reads == [(3, 2, 4)]  # ids and probabilities of every head together
+    assert [c.ids.tolist() for c in cands] == [[0, 1, 2, 3]] * 3
+    assert all(c.ids.dtype == np.int64 and c.probs.dtype == np.float32 for c in cands)
+
+
+@pytest.mark.parametrize("eps_b", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_dynamic_step_reads_the_device_once(meta_models, eps_b, greedy):
+    """The whole proposal on meta-device heads: one transfer (the top-k of the heads the step
+    reads); eps_b = 1 backs off every order unread, so only head 1 is unembedded and read."""
+    model = meta_models["replicated"]
+    out = meta_step(model, 4, 3)
+    heads = HeadScores(out, 3, 3)
+    cfg = DecodeConfig(mode="dynamic", greedy=greedy, top_k=4, eps_b=eps_b)
+    seen = np.zeros(model.backbone.vocab_size, dtype=bool)
+    mode = HostReads(META)
+    with mode:
+        choice = dynamic_propose(heads, cfg, None, seen, None if greedy else np.random.default_rng(0))
+    assert not mode.bad, mode.bad
+    assert mode.reads == [(1 if eps_b == 1 else 3, 2, 4)]
+    assert sorted(heads.cache) == ([0] if eps_b == 1 else [0, 1, 2])
+    assert all(on_meta(t) for t in heads.cache.values())
+    assert 1 <= choice.order <= 3 and all(0 <= t < 4 for t in choice.tokens)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_joint_drafts_read_the_device_once(meta_models, greedy):
+    """Joint drafts: the heads' top-k cross in one read, the draws happen on the host, and the
+    drafts and their q go back to the device."""
+    model = meta_models["replicated"]
+    vocab = model.backbone.vocab_size
+    out = meta_step(model, 4, 3)
+    run = meta_run(model, greedy, vocab)
+    run.rng = None if greedy else np.random.default_rng(0)
+    run.draft_cfg = replace(run.cfg, static_threshold=False, adaptive_threshold=False)  # the loop's
+    run.seen_host = np.zeros(vocab, dtype=bool)  # the loop's host mirror, read once per run
+    mode = HostReads(META)
+    with mode:
+        drafts = joint_drafts(out, 3, 5, 2, run)
+    assert not mode.bad, mode.bad
+    assert mode.reads == [(2, 2, 4)]
+    assert drafts.tokens.shape == (2,) and on_meta(drafts.tokens)
+    assert drafts.probs is None if greedy else on_meta(drafts.probs) and drafts.probs.shape == (2, vocab)
