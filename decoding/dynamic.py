@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .sparse import applies, resolve_kernel, sparse_live
+from .sparse import applies, resolve_kernel
+from .sparse_step import sparse_live
 
 
 @dataclass

@@ -19,7 +19,7 @@ from .config import DecodeConfig, check_context
 from .dynamic import always_backs_off, dynamic_propose
 from .proposal import Drafts, HeadScores, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
-from .sparse import prepare_kernel
+from .sparse_step import prepare_kernel
 from .timing import clock_for
 from .trace import Trace
 from multitoken.pipeline.base.errors import UsageError

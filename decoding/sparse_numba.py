@@ -9,10 +9,13 @@ operand type, and no fastmath), so results match numpy's bit for bit.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numba as nb
 import numpy as np
 
-from .sparse import CUT, TINY, blur_order, otsu_threshold
+from . import sparse
+from .sparse import CUT, TINY, blur_order, layout, otsu_threshold
 
 EMPTY64 = np.uint64(2**64 - 1)
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -148,15 +151,14 @@ def _values(flat, count, shape, probs0, probs1, probs2, ids0, ids1, ids2, scale,
 
 def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """``sparse.seen_cells`` compiled # -> flat [m] ascending, counts [m] (views of scratch buffers)."""
-    from . import sparse
-
     a = lay.arrays
     cap = int(np.prod([x.size for x in ids]))
     buf = lay.__dict__.get("buffers")
     if buf is None or buf[0].size < cap:
         buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
     ids1 = ids[1] if len(ids) == 3 else np.zeros(0, np.int64)
-    m = _cells(ids[0], ids1, ids[-1], lay.vocab, int(sparse.SCAN_FACTOR * ids[-1].size), lay.pos, a["keys"], a["counts"],
+    scan = int(sparse.SCAN_FACTOR * ids[-1].size)  # read per call: tests switch scan / probe
+    m = _cells(ids[0], ids1, ids[-1], lay.vocab, scan, lay.pos, a["keys"], a["counts"],
                a["row_start"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
                a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
                a["sentinel"], buf[0], buf[1])
@@ -337,14 +339,10 @@ def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32
 
 def prepare(table, order: int) -> None:
     """Compile (or load from the cache) every kernel for this table's arrays, outside any clock."""
-    from types import SimpleNamespace
-
-    from .dynamic import Candidates
-    from .sparse import layout
-
     lay = layout(table, order)
     ids = np.arange(min(2, table.vocab_size), dtype=np.int64)
-    cands = [Candidates(ids, np.full(ids.size, 0.5, np.float32)) for _ in range(order)]
+    # candidate lists as the kernels read them (.ids, .probs): no import of dynamic, which imports us
+    cands = [SimpleNamespace(ids=ids, probs=np.full(ids.size, 0.5, np.float32)) for _ in range(order)]
     masked_cells(lay, cands, 1.0)  # one specialisation per count dtype; alpha is a runtime value
     cfg = SimpleNamespace(static_threshold=False, adaptive_threshold=True, blur_kernel=3)
     live(np.arange(2, dtype=np.int64), np.ones(2, np.float32), (2, 2, 2), cfg, np.float32(0))  # any order

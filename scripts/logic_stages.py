@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from multitoken.decoding import dynamic, sparse
+from multitoken.decoding import dynamic, sparse, sparse_step
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.dynamic import dynamic_propose, outer, repetition_cells, sample_index, top_candidates
 
@@ -149,7 +149,7 @@ def bench_stages(steps_by_n: dict, table, reps: int, eps_values=(0.0, 0.5)) -> d
     out = {"machine": machine(), "stats": str(table.path), "distinct": table.meta["distinct"]}
     if "numba" in kernels:
         start = time.perf_counter()
-        sparse.prepare_kernel(DecodeConfig(dynamic_kernel="numba"), table, max(steps_by_n))
+        sparse_step.prepare_kernel(DecodeConfig(dynamic_kernel="numba"), table, max(steps_by_n))
         out["numba_prepare_s"] = round(time.perf_counter() - start, 3)  # compile, or load from the disk cache
     for n, steps in steps_by_n.items():
         for eps in eps_values:

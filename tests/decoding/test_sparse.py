@@ -130,7 +130,7 @@ def test_kernel_setting_is_checked(monkeypatch):
 def embedded():
     from multitoken.pipeline.model.backbone import BackboneConfig
     from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
-    from multitoken.pipeline.model import MultiTokenModel
+    from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.stats.table import CooccurrenceTable
 
     model = MultiTokenModel.from_pretrained(BackboneConfig(base=str(DEFAULT_BASE)), str(EMBEDDED_HEADS)).eval()
