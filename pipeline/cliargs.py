@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -55,6 +56,9 @@ def _base_type(tp):
     return tp, None
 
 
+MAX_RANGE_VALUES = 1001  # a start:stop:step option (e.g. --eps-b) gives at most this many values
+
+
 def expand_range(token: str, cast=float) -> list:
     """``"0:1:0.25"`` -> ``[0, 0.25, 0.5, 0.75, 1]`` (stop included); ``"0.5"`` -> ``[0.5]``.
 
@@ -65,23 +69,43 @@ def expand_range(token: str, cast=float) -> list:
     kind = "a whole number" if cast is int else "a number"
     if ":" not in token:
         try:
-            return [cast(token)]
+            return [finite(token) if cast is float else cast(token)]
         except ValueError:
-            raise ValueError(f"{token!r} is not {kind}") from None
+            raise ValueError(f"{token!r} is not {kind}" + (" (nan and inf are refused)" if cast is float else "")) from None
     parts = token.split(":")
     try:
-        start, stop, step = (float(x) for x in parts)
+        start, stop, step = (finite(x) for x in parts)
     except ValueError:
-        raise ValueError(f"{token!r}: a range is start:stop:step, three numbers, e.g. 0:1:0.1") from None
+        raise ValueError(f"{token!r}: a range is start:stop:step, three finite numbers, e.g. 0:1:0.1") from None
     if step <= 0 or stop < start:
         raise ValueError(f"{token!r}: a range needs step > 0 and stop >= start")
-    count = int(round((stop - start) / step)) + 1
+    count = int(round((stop - start) / step)) + 1  # counted before any value exists: a tiny step cannot hang
+    if count > MAX_RANGE_VALUES:
+        raise ValueError(f"{token!r} gives {count:,} values, more than {MAX_RANGE_VALUES:,}: each value is a whole run; "
+                         f"use a step of at least {(stop - start) / (MAX_RANGE_VALUES - 1):.3g}")
     values = [round(start + i * step, 10) for i in range(count) if start + i * step <= stop + 1e-9]
     if cast is int:
         if any(v != int(v) for v in values):
             raise ValueError(f"{token!r}: this option takes whole numbers")
         return [int(v) for v in values]
     return [cast(v) for v in values]
+
+
+def finite(token) -> float:
+    """argparse ``type`` of every float option: a finite number (nan and inf are never a
+    sensible learning rate, temperature or threshold, and propagate silently)."""
+    value = float(token)
+    if not math.isfinite(value):
+        raise ValueError(f"{token!r} is not a finite number")
+    return value
+
+
+def finite_arg(token: str) -> float:
+    """argparse ``type`` of a float option (``finite``, with its own message)."""
+    try:
+        return finite(token)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{token!r} is not a finite number (nan and inf are refused)") from None
 
 
 def _list_item(cast):
@@ -139,6 +163,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", e
             continue
         if nargs and tp in (int, float):
             tp = _list_item(tp)
+        elif tp is float:
+            tp = finite_arg
         group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
                            choices=meta.get("choices"), nargs=nargs, metavar=meta.get("metavar"))
 

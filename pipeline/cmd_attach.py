@@ -44,7 +44,7 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
     """One flag per head-config field across all registered types (absent unless given)."""
     from multitoken.adapters.registry import get_head, registered_heads
 
-    from .cliargs import plain
+    from .cliargs import finite_arg, plain
 
     group = parser.add_argument_group("head options (each applies to the head types listed)")
     owners: dict[str, list[str]] = {}
@@ -63,7 +63,7 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f"head_{fname}", action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_)
         else:
-            group.add_argument(flag, dest=f"head_{fname}", type=tp, default=argparse.SUPPRESS,
+            group.add_argument(flag, dest=f"head_{fname}", type=finite_arg if tp is float else tp, default=argparse.SUPPRESS,
                                choices=f.metadata.get("choices"), metavar=fname.upper(), help=help_)
 
 

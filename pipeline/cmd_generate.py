@@ -90,7 +90,7 @@ class _Streamer:
 
 def run(args) -> None:
     from multitoken.decoding.config import DecodeConfig, check_context
-    from multitoken.decoding.loop import generate
+    from multitoken.decoding.loop import generate, stats_order_cap
 
     from .assets import backbone_config, load_stats
     from .cliargs import config_dict, dataclass_from_args
@@ -101,12 +101,14 @@ def run(args) -> None:
     base_cfg = dataclass_from_args(BackboneConfig, args, base=None)
     if not cfg.prompt.strip():
         raise UsageError("the prompt is empty", 'pass the text to continue, e.g. multitoken generate "Once upon a time"')
+    decode.validate()  # the flags alone, before a model loads; the model's bounds below
     fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
     base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
     model, heads = _load(cfg, base_cfg)
     stats = cfg.stats or _embedded(base_cfg.base, EMBEDDED_STATS)
-    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future)
     table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None  # dynamic masking, joint drafts
+    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
+                    max_order=stats_order_cap(decode, model.n_future, table, False))
     _note_order_cap(decode, model, table)
     tok = model.backbone.tokenizer
     ids = tok(cfg.prompt, return_tensors="pt").input_ids

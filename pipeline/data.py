@@ -173,7 +173,7 @@ def _iter_jsonl(lines, name: str) -> Iterator[dict]:
         except json.JSONDecodeError as err:
             raise DataError(f"{name}:{lineno}: not valid JSON ({err.msg})", "each line must be one JSON object") from err
         if not isinstance(row, dict):
-            raise DataError(f"{name}:{lineno}: holds a JSON {_kind(row)}, not an object",
+            raise DataError(f"{name}:{lineno}: holds a JSON {json_kind(row)}, not an object",
                             'each line must be one JSON object, e.g. {"text": "..."} or {"input_ids": [1, 2, 3]}')
         yield row
 
@@ -186,7 +186,7 @@ def _utf8(raw: bytes, where: str) -> str:
                         "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from err
 
 
-def _kind(value) -> str:
+def json_kind(value) -> str:
     """The JSON name of a value's type, for messages."""
     names = {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
@@ -298,7 +298,7 @@ def _flat_ints(value) -> np.ndarray | None:
 
 def _what(value) -> str:
     if not isinstance(value, (list, tuple)):
-        return f"a JSON {_kind(value)}"
+        return f"a JSON {json_kind(value)}"
     return "a list of strings" if _all_strings(value) else "a nested or mixed list"
 
 
@@ -309,7 +309,7 @@ def _as_text(value, name: str, where: str) -> str:
     if isinstance(value, (list, tuple)) and _all_strings(value):
         raise DataError(f"{where}: column {name!r} holds a list of strings, not one text",
                         "join the pieces into one string per row (or pass --column with a text or token-id column)")
-    raise DataError(f"{where}: column {name!r} holds a JSON {_kind(value)}, not text",
+    raise DataError(f"{where}: column {name!r} holds a JSON {json_kind(value)}, not text",
                     "store the text as a string, or pass --column with a text or token-id column")
 
 

@@ -57,6 +57,9 @@ class EvalConfig:
             raise UsageError("--top-p must be in (0, 1], --marginal-every and --max-candidates >= 1")
         if any(not 0 <= e <= 1 for e in self.eps_b):
             raise UsageError(f"--eps-b values must be in [0, 1], got {list(self.eps_b)}")
+        for part, flag, value in (("dynamic", "dynamic-tokens", self.dynamic_tokens), ("lens", "lens-tokens", self.lens_tokens)):
+            if part in self.parts and value < 1:  # 0 tokens: every metric of the part is 0/0
+                raise UsageError(f"--{flag} must be >= 1, got {value}", f"pass a positive count, or leave {part} out of --parts")
 
 
 class HeadAccumulator:
@@ -283,5 +286,12 @@ def _dynamic_state(cfg: EvalConfig, model):
     from .assets import load_stats
     from .dynamic_ppl import DynamicPPL
 
+    from multitoken.decoding.config import DecodeConfig
+    from multitoken.decoding.loop import stats_order_cap
+
     table = load_stats(cfg.stats, model.backbone.tokenizer)
-    return DynamicPPL(cfg.eps_b, model, table=table, budget=cfg.dynamic_tokens)
+    decode = DecodeConfig(mode="dynamic")  # DynamicPPL's own settings: its k^n grid must fit
+    decode.top_k = min(decode.top_k, model.backbone.vocab_size)
+    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
+                    max_order=stats_order_cap(decode, model.n_future, table, False))
+    return DynamicPPL(cfg.eps_b, model, decode, table=table, budget=cfg.dynamic_tokens)
