@@ -66,9 +66,16 @@ def _note_order_cap(decode, model, table) -> None:
     joint = speculative and pick_drafter(decode.drafter, model.heads, table) is joint_drafts
     cap = stats_order_cap(decode, model.n_future, table, joint)
     if cap:
-        print(f"note: the stats hold n-grams up to order {cap}: reading the first {cap} of the "
-              f"{decode.order(model.n_future)} heads (more tokens per step need stats built with --order "
-              f"{decode.order(model.n_future)})", file=sys.stderr)
+        from multitoken.stats.format import MAX_ORDER
+
+        want = decode.order(model.n_future)
+        if cap < MAX_ORDER:
+            more = f"more tokens per step need stats built with --order {min(want, MAX_ORDER)}"
+            more += f"; stats count at most order {MAX_ORDER}" if want > MAX_ORDER else ""
+        else:
+            more = f"stats count at most order {MAX_ORDER}: pass --n {cap} to skip this note"
+        print(f"note: the stats hold n-grams up to order {cap}: reading the first {cap} of the {want} heads ({more})",
+              file=sys.stderr)
 
 
 class _Streamer:
