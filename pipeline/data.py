@@ -350,9 +350,10 @@ def _documents(cfg: DataConfig, tokenizer, vocab_size: int | None, shard: tuple[
         if is_ids:
             yield doc_index, _as_ids(row[name], vocab_size, f"row {doc_index}")
             continue
+        text = _as_text(row[name], name, f"row {doc_index}")
         if tokenizer is None:
             raise UsageError("the data holds text but no tokenizer was given", "pass --tokenizer (or --base)")
-        pending.append((doc_index, _as_text(row[name], name, f"row {doc_index}")))
+        pending.append((doc_index, text))
         if len(pending) >= TOKENIZE_BATCH:
             yield from flush()
     if pending:
