@@ -18,6 +18,7 @@ class HeadType:
 
 
 _REGISTRY: dict[str, HeadType] = {}
+MAX_N_FUTURE = 16  # tokens per forward pass a heads config may predict
 
 
 def register_head(name: str, config_cls: type, module_cls: type) -> HeadType:
@@ -57,6 +58,12 @@ def make_config(head_type: str, **options):
     config = cls(head_type=head_type, **options)
     if not isinstance(config.n_future, int) or config.n_future < 1:  # every head type has one
         raise UsageError(f"n_future must be an integer >= 1, got {config.n_future!r}")
+    if config.n_future > MAX_N_FUTURE:
+        raise UsageError(
+            f"--n {config.n_future}: heads predict at most {MAX_N_FUTURE} tokens per forward pass (each head adds "
+            "an LM head's compute and memory to every step, drafts that long are almost never accepted in full, "
+            "and dynamic decoding's k^n grid would not fit in memory)",
+            f"pass --n between 2 and {MAX_N_FUTURE} (the papers use 2 to 5)")
     validate = getattr(config, "validate", None)
     if validate is not None:
         validate()

@@ -45,22 +45,38 @@ class DecodeConfig:
     stop_at_eos: bool = field(default=True, metadata={"help": "stop after the tokenizer's end-of-sequence token"})
     seed: int = field(default=0, metadata={"help": "random seed"})
 
-    def validate(self, *, vocab_size: int, n_heads: int) -> None:
-        """Reject settings that cannot work with this model (clear message + fix)."""
+    def validate(self, *, vocab_size: int | None = None, n_heads: int | None = None, max_order: int | None = None) -> None:
+        """Reject settings that cannot work (clear message + fix). Without ``vocab_size`` and
+        ``n_heads`` only the flags themselves are checked (before a model loads); with them, the
+        model-dependent bounds too. ``max_order``: the highest order the stats let dynamic
+        decoding build (None: every head), which bounds its k^n grid."""
+        import math
+
         if self.mode not in MODES:
             raise UsageError(f"unknown mode {self.mode!r}", f"use one of {', '.join(MODES)}")
         if self.drafter not in DRAFTERS:
             raise UsageError(f"unknown drafter {self.drafter!r}", f"use one of {', '.join(DRAFTERS)}")
         if self.max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed must be in [0, 2**63 - 1], got {self.seed}", "pass a non-negative seed, e.g. --seed 0")
+        floats = {"eps-b": self.eps_b, "temperature": self.temperature, "alpha-c": self.alpha_c,
+                  "repetition-penalty": self.penalty, "typical-eps": self.typical_eps, "typical-delta": self.typical_delta}
+        for name, value in floats.items():
+            if not math.isfinite(value):
+                raise UsageError(f"--{name} must be a finite number, got {value}")
         if not 0.0 <= self.eps_b <= 1.0:
             raise UsageError(f"--eps-b must be in [0, 1], got {self.eps_b}", "0 always emits n tokens, 1 always one")
-        if not 1 <= self.top_k <= vocab_size:
+        if self.top_k < 1:
+            raise UsageError(f"--top-k must be >= 1, got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
             raise UsageError(f"--top-k must be in [1, {vocab_size}] (the vocabulary size), got {self.top_k}",
                              f"--top-k {vocab_size} samples from the whole vocabulary")
         if not self.greedy and not self.temperature > 0:
             raise UsageError(f"temperature must be > 0 when sampling, got {self.temperature}", "pass --greedy for argmax decoding")
-        if self.n is not None and not 1 <= self.n <= n_heads:
+        if self.n is not None and self.n < 1:
+            raise UsageError(f"--n must be >= 1, got {self.n}")
+        if self.n is not None and n_heads is not None and self.n > n_heads:
             raise UsageError(f"--n {self.n} needs {self.n} heads, the model's heads predict {n_heads} token(s) per position",
                              f"pass --n between 1 and {n_heads}, or heads trained for more tokens (--heads DIR)")
         if self.dynamic_kernel not in KERNELS:
@@ -74,10 +90,16 @@ class DecodeConfig:
             raise UsageError(f"--alpha-c must be >= 0, got {self.alpha_c}")
         if not self.penalty >= 1:
             raise UsageError(f"--repetition-penalty must be >= 1, got {self.repetition_penalty}", "1 turns it off")
-        if self.blur_kernel > 1 and self.blur_kernel % 2 == 0:
-            raise UsageError(f"--blur-kernel must be odd, got {self.blur_kernel}")
+        if self.blur_kernel < 0 or (self.blur_kernel > 1 and self.blur_kernel % 2 == 0):
+            raise UsageError(f"--blur-kernel must be 0 or 1 (no blur) or an odd number >= 3, got {self.blur_kernel}")
+        if self.blur_kernel > MAX_BLUR_KERNEL:
+            raise UsageError(f"--blur-kernel must be <= {MAX_BLUR_KERNEL}, got {self.blur_kernel}",
+                             "DynaMo blurs with 3; a kernel wider than the grid only flattens it")
         if not (0 < self.typical_eps <= 1 and self.typical_delta > 0):
             raise UsageError("typical acceptance needs 0 < --typical-eps <= 1 and --typical-delta > 0")
+        if self.mode == "dynamic" and n_heads is not None:
+            order = min(self.order(n_heads), max_order or n_heads)
+            check_grid(min(self.top_k, vocab_size or self.top_k), order)
 
     @property
     def penalty(self) -> float:
@@ -105,3 +127,27 @@ def check_context(n_prompt: int, max_new: int, context: int) -> None:
             f"prompt ({n_prompt} tokens) + --max-new-tokens ({max_new}) exceeds the model's context of {context}",
             "shorten the prompt or lower --max-new-tokens",
         )
+
+
+MAX_SEED = 2**63 - 1  # torch.Generator takes any 64-bit value; numpy and our records take non-negative ones
+MAX_BLUR_KERNEL = 99
+MAX_GRID_CELLS = 1 << 24  # DynaMo's k^n grid: 16.8M float32 cells, 64 MiB per copy, ~0.6 GB at peak
+
+
+def check_grid(k: int, order: int) -> None:
+    """Dynamic decoding builds a k^order joint grid (several float32 copies) each step: refuse
+    one past MAX_GRID_CELLS, naming the k and n that would fit (--top-k 512 with 3 heads took
+    4.5 GB; 100 heads would need 58+ GiB)."""
+    import math
+
+    cells = k ** order
+    if order < 2 or cells <= MAX_GRID_CELLS:
+        return
+    fit_k = int(MAX_GRID_CELLS ** (1 / order) + 1e-9)
+    fit_n = int(math.log(MAX_GRID_CELLS) / math.log(k) + 1e-9)
+    size = (f"{cells:,} cells, {cells * 4 / 2**30:.1f} GiB per float32 copy" if cells < 2**60
+            else f"about 10^{int(order * math.log10(k))} cells")
+    raise UsageError(
+        f"--mode dynamic with --top-k {k} and n = {order} tokens per step builds a {k}^{order} grid "
+        f"({size}), past the limit of {MAX_GRID_CELLS:,} cells",
+        ", or ".join([f"lower --top-k to {fit_k} or less"] * (fit_k >= 2) + [f"pass --n {fit_n}"] * (fit_n >= 2)) or "use another mode")

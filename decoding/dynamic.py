@@ -86,14 +86,18 @@ def gaussian_blur(grid: np.ndarray, kernel: int) -> np.ndarray:
     """Gaussian blur with opencv's kernel for ``kernel`` (sigma from the size), reflect-101
     borders, separable over every axis. 2-D: one opencv call. 3-D: opencv blurs the first two
     axes treating the last as channels, then the last axis as a 2-D view (about 5x faster than
-    scipy's three passes, identical values); scipy serves grids past opencv's 512 channels."""
+    scipy's three passes, identical values); scipy serves grids past opencv's channel limit
+    (CV_CN_MAX: 512 in opencv 4, 128 in opencv 5)."""
     import cv2
 
     grid = np.ascontiguousarray(grid, dtype=np.float32)
     if grid.ndim == 2:
         return cv2.GaussianBlur(grid, (kernel, kernel), 0)
     weights = cv2.getGaussianKernel(kernel, 0).ravel()
-    if grid.ndim == 3 and grid.shape[2] <= 512:
+    # opencv packs (channels - 1) << CV_CN_SHIFT and the depth into a 12-bit type code, so
+    # CV_CN_MAX = 4096 >> CV_CN_SHIFT, and the shift is the step between CV_32FC(1) and (2)
+    cn_max = 4096 // (cv2.CV_32FC(2) - cv2.CV_32FC(1))
+    if grid.ndim == 3 and grid.shape[2] <= cn_max:
         out = cv2.GaussianBlur(grid, (kernel, kernel), 0)  # axes 0 and 1
         flat = out.reshape(-1, grid.shape[2])
         return cv2.sepFilter2D(flat, -1, weights, np.ones(1), borderType=cv2.BORDER_REFLECT_101).reshape(grid.shape)

@@ -68,7 +68,7 @@ def test_bad_usage_exits_2_without_traceback(capsys):
     "argv, message",
     [
         (["--temperature", "0"], "temperature must be > 0"),
-        (["--mode", "dynamic", "--top-k", "0"], "--top-k must be in [1, 512]"),
+        (["--mode", "dynamic", "--top-k", "0"], "--top-k must be >= 1, got 0"),  # before the model loads: no vocab yet
         (["--top-k", "513"], "--top-k must be in [1, 512]"),
         (["--eps-b", "1.5"], "--eps-b must be in [0, 1]"),
         (["--max-new-tokens", "600"], "exceeds the model's context of 512"),

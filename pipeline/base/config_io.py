@@ -5,9 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from multitoken.pipeline.base.atomic import atomic_write_text
+
+
+MAX_RANGE_VALUES = 1001  # a start:stop:step option (e.g. --eps-b) gives at most this many values
+
+
+def finite(token) -> float:
+    """A finite number from ``token`` (nan and inf are never a sensible learning rate,
+    temperature or threshold, and propagate silently): ValueError otherwise."""
+    value = float(token)
+    if not math.isfinite(value):
+        raise ValueError(f"{token!r} is not a finite number")
+    return value
 
 
 def expand_range(token: str, cast=float) -> list:
@@ -20,17 +33,20 @@ def expand_range(token: str, cast=float) -> list:
     kind = "a whole number" if cast is int else "a number"
     if ":" not in token:
         try:
-            return [cast(token)]
+            return [finite(token) if cast is float else cast(token)]
         except ValueError:
-            raise ValueError(f"{token!r} is not {kind}") from None
+            raise ValueError(f"{token!r} is not {kind}" + (" (nan and inf are refused)" if cast is float else "")) from None
     parts = token.split(":")
     try:
-        start, stop, step = (float(x) for x in parts)
+        start, stop, step = (finite(x) for x in parts)
     except ValueError:
-        raise ValueError(f"{token!r}: a range is start:stop:step, three numbers, e.g. 0:1:0.1") from None
+        raise ValueError(f"{token!r}: a range is start:stop:step, three finite numbers, e.g. 0:1:0.1") from None
     if step <= 0 or stop < start:
         raise ValueError(f"{token!r}: a range needs step > 0 and stop >= start")
-    count = int(round((stop - start) / step)) + 1
+    count = int(round((stop - start) / step)) + 1  # counted before any value exists: a tiny step cannot hang
+    if count > MAX_RANGE_VALUES:
+        raise ValueError(f"{token!r} gives {count:,} values, more than {MAX_RANGE_VALUES:,}: each value is a whole run; "
+                         f"use a step of at least {(stop - start) / (MAX_RANGE_VALUES - 1):.3g}")
     values = [round(start + i * step, 10) for i in range(count) if start + i * step <= stop + 1e-9]
     if cast is int:
         if any(v != int(v) for v in values):

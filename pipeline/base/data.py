@@ -21,7 +21,6 @@ the ``.jsonl`` is skipped, which ``describe_files`` reports.
 from __future__ import annotations
 
 import glob
-import io
 import json
 import re
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from multitoken.pipeline.base.errors import DataError, UsageError
+from multitoken.pipeline.base.hub import looks_like_path  # the spelling rule of a local path, shared with --base
 
 ID_COLUMNS = ("input_ids", "token_ids", "tokens", "ids")
 TEXT_COLUMNS = ("text", "content")
@@ -115,6 +115,7 @@ def _dedupe(files: list[Path]) -> tuple[list[Path], list[tuple[Path, Path]]]:
 def local_files(cfg: DataConfig) -> LocalFiles | None:
     """The local files ``cfg`` reads (sorted, split selected, de-duplicated), or None when
     ``cfg.data`` is not local (a Hub id)."""
+
     spec = cfg.data
     p = Path(spec).expanduser()
     if p.is_dir():
@@ -131,6 +132,9 @@ def local_files(cfg: DataConfig) -> LocalFiles | None:
         if not files:
             raise DataError(f"glob {spec!r} matches no data files", "check the pattern")
         split = None
+    elif looks_like_path(spec) or _suffix(p):  # no Hub retries for a mistyped file name
+        raise DataError(f"data path {spec!r} not found: no such file or directory",
+                        "check the path (--data takes a local file, directory or glob, or a Hub dataset id such as owner/name)")
     else:
         return None
     if split is None and canonical_split(cfg.split) != "train":
@@ -158,32 +162,72 @@ def describe_files(cfg: DataConfig) -> tuple[list[str] | None, list[str]]:
     return [str(f) for f in found.files], lines
 
 
-def _iter_jsonl(fh: io.TextIOBase, name: str) -> Iterator[dict]:
-    for lineno, line in enumerate(fh, 1):
+def _iter_jsonl(lines, name: str) -> Iterator[dict]:
+    """Rows of a jsonl stream (``lines``: its raw byte lines), each a JSON object."""
+    for lineno, raw in enumerate(lines, 1):
+        line = _utf8(raw, f"{name}:{lineno}")
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{name}:{lineno}: not valid JSON ({err.msg})", "each line must be one JSON object") from err
+        if not isinstance(row, dict):
+            raise DataError(f"{name}:{lineno}: holds a JSON {json_kind(row)}, not an object",
+                            'each line must be one JSON object, e.g. {"text": "..."} or {"input_ids": [1, 2, 3]}')
+        yield row
+
+
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})",
+                        "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from err
+
+
+def json_kind(value) -> str:
+    """The JSON name of a value's type, for messages."""
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _zstd_lines(path: Path) -> Iterator[bytes]:
+    """Byte lines of a ``.zst`` file, every frame. zstandard's stream reader ends quietly at
+    a cut inside a frame ("no rows"); a frame left unfinished here says truncated."""
+    import zstandard
+
+    dctx, tail = zstandard.ZstdDecompressor(), b""
+    obj, mid_frame = dctx.decompressobj(), False
+    try:
+        with open(path, "rb") as raw:
+            while chunk := raw.read(1 << 20):
+                while chunk:
+                    mid_frame = True
+                    tail += obj.decompress(chunk)
+                    chunk = b""
+                    if obj.eof:  # the next frame starts in what this one left over
+                        chunk, obj, mid_frame = obj.unused_data, dctx.decompressobj(), False
+                    *lines, tail = tail.split(b"\n")
+                    yield from lines
+    except zstandard.ZstdError as err:
+        raise DataError(f"{path}: corrupt zstd stream ({err})", "re-download or re-compress the file") from err
+    if mid_frame:
+        raise DataError(f"{path}: truncated or corrupt zstd file (it ends inside a frame)",
+                        "re-download the file, or re-compress it with zstd")
+    if tail:
+        yield tail
 
 
 def _iter_file_rows(path: Path) -> Iterator[dict]:
     kind = _suffix(path)
     if kind == ".txt":
-        yield {"text": path.read_text(encoding="utf-8")}
+        yield {"text": _utf8(path.read_bytes(), str(path))}
     elif kind in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as fh:
+        with open(path, "rb") as fh:
             yield from _iter_jsonl(fh, str(path))
     elif kind == ".jsonl.zst":
-        import zstandard
-
-        with open(path, "rb") as raw:
-            reader = zstandard.ZstdDecompressor().stream_reader(raw)
-            try:
-                yield from _iter_jsonl(io.TextIOWrapper(reader, encoding="utf-8"), str(path))
-            except zstandard.ZstdError as err:
-                raise DataError(f"{path}: corrupt zstd stream ({err})", "re-download or re-compress the file") from err
+        yield from _iter_jsonl(_zstd_lines(path), str(path))
     elif kind == ".parquet":
         import pyarrow.parquet as pq
 
@@ -226,7 +270,7 @@ def pick_column(row: dict, column: str | None) -> tuple[str, bool]:
         if column not in row:
             raise DataError(f"column {column!r} not found; the data has columns {sorted(row)}", "pass --column with one of those")
         value = row[column]
-        return column, not isinstance(value, str)
+        return column, isinstance(value, (list, tuple, np.ndarray)) and not _all_strings(value)
     for c in ID_COLUMNS:
         if c in row:
             return c, True
@@ -239,10 +283,41 @@ def pick_column(row: dict, column: str | None) -> tuple[str, bool]:
     )
 
 
+def _all_strings(value) -> bool:
+    return len(value) > 0 and all(isinstance(v, str) for v in value)
+
+
+def _flat_ints(value) -> np.ndarray | None:
+    """``value`` as a 1-D integer array, or None when it is not a flat list of integers."""
+    try:
+        ids = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):  # ragged lists, ints past int64
+        return None
+    return ids if ids.ndim == 1 and (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)) else None
+
+
+def _what(value) -> str:
+    if not isinstance(value, (list, tuple)):
+        return f"a JSON {json_kind(value)}"
+    return "a list of strings" if _all_strings(value) else "a nested or mixed list"
+
+
+def _as_text(value, name: str, where: str) -> str:
+    """A text cell: a string (null: an empty document). A list of strings is not token ids."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, (list, tuple)) and _all_strings(value):
+        raise DataError(f"{where}: column {name!r} holds a list of strings, not one text",
+                        "join the pieces into one string per row (or pass --column with a text or token-id column)")
+    raise DataError(f"{where}: column {name!r} holds a JSON {json_kind(value)}, not text",
+                    "store the text as a string, or pass --column with a text or token-id column")
+
+
 def _as_ids(value, vocab_size: int | None, where: str) -> np.ndarray:
-    ids = np.asarray(value)
-    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise DataError(f"{where}: token-id column must hold a flat list of integers", "pass the text column with --column instead")
+    ids = _flat_ints(value)
+    if ids is None:
+        raise DataError(f"{where}: token-id column must hold a flat list of integers (e.g. [464, 3290, 13]), "
+                        f"got {_what(value)}", "pass the text column with --column instead")
     ids = ids.astype(np.int64, copy=False)
     if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
         raise DataError(
@@ -275,9 +350,10 @@ def _documents(cfg: DataConfig, tokenizer, vocab_size: int | None, shard: tuple[
         if is_ids:
             yield doc_index, _as_ids(row[name], vocab_size, f"row {doc_index}")
             continue
+        text = _as_text(row[name], name, f"row {doc_index}")
         if tokenizer is None:
             raise UsageError("the data holds text but no tokenizer was given", "pass --tokenizer (or --base)")
-        pending.append((doc_index, row[name] or ""))
+        pending.append((doc_index, text))
         if len(pending) >= TOKENIZE_BATCH:
             yield from flush()
     if pending:

@@ -16,7 +16,7 @@ import dataclasses
 import types
 import typing
 
-from multitoken.pipeline.base.config_io import expand_range
+from multitoken.pipeline.base.config_io import expand_range, finite
 
 
 # --help group title of each config class (class name -> plain words)
@@ -52,6 +52,14 @@ def _base_type(tp):
     if origin in (tuple, list):
         return typing.get_args(tp)[0], "+"
     return tp, None
+
+
+def finite_arg(token: str) -> float:
+    """argparse ``type`` of a float option (``finite``, with its own message)."""
+    try:
+        return finite(token)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{token!r} is not a finite number (nan and inf are refused)") from None
 
 
 def _list_item(cast):
@@ -109,6 +117,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", e
             continue
         if nargs and tp in (int, float):
             tp = _list_item(tp)
+        elif tp is float:
+            tp = finite_arg
         group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
                            choices=meta.get("choices"), nargs=nargs, metavar=meta.get("metavar"))
 

@@ -18,7 +18,7 @@ from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.base.config_io import resolved_config_text
 from multitoken.pipeline.base.outputs import prepare_output
 from multitoken.pipeline.cli import add_command
-from multitoken.pipeline.cli.args import dataclass_from_args, plain
+from multitoken.pipeline.cli.args import dataclass_from_args, finite_arg, plain
 
 RESOLVED_CONFIG = "attach_config.json"
 _SKIP = ("head_type", "n_future")  # set by --head and --n
@@ -63,7 +63,7 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f"head_{fname}", action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_)
         else:
-            group.add_argument(flag, dest=f"head_{fname}", type=tp, default=argparse.SUPPRESS,
+            group.add_argument(flag, dest=f"head_{fname}", type=finite_arg if tp is float else tp, default=argparse.SUPPRESS,
                                choices=f.metadata.get("choices"), metavar=fname.upper(), help=help_)
 
 

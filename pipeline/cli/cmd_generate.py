@@ -67,9 +67,16 @@ def _note_order_cap(decode, model, table) -> None:
     joint = speculative and pick_drafter(decode.drafter, model.heads, table) is joint_drafts
     cap = stats_order_cap(decode, model.n_future, table, joint)
     if cap:
-        print(f"note: the stats hold n-grams up to order {cap}: reading the first {cap} of the "
-              f"{decode.order(model.n_future)} heads (more tokens per step need stats built with --order "
-              f"{decode.order(model.n_future)})", file=sys.stderr)
+        from multitoken.stats.format import MAX_ORDER  # lazy: numpy, only when a cap applies
+
+        want = decode.order(model.n_future)
+        if cap < MAX_ORDER:
+            more = f"more tokens per step need stats built with --order {min(want, MAX_ORDER)}"
+            more += f"; stats count at most order {MAX_ORDER}" if want > MAX_ORDER else ""
+        else:
+            more = f"stats count at most order {MAX_ORDER}: pass --n {cap} to skip this note"
+        print(f"note: the stats hold n-grams up to order {cap}: reading the first {cap} of the {want} heads ({more})",
+              file=sys.stderr)
 
 
 class _Streamer:
@@ -91,7 +98,7 @@ class _Streamer:
 
 def run(args) -> None:
     from multitoken.decoding.config import DecodeConfig, check_context  # lazy: torch
-    from multitoken.decoding.loop import generate  # lazy: torch
+    from multitoken.decoding.loop import generate, stats_order_cap  # lazy: torch
 
     from multitoken.pipeline.model.assets import backbone_config, load_stats  # lazy: torch
 
@@ -100,12 +107,14 @@ def run(args) -> None:
     base_cfg = dataclass_from_args(BackboneConfig, args, base=None)
     if not cfg.prompt.strip():
         raise UsageError("the prompt is empty", 'pass the text to continue, e.g. multitoken generate "Once upon a time"')
+    decode.validate()  # the flags alone, before a model loads; the model's bounds below
     fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
     base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
     model, heads = _load(cfg, base_cfg)
     stats = cfg.stats or _embedded(base_cfg.base, EMBEDDED_STATS)
-    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future)
     table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None  # dynamic masking, joint drafts
+    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
+                    max_order=stats_order_cap(decode, model.n_future, table, False))
     _note_order_cap(decode, model, table)
     tok = model.backbone.tokenizer
     ids = tok(cfg.prompt, return_tensors="pt").input_ids

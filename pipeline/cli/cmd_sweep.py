@@ -43,12 +43,12 @@ def run(args) -> None:
     prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, cfg.prompts))
     if not cfg.out:
         raise UsageError("--out is required", "pass a directory for the results, e.g. --out sweep/")
-    if cfg.seeds < 1 or cfg.max_new_tokens < 1:
-        raise UsageError("--seeds and --max-new-tokens must be >= 1")
+    cfg.validate()
     grid, prompts = parse_grid(cfg.eps_b), read_prompts(cfg.prompts)
     model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
     cfg.heads, cfg.stats = heads, cfg.stats or default_stats(model.backbone) or "none"
     table = load_stats(cfg.stats, model.backbone.tokenizer)
+    _check_points(cfg, grid, model, table)
     log = (lambda _msg: None) if cfg.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     result = sweep(model, cfg, prompts, grid, table, log)
     result = {"heads": heads, "base": model.backbone.name, "stats": cfg.stats, **result}
@@ -60,6 +60,17 @@ def run(args) -> None:
         save_resolved_config(stage / RESOLVED_CONFIG, "sweep", cfg)
     print(format_table(result))
     print(f"\nwrote {', '.join(str(out / f) for f in FILES)}")
+
+
+def _check_points(cfg, grid: list[float], model, table) -> None:
+    """Every point's decoding settings against the model (top-k, the k^n grid), before any run."""
+    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
+    from multitoken.pipeline.eval.sweep import decode_configs  # lazy: torch
+
+    ar, points = decode_configs(cfg, grid)
+    for d in [ar] + [d for _, _, d in points]:
+        d.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
+                   max_order=stats_order_cap(d, model.n_future, table, False))
 
 
 CSV_KEYS = ("tokens_per_forward", "wall_speedup", "cpu_speedup", "nll", "distinct2", "distinct3", "repetition")

@@ -28,6 +28,8 @@ from multitoken.pipeline.eval.lens import lens_kl_sums
 from multitoken.pipeline.eval.marginal import marginal_second_token
 from multitoken.pipeline.eval.speedup import draft_cost_ratio, theory_from_tokens
 from multitoken.pipeline.model.assets import load_stats
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.loop import stats_order_cap
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
 DEFAULT_PARTS = PARTS
@@ -63,6 +65,9 @@ class EvalConfig:
             raise UsageError("--top-p must be in (0, 1], --marginal-every and --max-candidates >= 1")
         if any(not 0 <= e <= 1 for e in self.eps_b):
             raise UsageError(f"--eps-b values must be in [0, 1], got {list(self.eps_b)}")
+        for part, flag, value in (("dynamic", "dynamic-tokens", self.dynamic_tokens), ("lens", "lens-tokens", self.lens_tokens)):
+            if part in self.parts and value < 1:  # 0 tokens: every metric of the part is 0/0
+                raise UsageError(f"--{flag} must be >= 1, got {value}", f"pass a positive count, or leave {part} out of --parts")
 
 
 class HeadAccumulator:
@@ -276,4 +281,8 @@ class _MarginalSums:
 
 def _dynamic_state(cfg: EvalConfig, model):
     table = load_stats(cfg.stats, model.backbone.tokenizer)
-    return DynamicPPL(cfg.eps_b, model, table=table, budget=cfg.dynamic_tokens)
+    decode = DecodeConfig(mode="dynamic")  # DynamicPPL's own settings: its k^n grid must fit
+    decode.top_k = min(decode.top_k, model.backbone.vocab_size)
+    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
+                    max_order=stats_order_cap(decode, model.n_future, table, False))
+    return DynamicPPL(cfg.eps_b, model, decode, table=table, budget=cfg.dynamic_tokens)

@@ -25,8 +25,11 @@ when the base model finds its loops likely (low NLL). Each point reports which c
 
 from __future__ import annotations
 
+import json
+import stat
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -36,6 +39,7 @@ from multitoken.pipeline.base.threads import THREADS_ONE_SEQUENCE, threads_field
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.pipeline.base.config_io import expand_range
+from multitoken.pipeline.base.data import json_kind
 from multitoken.pipeline.base.errors import DataError, UsageError
 
 # DynaMo's Table 7: the sentence-completion benchmark.
@@ -80,6 +84,14 @@ class SweepConfig:
     threads: int | None = threads_field(THREADS_ONE_SEQUENCE)  # batch-1 decoding: latency-bound; steadier timings too
     quiet: bool = field(default=False, metadata={"help": "no progress lines"})
 
+    def validate(self) -> None:
+        """The flags alone, before a model loads; the sampling settings are DecodeConfig's
+        (validated there, as for generate)."""
+
+        if self.seeds < 1 or self.max_new_tokens < 1:
+            raise UsageError("--seeds and --max-new-tokens must be >= 1")
+        decode_configs(self, [])[0].validate()
+
     def configs(self) -> list[str]:
         names = list(TABLE8) if self.ablations else [DEFAULT_CONFIG]
         if self.stats == "none":  # no table, no co-occurrence mask: only the CO-free rows apply
@@ -103,22 +115,43 @@ def parse_grid(spec) -> list[float]:
 
 def read_prompts(path: str) -> list[str]:
     """Prompts from a text file (one per non-empty line) or jsonl (``prompt`` or ``text``)."""
-    import json
-    from pathlib import Path
 
     if not path:
         return list(TABLE7_PROMPTS)
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"prompts file {path!r} not found")
-    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    fix = "pass a UTF-8 text file with one prompt per line, or jsonl with a 'prompt' or 'text' field"
+    if not p.exists():
+        raise DataError(f"prompts file {path!r} not found", fix)
+    mode = p.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # a pipe: <(...); a device could never end
+        raise DataError(f"prompts file {path!r} is {'a directory' if p.is_dir() else 'not a regular file'}", fix)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"prompts file {path!r} is not UTF-8 text (byte offset {err.start})", fix) from err
+    lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     if p.suffix in (".jsonl", ".json"):
-        rows = [json.loads(line) for line in lines]
-        lines = [r.get("prompt", r.get("text", "")) for r in rows]
-    prompts = [line for line in lines if line.strip()]
+        lines = [(i, _json_prompt(line, f"{path}:{i}")) for i, line in lines]
+    prompts = [line for _, line in lines if line.strip()]
     if not prompts:
-        raise DataError(f"prompts file {path!r} holds no prompt")
+        raise DataError(f"prompts file {path!r} holds no prompt{'' if text.strip() else ' (it is empty)'}", fix)
     return prompts
+
+
+def _json_prompt(line: str, where: str) -> str:
+    """The ``prompt`` (or ``text``) string of one jsonl line."""
+
+
+    fix = 'each line must be a JSON object such as {"prompt": "Once upon a time"}'
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: not valid JSON ({err.msg})", fix) from err
+    value = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+    if not isinstance(value, str):
+        got = f"a JSON {json_kind(row)}, not an object" if not isinstance(row, dict) else "no 'prompt' or 'text' string"
+        raise DataError(f"{where}: holds {got}", fix)
+    return value
 
 
 def continuation_nll(backbone, prompt_ids: list[int], new_ids: list[int]) -> float:

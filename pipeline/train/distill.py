@@ -51,8 +51,10 @@ def validate(cfg: DistillConfig, context: int) -> None:
         raise UsageError(f"--batch-size must be >= 1, got {cfg.batch_size}")
     if not 1 <= cfg.max_new_tokens < context:
         raise UsageError(f"--max-new-tokens must be in [1, {context - 1}] (the model's context minus the BOS token), got {cfg.max_new_tokens}")
-    if cfg.temperature <= 0:
-        raise UsageError(f"--temperature must be > 0, got {cfg.temperature}")
+    if not 0 < cfg.temperature < float("inf"):  # nan fails too
+        raise UsageError(f"--temperature must be a finite number > 0, got {cfg.temperature}")
+    if not 0 <= cfg.seed <= 2**63 - 1:
+        raise UsageError(f"--seed must be in [0, 2**63 - 1], got {cfg.seed}", "pass a non-negative seed, e.g. --seed 0")
     if cfg.greedy_after < -1 or cfg.greedy_after >= cfg.max_new_tokens:
         raise UsageError(f"--greedy-after must be -1 (off) or in [0, {cfg.max_new_tokens - 1}] (below --max-new-tokens), got {cfg.greedy_after}")
     if cfg.top_k < 0 or not 0 < cfg.top_p <= 1:

@@ -110,6 +110,8 @@ def validate(cfg: TrainConfig) -> None:
         if value < 0:
             raise UsageError(f"--{name} must be >= {1 if name == 'lora-r' else 0}")
     _validate_rates(cfg)
+    if not 0 <= cfg.seed <= 2**63 - 1:
+        raise UsageError(f"--seed must be in [0, 2**63 - 1], got {cfg.seed}", "pass a non-negative seed, e.g. --seed 0")
     if cfg.mode == "warmup" and not 0 < cfg.head_warmup_steps < cfg.max_steps:
         raise UsageError("mode warmup needs 0 < --head-warmup-steps < --max-steps",
                          f"got --head-warmup-steps {cfg.head_warmup_steps} with --max-steps {cfg.max_steps}")
@@ -127,7 +129,17 @@ def _validate_rates(cfg: TrainConfig) -> None:
             raise UsageError("--lr-b, --lr-m and --lr-mb must be > 0")
         if cfg.head_lr_mult != 1.0:
             raise UsageError("--head-lr-mult and the DynaMo rates are alternatives", "pass one or the other")
+    import math
+
+    floats = {"lr": cfg.lr, "head-lr-mult": cfg.head_lr_mult, "lr-b": cfg.lr_b, "lr-m": cfg.lr_m, "lr-mb": cfg.lr_mb,
+              "weight-decay": cfg.weight_decay, "grad-clip": cfg.grad_clip, "aux-weight": cfg.aux_weight,
+              "lora-dropout": cfg.lora_dropout, "save-every-minutes": cfg.save_every_minutes}
+    for name, value in floats.items():
+        if value is not None and not math.isfinite(value):  # an inf rate trains all-NaN heads
+            raise UsageError(f"--{name} must be a finite number, got {value}")
     if cfg.lr <= 0 or cfg.head_lr_mult <= 0:
         raise UsageError(f"--lr and --head-lr-mult must be > 0, got {cfg.lr} and {cfg.head_lr_mult}")
     if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.aux_weight < 0:
         raise UsageError("--weight-decay, --grad-clip and --aux-weight must be >= 0")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise UsageError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")

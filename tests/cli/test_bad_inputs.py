@@ -1,7 +1,8 @@
 """Bad and careless inputs against every writing command and every reader, as subprocesses.
 
-Each case of ``CASES`` damages an input or points ``--out`` somewhere it must not write, runs
-``python -m multitoken.pipeline.cli ...`` and asserts: the exit code, one clean message (the
+Each case of ``CASES`` damages an input, points ``--out`` somewhere it must not write or gives
+an option out of range, runs the command line in its own process (forked from one that imported
+the CLI once: ``cli_zygote.py``) and asserts: the exit code, one clean message (the
 expected words, no ``Traceback``), and that every sentinel file (the user's own, beside or
 inside the destination) is byte-identical afterwards. The inputs (a heads dir, a stats dir, a
 corpus, partial counts of a sharded build, a finished train run) are made once per module,
@@ -16,7 +17,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,21 @@ from conftest import fixture_path
 def run_cli(*args, cwd=None, env=None, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_forked(cases: dict, workdir: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Each case's command line in its own process, forked from one that imported the CLI
+    once (cli_zygote.py): what ``run_cli`` gives, without torch's import per case."""
+    spec = {n: {"args": [str(a) for a in c.args], "cwd": str(c.cwd) if c.cwd else None, "env": c.env}
+            for n, c in cases.items()}
+    (workdir / "cases.json").write_text(json.dumps(spec))
+    zygote = Path(__file__).with_name("cli_zygote.py")
+    parallel = str(max(2, min(4, os.cpu_count() or 1)))
+    done = subprocess.run([sys.executable, zygote, workdir / "cases.json", workdir / "results.json", parallel],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((workdir / "results.json").read_text())
+    return {n: subprocess.CompletedProcess(spec[n]["args"], r["returncode"], r["stdout"], r["stderr"]) for n, r in results.items()}
 
 
 def phrase_corpus(path: Path, docs: int = 40) -> Path:
@@ -304,6 +319,155 @@ def convert_empty_tokenizer(w, d):
     return Case(["convert-llama2c", w["bin"], "--tokenizer", empty, "--out", d / "new"], 1, "is empty")
 
 
+# Corpora: stats build and train read them the same way (pipeline/data.py) ---------------------
+def _corpus(d: Path, name: str, raw: bytes) -> Path:
+    path = d / name
+    path.write_bytes(raw)
+    return path
+
+
+def _stats_build(w, d, name: str, raw: bytes, message: str) -> Case:
+    data = _corpus(d, name, raw)
+    return Case(["stats", "build", "--data", data, "--out", d / "S"], 1, message, [data, _note(d / "notes.txt")])
+
+
+def _train_on(w, d, name: str, raw: bytes, message: str) -> Case:
+    data = _corpus(d, name, raw)
+    args = ["train", "--heads", w["heads"], "--data", data, "--out", d / "out", "--max-steps", "1", "--seq-len", "16",
+            "--batch-size", "1", "--eval-batches", "1", "--no-progress"]
+    return Case(args, 1, message, [data, _note(d / "notes.txt")])
+
+
+def _zst(raw: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(raw)
+
+
+STORY = b"".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}).encode() + b"\n" for i in range(200))
+
+
+def stats_build_txt_not_utf8(w, d):
+    return _stats_build(w, d, "latin1.txt", "caf\u00e9 au lait\n".encode("latin-1"), "latin1.txt: not UTF-8 text (byte 0xe9")
+
+
+def stats_build_jsonl_not_utf8(w, d):
+    return _stats_build(w, d, "c.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "c.jsonl:2: not UTF-8 text")
+
+
+def train_txt_not_utf8(w, d):
+    return _train_on(w, d, "latin1.txt", b"na\xefve story\n", "latin1.txt: not UTF-8 text (byte 0xef")
+
+
+def train_jsonl_not_utf8(w, d):
+    return _train_on(w, d, "c.jsonl", b'{"text": "\xff\xfe"}\n', "c.jsonl:1: not UTF-8 text (byte 0xff")
+
+
+def stats_build_jsonl_line_is_a_number(w, d):
+    return _stats_build(w, d, "c.jsonl", b'{"text": "ok"}\n5\n', "c.jsonl:2: holds a JSON number, not an object")
+
+
+def stats_build_text_is_a_number(w, d):
+    return _stats_build(w, d, "c.jsonl", b'{"text": 12345}\n', "column 'text' holds a JSON number, not text")
+
+
+def stats_build_text_is_a_list_of_strings(w, d):  # was counted as token ids
+    return _stats_build(w, d, "c.jsonl", b'{"text": ["a", "b"]}\n', "column 'text' holds a list of strings, not one text")
+
+
+def train_text_is_a_list_of_strings(w, d):
+    return _train_on(w, d, "c.jsonl", b'{"text": ["Once", "upon"]}\n', "column 'text' holds a list of strings")
+
+
+def stats_build_ragged_input_ids(w, d):
+    return _stats_build(w, d, "c.jsonl", b'{"input_ids": [[1, 2], [3]]}\n', "flat list of integers (e.g. [464, 3290, 13]), got a nested or mixed list")
+
+
+def train_ragged_input_ids(w, d):
+    return _train_on(w, d, "c.jsonl", b'{"input_ids": [5, [6, 7], 8]}\n', "token-id column must hold a flat list of integers")
+
+
+def stats_build_truncated_zst(w, d):  # was "holds no rows"
+    whole = _zst(STORY)
+    return _stats_build(w, d, "c.jsonl.zst", whole[: len(whole) // 2], "truncated or corrupt zstd file")
+
+
+def train_truncated_zst(w, d):
+    whole = _zst(STORY)
+    return _train_on(w, d, "c.jsonl.zst", whole[:-8], "truncated or corrupt zstd file")
+
+
+def stats_build_mistyped_data_path(w, d):  # was 24 s of Hub retries, then "not a local path"
+    return Case(["stats", "build", "--data", "copus.jsonl", "--out", d / "S"], 1, "data path 'copus.jsonl' not found",
+                [_note(d / "notes.txt")], cwd=d)
+
+
+def train_mistyped_data_path(w, d):
+    args = _train(w, d / "out")
+    args[args.index("--data") + 1] = str(d / "nowhere" / "corpus.jsonl")
+    return Case(args, 1, "not found: no such file or directory", [_note(d / "notes.txt")])
+
+
+# Sweep prompts files -----------------------------------------------------------------------------
+def _sweep_prompts(w, d, name: str, raw: bytes | None, message: str) -> Case:
+    prompts = _corpus(d, name, raw) if raw is not None else Path(name)
+    notes = _note(d / "notes.txt")
+    return Case(["sweep", "--prompts", prompts, "--out", d / "sw", "--seeds", "1", "--max-new-tokens", "2"], 1, message,
+                [notes] + ([prompts] if raw is not None else []))
+
+
+def sweep_prompts_line_not_json(w, d):
+    return _sweep_prompts(w, d, "p.jsonl", b'{"prompt": "Once"}\n{prompt: Once}\n', "p.jsonl:2: not valid JSON")
+
+
+def sweep_prompts_line_is_a_list(w, d):
+    return _sweep_prompts(w, d, "p.jsonl", b"[1]\n", "p.jsonl:1: holds a JSON list, not an object")
+
+
+def sweep_prompts_not_utf8(w, d):
+    return _sweep_prompts(w, d, "p.txt", b"Once upon a \xe9t\xe9\n", "is not UTF-8 text")
+
+
+def sweep_prompts_dev_null(w, d):  # was "not found"
+    return _sweep_prompts(w, d, "/dev/null", None, "'/dev/null' is not a regular file")
+
+
+def sweep_prompts_empty(w, d):
+    return _sweep_prompts(w, d, "p.txt", b"\n  \n", "holds no prompt (it is empty)")
+
+
+# Option ranges: refused before any model loads ----------------------------------------------
+def _gen(*extra) -> list:
+    return ["generate", "Once upon a time", "--max-new-tokens", "2", *extra]
+
+
+def _option_case(args, message, code=2):
+    """``args`` with placeholders: ``@heads`` / ``@corpus`` the world's inputs, ``@out...`` a
+    path in the case's own dir."""
+    def case(w, d):
+        def resolve(a):
+            if not str(a).startswith("@"):
+                return a
+            return d / a[1:] if a.startswith("@out") else w[a[1:]]
+        return Case([resolve(a) for a in args], code, message, [_note(d / "notes.txt")], cwd=d)
+    return case
+
+
+def generate_dynamic_top_k_past_opencv_channels(w, d):  # opencv 5 blurs <= 128 channels: was cv2.error
+    return Case(_gen("--mode", "dynamic", "--top-k", "130"), 0, "tokens per step")
+
+
+def generate_five_heads_past_the_stats_order(w, d):  # was "rebuild with --order 5" (3 is the maximum)
+    assert main(["attach", "--n", "5", "--out", str(d / "h5")]) == 0
+    return Case(_gen("--heads", d / "h5", "--mode", "dynamic"), 0, "stats count at most order 3: pass --n 3")
+
+
+def generate_five_heads_grid_too_large(w, d):  # 50^5 cells: was 30 s and 4.1 GB for 10 tokens
+    assert main(["attach", "--n", "5", "--out", str(d / "h5")]) == 0
+    return Case(_gen("--heads", d / "h5", "--mode", "dynamic", "--stats", "none"), 2,
+                "--top-k 50 and n = 5 tokens per step builds a 50^5 grid")
+
+
 CASES = {f.__name__: f for f in [
     train_into_folder_with_other_files, train_into_current_dir, train_into_folder_holding_the_inputs,
     train_into_its_own_input, train_into_home, train_checkpoints_into_a_foreign_folder,
@@ -314,6 +478,13 @@ CASES = {f.__name__: f for f in [
     attach_out_is_a_file,
     meta_not_utf8, stats_keys_file_empty, stats_counts_are_nan_floats, stats_keys_unsorted,
     merge_corrupt_job_json, convert_empty_tokenizer,
+    stats_build_txt_not_utf8, stats_build_jsonl_not_utf8, train_txt_not_utf8, train_jsonl_not_utf8,
+    stats_build_jsonl_line_is_a_number, stats_build_text_is_a_number, stats_build_text_is_a_list_of_strings,
+    train_text_is_a_list_of_strings, stats_build_ragged_input_ids, train_ragged_input_ids, stats_build_truncated_zst,
+    train_truncated_zst, stats_build_mistyped_data_path, train_mistyped_data_path,
+    sweep_prompts_line_not_json, sweep_prompts_line_is_a_list, sweep_prompts_not_utf8, sweep_prompts_dev_null,
+    sweep_prompts_empty,
+    generate_dynamic_top_k_past_opencv_channels, generate_five_heads_past_the_stats_order, generate_five_heads_grid_too_large,
 ]}
 CASES.update({
     "meta_missing_vocab_size": _meta_case(_del("vocab_size"), "lacks vocab_size"),
@@ -331,6 +502,41 @@ CASES.update({
     "resume_truncated_weights": _resume_case(_truncate, "trainable.safetensors is missing, truncated"),
     "resume_state_is_a_list": _resume_case(_state_list, "state.json holds a JSON list, not an object"),
     "resume_pickle_payload": _resume_case(_pickle_payload, "refused to load it"),
+    # option ranges (nan / inf are refused by every float option's parser)
+    "generate_seed_negative": _option_case(_gen("--seed", "-1"), "--seed must be in [0, 2**63 - 1], got -1"),
+    "generate_seed_huge": _option_case(_gen("--seed", str(2**64)), "--seed must be in [0, 2**63 - 1]"),
+    "train_seed_negative": _option_case(["train", "--heads", "@heads", "--data", "@corpus", "--out", "@out", "--seed", "-5"],
+                                        "--seed must be in [0, 2**63 - 1], got -5"),
+    "distill_seed_huge": _option_case(["distill", "--num-tokens", "10", "--out", "@out.jsonl", "--seed", str(2**63)],
+                                      "--seed must be in [0, 2**63 - 1]"),
+    "train_lr_inf": _option_case(["train", "--heads", "@heads", "--data", "@corpus", "--out", "@out", "--lr", "inf"],
+                                 "argument --lr: 'inf' is not a finite number"),
+    "train_lr_nan": _option_case(["train", "--heads", "@heads", "--data", "@corpus", "--out", "@out", "--lr", "nan"],
+                                 "argument --lr: 'nan' is not a finite number"),
+    "generate_repetition_penalty_nan": _option_case(_gen("--repetition-penalty", "nan"),
+                                                    "argument --repetition-penalty: 'nan' is not a finite number"),
+    "generate_temperature_inf": _option_case(_gen("--temperature", "inf"), "argument --temperature: 'inf' is not a finite number"),
+    "generate_blur_kernel_negative": _option_case(_gen("--mode", "dynamic", "--blur-kernel", "-3"),
+                                                  "--blur-kernel must be 0 or 1 (no blur) or an odd number >= 3, got -3"),
+    "generate_threads_negative": _option_case(_gen("--threads", "-5"), "--threads must be >= 0, got -5"),
+    "eval_threads_negative": _option_case(["eval", "--data", "@corpus", "--out", "@out", "--threads", "-5"],
+                                          "--threads must be >= 0, got -5"),
+    "eval_dynamic_tokens_zero": _option_case(["eval", "--data", "@corpus", "--out", "@out", "--dynamic-tokens", "0"],
+                                             "--dynamic-tokens must be >= 1, got 0"),
+    "eval_top_p_nan": _option_case(["eval", "--data", "@corpus", "--out", "@out", "--top-p", "nan"],
+                                   "argument --top-p: 'nan' is not a finite number"),
+    "sweep_eps_b_tiny_step": _option_case(["sweep", "--out", "@out", "--eps-b", "0:1:1e-12"],
+                                          "gives 1,000,000,000,001 values, more than 1,001"),
+    "sweep_eps_b_inf_range": _option_case(["sweep", "--out", "@out", "--eps-b", "0:inf:0.1"], "three finite numbers"),
+    "sweep_temperature_nan": _option_case(["sweep", "--out", "@out", "--temperature", "nan"], "'nan' is not a finite number"),
+    "sweep_seed_count_zero": _option_case(["sweep", "--out", "@out", "--seeds", "0"], "--seeds and --max-new-tokens must be >= 1"),
+    "attach_n_100": _option_case(["attach", "--n", "100", "--out", "@out"], "heads predict at most 16 tokens per forward pass"),
+    "attach_float_option_nan": _option_case(["attach", "--head", "cp", "--init-std", "nan", "--out", "@out"],
+                                            "argument --init-std: 'nan' is not a finite number"),
+    "generate_dynamic_top_k_512": _option_case(_gen("--mode", "dynamic", "--top-k", "512"),
+                                               "--top-k 512 and n = 3 tokens per step builds a 512^3 grid"),
+    "distill_temperature_inf": _option_case(["distill", "--num-tokens", "10", "--out", "@out.jsonl", "--temperature", "inf"],
+                                            "'inf' is not a finite number"),
 })
 
 
@@ -344,7 +550,7 @@ TEST = "test_bad_input_ends_in_one_clean_line"
 @pytest.fixture(scope="module")
 def outcomes(world, request, tmp_path_factory) -> dict:
     """Every selected case, damaged one by one, then run side by side (each is a separate
-    process that mostly waits on imports): {name: (case, its dir, sentinels before, result)}."""
+    process, forked from one that imported the CLI once): {name: (case, its dir, sentinels before, result)}."""
     names = [item.callspec.params["name"] for item in request.session.items
              if getattr(item, "originalname", None) == TEST and item.module.__name__ == request.module.__name__]
     prepared = {}
@@ -352,9 +558,8 @@ def outcomes(world, request, tmp_path_factory) -> dict:
         d = tmp_path_factory.mktemp(name)
         case = CASES[name](world, d)
         prepared[name] = (case, d, _snapshot(case.sentinels))
-    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 1))) as pool:
-        futures = {n: pool.submit(run_cli, *c.args, cwd=c.cwd, env=c.env) for n, (c, _, _) in prepared.items()}
-        return {n: (*prepared[n], f.result()) for n, f in futures.items()}
+    results = run_forked({n: c for n, (c, _, _) in prepared.items()}, tmp_path_factory.mktemp("zygote"))
+    return {n: (*prepared[n], results[n]) for n in prepared}
 
 
 @pytest.mark.parametrize("name", list(CASES))
