@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from multitoken.pipeline.base.errors import DataError, UsageError
-from multitoken.pipeline.base.hub import looks_like_path  # the spelling rule of a local path, shared with --base
+from multitoken.pipeline.base.hub import hub_unreachable, looks_like_path, quiet_hub_retries  # shared with --base
 
 ID_COLUMNS = ("input_ids", "token_ids", "tokens", "ids")
 TEXT_COLUMNS = ("text", "content")
@@ -150,10 +150,23 @@ def resolve_files(spec: str) -> list[Path] | None:
     return None if found is None else found.files
 
 
+def check_hub_reachable(cfg: DataConfig) -> None:
+    """A streamed Hub dataset needs the Hub: say so at once (no ~25 s of retries)."""
+    from huggingface_hub import constants
+
+    quiet_hub_retries()
+    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(constants.ENDPOINT)
+    if offline is not None:
+        raise DataError(f"{cfg.data!r} is not a local path, and the Hub dataset of that name cannot be streamed: "
+                        f"the Hub is unreachable ({offline})", "check the path (a local file or folder), or connect to the network")
+
+
 def describe_files(cfg: DataConfig) -> tuple[list[str] | None, list[str]]:
-    """(the files read, as strings, or None for a Hub dataset; lines saying so, for stderr)."""
+    """(the files read, as strings, or None for a Hub dataset; lines saying so, for stderr).
+    Runs before any work, so an unreachable Hub dataset fails here."""
     found = local_files(cfg)
     if found is None:
+        check_hub_reachable(cfg)
         return None, [f"data: Hub dataset {cfg.data!r}, split {cfg.split!r}"]
     split = f"split {found.split!r}: " if found.split else ""
     lines = [f"data: {split}reading {len(found.files)} file{'s' if len(found.files) != 1 else ''}"]
@@ -254,6 +267,7 @@ def iter_rows(cfg: DataConfig) -> Iterator[dict]:
 def _iter_hub_rows(cfg: DataConfig) -> Iterator[dict]:
     import datasets
 
+    check_hub_reachable(cfg)
     try:
         ds = datasets.load_dataset(cfg.data, split=cfg.split, streaming=True)
     except (FileNotFoundError, ValueError, ConnectionError, OSError) as err:

@@ -1,10 +1,13 @@
 """``--threads``: torch's CPU threads for the commands that run a model, and their defaults.
 
 The defaults live here, and only here. 0 means torch's own default (one thread per core, or
-OMP_NUM_THREADS). One sequence (``generate``, ``sweep``) is latency-bound: on our 2-core
-machine kind ``generate --greedy`` ran at 53-59 tokens/s with torch's default and 467-1000
-with one thread. Batches (``train``, ``eval``, ``distill``) do more work per op; their default
-stays torch's until measured. ``scripts/bench_threads.py`` measures both on a quiet machine.
+OMP_NUM_THREADS). Measured with ``scripts/bench_threads.py`` on our 2-core machine kind (quiet,
+best of 2 interleaved repetitions, tokens/s at 1 / 2 threads): one sequence -- stories260K
+speculative greedy (``generate``'s default mode) 1080 / 992, ar 716 / 769; pythia-mini ar 146 /
+150 -- so ``generate`` and ``sweep`` default to one thread (the fastest for the default mode,
+within 7% elsewhere, and steadier timings on a shared machine); batches -- training steps 10.1k /
+16.7k (stories260K) and 676 / 1174 (pythia-mini) -- so ``train``, ``eval`` and ``distill`` keep
+torch's default (one thread per core).
 """
 
 from __future__ import annotations

@@ -402,6 +402,11 @@ def stats_build_mistyped_data_path(w, d):  # was 24 s of Hub retries, then "not 
                 [_note(d / "notes.txt")], cwd=d)
 
 
+def stats_build_name_neither_file_nor_reachable_dataset(w, d):  # a suffix typo: read as a Hub id; no retries, no dir left
+    return Case(["stats", "build", "--data", "corpus.jsnl", "--out", d / "S"], 1, "'corpus.jsnl' is not a local path",
+                [_note(d / "notes.txt")], cwd=d)
+
+
 def train_mistyped_data_path(w, d):
     args = _train(w, d / "out")
     args[args.index("--data") + 1] = str(d / "nowhere" / "corpus.jsonl")
@@ -481,7 +486,8 @@ CASES = {f.__name__: f for f in [
     stats_build_txt_not_utf8, stats_build_jsonl_not_utf8, train_txt_not_utf8, train_jsonl_not_utf8,
     stats_build_jsonl_line_is_a_number, stats_build_text_is_a_number, stats_build_text_is_a_list_of_strings,
     train_text_is_a_list_of_strings, stats_build_ragged_input_ids, train_ragged_input_ids, stats_build_truncated_zst,
-    train_truncated_zst, stats_build_mistyped_data_path, train_mistyped_data_path,
+    train_truncated_zst, stats_build_mistyped_data_path, stats_build_name_neither_file_nor_reachable_dataset,
+    train_mistyped_data_path,
     sweep_prompts_line_not_json, sweep_prompts_line_is_a_list, sweep_prompts_not_utf8, sweep_prompts_dev_null,
     sweep_prompts_empty,
     generate_dynamic_top_k_past_opencv_channels, generate_five_heads_past_the_stats_order, generate_five_heads_grid_too_large,
