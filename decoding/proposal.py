@@ -151,7 +151,7 @@ def pick_drafter(name: str, heads, table=None):
     """``auto``: CP heads draft sequentially; other heads from the masked joint when a
     co-occurrence table is at hand (it raises acceptance), else independently."""
     if name == "auto":
-        name = "cp" if hasattr(heads, "conditional_log_probs") else "joint" if table is not None else "independent"
-    if name == "cp" and not hasattr(heads, "conditional_log_probs"):
+        name = "cp" if getattr(heads, "supports_sequential_drafts", False) else "joint" if table is not None else "independent"
+    if name == "cp" and not getattr(heads, "supports_sequential_drafts", False):
         raise UsageError(f"--drafter cp needs cp heads, these are {heads.config.head_type!r}", "use --drafter independent or joint")
     return DRAFTERS[name]

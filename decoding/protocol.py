@@ -58,7 +58,7 @@ class DecodingModel(Protocol):
     """A base model with multi-token heads, as ``generate`` drives it."""
 
     backbone: Backbone
-    heads: Any  # a HeadAdapter: ``config.head_type``; CP heads add ``conditional_log_probs``
+    heads: Any  # a HeadAdapter: ``config.head_type``, ``supports_sequential_drafts`` (then ``conditional_log_probs``)
 
     @property
     def n_future(self) -> int: ...
