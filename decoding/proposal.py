@@ -150,8 +150,9 @@ DRAFTERS = {"independent": independent_drafts, "cp": cp_drafts, "joint": joint_d
 def pick_drafter(name: str, heads, table=None):
     """``auto``: CP heads draft sequentially; other heads from the masked joint when a
     co-occurrence table is at hand (it raises acceptance), else independently."""
+    sequential = getattr(heads, "supports_sequential_drafts", False)
     if name == "auto":
-        name = "cp" if getattr(heads, "supports_sequential_drafts", False) else "joint" if table is not None else "independent"
-    if name == "cp" and not getattr(heads, "supports_sequential_drafts", False):
+        name = "cp" if sequential else "joint" if table is not None else "independent"
+    if name == "cp" and not sequential:
         raise UsageError(f"--drafter cp needs cp heads, these are {heads.config.head_type!r}", "use --drafter independent or joint")
     return DRAFTERS[name]

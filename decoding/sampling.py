@@ -22,10 +22,15 @@ def processed_probs(logp: torch.Tensor, temperature: float, top_k: int, seen: to
                     penalty: float = 1.0) -> torch.Tensor:
     """The target as a dense distribution # [..., V] logits or log-probs -> [..., V] probs
     (``top_k`` 0 = the whole vocabulary)."""
-    ids, probs = top_probs(logp, temperature, top_k, seen, penalty)
+    return dense(*top_probs(logp, temperature, top_k, seen, penalty), logp)
+
+
+def dense(ids: torch.Tensor | None, probs: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``top_probs``' (ids [..., k], probs [..., k]) as a distribution shaped like ``like``
+    # -> [..., V] (probs as they are when ids is None: already over the vocabulary)."""
     if ids is None:
         return probs
-    return torch.zeros(logp.shape, dtype=probs.dtype, device=logp.device).scatter_(-1, ids, probs)
+    return torch.zeros(like.shape, dtype=probs.dtype, device=like.device).scatter_(-1, ids, probs)
 
 
 def top_probs(logits: torch.Tensor, temperature: float, top_k: int, seen: torch.Tensor | None = None,
@@ -125,9 +130,7 @@ class Sampler:
         """A draft from a head's ``logits`` [V] (# [] long) and the dense q [V] it was drawn from
         (the target's processing; None when greedy: greedy verification compares tokens only)."""
         tok, ids, probs = self._pick(logits, seen)
-        if probs is None or ids is None:
-            return tok, probs
-        return tok, torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device).scatter_(-1, ids, probs)
+        return tok, None if probs is None else dense(ids, probs, logits)
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One token from a dense distribution ``probs`` [V] (argmax when greedy) # -> [] long."""

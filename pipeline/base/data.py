@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from multitoken.pipeline.base.errors import DataError, UsageError
-from multitoken.pipeline.base.hub import hub_unreachable, looks_like_path, quiet_hub_retries  # shared with --base
+from multitoken.pipeline.base.hub import looks_like_path, offline_reason  # shared with --base
 
 ID_COLUMNS = ("input_ids", "token_ids", "tokens", "ids")
 TEXT_COLUMNS = ("text", "content")
@@ -152,10 +152,7 @@ def resolve_files(spec: str) -> list[Path] | None:
 
 def check_hub_reachable(cfg: DataConfig) -> None:
     """A streamed Hub dataset needs the Hub: say so at once (no ~25 s of retries)."""
-    from huggingface_hub import constants
-
-    quiet_hub_retries()
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(constants.ENDPOINT)
+    offline = offline_reason()
     if offline is not None:
         raise DataError(f"{cfg.data!r} is not a local path, and the Hub dataset of that name cannot be streamed: "
                         f"the Hub is unreachable ({offline})", "check the path (a local file or folder), or connect to the network")

@@ -53,8 +53,7 @@ def locate(name: str) -> tuple[str, dict]:
 def _hub_kwargs(repo_id: str) -> dict:
     from huggingface_hub import constants
 
-    quiet_hub_retries()
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(constants.ENDPOINT)
+    offline = offline_reason()
     if offline is None:
         return {}
     if _cached(repo_id):
@@ -64,6 +63,15 @@ def _hub_kwargs(repo_id: str) -> dict:
         f"and the Hub is unreachable ({offline})",
         "connect to the network to download it once, or pass the directory of a downloaded copy",
     )
+
+
+def offline_reason() -> str | None:
+    """Why the Hub cannot be used now (HF_HUB_OFFLINE, or the endpoint's probe failed), or None.
+    Silences huggingface_hub's retry warnings either way: the caller's one line says it all."""
+    from huggingface_hub import constants
+
+    quiet_hub_retries()
+    return "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(constants.ENDPOINT)
 
 
 def _cached(repo_id: str) -> bool:
