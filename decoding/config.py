@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from multitoken.pipeline.base.errors import UsageError
 
 from .sparse import KERNELS, numba_available
+from .tree import MAX_TREE_NODES, TREES
 
 MODES = ("ar", "dynamic", "speculative", "typical")
 DRAFTERS = ("auto", "independent", "cp", "joint")
@@ -42,6 +43,13 @@ class DecodeConfig:
     draft_k: int = field(default=20, metadata={"help": "joint drafter: candidates per head (acceptance barely moves past ~20, lookup cost does)"})
     typical_eps: float = field(default=0.09, metadata={"help": "typical acceptance: posterior threshold eps"})
     typical_delta: float = field(default=0.3, metadata={"help": "typical acceptance: entropy factor delta"})
+    tree: str = field(default="chain", metadata={"help": (
+        "speculative / typical: verify one chain of drafts (chain), or a tree of several guesses per head in one "
+        "forward pass: static (Medusa: a fixed shape from the heads' measured per-rank accuracies, written beside "
+        "the heads by `multitoken eval`) or dynamic (EAGLE-2: the step's own head probabilities)"), "choices": TREES})
+    tree_nodes: str = field(default="auto", metadata={"help": (
+        "tree candidates per step besides the committed token (1..256), or auto: the budget with the most "
+        "expected tokens per second, timing the verify step on this machine once per process")})
     stop_at_eos: bool = field(default=True, metadata={"help": "stop after the tokenizer's end-of-sequence token"})
     seed: int = field(default=0, metadata={"help": "random seed"})
 
@@ -97,9 +105,25 @@ class DecodeConfig:
                              "DynaMo blurs with 3; a kernel wider than the grid only flattens it")
         if not (0 < self.typical_eps <= 1 and self.typical_delta > 0):
             raise UsageError("typical acceptance needs 0 < --typical-eps <= 1 and --typical-delta > 0")
+        self._validate_tree()
         if self.mode == "dynamic" and n_heads is not None:
             order = min(self.order(n_heads), max_order or n_heads)
             check_grid(min(self.top_k, vocab_size or self.top_k), order)
+
+    def _validate_tree(self) -> None:
+        if self.tree not in TREES:
+            raise UsageError(f"unknown tree {self.tree!r}", f"use one of {', '.join(TREES)}")
+        if self.tree != "chain" and self.mode not in ("speculative", "typical"):
+            raise UsageError(f"--tree {self.tree} verifies drafts: it needs --mode speculative or typical, not {self.mode}",
+                             "pass --mode speculative, or leave --tree at chain")
+        if str(self.tree_nodes) != "auto":
+            try:
+                nodes = int(self.tree_nodes)
+            except ValueError:
+                raise UsageError(f"--tree-nodes must be an integer or auto, got {self.tree_nodes!r}") from None
+            if not 1 <= nodes <= MAX_TREE_NODES:
+                raise UsageError(f"--tree-nodes must be in [1, {MAX_TREE_NODES}], got {nodes}",
+                                 "Medusa and EAGLE-2 use 26 to 64; auto picks one for this machine")
 
     @property
     def penalty(self) -> float:

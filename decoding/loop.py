@@ -22,6 +22,7 @@ from .sampling import Sampler, penalised_logits, rows_seen
 from .sparse_step import prepare_kernel
 from .timing import clock_for
 from .trace import Trace
+from .tree_step import TreeSteps
 from multitoken.pipeline.base.errors import UsageError
 
 
@@ -88,7 +89,7 @@ def _acceptor(cfg: DecodeConfig):
 
 @torch.inference_mode()  # cheaper than no_grad per op: a small model's step is mostly op overhead
 def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, on_tokens=None,
-             drafter=None, acceptor=None, profile: bool = False) -> DecodeResult:
+             drafter=None, acceptor=None, profile: bool = False, tree_accuracies=None) -> DecodeResult:
     """Continue ``prompt_ids`` (list or [1, T] tensor) with ``model`` (a ``MultiTokenModel``).
 
     ``table``: co-occurrence stats for dynamic masking; ``on_tokens(list[int])`` is called as
@@ -97,6 +98,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     the trace's model / logic split exact on an accelerator (synchronise at every clock reading;
     off by default: the waits cost time). Per step, the host reads the device once: the
     committed ids (dynamic's grid reads its candidates, built on the host).
+    ``tree_accuracies``: a ``tree.Accuracies`` for ``--tree static`` (default: the file beside
+    the heads, ``model.heads_dir``, else the fallback prior).
     """
     cfg = cfg or DecodeConfig()
     vocab = model.backbone.vocab_size
@@ -112,10 +115,11 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
                    None if cfg.greedy else np.random.default_rng(cfg.seed), vocab)
     run.seen[ids[0]] = True
     run.draft_cfg = replace(cfg, static_threshold=False, adaptive_threshold=False)
+    custom = drafter is not None or acceptor is not None
     drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative else None)
     acceptor = acceptor or _acceptor(cfg)
     order, eos = cfg.order(model.n_future), _eos_ids(model)
-    cap = stats_order_cap(cfg, model.n_future, table, drafter is joint_drafts)
+    cap = stats_order_cap(cfg, model.n_future, table, drafter is joint_drafts and cfg.tree == "chain")
     order = cap or order  # the mask covers only the stats' orders: read that many heads
     heads_read = 1 if cfg.mode == "dynamic" and always_backs_off(cfg) else order
     # greedy ar / speculative read only the base argmax: raw logits, no softmax over V per step
@@ -157,10 +161,10 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             on_tokens(tokens)
         return len(out_ids) >= cfg.max_new_tokens or (cfg.stop_at_eos and bool(tokens) and tokens[-1] in eos)
 
-    def forward(new: torch.Tensor, read_from: int):
+    def forward(new: torch.Tensor, read_from: int, **tree):
         start = clock()
-        # heads past heads_read and positions before read_from are never read
-        result = model.step(new.reshape(1, -1), caches, heads_upto=heads_read, read_from=read_from)
+        # heads past heads_read and positions before read_from are never read; tree: attend + offsets
+        result = model.step(new.reshape(1, -1), caches, heads_upto=heads_read, read_from=read_from, **tree)
         result.clock, result.unembed_rows = clock, trace.unembed_rows  # its lazy unembeddings report here
         trace.model_s += clock() - start
         trace.forward_passes += 1
@@ -168,6 +172,10 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
 
     if cfg.mode == "dynamic" or drafter is joint_drafts:
         prepare_kernel(cfg, table, order)  # numba compiles / loads its cache here, off the clock
+    # issue 17 hook: a candidate tree per step instead of a chain (decoding/tree_step.py)
+    if cfg.tree != "chain" and custom:
+        raise UsageError("--tree static / dynamic build their own candidates and acceptance", "pass --tree chain with a custom drafter or acceptor")
+    trees = TreeSteps(model, cfg, run, order, trace, tree_accuracies) if cfg.tree != "chain" else None
     t0 = clock()
     caches = model.new_caches()
     out = forward(ids, ids.shape[1] - 1)
@@ -187,12 +195,17 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
             commit = [forced if forced is not None else next_token(anchor)]
             budget = cfg.max_new_tokens - len(out_ids) - 1
             g = min(order - 1, budget) if speculative else 0
-            drafts = drafter(out, anchor, commit[0], g, run) if g > 0 else Drafts.empty(ids.device)
+            drafts = drafter(out, anchor, commit[0], g, run) if g > 0 and trees is None else Drafts.empty(ids.device)
             if drafts.tokens.device != ids.device:  # a custom drafter's host tensors: moved once
                 drafts = Drafts(drafts.tokens.to(ids.device), None if drafts.probs is None else drafts.probs.to(ids.device))
         trace.model_s, out.model_s = trace.model_s + out.model_s, 0.0  # head distributions: model time
         if emit(commit):
             break
+        if trees is not None:  # issue 17 hook: verify a tree, keep its accepted path
+            out, anchor, forced, done = trees.step(out, anchor, commit[0], g, caches, forward, emit)
+            if done:
+                break
+            continue
         # one forward pass over the decided tokens and the drafts
         new = torch.cat([torch.tensor(commit, dtype=torch.long, device=ids.device), drafts.tokens])
         out = forward(new, len(commit) - 1)

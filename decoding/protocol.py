@@ -19,6 +19,9 @@ class Caches(Protocol):
     def crop(self, remove: int) -> None:
         """Forget the last ``remove`` positions (rejected drafts)."""
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep positions [0, start) and ``start + rows`` (an accepted tree path), in order."""
+
 
 @runtime_checkable
 class StepResult(Protocol):
@@ -67,5 +70,6 @@ class DecodingModel(Protocol):
         """Empty caches for one run."""
 
     def step(self, new_ids: torch.Tensor, caches: Caches, heads_upto: int | None = None,
-             read_from: int = 0) -> StepResult:
-        """Feed ``new_ids`` # [B, T_new]; extend ``caches``; return the pass's outputs."""
+             read_from: int = 0, attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepResult:
+        """Feed ``new_ids`` # [B, T_new]; extend ``caches``; return the pass's outputs.
+        ``attend`` [T_new, T_new] bool / ``offsets`` [T_new]: tree mask and depths (None: causal)."""

@@ -24,6 +24,10 @@ class Trace:
     device: str = "cpu"  # where the model ran
     synchronised: bool = False  # model / logic split exact on an accelerator (generate(profile=True))
     unembed_rows: Counter = field(default_factory=Counter)  # rows per unembedding call -> calls (base and layer heads)
+    tree: str = "chain"  # drafts verified as a chain, or a static / dynamic candidate tree
+    tree_nodes: int = 0  # tree: candidates per step besides the committed token (the budget)
+    tree_accuracies: str = ""  # static tree: where its per-rank accuracies came from (a file, or the fallback prior)
+    tree_sibling_ranks: Counter = field(default_factory=Counter)  # tree: kept node's index among its siblings -> count
 
     @property
     def tokens_per_forward(self) -> float:
@@ -40,7 +44,7 @@ class Trace:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        for key in ("accepted_lengths", "orders", "backoffs", "dynamic_kernel", "unembed_rows"):
+        for key in ("accepted_lengths", "orders", "backoffs", "dynamic_kernel", "unembed_rows", "tree_sibling_ranks"):
             d[key] = {str(k): v for k, v in sorted(getattr(self, key).items())}
         d.update(tokens_per_forward=round(self.tokens_per_forward, 4), decoding_s=self.decoding_s,
                  tokens_per_s=self.tokens_per_s)
@@ -55,6 +59,10 @@ class Trace:
         ]
         if self.accepted_lengths:
             lines.append("accepted drafts per verification: " + _hist(self.accepted_lengths))
+        if self.tree != "chain":
+            lines.append(f"tree {self.tree}, {self.tree_nodes} candidates per step"
+                         + (f", accuracies: {self.tree_accuracies}" if self.tree_accuracies else "")
+                         + (", kept sibling index: " + _hist(self.tree_sibling_ranks) if self.tree_sibling_ranks else ""))
         if self.orders:
             lines.append("tokens per step: " + _hist(self.orders))
         if self.backoffs:

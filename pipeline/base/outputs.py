@@ -58,12 +58,12 @@ class OutputKind:
 
 HEADS = OutputKind("a heads dir", "heads_config.json",
                    ("heads_config.json", "heads.safetensors", "lora", "attach_config.json",
-                    "train_config.json", "train_metrics.json"))
+                    "train_config.json", "train_metrics.json", "rank_accuracy.json"))
 STATS = OutputKind("a stats dir", "meta.json",
                    ("meta.json", "config.json", "counts[0-9].npy", "keys[0-9].npy", "partials", "merge-parts"),
                    nested={"partials": ("shard-*", ".lock", ".shard-*"), "merge-parts": ("o[0-9]-part-*", ".o[0-9]-part-*")},
                    commands={"config.json": "stats "})
-EVAL = OutputKind("an eval report", "report.json", ("report.json", "eval_config.json", "logit_lens.png"))
+EVAL = OutputKind("an eval report", "report.json", ("report.json", "eval_config.json", "logit_lens.png", "rank_accuracy.json"))
 SWEEP = OutputKind("a sweep", "sweep.json", ("sweep.json", "sweep.csv", "sweep.png", "sweep_config.json"))
 CONVERTED = OutputKind("a converted model", "conversion.json",
                        ("conversion.json", "config.json", "generation_config.json", "model.safetensors",

@@ -33,6 +33,7 @@ def register(sub) -> None:
 def run(args) -> None:
     from multitoken.pipeline.model.assets import default_stats, load_model  # lazy: torch
     from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate  # lazy: torch
+    from multitoken.decoding.tree import ACCURACY_FILE  # lazy: torch
 
     cfg = dataclass_from_args(EvalConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
@@ -54,9 +55,27 @@ def run(args) -> None:
             plot_lens(report["logit_lens"]["kl_per_layer"], stage / LENS_PNG, f"logit lens: {Path(model.backbone.name).name}")
             report["logit_lens"]["png"] = str(out / LENS_PNG)
         atomic_write_text(stage / REPORT, json.dumps(report, indent=2, default=_json_default) + "\n")
+        if "tree" in report:
+            atomic_write_text(stage / ACCURACY_FILE, json.dumps(report["tree"], indent=2) + "\n")
         save_resolved_config(stage / RESOLVED_CONFIG, "eval", cfg, data_cfg, extra={"data_files": files})
     print(format_report(report))
     print(f"\nreport: {out / REPORT}")
+    if "tree" in report and cfg.beside_heads:
+        _write_beside_heads(heads, report["tree"])
+
+
+def _write_beside_heads(heads: str, record: dict) -> None:
+    """rank_accuracy.json into the heads dir (atomic; a previous one is replaced: it is derived
+    data), or one line saying why not (a read-only install of the embedded heads)."""
+    from multitoken.decoding.tree import ACCURACY_FILE  # lazy: torch
+
+    path = Path(heads) / ACCURACY_FILE
+    try:
+        atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+    except OSError as err:
+        print(f"note: could not write {path} ({err.strerror}); copy it from --out to use it with --tree static", file=sys.stderr)
+        return
+    print(f"tree accuracies: {path} (read by generate --tree static)")
 
 
 def _json_default(value):

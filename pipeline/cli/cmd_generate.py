@@ -64,7 +64,8 @@ def _note_order_cap(decode, model, table) -> None:
     from multitoken.decoding.proposal import joint_drafts, pick_drafter  # lazy: torch
 
     speculative = decode.mode in ("speculative", "typical")
-    joint = speculative and pick_drafter(decode.drafter, model.heads, table) is joint_drafts
+    # a tree reads every head (its candidates are the heads' own guesses, not the joint's)
+    joint = speculative and decode.tree == "chain" and pick_drafter(decode.drafter, model.heads, table) is joint_drafts
     cap = stats_order_cap(decode, model.n_future, table, joint)
     if cap:
         from multitoken.stats.format import MAX_ORDER  # lazy: numpy, only when a cap applies

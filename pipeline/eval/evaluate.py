@@ -30,6 +30,7 @@ from multitoken.pipeline.eval.speedup import draft_cost_ratio, theory_from_token
 from multitoken.pipeline.model.assets import load_stats
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import stats_order_cap
+from multitoken.decoding.tree import MAX_RANKS as RANKS, accuracy_record
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
 DEFAULT_PARTS = PARTS
@@ -54,6 +55,9 @@ class EvalConfig:
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int | None = threads_field(THREADS_BATCHES)
     quiet: bool = field(default=False, metadata={"help": "no progress bars (they go to stderr, and only when it is a terminal)"})
+    beside_heads: bool = field(default=True, metadata={"help": (
+        "also write rank_accuracy.json (each head's accuracy per rank of its guesses, which `generate --tree static` "
+        "reads) into the heads dir; it always goes to --out")})
 
     def validate(self) -> None:
         bad = [p for p in self.parts if p not in PARTS]
@@ -83,6 +87,7 @@ class HeadAccumulator:
         self.chain = [0] * n  # k: positions where heads 2..k+1 are all top-1 correct
         self._lp: list[torch.Tensor] = []
         self._top1: list[torch.Tensor] = []
+        self.rank_hits: list[list[int]] = [[0] * RANKS for _ in range(n)]  # head i: target == its rank-r guess
 
     def add_head(self, i: int, sc) -> None:
         """Head i's (0-based) ``HeadScores`` for one batch."""
@@ -92,6 +97,9 @@ class HeadAccumulator:
         self.hits[i][5] += int(sc.top5.sum())
         self._lp.append(sc.lp)
         self._top1.append(sc.top1)
+        if sc.rank_hits is not None:
+            hits = sc.rank_hits.reshape(-1, sc.rank_hits.shape[-1]).sum(0).tolist()
+            self.rank_hits[i] = [a + b for a, b in zip(self.rank_hits[i], hits + [0] * (RANKS - len(hits)))]
 
     def end_batch(self) -> None:
         """Joint terms need every head of the batch: PPL_1:k and the top-1 chain."""
@@ -126,7 +134,8 @@ class HeadAccumulator:
             "empirical_with_base_token": 1.0 + sum(empirical),
             "empirical_without_base_token": sum(empirical),
         }
-        return {"heads": heads, "ppl_joint": joint, "accept_length": accept}
+        return {"heads": heads, "ppl_joint": joint, "accept_length": accept,
+                "tree": accuracy_record(self.rank_hits[1:], self.count[1:])}
 
 
 def _batches(cfg: EvalConfig, data_cfg, tokenizer, device):

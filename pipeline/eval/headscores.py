@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from multitoken.adapters.base import HeadAdapter
+from multitoken.decoding.tree import MAX_RANKS as RANKS
 
 
 @dataclass
@@ -24,6 +25,7 @@ class HeadScores:
     top5: torch.Tensor  # [B, S] bool
     top_vals: torch.Tensor | None = None  # [B, T, k] top-k log-probs at every position
     top_ids: torch.Tensor | None = None  # [B, T, k]
+    rank_hits: torch.Tensor | None = None  # [B, S, R] bool: the target is the head's rank-r guess (tree shapes)
 
 
 def single_softmax(heads) -> bool:
@@ -39,13 +41,14 @@ def _targets(ids: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def _score_rows(logp: torch.Tensor, target: torch.Tensor, k: int | None):
-    """log-probs [C, V], target [C] -> (lp [C], top1 [C], top5 [C], top-k vals, top-k idx)."""
+    """log-probs [C, V], target [C] -> (lp [C], top1 [C], top5 [C], top-k vals, top-k idx,
+    rank hits [C, R])."""
     lp = logp.gather(-1, target[:, None]).squeeze(-1)
-    kk = max(5, k or 0)
-    vals, idx = logp.topk(min(kk, logp.shape[-1]), dim=-1)  # [C, kk], sorted: one pass serves both
+    kk = max(5, RANKS, k or 0)
+    vals, idx = logp.topk(min(kk, logp.shape[-1]), dim=-1)  # [C, kk], sorted: one pass serves all
     hit = idx[:, :5] == target[:, None]
     top = (vals[:, :k], idx[:, :k]) if k else (None, None)
-    return lp, hit[:, 0], hit.any(-1), *top
+    return lp, hit[:, 0], hit.any(-1), *top, idx[:, :RANKS] == target[:, None]
 
 
 @torch.no_grad()
@@ -66,11 +69,12 @@ def score_head(model, i: int, feats, ids: torch.Tensor, k: int | None = None, ch
         block = rows[start:start + chunk]
         block = torch.log_softmax(bb.logits(block).float(), -1) if generic else block  # [C, V]
         parts.append(_score_rows(block, target[start:start + chunk], k))
-    lp, t1, t5, vals, idx = (torch.cat(p) if p[0] is not None else None for p in zip(*parts))
+    lp, t1, t5, vals, idx, ranks = (torch.cat(p) if p[0] is not None else None for p in zip(*parts))
     S = T - i - 1
     shape = lambda x: x.reshape(B, T, *x.shape[1:])  # noqa: E731
     return HeadScores(shape(lp)[:, :S], shape(t1)[:, :S], shape(t5)[:, :S],
-                      shape(vals) if vals is not None else None, shape(idx) if idx is not None else None)
+                      shape(vals) if vals is not None else None, shape(idx) if idx is not None else None,
+                      shape(ranks)[:, :S])
 
 
 @torch.no_grad()

@@ -257,6 +257,24 @@ class Backbone:
         rotary = self.rotary_emb(hidden, position_ids=position_ids)
         return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=rotary)
 
+    def explicit_context(self, hidden: torch.Tensor, attend: torch.Tensor, position_ids: torch.Tensor) -> "LayerContext":
+        """A context from an explicit mask and positions (tree verification: a node sees the
+        context and its ancestors, at position past + depth). ``attend`` [T, S] bool, True =
+        query t sees key s (S = cached + T keys); ``position_ids`` [1, T]. SDPA takes the
+        boolean mask as it is, eager attention an additive one (0 / dtype minimum); other
+        kernels take no arbitrary mask through the layer's interface."""
+        kind = self.config._attn_implementation
+        if kind == "sdpa":
+            mask = attend[None, None]  # [1, 1, T, S]
+        elif kind == "eager":
+            mask = torch.zeros(attend.shape, dtype=hidden.dtype, device=hidden.device)
+            mask = mask.masked_fill_(~attend, torch.finfo(hidden.dtype).min)[None, None]
+        else:
+            raise UsageError(f"tree verification needs sdpa or eager attention, this model runs {kind!r}",
+                             "load the model with attn_implementation='sdpa', or decode with --tree chain")
+        rotary = self.rotary_emb(hidden, position_ids=position_ids)
+        return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=rotary)
+
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, ctx: "LayerContext", cache=None) -> torch.Tensor:
         """One decoder layer # [B, T, H] -> [B, T, H]; ``cache`` is that layer's KV cache, if any."""
         kwargs = {self.spec.cache_kwarg: cache, "use_cache": cache is not None}

@@ -224,6 +224,7 @@ def load_heads(cls, base, heads_dir, *, quantization=None, dtype=None, device=No
     heads.load_state_dict(own, strict=True)
     model = cls(backbone, heads, **kwargs)
     _restore_base_head(model, tensors)
+    model.heads_dir = str(heads_dir)  # decoding reads what eval measured beside the heads (tree shapes)
     return model
 
 

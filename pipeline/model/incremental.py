@@ -45,6 +45,27 @@ class DecodeCaches:
             cache.crop(-remove)  # transformers 5: a negative count removes that many positions
         self.length -= remove
 
+    @torch.no_grad()
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep positions [0, start) and ``start + rows`` (in that order) in every cache, forget
+        the rest (tree verification: the accepted path's slots, compacted in place). ``rows``
+        index the tokens fed after ``start``; a prefix 0..m-1 is a plain crop."""
+        m = len(rows)
+        if rows == list(range(m)):
+            self.crop(self.length - start - m)
+            return
+        index = torch.tensor(rows, dtype=torch.long) + start  # [m]
+        for cache in (self.backbone, *self.heads):
+            for layer in cache.layers:
+                if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
+                    continue  # a head cache's unused slots
+                sel = index.to(layer.keys.device)
+                # the right side is gathered first (a copy): overlapping slots are safe
+                layer.keys[..., start:start + m, :] = layer.keys.index_select(-2, sel)
+                layer.values[..., start:start + m, :] = layer.values.index_select(-2, sel)
+                layer.keys, layer.values = layer.keys[..., :start + m, :], layer.values[..., :start + m, :]
+        self.length = start + m
+
 
 def new_caches(model) -> DecodeCaches:
     return DecodeCaches(backbone=_new_cache(), heads=[_new_cache() for _ in range(model.heads.num_head_layers)])
@@ -178,6 +199,16 @@ class StepOutput:
         return self.feats.base[:, pos]
 
 
+def _tree_context(bb, hidden: torch.Tensor, caches: DecodeCaches, attend: torch.Tensor, offsets: torch.Tensor):
+    """The context of T new tokens that see the cached positions and, among themselves, only
+    ``attend`` [T, T] (True = row t sees token s), at positions ``caches.length + offsets`` [T]."""
+    past, t = caches.length, hidden.shape[1]
+    attend = attend.to(hidden.device)
+    full = torch.cat([torch.ones(t, past, dtype=torch.bool, device=hidden.device), attend], dim=1)  # [T, past + T]
+    position_ids = (offsets.to(hidden.device) + past).unsqueeze(0)  # [1, T]
+    return bb.explicit_context(hidden, full, position_ids)
+
+
 def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
     """Mask, positions and rotary for the T new tokens after ``caches.length`` cached ones
     (batch 1, no padding). One token attends to everything: no mask. Several tokens under SDPA
@@ -198,14 +229,20 @@ def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
 
 @torch.no_grad()
 def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
-         read_from: int = 0) -> StepOutput:
+         read_from: int = 0, attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepOutput:
     """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
     ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
     layer runs); a run must use the same value throughout, its head caches cover those heads only.
-    ``read_from``: the first position whose distributions will be read (a prompt's last)."""
+    ``read_from``: the first position whose distributions will be read (a prompt's last).
+    ``attend`` [T, T] bool and ``offsets`` [T] long (both or neither): which new tokens each new
+    token sees and their positions after the cached ones (a candidate tree: ancestors and
+    depth); None = causal, consecutive."""
     bb, heads = model.backbone, model.heads
     hidden = bb.embeddings(new_ids)  # [B, T, H]
-    ctx = _layer_context(bb, hidden, caches)
+    if attend is not None:
+        ctx = _tree_context(bb, hidden, caches, attend, offsets)
+    else:
+        ctx = _layer_context(bb, hidden, caches)
     states = []
     for layer in bb.layers[:-1]:
         hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)

@@ -95,3 +95,23 @@ def test_library_loads_leave_torch_threads_alone_unless_asked():
     assert torch.get_num_threads() == 2
     load_backbone(BackboneConfig(threads=1))
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_trees_read_every_head_whatever_the_stats_order(capsys, four_heads, tree):
+    # a tree's candidates are the heads' own guesses: all 4 heads are read (no order cap, no note)
+    out, err = _json(capsys, "--heads", str(four_heads), "--stats", str(EMBEDDED_STATS), "--greedy",
+                     "--tree", tree, "--tree-nodes", "12", "--max-new-tokens", "9")
+    trace = out["trace"]
+    assert trace["tree"] == tree and trace["tree_nodes"] == 12 and trace["stats_order_cap"] == 0
+    assert len(out["token_ids"]) == 9 and "note:" not in err
+    plain, _ = _json(capsys, "--heads", str(four_heads), "--greedy", "--mode", "ar", "--max-new-tokens", "9")
+    assert out["token_ids"] == plain["token_ids"]
+    if tree == "static":
+        assert trace["tree_accuracies"] == "fallback prior"
+
+
+def test_tree_with_ar_is_a_usage_error(capsys):
+    assert main(["generate", "Once", "--mode", "ar", "--tree", "static"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --mode speculative" in err and "Traceback" not in err

@@ -51,6 +51,16 @@ def test_accumulator_matches_hand_computation(tiny_model, ids):
     assert rep["accept_length"]["formula_with_base_token"] == pytest.approx(1 + acc2 + acc2 * acc3)
     assert rep["accept_length"]["empirical_without_base_token"] == pytest.approx(
         sum(logps[1][b, t].argmax() == ids[b, t + 2] for b in range(2) for t in range(13)).item() / 26 + chain / 26)
+    # tree shapes: head 2's accuracy per rank of its guesses, by the same loop
+    from multitoken.decoding.tree import MAX_RANKS
+
+    ranks = torch.zeros(MAX_RANKS)
+    for b in range(2):
+        for t in range(16 - 2):
+            order = logps[1][b, t].argsort(descending=True)[:MAX_RANKS]
+            ranks += (order == ids[b, t + 2]).float()
+    tree = rep["tree"]["rank_accuracy"]
+    assert len(tree) == 2 and tree[0] == pytest.approx((ranks / 28).tolist()) and tree[0][0] == rep["heads"][1]["top1"]
 
 
 def test_marginal_matches_one_pass_per_candidate(tiny_model, ids):
@@ -112,6 +122,13 @@ def test_cli_eval_writes_report_plot_and_config(tiny_model, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "PPL_1:n" in printed and "marginalization baseline" in printed
     assert json.loads((out / "eval_config.json").read_text())["data_files"] == [str(text)]
+    # the per-rank accuracies go to --out and beside the heads, where generate --tree static reads them
+    tree = json.loads((out / "rank_accuracy.json").read_text())
+    assert json.loads((heads / "rank_accuracy.json").read_text()) == tree == rep["tree"]
+    from multitoken.decoding.tree import read_accuracies
+
+    assert read_accuracies(heads, 2).table == tree["rank_accuracy"] and len(tree["rank_accuracy"][0]) == 32
+    assert "tree accuracies:" in printed
     assert main(["eval", "--heads", str(heads), "--data", str(text), "--out", str(out), "--parts", "bogus"]) == 2
 
 

@@ -1,0 +1,237 @@
+"""Candidate trees: several guesses per head verified in one forward pass (Medusa, EAGLE-2).
+
+A tree's node 0 (the root) is the committed token; a node at depth d holds a candidate for the
+token d positions after it, one of head d's top guesses at the anchor (its rank among them).
+Every node sees the context and its ancestors (``attend``) and sits at position past + depth
+(``depths``), so the base's row at a node is its distribution after the node's path.
+
+Shapes. Both grow a tree best-first from scores per (depth, rank) whose sum along a path never
+increases as the path grows (log-probabilities, log-accuracies), so the ``budget`` best nodes
+always form a tree:
+- ``static`` (Medusa's recipe): the score of a path is the product of the measured accuracies
+  of its (head, rank) choices, the expected acceptance of that node; one shape per run.
+- ``dynamic`` (EAGLE-2's expand-then-rerank): the product of the step's own head probabilities.
+  EAGLE-2 expands the best nodes of each depth then keeps the ``budget`` best overall; our heads
+  all read the anchor (a child's guesses do not depend on its parent's token), so that top set
+  is exactly what the best-first walk here returns.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ACCURACY_FILE = "rank_accuracy.json"  # written beside the heads by `multitoken eval`
+MAX_RANKS = 32  # guesses per head a tree may take (the shipped heads gain up to rank ~30 at 64+ nodes)
+MAX_TREE_NODES = 256
+AUTO_BUDGETS = (4, 8, 16, 32, 64)
+TREES = ("chain", "static", "dynamic")
+
+
+@dataclass
+class Tree:
+    """Nodes in an order where every parent precedes its children."""
+
+    tokens: list[int]  # [N] node 0 = the committed token
+    parents: list[int]  # [N] -1 for the root
+    depths: list[int]  # [N]
+    ranks: list[int]  # [N] the token's rank among its head's guesses (0 for the root)
+    children: list[list[int]] = field(default_factory=list)  # node -> children, best rank first
+
+    def __post_init__(self):
+        if not self.children:
+            self.children = [[] for _ in self.tokens]
+            for node, parent in enumerate(self.parents):
+                if parent >= 0:
+                    self.children[parent].append(node)
+            for kids in self.children:
+                kids.sort(key=lambda c: self.ranks[c])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path(self, node: int) -> list[int]:
+        """Root .. node # node indices."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def attend(self, device=None) -> torch.Tensor:
+        """[N, N] bool: row i sees node j when j is i or one of its ancestors."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, self.path(i)] = True
+        return mask.to(device) if device is not None else mask
+
+    def offsets(self, device=None) -> torch.Tensor:
+        """[N] long: each node's depth (its position after the root's)."""
+        return torch.tensor(self.depths, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A tree of (depth, rank) choices without tokens: node i's parent and (depth, rank)."""
+
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def max_rank(self, depth: int) -> int:
+        return max([r + 1 for r, d in zip(self.ranks, self.depths) if d == depth], default=0)
+
+    def within(self, depth: int) -> "Shape":
+        """The nodes no deeper than ``depth`` (parents precede children: indices stay valid)."""
+        keep = [i for i, d in enumerate(self.depths) if d <= depth]
+        if len(keep) == len(self):
+            return self
+        index = {old: new for new, old in enumerate(keep)}
+        return Shape(tuple(-1 if self.parents[i] < 0 else index[self.parents[i]] for i in keep),
+                     tuple(self.depths[i] for i in keep), tuple(self.ranks[i] for i in keep))
+
+    def fill(self, root: int, guesses: list[list[int]]) -> Tree:
+        """The tree of this shape with ``root`` and guesses[d - 1][rank] at depth d."""
+        tokens = [root if d == 0 else guesses[d - 1][r] for d, r in zip(self.depths, self.ranks)]
+        return Tree(tokens, list(self.parents), list(self.depths), list(self.ranks))
+
+
+def best_first(scores: list[np.ndarray], budget: int) -> Shape:
+    """The ``budget`` best non-root nodes, a node's score being the sum of scores[d - 1][rank]
+    along its path (each row sorted best first, all <= 0). Lazy: a node's next sibling and first
+    child enter the frontier when it is taken (neither can beat it)."""
+    parents, depths, ranks, values = [-1], [0], [0], [0.0]
+    frontier: list[tuple[float, int, int, int]] = []  # (-value, parent, depth, rank)
+
+    def offer(parent: int, depth: int, rank: int) -> None:
+        if depth <= len(scores) and rank < len(scores[depth - 1]) and math.isfinite(scores[depth - 1][rank]):
+            heapq.heappush(frontier, (-(values[parent] + float(scores[depth - 1][rank])), parent, depth, rank))
+
+    offer(0, 1, 0)
+    while frontier and len(parents) <= budget:
+        neg, parent, depth, rank = heapq.heappop(frontier)
+        node = len(parents)
+        parents.append(parent)
+        depths.append(depth)
+        ranks.append(rank)
+        values.append(-neg)
+        offer(parent, depth, rank + 1)
+        offer(node, depth + 1, 0)
+    return Shape(tuple(parents), tuple(depths), tuple(ranks))
+
+
+def expected_accepted(shape: Shape, accuracy: list[list[float]]) -> float:
+    """Expected drafts accepted by greedy verification of ``shape`` if head d's rank-r guess is
+    right with probability accuracy[d - 1][r] independently: the sum of its nodes' path products."""
+    value = [1.0] * len(shape)
+    for i in range(1, len(shape)):
+        value[i] = value[shape.parents[i]] * accuracy[shape.depths[i] - 1][shape.ranks[i]]
+    return sum(value[1:])
+
+
+# Accuracies ----------------------------------------------------------------------------------
+@dataclass
+class Accuracies:
+    """Per (draft head, rank) accuracy: table[d - 1][r] = P(head d's rank-r guess is the token)."""
+
+    table: list[list[float]]
+    source: str  # the file read, or "fallback prior"
+
+    def log_scores(self, depth: int) -> list[np.ndarray]:
+        """log accuracy per rank of the first ``depth`` draft heads (best_first's scores)."""
+        return [np.log(np.maximum(np.asarray(row[:MAX_RANKS], dtype=np.float64), 1e-12)) for row in self.table[:depth]]
+
+
+def fallback_accuracies(n_drafts: int) -> Accuracies:
+    """A generic prior when no measurement sits beside the heads: top-1 accuracy 0.6 for head 2,
+    falling by 0.7 per further head, and rank r right about 1 / (r + 1)^2 as often as rank 0
+    (the shape of the shipped heads' measured curves)."""
+    table = [[0.6 * 0.7 ** d / (r + 1) ** 2 for r in range(MAX_RANKS)] for d in range(n_drafts)]
+    return Accuracies(table, "fallback prior")
+
+
+def read_accuracies(heads_dir, n_drafts: int) -> Accuracies:
+    """The accuracies ``multitoken eval`` wrote beside the heads (``rank_accuracy.json``:
+    {"rank_accuracy": [[head 2 ranks...], [head 3 ranks...], ...]}), the fallback prior
+    without them. Heads the file does not cover take the prior's rows."""
+    prior = fallback_accuracies(n_drafts)
+    path = Path(heads_dir) / ACCURACY_FILE if heads_dir else None
+    if path is None or not path.is_file():
+        return prior
+    try:
+        rows = json.loads(path.read_text())["rank_accuracy"]
+        table = [[float(x) for x in row][:MAX_RANKS] for row in rows[:n_drafts]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return Accuracies(prior.table, f"fallback prior ({path} unreadable)")
+    if not table or any(not row or not all(0 <= x <= 1 for x in row) for row in table):
+        return Accuracies(prior.table, f"fallback prior ({path} malformed)")
+    return Accuracies(table + prior.table[len(table):], str(path))
+
+
+def accuracy_record(rank_hits: list[list[int]], counts: list[int]) -> dict:
+    """What ``multitoken eval`` writes to ``rank_accuracy.json``: per draft head (head 2 on) the
+    fraction of positions whose target is its rank-r guess."""
+    return {"rank_accuracy": [[h / max(c, 1) for h in hits] for hits, c in zip(rank_hits, counts)],
+            "positions": counts, "ranks": MAX_RANKS,
+            "note": "row d: head d+2; entry r: P(target == its rank-r guess); read by --tree static"}
+
+
+# Budgets -------------------------------------------------------------------------------------
+def parse_nodes(value) -> int | None:
+    """``--tree-nodes``: an int in [1, MAX_TREE_NODES], or None for ``auto``."""
+    if value is None or str(value) == "auto":
+        return None
+    return int(value)
+
+
+_STEP_TIMES: dict[tuple, dict[int, float]] = {}  # (model id, device) -> budget -> seconds per verify step
+
+
+def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5) -> dict[int, float]:
+    """Seconds of one verification forward over 1 + b tree tokens after a ``context``-token cache,
+    per budget b (the median of ``reps``), measured once per model and device in this process."""
+    key = (id(model), str(model.backbone.device))
+    if key in _STEP_TIMES:
+        return _STEP_TIMES[key]
+    import time
+
+    device = model.backbone.device
+    vocab = model.backbone.vocab_size
+    caches = model.new_caches()
+    model.step(torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device), caches)
+    times = {}
+    for b in budgets:
+        ids = torch.randint(0, vocab, (1, b + 1), generator=torch.Generator().manual_seed(b)).to(device)
+        attend = torch.tril(torch.ones(b + 1, b + 1, dtype=torch.bool, device=device))
+        offsets = torch.arange(b + 1, device=device)
+        runs = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            out = model.step(ids, caches, attend=attend, offsets=offsets)
+            out.base_logits()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - start)
+            caches.keep(context, [])
+        times[b] = float(np.median(runs))
+    _STEP_TIMES[key] = times
+    return times
+
+
+def auto_budget(model, accuracy: Accuracies, depth: int) -> int:
+    """The budget with the most expected tokens per second: (1 + expected accepted drafts of the
+    static tree) / the measured step time."""
+    times = step_times(model)
+    rate = {b: (1 + expected_accepted(best_first(accuracy.log_scores(depth), b), accuracy.table)) / t
+            for b, t in times.items()}
+    return max(rate, key=rate.get)

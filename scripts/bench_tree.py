@@ -1,0 +1,132 @@
+"""Tree verification benchmark (issue 17): greedy tokens per forward and tokens/s of the chain
+against static and dynamic candidate trees at node budgets 4 / 8 / 16 / 32 / 64 (and ``auto``),
+beside transformers' greedy and prompt-lookup ``generate``; on the embedded stories260K model
+with its shipped heads (bench_decode.py's story prompts) and, with ``--pythia-heads DIR``, on
+pythia-mini with trained heads (its pile prompts). Every row must reproduce transformers'
+greedy output (``identical``).
+
+Each repetition runs the methods interleaved and the best repetition counts (the machine may be
+shared); tokens per forward do not depend on the load, ``--tpf-only`` measures only them (one
+repetition, no transformers rows).
+
+    python scripts/bench_tree.py --out bench_tree.json [--pythia-heads DIR] [--reps 5] [--device cuda]
+    python scripts/bench_tree.py --tpf-only --max-new-tokens 32     # a smoke run / acceptance only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from bench_decode import FIXTURES, PROMPTS, hf_runner, load, open_table, our_runner
+from multitoken.decoding.config import DecodeConfig
+from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
+
+BUDGETS = (4, 8, 16, 32, 64)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_tree.json")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    p.add_argument("--embedded-heads", default=str(EMBEDDED_HEADS))
+    p.add_argument("--embedded-stats", default=str(EMBEDDED_STATS), help="the chain_joint row's co-occurrence stats")
+    p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
+    p.add_argument("--pythia-heads", default=None, help="trained pythia-mini heads (scripts/build_heads.py); without it pythia-mini is skipped")
+    p.add_argument("--tpf-only", action="store_true", help="tokens per forward only: one repetition, no transformers rows")
+    return p.parse_args(argv)
+
+
+def methods(model, args, table=None) -> dict:
+    cfg = dict(mode="speculative", greedy=True, max_new_tokens=args.max_new_tokens)
+    rows = {}
+    if not args.tpf_only:
+        rows["hf_greedy"] = hf_runner(model, False, args.max_new_tokens)
+        rows["hf_prompt_lookup"] = hf_runner(model, True, args.max_new_tokens)
+        rows["ar"] = our_runner(model, DecodeConfig(mode="ar", greedy=True, max_new_tokens=args.max_new_tokens), None)
+    rows["chain"] = our_runner(model, DecodeConfig(**cfg, drafter="independent"), None)
+    if table is not None:  # bench_decode.py's speculative_greedy row: drafts from the co-occurrence-masked joint
+        rows["chain_joint"] = our_runner(model, DecodeConfig(**cfg), table)
+    for tree in ("static", "dynamic"):
+        for b in args.budgets:
+            rows[f"{tree}_{b}"] = our_runner(model, DecodeConfig(**cfg, tree=tree, tree_nodes=str(b)), None)
+        if not args.tpf_only:
+            rows[f"{tree}_auto"] = our_runner(model, DecodeConfig(**cfg, tree=tree, tree_nodes="auto"), None)
+    return rows
+
+
+def bench(name, model, heads_label, prompts, args, table=None) -> dict:
+    tok = model.backbone.tokenizer
+    ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
+    runners = methods(model, args, table)
+    if not args.tpf_only:  # auto's one-off timing of the verify step, off the clock
+        runners["static_auto"](ids[0][:, :2])
+    best: dict[str, dict] = {}
+    for _ in range(1 if args.tpf_only else args.reps):
+        for label, run in runners.items():
+            start, outputs, traces = time.perf_counter(), [], []
+            for x in ids:
+                out, trace = run(x)
+                outputs.append(out)
+                traces.append(trace)
+            wall = time.perf_counter() - start
+            if label not in best or wall < best[label]["wall_s"]:
+                best[label] = {"wall_s": wall, "outputs": outputs, "traces": traces}
+    reference = best["hf_greedy" if "hf_greedy" in best else "chain"]["outputs"]
+    rows = {}
+    for label, r in best.items():
+        tokens = sum(len(o) for o in r["outputs"])
+        row = {"tokens": tokens, "wall_s": round(r["wall_s"], 4), "tokens_per_s": round(tokens / r["wall_s"], 1),
+               "identical": r["outputs"] == reference}
+        if r["traces"][0] is not None:
+            fw = sum(t.forward_passes for t in r["traces"])
+            row.update(forward_passes=fw, tokens_per_forward=round(tokens / fw, 3),
+                       tree_nodes=r["traces"][0].tree_nodes, tree_accuracies=r["traces"][0].tree_accuracies)
+        rows[label] = row
+    if "hf_greedy" in rows:
+        for row in rows.values():
+            row["speedup_vs_hf_greedy"] = round(row["tokens_per_s"] / rows["hf_greedy"]["tokens_per_s"], 3)
+    return {"model": name, "heads": heads_label, "n": model.n_future, "prompts": prompts, "methods": rows}
+
+
+def print_table(r: dict) -> None:
+    print(f"\n{r['model']}  heads: {r['heads']}  (n = {r['n']})")
+    print(f"{'method':18s} {'tok/fwd':>8s} {'tok/s':>8s} {'x HF':>6s} {'nodes':>6s} identical")
+    for label, m in r["methods"].items():
+        print(f"{label:18s} {m.get('tokens_per_forward', float('nan')):8.3f} {m['tokens_per_s']:8.1f} "
+              f"{m.get('speedup_vs_hf_greedy', float('nan')):6.2f} {m.get('tree_nodes', '') or '':>6} {m['identical']}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    record = {"machine": {"platform": platform.platform(), "threads": args.threads, "device": args.device, "dtype": args.dtype,
+                          "torch": torch.__version__, "loadavg_start": list(os.getloadavg())},
+              "max_new_tokens": args.max_new_tokens, "reps": 1 if args.tpf_only else args.reps}
+    emb, label = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
+    table = open_table(args.embedded_stats, emb.backbone.tokenizer)
+    record["embedded"] = bench("stories260K (embedded)", emb, label, PROMPTS["stories"], args, table)
+    if args.pythia_heads:
+        pm, label = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype)
+        record["pythia_mini"] = bench("pythia-mini", pm, label, PROMPTS["pile"], args)
+    record["machine"]["loadavg_end"] = list(os.getloadavg())
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    for key in ("embedded", "pythia_mini"):
+        if key in record:
+            print_table(record[key])
+    return record
+
+
+if __name__ == "__main__":
+    main()
