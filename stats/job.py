@@ -26,9 +26,9 @@ from multitoken.pipeline.embedded import default_base, portable_base
 from multitoken.pipeline.base.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
+from .executors import EXECUTORS, Executor, make_executor, work_path
 from .merge import merge_orders
 from .shard import JOB_NAME, Job, check_runs, list_runs, read_job, shard_dir
-from .workers import count_shards
 from .table import _read_meta
 from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -48,6 +48,9 @@ class BuildConfig:
     memory_mb: int = field(default=1024, metadata={"help": "memory bound per process for count buffers; counts beyond it spill to disk"})
     vocab_size: int | None = field(default=None, metadata={"help": "vocabulary size (default: the tokenizer's length)"})
     keep_partials: bool = field(default=False, metadata={"help": "keep OUT/partials after merging (to merge again with other shards later)"})
+    executor: str = field(default="local", metadata={"help": "where the map (count) and reduce (merge) tasks run: local processes, or Ray tasks on a cluster (pip install \"multitoken[ray]\")", "choices": EXECUTORS})
+    address: str | None = field(default=None, metadata={"help": "--executor ray: the cluster's address (default: $RAY_ADDRESS, else a new local Ray)"})
+    work_dir: str | None = field(default=None, metadata={"help": "where partial counts and merge parts go (default: OUT): a path or file:// URL every worker can read and write (a shared mount on a cluster)", "metavar": "DIR_OR_URL"})
 
 
 def parse_shard(spec: str | None) -> tuple[int, int]:
@@ -115,16 +118,20 @@ def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False
     """Count (resuming if partials exist) and, unless ``--shard`` is given, merge. Returns the stats dir.
 
     ``overwrite``: a finished stats dir in ``--out`` is recounted (else a finished dir of the
-    same job is left as it is, and one of another job is refused)."""
+    same job is left as it is, and one of another job is refused). ``cfg.executor`` picks where
+    the tasks run; the stats dir is the same either way."""
     if not cfg.out:
         raise UsageError("no output directory given", "pass --out DIR")
     out = Path(cfg.out)
+    root = work_path(cfg.work_dir) if cfg.work_dir else out
     with job_lock(out):
-        return _build_locked(cfg, data, out, log, overwrite)
+        return _build_locked(cfg, data, out, root, log, overwrite)
 
 
-def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, log, overwrite: bool) -> Path | None:
+def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path, log, overwrite: bool) -> Path | None:
+    """``root``: where partials and merge parts go (``out`` unless --work-dir)."""
     job = make_job(cfg, data)
+    job.out = str(root)
     files, lines = describe_files(data)  # also refuses a --split the data does not have
     print("\n".join(lines), file=sys.stderr, flush=True)
     mins = min_counts_per_order(cfg.min_count, cfg.order)
@@ -134,29 +141,40 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, log, overwrite:
         if overwrite:
             log(f"{out}: --overwrite: recounting (the old stats stay until the new ones replace them)")
             (out / META_NAME).unlink()
-            _remove_partials(out)
-            shutil.rmtree(out / MERGE_WORK, ignore_errors=True)
+            _remove_partials(root)
+            shutil.rmtree(root / MERGE_WORK, ignore_errors=True)
         elif meta.get("job") != job.identity():
             raise UsageError(f"{out} already holds stats of another job", "pass --overwrite to recount it, or another --out")
         elif not _same_min_counts(meta, mins):
-            _prepare_reprune(out, meta, mins, cfg.shard is not None)
+            _prepare_reprune(out, root, meta, mins, cfg.shard is not None)
             log(f"{out}: re-pruning the kept partial counts with min counts {mins}")
         else:
             log(f"{out} is complete already (pass --overwrite to recount)")
             if not cfg.keep_partials:  # a kill between writing meta.json and the clean-up
-                _remove_partials(out, shards)
+                _remove_partials(root, shards)
             return out
-    _check_no_foreign_shards(out, shards)
+    _check_no_foreign_shards(root, shards)
     save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files})
+    executor = make_executor(cfg.executor, cfg.num_proc, cfg.address)
+    try:
+        return _count_and_merge(cfg, job, executor, shards, mins, files, out, root, log)
+    finally:
+        executor.close()
+
+
+def _count_and_merge(cfg: BuildConfig, job: Job, executor: Executor, shards: list[tuple[int, int]], mins: list[int],
+                     files: list[str] | None, out: Path, root: Path, log) -> Path | None:
     t0 = time.perf_counter()
-    tokens = count_shards(job, shards, cfg.num_proc)
-    log(f"counted {tokens:,} tokens in {time.perf_counter() - t0:.1f}s")
+    tokens = executor.count(job, shards)
+    seconds = time.perf_counter() - t0
+    log(f"counted {tokens:,} tokens in {seconds:.1f}s ({tokens / max(seconds, 1e-9):,.0f} tokens/s, {executor.name} executor)")
     if cfg.shard is not None:
         log(f"shard {cfg.shard} done; merge all shards with: multitoken stats merge DIR... --out STATS_DIR")
         return None
-    write_stats(out, [shard_dir(out, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files)
+    write_stats(out, [shard_dir(root, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files,
+                executor=executor, work=root / MERGE_WORK)
     if not cfg.keep_partials:
-        _remove_partials(out, shards)
+        _remove_partials(root, shards)
     return out
 
 
@@ -188,7 +206,7 @@ def _same_min_counts(meta: dict, mins: list[int]) -> bool:
     return meta.get("min_counts") == {str(k + 1): m for k, m in enumerate(mins)}
 
 
-def _prepare_reprune(out: Path, meta: dict, mins: list[int], sharded: bool) -> None:
+def _prepare_reprune(out: Path, root: Path, meta: dict, mins: list[int], sharded: bool) -> None:
     """A finished dir asked for other min counts: re-merge from its partials, or say why not.
 
     Pruning drops counts for good, so only the kept partials (``--keep-partials``) can give a
@@ -196,7 +214,7 @@ def _prepare_reprune(out: Path, meta: dict, mins: list[int], sharded: bool) -> N
     that reads as unfinished (and reruns), never old meta over half-rewritten arrays.
     """
     was = ",".join(str(v) for _, v in sorted(meta.get("min_counts", {}).items(), key=lambda kv: int(kv[0])))
-    if sharded or not (out / "partials").is_dir():
+    if sharded or not (root / "partials").is_dir():
         raise UsageError(
             f"{out} is complete with --min-count {was}; re-pruning to {','.join(map(str, mins))} needs its partial "
             "counts, which were removed after the merge",
@@ -248,12 +266,13 @@ def check_coverage(shards: list[tuple[int, int]]) -> None:
 
 
 def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, memory_bytes: int, log=print,
-                files: list[str] | None = None) -> dict:
+                files: list[str] | None = None, executor: Executor | None = None, work: Path | None = None) -> dict:
     """Merge the finished shards ``sdirs`` into the stats dir ``out`` and write its meta.json
     (staged, then published: the arrays of an older stats dir there are replaced, stale ones of
     other orders removed, files we did not write kept). ``files``: the local data files counted,
     when known; a merge of shards counted elsewhere records None, each shard's config.json lists
-    its own."""
+    its own. ``executor`` runs the key-range merges (default: ``num_proc`` local processes);
+    ``work`` holds their parts (default ``out/merge-parts``; every worker must reach it)."""
     jobs = [read_job(d) for d in sdirs]
     ident = {k: v for k, v in jobs[0].items() if k not in ("shard", "tokenizer")}
     for d, j in zip(sdirs, jobs):
@@ -278,11 +297,13 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
         raise DataError(f"the corpus holds no n-grams of order {short[0]} (every document is shorter than {short[0]} tokens)",
                         f"pass longer documents, or --order {short[0] - 1}")
     t0 = time.perf_counter()
+    work = work if work is not None else out / MERGE_WORK
     with atomic_dir(out, marker=META_NAME, owned=STATS_ARRAYS) as stage:
-        kept = merge_orders(runs, stage, order, mins, ident["vocab_size"], memory_bytes, num_proc, log, work=out / MERGE_WORK)
+        kept = merge_orders(runs, stage, order, mins, ident["vocab_size"], memory_bytes, num_proc, log, work=work,
+                            map_ranges=executor.map_ranges if executor is not None else None)
         meta = _meta(jobs, ident, order, totals, kept, mins, files)
         atomic_write_text(stage / META_NAME, json.dumps(meta, indent=1) + "\n")  # published last: marks the dir complete
-    shutil.rmtree(out / MERGE_WORK, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
     log(f"merged {len(runs)} runs in {time.perf_counter() - t0:.1f}s")
     return meta
 

@@ -110,12 +110,15 @@ def assemble(parts: list[Path], out: Path, order: int) -> tuple[int, str]:
 def merge_orders(
     runs: list[Path], out: Path, order: int, min_counts: list[int], vocab_size: int,
     memory_bytes: int, num_proc: int, progress: Callable[[str], None] | None = None, work: Path | None = None,
+    map_ranges: Callable[[list[RangeTask]], list[int]] | None = None,
 ) -> dict:
     """Write ``counts1.npy`` and ``keysN/countsN.npy`` for N = 2..order into ``out`` (a staging
     dir: temp files of a killed assembly stay there, never in a finished stats dir). Merged
     key ranges go to ``work`` (default ``out/merge-parts``), where a rerun finds them.
 
-    Returns per order the distinct n-grams kept and the count dtype.
+    ``num_proc`` sets the least number of key ranges per order; ``map_ranges`` runs the range
+    tasks (default: on ``num_proc`` local processes; see executors.py). Returns per order the
+    distinct n-grams kept and the count dtype.
     """
     work = work if work is not None else out / "merge-parts"
     work.mkdir(parents=True, exist_ok=True)
@@ -130,14 +133,17 @@ def merge_orders(
         tasks = plan_ranges(runs, k, memory_bytes, num_proc, work, min_counts[k - 1])
         if progress:
             progress(f"merging order {k}: {len(tasks)} key ranges")
-        _map(run_range, tasks, num_proc)
+        if map_ranges is None:
+            map_local(run_range, tasks, num_proc)
+        else:
+            map_ranges(tasks)
         length, dtype = assemble([Path(t.part) for t in tasks], out, k)
         result[k] = {"distinct": length, "dtype": dtype}
     shutil.rmtree(work, ignore_errors=True)
     return result
 
 
-def _map(fn, tasks: list, num_proc: int) -> list:
+def map_local(fn, tasks: list, num_proc: int) -> list:
     if num_proc <= 1 or len(tasks) <= 1:
         return [fn(t) for t in tasks]
     import multiprocessing as mp
