@@ -16,7 +16,7 @@ from typing import Protocol
 from multitoken.pipeline.base.errors import UsageError
 
 from .merge import RangeTask, map_local, run_range
-from .ray_executor import RayExecutor
+from .ray_executor import RayExecutor, import_ray
 from .shard import Job
 from .workers import count_shards
 
@@ -53,14 +53,19 @@ class LocalExecutor:
         pass
 
 
-def make_executor(name: str, num_proc: int, address: str | None = None) -> Executor:
-    if name == "local":
-        if address is not None:
-            raise UsageError("--address is a Ray cluster's address", "pass --executor ray with it, or drop --address")
-        return LocalExecutor(num_proc)
+def check_executor(name: str, address: str | None) -> None:
+    """Fail before any work when the executor cannot run here (Ray not installed)."""
+    if name not in EXECUTORS:
+        raise UsageError(f"--executor {name!r} is not known", f"pass one of {', '.join(EXECUTORS)}")
+    if name == "local" and address is not None:
+        raise UsageError("--address is a Ray cluster's address", "pass --executor ray with it, or drop --address")
     if name == "ray":
-        return RayExecutor(address)
-    raise UsageError(f"--executor {name!r} is not known", f"pass one of {', '.join(EXECUTORS)}")
+        import_ray()
+
+
+def make_executor(name: str, num_proc: int, address: str | None = None) -> Executor:
+    check_executor(name, address)
+    return RayExecutor(address) if name == "ray" else LocalExecutor(num_proc)
 
 
 def work_path(url: str) -> Path:

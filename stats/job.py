@@ -26,7 +26,7 @@ from multitoken.pipeline.embedded import default_base, portable_base
 from multitoken.pipeline.base.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
-from .executors import EXECUTORS, Executor, make_executor, work_path
+from .executors import EXECUTORS, Executor, check_executor, make_executor, work_path
 from .merge import merge_orders
 from .shard import JOB_NAME, Job, check_runs, list_runs, read_job, shard_dir
 from .table import _read_meta
@@ -124,6 +124,7 @@ def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False
         raise UsageError("no output directory given", "pass --out DIR")
     out = Path(cfg.out)
     root = work_path(cfg.work_dir) if cfg.work_dir else out
+    check_executor(cfg.executor, cfg.address)
     with job_lock(out):
         return _build_locked(cfg, data, out, root, log, overwrite)
 
