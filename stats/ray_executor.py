@@ -14,7 +14,9 @@ would fail again; the driver re-raises them as they are.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -76,9 +78,25 @@ def _waiting_for_lock(sdir: Path, fn):
         try:
             return fn()
         except UsageError:
-            if not (sdir / ".lock").exists() or time.monotonic() > deadline:
-                raise
+            if not _lock_held(sdir / ".lock") or time.monotonic() > deadline:
+                raise  # another problem (e.g. partials of another job), or a live holder
             time.sleep(PROGRESS_SECONDS)
+
+
+def _lock_held(path: Path) -> bool:
+    """Whether a live process holds the flock on ``path`` (a file left by a killed one is not held)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def range_task(task: RangeTask) -> int:
