@@ -222,3 +222,15 @@ def test_object_store_work_dir_is_refused_with_the_fix(corpus, tmp_path):
 
     with pytest.raises(UsageError, match="mount the bucket"):
         _build(tmp_path / "s3", corpus, executor="ray", work_dir="memory://partials")
+
+
+def test_a_map_task_waits_only_for_a_live_shard_lock(tmp_path):
+    from multitoken.pipeline.base.atomic import lock_file
+    from multitoken.stats.ray_executor import _lock_held
+
+    lock = tmp_path / ".lock"
+    assert not _lock_held(lock)  # no file
+    with lock_file(lock, "a shard"):
+        assert _lock_held(lock)
+    lock.write_text("4242\n")  # what a killed holder leaves: the file, no flock
+    assert not _lock_held(lock)
