@@ -17,7 +17,7 @@ from multitoken.pipeline.base.errors import UsageError
 
 from .merge import RangeTask, map_local, run_range
 from .ray_executor import RayExecutor, import_ray
-from .shard import Job
+from .shard import Job, Shard
 from .workers import count_shards
 
 EXECUTORS = ("local", "ray")
@@ -26,7 +26,7 @@ EXECUTORS = ("local", "ray")
 class Executor(Protocol):
     name: str
 
-    def count(self, job: Job, shards: list[tuple[int, int]]) -> int:
+    def count(self, job: Job, shards: list[Shard]) -> int:
         """Count every shard (resuming finished work); returns the tokens counted in total."""
 
     def map_ranges(self, tasks: list[RangeTask]) -> list[int]:
@@ -43,7 +43,7 @@ class LocalExecutor:
     num_proc: int
     name: str = "local"
 
-    def count(self, job: Job, shards: list[tuple[int, int]]) -> int:
+    def count(self, job: Job, shards: list[Shard]) -> int:
         return count_shards(job, shards, self.num_proc)
 
     def map_ranges(self, tasks: list[RangeTask]) -> list[int]:

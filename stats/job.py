@@ -1,8 +1,13 @@
 """The stats job: plan local shards, count them on N processes, merge, write the stats dir.
 
-``--shard I/N`` restricts this machine to documents ``I mod N``; with ``--num-proc P`` that
-range is split again into P sub-shards ``(I + N*p) mod N*P``. Partials of all machines are
-merged later by ``multitoken stats merge``, which checks they tile the corpus exactly.
+``--shard I/N`` with ``--num-proc P`` makes this machine count tasks ``I*P .. I*P+P-1`` of
+``T = N*P`` (``plan_shards``). A corpus of F > 1 files is cut by files (``--shard-by auto``):
+with F >= T, task s reads files ``s*F//T .. (s+1)*F//T - 1`` and nothing else; with F < T,
+each file is shared by about T/F tasks, each keeping one residue of its documents. A single
+file (or ``--shard-by documents``, or a ``--max-tokens`` budget) is cut by documents: this
+machine's tasks are ``(I + N*p) mod N*P``, and each reads the whole corpus. Counts are sums,
+so the stats dir is the same whatever the cut. Partials of all machines are merged later by
+``multitoken stats merge``, which checks they tile the corpus exactly.
 """
 
 from __future__ import annotations
@@ -21,19 +26,21 @@ import numpy as np
 from multitoken.pipeline.base.atomic import atomic_dir, lock_file
 from multitoken.pipeline.base.atomic import atomic_write_text
 from multitoken.pipeline.base.config_io import save_resolved_config
-from multitoken.pipeline.base.data import DataConfig, describe_files
+from multitoken.pipeline.base.data import DataConfig, count_files, describe_files
 from multitoken.pipeline.embedded import default_base, portable_base
 from multitoken.pipeline.base.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
 from .executors import EXECUTORS, Executor, check_executor, make_executor, work_path
 from .merge import merge_orders
-from .shard import JOB_NAME, Job, check_runs, list_runs, read_job, shard_dir
+from .shard import JOB_NAME, Job, Shard, check_runs, list_runs, read_job, shard_dir
 from .table import _read_meta
 from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
 
+SHARD_BY = ("auto", "files", "documents")
 LOCK_NAME = ".lock"
 MERGE_WORK = "merge-parts"
+SHARD_KEYS = ("shard", "files", "tokenizer")  # job.json fields that may differ between shards of one job
 STATS_ARRAYS = (META_NAME, "counts[0-9].npy", "keys[0-9].npy")  # what a merge writes (and replaces)
 
 
@@ -50,6 +57,7 @@ class BuildConfig:
     keep_partials: bool = field(default=False, metadata={"help": "keep OUT/partials after merging (to merge again with other shards later)"})
     executor: str = field(default="local", metadata={"help": "where the map (count) and reduce (merge) tasks run: local processes, or Ray tasks on a cluster (pip install \"multitoken[ray]\")", "choices": EXECUTORS})
     address: str | None = field(default=None, metadata={"help": "--executor ray: the cluster's address (default: $RAY_ADDRESS, else a new local Ray)"})
+    shard_by: str = field(default="auto", metadata={"help": "how the corpus is cut into map tasks: by files (each task reads only its own files), by documents (every task reads the whole corpus and keeps every N-th document), or auto: files when the corpus has several and no --max-tokens is given", "choices": SHARD_BY})
     work_dir: str | None = field(default=None, metadata={"help": "where partial counts and merge parts go (default: OUT): a path or file:// URL every worker can read and write (a shared mount on a cluster)", "metavar": "DIR_OR_URL"})
 
 
@@ -78,8 +86,38 @@ def min_counts_per_order(min_count: tuple[int, ...], order: int) -> list[int]:
 
 
 def local_shards(shard: tuple[int, int], num_proc: int) -> list[tuple[int, int]]:
+    """The documents plan: this machine's residues ``(I + N*p) mod N*P``."""
     i, n = shard
     return [(i + n * p, n * num_proc) for p in range(num_proc)]
+
+
+def file_shard(slot: int, tasks: int, files: int) -> Shard:
+    """Task ``slot`` of ``tasks`` over ``files`` files: a contiguous group of whole files when
+    there are at least as many files as tasks, else one file's residue class of documents (file
+    f is shared by tasks ceil(f*T/F) .. ceil((f+1)*T/F) - 1)."""
+    if files >= tasks:
+        return Shard(0, 1, slot * files // tasks, (slot + 1) * files // tasks, files)
+    f = slot * files // tasks
+    lo, hi = -(-f * tasks // files), -(-(f + 1) * tasks // files)
+    return Shard(slot - lo, hi - lo, f, f + 1, files)
+
+
+def plan_shards(cfg: BuildConfig, data: DataConfig) -> tuple[str, list[Shard]]:
+    """(how the corpus is cut, this machine's map tasks); see the module docstring."""
+    if cfg.shard_by not in SHARD_BY:
+        raise UsageError(f"--shard-by {cfg.shard_by!r} is not known", f"pass one of {', '.join(SHARD_BY)}")
+    i, n = parse_shard(cfg.shard)
+    by = cfg.shard_by
+    if by == "files" and data.max_tokens is not None:
+        raise UsageError("--shard-by files cannot split a --max-tokens budget (it is shared by document residues)",
+                         "pass --shard-by documents (or auto), or drop --max-tokens")
+    files = count_files(data) if by != "documents" and data.max_tokens is None else 1
+    if by == "auto":
+        by = "files" if files > 1 else "documents"
+    if by == "documents":
+        return by, [Shard(*s) for s in local_shards((i, n), cfg.num_proc)]
+    tasks = n * cfg.num_proc
+    return by, [file_shard(i * cfg.num_proc + p, tasks, files) for p in range(cfg.num_proc)]
 
 
 def make_job(cfg: BuildConfig, data: DataConfig) -> Job:
@@ -136,7 +174,7 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path, log
     files, lines = describe_files(data)  # also refuses a --split the data does not have
     print("\n".join(lines), file=sys.stderr, flush=True)
     mins = min_counts_per_order(cfg.min_count, cfg.order)
-    shards = local_shards(parse_shard(cfg.shard), cfg.num_proc)
+    shard_by, shards = plan_shards(cfg, data)
     if (out / META_NAME).exists():
         meta = _existing_meta(out, overwrite)
         if overwrite:
@@ -155,7 +193,8 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path, log
                 _remove_partials(root, shards)
             return out
     _check_no_foreign_shards(root, shards)
-    save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files})
+    plan = {"shard_by": shard_by, "shards": [shard_dir(root, s).name for s in shards]}
+    save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files, "plan": plan})
     executor = make_executor(cfg.executor, cfg.num_proc, cfg.address)
     try:
         return _count_and_merge(cfg, job, executor, shards, mins, files, out, root, log)
@@ -163,7 +202,7 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path, log
         executor.close()
 
 
-def _count_and_merge(cfg: BuildConfig, job: Job, executor: Executor, shards: list[tuple[int, int]], mins: list[int],
+def _count_and_merge(cfg: BuildConfig, job: Job, executor: Executor, shards: list[Shard], mins: list[int],
                      files: list[str] | None, out: Path, root: Path, log) -> Path | None:
     t0 = time.perf_counter()
     tokens = executor.count(job, shards)
@@ -189,7 +228,7 @@ def _existing_meta(out: Path, overwrite: bool) -> dict:
         raise UsageError(f"--out {out} holds a damaged stats dir: {err.problem}", "pass --overwrite to recount it, or another --out") from err
 
 
-def _remove_partials(out: Path, shards: list[tuple[int, int]] | None = None) -> None:
+def _remove_partials(out: Path, shards: list[Shard] | None = None) -> None:
     """Remove our shard dirs (those of ``shards``, or every ``shard-*`` holding a job.json) and
     ``partials/`` itself once empty: nothing else in it is touched."""
     root = out / "partials"
@@ -225,7 +264,7 @@ def _prepare_reprune(out: Path, root: Path, meta: dict, mins: list[int], sharded
     (out / META_NAME).unlink()
 
 
-def _check_no_foreign_shards(out: Path, shards: list[tuple[int, int]]) -> None:
+def _check_no_foreign_shards(out: Path, shards: list[Shard]) -> None:
     planned = {shard_dir(out, s).name for s in shards}
     found = {p.name for p in (out / "partials").glob("shard-*")} if (out / "partials").exists() else set()
     if found - planned:
@@ -248,6 +287,34 @@ def find_shard_dirs(inputs: list[str]) -> list[Path]:
     if not dirs:
         raise UsageError("no shard partials found in " + ", ".join(inputs))
     return dirs
+
+
+def check_tiling(jobs: list[dict]) -> None:
+    """The shards' job.json records must cover every document once: whole-corpus residues that
+    tile the integers, or file groups that tile the files, each group's residues tiling it."""
+    grouped = [j for j in jobs if "files" in j]
+    if not grouped:
+        return check_coverage([tuple(j["shard"]) for j in jobs])
+    fix = "count every machine's shard with the same --shard-by, --num-proc and data files"
+    if len(grouped) != len(jobs):
+        raise UsageError("the shards mix a cut by files with a cut by documents, which cannot be checked to tile the corpus", fix)
+    totals = sorted({j["files"][2] for j in jobs})
+    if len(totals) > 1:
+        raise UsageError(f"the shards were planned on different numbers of data files {totals}", fix)
+    groups: dict[tuple[int, int], list] = {}
+    for j in jobs:
+        groups.setdefault(tuple(j["files"][:2]), []).append(tuple(j["shard"]))
+    pos = 0
+    for first, end in sorted(groups):
+        if first != pos:
+            what = "missing" if first > pos else "counted twice"
+            raise UsageError(f"the shards do not cover the corpus's {totals[0]} files exactly once (files from {min(first, pos)} on {what})",
+                             "pass the partials of every shard I/N, each once")
+        check_coverage(groups[first, end])
+        pos = end
+    if pos != totals[0]:
+        raise UsageError(f"the shards do not cover the corpus's {totals[0]} files exactly once (files {pos}..{totals[0] - 1} missing)",
+                         "pass the partials of every shard I/N, each once")
 
 
 def check_coverage(shards: list[tuple[int, int]]) -> None:
@@ -275,14 +342,14 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
     its own. ``executor`` runs the key-range merges (default: ``num_proc`` local processes);
     ``work`` holds their parts (default ``out/merge-parts``; every worker must reach it)."""
     jobs = [read_job(d) for d in sdirs]
-    ident = {k: v for k, v in jobs[0].items() if k not in ("shard", "tokenizer")}
+    ident = {k: v for k, v in jobs[0].items() if k not in SHARD_KEYS}
     for d, j in zip(sdirs, jobs):
-        if {k: v for k, v in j.items() if k not in ("shard", "tokenizer")} != ident:
+        if {k: v for k, v in j.items() if k not in SHARD_KEYS} != ident:
             raise UsageError(f"{d} belongs to another job than {sdirs[0]} (data, tokenizer or order differ)", "merge only shards of one job")
     order = ident["order"]
     if len(mins) != order:
         mins = min_counts_per_order(tuple(mins), order)
-    check_coverage([tuple(j["shard"]) for j in jobs])
+    check_tiling(jobs)
     runs, totals = [], [0] * order
     for d in sdirs:
         infos = check_runs(d, order)
@@ -323,8 +390,7 @@ def _meta(jobs: list[dict], ident: dict, order: int, totals: list[int], kept: di
         "distinct": {str(k): v["distinct"] for k, v in kept.items()},
         "count_dtypes": {str(k): v["dtype"] for k, v in kept.items()},
         "min_counts": {str(k + 1): m for k, m in enumerate(mins)},
-        "source": ident["data"],
-        "shards": sorted(j["shard"] for j in jobs),
+        "source": ident["data"],  # no shard plan: the counts do not depend on it (config.json has it)
         "data_files": files,
         "package_version": version("multitoken"),
         "job": ident,

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from multitoken.pipeline.base.errors import MultitokenError, UsageError
 
 from .merge import RangeTask, run_range
-from .shard import Job, count_shard, shard_dir
+from .shard import Job, Shard, count_shard, shard_dir
 
 MAX_RETRIES = 3             # worker deaths per task before the job fails
 LOCK_WAIT_SECONDS = 60.0    # an orphaned attempt of a killed driver may still hold a shard's lock
@@ -55,7 +55,7 @@ class Progress:
         return sum(self.tokens)
 
 
-def count_task(job: Job, shard: tuple[int, int], slot: int, progress) -> int:
+def count_task(job: Job, shard: Shard, slot: int, progress) -> int:
     """Map task: count one shard; returns its tokens."""
     state = {"tokens": 0, "sent": 0.0}
 
@@ -116,7 +116,7 @@ class RayExecutor:
         if self.owned:
             self.ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
 
-    def count(self, job: Job, shards: list[tuple[int, int]]) -> int:
+    def count(self, job: Job, shards: list[Shard]) -> int:
         ray = self.ray
         progress = ray.remote(num_cpus=0)(Progress).remote(len(shards))
         task = ray.remote(count_task).options(num_cpus=1, max_retries=MAX_RETRIES, name="stats-count")

@@ -14,7 +14,7 @@ from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
 from tqdm import tqdm
 
-from .shard import Job, count_shard
+from .shard import Job, Shard, count_shard
 
 _COUNTERS = None  # per-worker token counters shared with the parent (set in each worker)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -47,7 +47,7 @@ def _init(counters, parent_pid: int) -> None:
     die_with_parent(parent_pid)
 
 
-def _count_in_worker(job: Job, shard: tuple[int, int], slot: int) -> int:
+def _count_in_worker(job: Job, shard: Shard, slot: int) -> int:
     def progress(n: int) -> None:
         with _COUNTERS.get_lock():
             _COUNTERS[slot] += n
@@ -55,7 +55,7 @@ def _count_in_worker(job: Job, shard: tuple[int, int], slot: int) -> int:
     return count_shard(job, shard, progress)["tokens"]
 
 
-def count_shards(job: Job, shards: list[tuple[int, int]], num_proc: int) -> int:
+def count_shards(job: Job, shards: list[Shard], num_proc: int) -> int:
     """Count every shard (resuming finished work); returns the tokens counted in total."""
     bar = tqdm(desc="counting", unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5)
     try:

@@ -37,8 +37,8 @@ def install() -> None:
     control = Path(os.environ["MT_RAY_HOOKS"])
     real_docs, real_range = shard.iter_documents, ray_executor.run_range
 
-    def iter_documents(data, tokenizer, *, vocab_size, shard, start):
-        for k, doc in enumerate(real_docs(data, tokenizer, vocab_size=vocab_size, shard=shard, start=start)):
+    def iter_documents(data, tokenizer, *, vocab_size, shard, start, files=None):
+        for k, doc in enumerate(real_docs(data, tokenizer, vocab_size=vocab_size, shard=shard, start=start, files=files)):
             if k == HOLD_AFTER_DOCS:
                 _hold(control, f"count-{shard[0]}")
             yield doc
