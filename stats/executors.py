@@ -15,9 +15,10 @@ from typing import Protocol
 
 from multitoken.pipeline.base.errors import UsageError
 
-from .merge import RangeTask, map_local, run_range
+from .merge import RangeTask, map_local
 from .ray_executor import RayExecutor, import_ray
 from .shard import Job, Shard
+from .store import count_anywhere, is_remote, range_anywhere
 from .workers import count_shards
 
 EXECUTORS = ("local", "ray")
@@ -44,10 +45,10 @@ class LocalExecutor:
     name: str = "local"
 
     def count(self, job: Job, shards: list[Shard]) -> int:
-        return count_shards(job, shards, self.num_proc)
+        return count_shards(job, shards, self.num_proc, count_anywhere)
 
     def map_ranges(self, tasks: list[RangeTask]) -> list[int]:
-        return map_local(run_range, tasks, self.num_proc)
+        return map_local(range_anywhere, tasks, self.num_proc)
 
     def close(self) -> None:
         pass
@@ -68,22 +69,14 @@ def make_executor(name: str, num_proc: int, address: str | None = None) -> Execu
     return RayExecutor(address) if name == "ray" else LocalExecutor(num_proc)
 
 
-def work_path(url: str) -> Path:
-    """The directory for partials and merge parts, from a local path or an fsspec URL.
-
-    Workers write there with POSIX renames (the atomic writes of pipeline/base/atomic.py) and
-    read it memory-mapped, so it must be a file system every node mounts: a local path (one
-    machine) or a shared mount (NFS, Lustre, EFS, a FUSE-mounted bucket), given as a path or a
-    ``file://`` URL. Object stores (``s3://``, ``gs://``) have no rename, so they are refused
-    with the mount as the fix.
-    """
-    import fsspec  # lazy: only a URL needs it, and fsspec is a dependency of datasets
-
+def work_path(url: str) -> Path | str:
+    """The directory for partials and merge parts: a local path (a ``file://`` URL included), or
+    the URL of an object store (any other fsspec protocol, e.g. ``s3://``), where tasks stage
+    their output locally and publish it as whole objects with a ``_COMPLETE`` marker (store.py)."""
     if "://" not in url:
         return Path(url)
-    fs, path = fsspec.core.url_to_fs(url)
-    if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
-        raise UsageError(f"--work-dir {url}: partials need a file system every worker mounts (with atomic renames), "
-                         f"not {fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]}://",
-                         "mount the bucket on every node (e.g. s3fs, gcsfuse, EFS) and pass the mount path")
-    return Path(path)
+    if is_remote(url):
+        return url.rstrip("/")
+    import fsspec  # lazy: only a URL needs it, and fsspec is a dependency of datasets
+
+    return Path(fsspec.core.url_to_fs(url)[1])

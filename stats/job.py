@@ -16,6 +16,7 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from multitoken.pipeline.base.errors import CheckpointError, DataError, UsageErr
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
 from .executors import EXECUTORS, Executor, check_executor, make_executor, work_path
 from .merge import merge_orders
+from .store import fetch_parts as store_fetch_parts
+from .store import join, mirror_shards, remove, shard_names
 from .shard import JOB_NAME, Job, Shard, check_runs, list_runs, read_job, shard_dir
 from .table import _read_meta
 from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -167,8 +170,9 @@ def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False
         return _build_locked(cfg, data, out, root, log, overwrite)
 
 
-def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path, log, overwrite: bool) -> Path | None:
-    """``root``: where partials and merge parts go (``out`` unless --work-dir)."""
+def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path | str, log, overwrite: bool) -> Path | None:
+    """``root``: where partials and merge parts go (``out`` unless --work-dir; a URL string for
+    an object store)."""
     job = make_job(cfg, data)
     job.out = str(root)
     files, lines = describe_files(data)  # also refuses a --split the data does not have
@@ -181,7 +185,7 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path, log
             log(f"{out}: --overwrite: recounting (the old stats stay until the new ones replace them)")
             (out / META_NAME).unlink()
             _remove_partials(root)
-            shutil.rmtree(root / MERGE_WORK, ignore_errors=True)
+            _rmtree(_sub(root, MERGE_WORK))
         elif meta.get("job") != job.identity():
             raise UsageError(f"{out} already holds stats of another job", "pass --overwrite to recount it, or another --out")
         elif not _same_min_counts(meta, mins):
@@ -193,7 +197,7 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path, log
                 _remove_partials(root, shards)
             return out
     _check_no_foreign_shards(root, shards)
-    plan = {"shard_by": shard_by, "shards": [shard_dir(root, s).name for s in shards]}
+    plan = {"shard_by": shard_by, "shards": [shard_dir("", s).name for s in shards]}
     save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files, "plan": plan})
     executor = make_executor(cfg.executor, cfg.num_proc, cfg.address)
     try:
@@ -203,7 +207,7 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path, log
 
 
 def _count_and_merge(cfg: BuildConfig, job: Job, executor: Executor, shards: list[Shard], mins: list[int],
-                     files: list[str] | None, out: Path, root: Path, log) -> Path | None:
+                     files: list[str] | None, out: Path, root: Path | str, log) -> Path | None:
     t0 = time.perf_counter()
     tokens = executor.count(job, shards)
     seconds = time.perf_counter() - t0
@@ -211,8 +215,14 @@ def _count_and_merge(cfg: BuildConfig, job: Job, executor: Executor, shards: lis
     if cfg.shard is not None:
         log(f"shard {cfg.shard} done; merge all shards with: multitoken stats merge DIR... --out STATS_DIR")
         return None
-    write_stats(out, [shard_dir(root, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files,
-                executor=executor, work=root / MERGE_WORK)
+    if isinstance(root, str):  # an object store: check and plan on local copies (store.py)
+        with tempfile.TemporaryDirectory(prefix="multitoken-mirror-") as tmp:
+            sdirs, urls = mirror_shards(root, shards, Path(tmp))
+            write_stats(out, sdirs, mins, cfg.num_proc, job.memory_bytes, log, files=files, executor=executor,
+                        work=_sub(root, MERGE_WORK), remote_runs=urls)
+    else:
+        write_stats(out, [shard_dir(root, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files,
+                    executor=executor, work=root / MERGE_WORK)
     if not cfg.keep_partials:
         _remove_partials(root, shards)
     return out
@@ -228,9 +238,21 @@ def _existing_meta(out: Path, overwrite: bool) -> dict:
         raise UsageError(f"--out {out} holds a damaged stats dir: {err.problem}", "pass --overwrite to recount it, or another --out") from err
 
 
-def _remove_partials(out: Path, shards: list[Shard] | None = None) -> None:
+def _sub(root: Path | str, name: str) -> Path | str:
+    return join(root, name) if isinstance(root, str) else root / name
+
+
+def _rmtree(path: Path | str) -> None:
+    remove(path) if isinstance(path, str) else shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_partials(out: Path | str, shards: list[Shard] | None = None) -> None:
     """Remove our shard dirs (those of ``shards``, or every ``shard-*`` holding a job.json) and
     ``partials/`` itself once empty: nothing else in it is touched."""
+    if isinstance(out, str):
+        for name in [shard_dir("", s).name for s in shards] if shards is not None else sorted(shard_names(out)):
+            remove(join(out, "partials", name))
+        return
     root = out / "partials"
     if not root.is_dir():
         return
@@ -246,7 +268,7 @@ def _same_min_counts(meta: dict, mins: list[int]) -> bool:
     return meta.get("min_counts") == {str(k + 1): m for k, m in enumerate(mins)}
 
 
-def _prepare_reprune(out: Path, root: Path, meta: dict, mins: list[int], sharded: bool) -> None:
+def _prepare_reprune(out: Path, root: Path | str, meta: dict, mins: list[int], sharded: bool) -> None:
     """A finished dir asked for other min counts: re-merge from its partials, or say why not.
 
     Pruning drops counts for good, so only the kept partials (``--keep-partials``) can give a
@@ -254,7 +276,7 @@ def _prepare_reprune(out: Path, root: Path, meta: dict, mins: list[int], sharded
     that reads as unfinished (and reruns), never old meta over half-rewritten arrays.
     """
     was = ",".join(str(v) for _, v in sorted(meta.get("min_counts", {}).items(), key=lambda kv: int(kv[0])))
-    if sharded or not (root / "partials").is_dir():
+    if sharded or not (shard_names(root) if isinstance(root, str) else (root / "partials").is_dir()):
         raise UsageError(
             f"{out} is complete with --min-count {was}; re-pruning to {','.join(map(str, mins))} needs its partial "
             "counts, which were removed after the merge",
@@ -264,9 +286,12 @@ def _prepare_reprune(out: Path, root: Path, meta: dict, mins: list[int], sharded
     (out / META_NAME).unlink()
 
 
-def _check_no_foreign_shards(out: Path, shards: list[Shard]) -> None:
-    planned = {shard_dir(out, s).name for s in shards}
-    found = {p.name for p in (out / "partials").glob("shard-*")} if (out / "partials").exists() else set()
+def _check_no_foreign_shards(out: Path | str, shards: list[Shard]) -> None:
+    planned = {shard_dir("", s).name for s in shards}
+    if isinstance(out, str):
+        found = shard_names(out)
+    else:
+        found = {p.name for p in (out / "partials").glob("shard-*")} if (out / "partials").exists() else set()
     if found - planned:
         raise UsageError(
             f"{out}/partials holds shards {sorted(found - planned)} from a run with other --num-proc/--shard values",
@@ -334,13 +359,15 @@ def check_coverage(shards: list[tuple[int, int]]) -> None:
 
 
 def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, memory_bytes: int, log=print,
-                files: list[str] | None = None, executor: Executor | None = None, work: Path | None = None) -> dict:
+                files: list[str] | None = None, executor: Executor | None = None, work: Path | str | None = None,
+                remote_runs: dict[str, str] | None = None) -> dict:
     """Merge the finished shards ``sdirs`` into the stats dir ``out`` and write its meta.json
     (staged, then published: the arrays of an older stats dir there are replaced, stale ones of
     other orders removed, files we did not write kept). ``files``: the local data files counted,
     when known; a merge of shards counted elsewhere records None, each shard's config.json lists
     its own. ``executor`` runs the key-range merges (default: ``num_proc`` local processes);
-    ``work`` holds their parts (default ``out/merge-parts``; every worker must reach it)."""
+    ``work`` holds their parts (default ``out/merge-parts``; every worker must reach it).
+    ``remote_runs``: the runs' object-store URLs by local copy, when ``work`` is one (store.py)."""
     jobs = [read_job(d) for d in sdirs]
     ident = {k: v for k, v in jobs[0].items() if k not in SHARD_KEYS}
     for d, j in zip(sdirs, jobs):
@@ -368,10 +395,11 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
     work = work if work is not None else out / MERGE_WORK
     with atomic_dir(out, marker=META_NAME, owned=STATS_ARRAYS) as stage:
         kept = merge_orders(runs, stage, order, mins, ident["vocab_size"], memory_bytes, num_proc, log, work=work,
-                            map_ranges=executor.map_ranges if executor is not None else None)
+                            map_ranges=executor.map_ranges if executor is not None else None,
+                           names=remote_runs, fetch_parts=store_fetch_parts if remote_runs is not None else None)
         meta = _meta(jobs, ident, order, totals, kept, mins, files)
         atomic_write_text(stage / META_NAME, json.dumps(meta, indent=1) + "\n")  # published last: marks the dir complete
-    shutil.rmtree(work, ignore_errors=True)
+    _rmtree(work)
     log(f"merged {len(runs)} runs in {time.perf_counter() - t0:.1f}s")
     return meta
 

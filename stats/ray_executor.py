@@ -25,7 +25,8 @@ from tqdm import tqdm
 from multitoken.pipeline.base.errors import MultitokenError, UsageError
 
 from .merge import RangeTask, run_range
-from .shard import Job, Shard, count_shard, shard_dir
+from .shard import Job, Shard
+from .store import count_anywhere, is_remote, lock_dir, range_from_store
 
 MAX_RETRIES = 3             # worker deaths per task before the job fails
 LOCK_WAIT_SECONDS = 60.0    # an orphaned attempt of a killed driver may still hold a shard's lock
@@ -65,7 +66,7 @@ def count_task(job: Job, shard: Shard, slot: int, progress) -> int:
             progress.set.remote(slot, state["tokens"])
             state["sent"] = time.monotonic()
 
-    tokens = _waiting_for_lock(shard_dir(job.out, shard), lambda: count_shard(job, shard, report))["tokens"]
+    tokens = _waiting_for_lock(lock_dir(job, shard), lambda: count_anywhere(job, shard, report))["tokens"]
     progress.set.remote(slot, tokens)
     return tokens
 
@@ -101,7 +102,7 @@ def _lock_held(path: Path) -> bool:
 
 def range_task(task: RangeTask) -> int:
     """Reduce task: merge one key range of every run into a pruned part."""
-    return run_range(task)
+    return range_from_store(task) if is_remote(task.part) else run_range(task)
 
 
 class RayExecutor:

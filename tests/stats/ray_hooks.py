@@ -9,6 +9,7 @@ and off while workers run:
 * ``hold-merge-K-J``: the reduce task of order K, range J, writes ``pid-merge-K-J-PID`` and waits.
 
 The test kills the pid it finds (a worker dying mid-task) or the driver, then removes the file.
+The hook also registers the test object store (objstore.py, protocol ``mtobj``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+
+import objstore
 
 HOLD_AFTER_DOCS = 250
 HOLD_LIMIT_SECONDS = 60.0  # a forgotten hold file must not hang the suite
@@ -34,6 +37,7 @@ def _hold(control: Path, name: str) -> None:
 def install() -> None:
     from multitoken.stats import ray_executor, shard
 
+    objstore.register()
     control = Path(os.environ["MT_RAY_HOOKS"])
     real_docs, real_range = shard.iter_documents, ray_executor.run_range
 
