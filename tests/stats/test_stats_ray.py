@@ -160,10 +160,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_driver_killed_then_rerun_reuses_partials(cluster, control, corpus, reference, tmp_path):
-    """kill -9 of a driver (Python API) while shard 0 is done and shard 1 half counted; the rerun,
-    by the CLI with --address, leaves every run finished before the kill as it was (same inode and
-    mtime: nothing recounted), adds runs to shard 1 only, and prints progress."""
+def test_driver_killed_then_rerun_reuses_partials(cluster, control, corpus, reference, tmp_path, capsys):
+    """kill -9 of a driver (Python API, its own process, joining the cluster by address) while
+    shard 0 is done and shard 1 half counted; the rerun, by the CLI in this process (on the warm
+    cluster: no second start-up), leaves every run finished before the kill as it was (same inode
+    and mtime: nothing recounted), adds runs to shard 1 only, and prints progress."""
+    from multitoken.pipeline.cli import main
+
     out, hold = tmp_path / "ray", control / "hold-count-1"
     hold.write_text("")
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, cluster, str(out), str(corpus)],
@@ -185,12 +188,12 @@ def test_driver_killed_then_rerun_reuses_partials(cluster, control, corpus, refe
     while not _gone(orphan) and time.monotonic() < deadline:  # Ray ends the dead driver's tasks
         time.sleep(0.05)
     hold.unlink()
-    cmd = [sys.executable, "-m", "multitoken.pipeline.cli", "stats", "build", "--data", str(corpus), "--out", str(out),
-           "--executor", "ray", "--address", cluster, "--num-proc", "2", "--memory-mb", "4", "--min-count", "2",
-           "--keep-partials"]
-    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert "shards 2/2" in rerun.stderr and "tok/s" in rerun.stderr and "ray executor" in rerun.stdout
+    capsys.readouterr()
+    code = main(["stats", "build", "--data", str(corpus), "--out", str(out), "--executor", "ray", "--address", cluster,
+                 "--num-proc", "2", "--memory-mb", "4", "--min-count", "2", "--keep-partials"])
+    rerun = capsys.readouterr()
+    assert code == 0, rerun.err[-2000:]
+    assert "shards 2/2" in rerun.err and "tok/s" in rerun.err and "ray executor" in rerun.out
     for shard in (0, 1):  # every run finished before the kill is the same file, untouched
         now = _runs(out, shard)
         assert {k: now.get(k) for k in kept[shard]} == kept[shard]
