@@ -14,7 +14,8 @@ from stats_helpers import PYTHIA_TOKENIZER, build_ids, write_jsonl_ids, write_pa
 
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.base.errors import DataError, UsageError
-from multitoken.stats.job import BuildConfig, check_tiling, file_shard, make_job, merge, plan_shards
+from multitoken.stats.job import BuildConfig, make_job, merge
+from multitoken.stats.plan import check_tiling, file_shard, plan_shards
 from multitoken.stats.shard import Shard, count_shard, list_runs, shard_dir
 
 VOCAB = 50000
@@ -44,7 +45,8 @@ def same_stats(a: Path, b: Path) -> None:
 
 
 def plan(tmp: Path, corpus: Path, **kw) -> tuple[str, list[Shard]]:
-    return plan_shards(BuildConfig(out=str(tmp), **kw), DataConfig(data=str(corpus)))
+    cfg = BuildConfig(out=str(tmp), **kw)
+    return plan_shards(cfg.shard, cfg.num_proc, cfg.shard_by, DataConfig(data=str(corpus)))
 
 
 def test_plan_cuts_by_files_and_tiles_them(tmp_path, corpus):
@@ -53,7 +55,7 @@ def test_plan_cuts_by_files_and_tiles_them(tmp_path, corpus):
     assert plan(tmp_path, corpus / "a.jsonl", num_proc=2)[0] == "documents"  # one file: by documents, as before
     assert plan(tmp_path, corpus, num_proc=2, shard="1/2") == ("files", [Shard(0, 1, 2, 3, 5), Shard(0, 1, 3, 5, 5)])
     with pytest.raises(UsageError, match="--max-tokens"):
-        plan_shards(BuildConfig(out=str(tmp_path), shard_by="files"), DataConfig(data=str(corpus), max_tokens=10))
+        plan_shards(None, 1, "files", DataConfig(data=str(corpus), max_tokens=10))
     for files in range(1, 8):
         for tasks in range(1, 10):
             shards = [file_shard(s, tasks, files) for s in range(tasks)]
