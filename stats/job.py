@@ -51,7 +51,7 @@ class BuildConfig:
     executor: str = field(default="local", metadata={"help": "where the map (count) and reduce (merge) tasks run: local processes, or Ray tasks on a cluster (pip install \"multitoken[ray]\")", "choices": EXECUTORS})
     address: str | None = field(default=None, metadata={"help": "--executor ray: the cluster's address (default: $RAY_ADDRESS, else a new local Ray)"})
     shard_by: str = field(default="auto", metadata={"help": "how the corpus is cut into map tasks: by files (each task reads only its own files), by documents (every task reads the whole corpus and keeps every N-th document), or auto: files when the corpus has several and no --max-tokens is given", "choices": SHARD_BY})
-    work_dir: str | None = field(default=None, metadata={"help": "where partial counts and merge parts go (default: OUT): a path or file:// URL every worker can read and write (a shared mount on a cluster)", "metavar": "DIR_OR_URL"})
+    work_dir: str | None = field(default=None, metadata={"help": "where partial counts and merge parts go (default: OUT): a path every worker can read and write (a shared mount on a cluster), or an fsspec URL such as s3://bucket/dir (needs that protocol's fsspec package, e.g. s3fs)", "metavar": "DIR_OR_URL"})
 
 
 def min_counts_per_order(min_count: tuple[int, ...], order: int) -> list[int]:

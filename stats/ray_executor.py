@@ -3,8 +3,9 @@
 The tasks are the local executor's functions (``count_shard``, ``run_range``) wrapped in
 ``ray.remote``: each map task reads its own shard of the input (the ``DataConfig`` travels, never
 the data) and writes its runs under ``job.out/partials``; each reduce task writes one key
-range's part. Both must see the same directory, so on a cluster ``--work-dir`` is a shared
-mount. A task whose worker dies is retried by Ray (``MAX_RETRIES``); a retried map task resumes
+range's part. Both must see the same directory: on a cluster ``--work-dir`` is a shared mount,
+or an object-store URL (store.py: tasks stage locally and publish whole objects with a marker).
+A task whose worker dies is retried by Ray (``MAX_RETRIES``); a retried map task resumes
 from the runs its dead attempt finished (``count_shard`` resumes), so nothing is counted twice.
 Errors raised by our code inside a task (bad data, damaged partials) are not retried: they
 would fail again; the driver re-raises them as they are.
