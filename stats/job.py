@@ -26,7 +26,7 @@ from .executors import EXECUTORS, Executor, check_executor, make_executor, work_
 from .merge import merge_orders
 from .plan import SHARD_BY, check_tiling, plan_shards
 from .store import fetch_parts as store_fetch_parts
-from .store import join, mirror_shards, remove, shard_names
+from .store import join, mirror_shards, remove, shard_names, staging_root
 from .shard import JOB_NAME, Job, Shard, check_runs, list_runs, read_job, shard_dir
 from .table import _read_meta
 from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -192,9 +192,10 @@ def _rmtree(path: Path | str) -> None:
 def _remove_partials(out: Path | str, shards: list[Shard] | None = None) -> None:
     """Remove our shard dirs (those of ``shards``, or every ``shard-*`` holding a job.json) and
     ``partials/`` itself once empty: nothing else in it is touched."""
-    if isinstance(out, str):
+    if isinstance(out, str):  # and this node's staged copies (a killed task's, or an old job's)
         for name in [shard_dir("", s).name for s in shards] if shards is not None else sorted(shard_names(out)):
             remove(join(out, "partials", name))
+        _remove_partials(staging_root(out), shards)
         return
     root = out / "partials"
     if not root.is_dir():
