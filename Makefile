@@ -16,7 +16,7 @@ STAMP = $(VENV)/.multitoken-installed
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -c $(CONSTRAINTS) "$(TORCH)"   # first, so nothing below pulls the multi-GB CUDA wheels
-	$(PIP) install -c $(CONSTRAINTS) -e ".[test,fast]"   # fast: numba, the compiled sparse DynaMo step
+	$(PIP) install -c $(CONSTRAINTS) -e ".[test,fast,ray]"   # fast: numba, the compiled sparse DynaMo step; ray: the stats job's Ray executor (its tests run in the default suite)
 	touch $(STAMP)
 
 # The main job: the eps_b sweep of dynamic decoding against ar sampling on the embedded default

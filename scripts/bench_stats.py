@@ -14,6 +14,14 @@ drifts by up to 2x for seconds at a time, so the best round stands for the code;
 process ratio is that of the best rounds, with each round's own ratio beside it.
 
     .venv/bin/python scripts/bench_stats.py --out bench_stats.json
+
+``--executor ray`` measures the Ray executor instead (issue 15 target: >= 0.9x the local path):
+the same map tasks (count one shard of a parquet file of Zipf token ids, read by the task itself)
+then the same key-range reduce tasks, on a local Ray with 2 CPUs and on 2 local processes,
+alternating by round, plus the per-task overhead of each (no-op Ray tasks, and a job of many
+one-document shards on each executor).
+
+    .venv/bin/python scripts/bench_stats.py --executor ray --tokens 16000000 --out bench_stats_ray.json
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from multitoken.pipeline.base.data import DataConfig
+from multitoken.stats.executors import LocalExecutor, RayExecutor
 from multitoken.stats.job import write_stats
 from multitoken.stats.shard import Job, count_shard, shard_dir
 from multitoken.stats.table import CooccurrenceTable
@@ -208,6 +217,95 @@ def bench_lookup(stats: Path, k: int, trials: int, rounds: int) -> dict:
     return res
 
 
+# Ray executor vs local processes ---------------------------------------------------------------
+def write_ids_parquet(path: Path, tokens: int, seed: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = zipf_docs(tokens, seed)
+    pq.write_table(pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int64()))}), path)
+    return path
+
+
+def _job(data: Path, out: Path, memory_mb: int) -> Job:
+    return Job(data=DataConfig(data=str(data)), tokenizer="bench", fingerprint="bench", vocab_size=VOCAB,
+               order=3, memory_bytes=memory_mb << 20, out=str(out))
+
+
+def _executor_round(executor, data: Path, out: Path, memory_mb: int, shards: int) -> dict:
+    """One whole job on ``executor``: map (count every shard) then reduce (merge by key range)."""
+    job = _job(data, out, memory_mb)
+    plan = [(i, shards) for i in range(shards)]
+    t0 = time.perf_counter()
+    tokens = executor.count(job, plan)
+    count_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    meta = write_stats(out / "stats", [shard_dir(out, s) for s in plan], [1, 1, 1], 2, job.memory_bytes,
+                       log=lambda *_: None, executor=executor, work=out / "merge-parts")
+    merge_s = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    return {"tokens": tokens, "count_s": round(count_s, 3), "tokens_per_s": round(tokens / count_s),
+            "merge_s": round(merge_s, 3), "distinct": meta["distinct"]}
+
+
+def bench_ray(work: Path, tokens: int, memory_mb: int, rounds: int, tiny_shards: int) -> dict:
+    """Ray (2 CPUs) vs 2 local processes on one parquet file: ``rounds`` alternating rounds, the
+    best of each side stands (the VM drifts); ``ray_vs_local`` is the ratio of those."""
+    import ray
+
+    data = write_ids_parquet(work / "ids.parquet", 2 * tokens, seed=0)
+    tiny = write_ids_parquet(work / "tiny.parquet", DOC_LEN * tiny_shards, seed=1)  # one document per shard
+    t0 = time.perf_counter()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    init_s = time.perf_counter() - t0
+    try:
+        ray_exec, local_exec = RayExecutor(), LocalExecutor(2)
+        # warm-up: a cluster's workers are started (and import numpy and multitoken) once, not per job;
+        # the local path spawns its processes per job, which stays in its figures (that is its cost)
+        _executor_round(ray_exec, tiny, work / "warm-up", memory_mb, 2)
+        by_round = []
+        for r in range(rounds):
+            by_round.append({"local": _executor_round(local_exec, data, work / f"local-{r}", memory_mb, 2),
+                             "ray": _executor_round(ray_exec, data, work / f"ray-{r}", memory_mb, 2)})
+        assert all(b["local"]["distinct"] == b["ray"]["distinct"] for b in by_round)
+        best = {side: max((b[side] for b in by_round), key=lambda x: x["tokens_per_s"]) for side in ("local", "ray")}
+        noop = ray.remote(lambda: None)
+        ray.get([noop.remote() for _ in range(20)])  # start the workers
+        t0 = time.perf_counter()
+        ray.get([noop.remote() for _ in range(1000)])
+        noop_ms = (time.perf_counter() - t0) / 1000 * 1e3
+        tiny_runs = {name: _executor_round(ex, tiny, work / f"tiny-{name}", memory_mb, tiny_shards)
+                     for name, ex in (("local", local_exec), ("ray", ray_exec))}
+    finally:
+        ray.shutdown()
+    return {
+        "tokens": 2 * tokens, "memory_mb": memory_mb, "rounds": rounds, "workers": 2,
+        "local_2proc_tokens_per_s": best["local"]["tokens_per_s"], "ray_2cpu_tokens_per_s": best["ray"]["tokens_per_s"],
+        "ray_vs_local": round(best["ray"]["tokens_per_s"] / best["local"]["tokens_per_s"], 3),
+        "ray_vs_local_by_round": [round(b["ray"]["tokens_per_s"] / b["local"]["tokens_per_s"], 3) for b in by_round],
+        "local_merge_s": best["local"]["merge_s"], "ray_merge_s": best["ray"]["merge_s"],
+        "by_round": by_round, "ray_init_s": round(init_s, 2),
+        # per-task overhead: a no-op task's round trip (2 workers, 1000 tasks), and a job of
+        # `tiny_shards` one-document map tasks, per task (the local path spawns its 2 processes once per job)
+        "ray_noop_task_ms": round(noop_ms, 3), "tiny_shards": tiny_shards,
+        "tiny_job_count_ms_per_task": {k: round(v["count_s"] / tiny_shards * 1e3, 1) for k, v in tiny_runs.items()},
+        "tiny_job_merge_s": {k: v["merge_s"] for k, v in tiny_runs.items()},
+    }
+
+
+def machine_record() -> dict:
+    import os
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    return {"device": f"cpu: {model}", "cpus": mp.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+            "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
+            "loadavg_at_start": _loadavg()}
+
+
+def _loadavg() -> list[float]:
+    return list(map(float, open("/proc/loadavg").read().split()[:3]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16_000_000, help="tokens per counting process (synthetic)")
@@ -218,22 +316,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each measurement; the best counts (the VM's speed drifts)")
     ap.add_argument("--out", default="bench_stats.json")
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir, removed)")
+    ap.add_argument("--executor", choices=("local", "ray"), default="local",
+                    help="ray: the Ray executor against 2 local processes (--tokens per worker) instead of the figures above")
+    ap.add_argument("--tiny-shards", type=int, default=40, help="--executor ray: one-document shards of the overhead job")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-stats-"))
     try:
-        record = {"machine": {"cpus": mp.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-                              "loadavg_at_start": list(map(float, open("/proc/loadavg").read().split()[:3]))}}
+        record = {"machine": machine_record()}
+        if args.executor == "ray":
+            record["ray_executor"] = bench_ray(work, args.tokens, args.memory_mb, args.rounds, args.tiny_shards)
+            record["machine"]["loadavg_at_end"] = _loadavg()
+            return _write(record, args.out)
         record["counting_zipf"] = bench_counting(work, args.tokens, args.memory_mb, "zipf", args.rounds)
         record["counting_text"] = bench_counting(work, args.text_tokens, args.memory_mb, "text", args.rounds)
         record["merge"], stats = bench_merge(work, args.memory_mb, 2)
         record["lookup"] = bench_lookup(stats, args.k, args.trials, args.rounds)
-        record["machine"]["loadavg_at_end"] = list(map(float, open("/proc/loadavg").read().split()[:3]))
+        record["machine"]["loadavg_at_end"] = _loadavg()
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
+    _write(record, args.out)
+
+
+def _write(record: dict, out: str) -> None:
     text = json.dumps(record, indent=1)
     print(text)
-    Path(args.out).write_text(text + "\n")
+    Path(out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,18 @@
-"""The stats job: plan local shards, count them on N processes, merge, write the stats dir.
-
-``--shard I/N`` restricts this machine to documents ``I mod N``; with ``--num-proc P`` that
-range is split again into P sub-shards ``(I + N*p) mod N*P``. Partials of all machines are
-merged later by ``multitoken stats merge``, which checks they tile the corpus exactly.
+"""The stats job: plan this machine's map tasks (plan.py), count them (locally or on Ray),
+merge by key range, write the stats dir. ``--shard I/N`` counts only this machine's part;
+``multitoken stats merge`` joins the parts of all machines, checking they tile the corpus.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from multitoken.pipeline.base.atomic import atomic_dir, lock_file
 from multitoken.pipeline.base.atomic import atomic_write_text
@@ -26,14 +22,18 @@ from multitoken.pipeline.embedded import default_base, portable_base
 from multitoken.pipeline.base.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
+from .executors import EXECUTORS, Executor, check_executor, make_executor, work_path
 from .merge import merge_orders
-from .shard import JOB_NAME, Job, check_runs, list_runs, read_job, shard_dir
-from .workers import count_shards
+from .plan import SHARD_BY, check_tiling, plan_shards
+from .store import fetch_parts as store_fetch_parts
+from .store import join, mirror_shards, remove, shard_names, staging_root
+from .shard import JOB_NAME, Job, Shard, check_runs, list_runs, read_job, shard_dir
 from .table import _read_meta
 from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 LOCK_NAME = ".lock"
 MERGE_WORK = "merge-parts"
+SHARD_KEYS = ("shard", "files", "tokenizer")  # job.json fields that may differ between shards of one job
 STATS_ARRAYS = (META_NAME, "counts[0-9].npy", "keys[0-9].npy")  # what a merge writes (and replaces)
 
 
@@ -48,18 +48,10 @@ class BuildConfig:
     memory_mb: int = field(default=1024, metadata={"help": "memory bound per process for count buffers; counts beyond it spill to disk"})
     vocab_size: int | None = field(default=None, metadata={"help": "vocabulary size (default: the tokenizer's length)"})
     keep_partials: bool = field(default=False, metadata={"help": "keep OUT/partials after merging (to merge again with other shards later)"})
-
-
-def parse_shard(spec: str | None) -> tuple[int, int]:
-    if spec is None:
-        return 0, 1
-    try:
-        i, n = (int(x) for x in spec.split("/"))
-    except ValueError as err:
-        raise UsageError(f"--shard {spec!r} is not of the form I/N", "e.g. --shard 0/4 for the first of four shards") from err
-    if not 0 <= i < n:
-        raise UsageError(f"--shard {spec}: need 0 <= I < N", "shards are numbered from 0")
-    return i, n
+    executor: str = field(default="local", metadata={"help": "where the map (count) and reduce (merge) tasks run: local processes, or Ray tasks on a cluster (pip install \"multitoken[ray]\")", "choices": EXECUTORS})
+    address: str | None = field(default=None, metadata={"help": "--executor ray: the cluster's address (default: $RAY_ADDRESS, else a new local Ray)"})
+    shard_by: str = field(default="auto", metadata={"help": "how the corpus is cut into map tasks: by files (each task reads only its own files), by documents (every task reads the whole corpus and keeps every N-th document), or auto: files when the corpus has several and no --max-tokens is given", "choices": SHARD_BY})
+    work_dir: str | None = field(default=None, metadata={"help": "where partial counts and merge parts go (default: OUT): a path every worker can read and write (a shared mount on a cluster), or an fsspec URL such as s3://bucket/dir (needs that protocol's fsspec package, e.g. s3fs)", "metavar": "DIR_OR_URL"})
 
 
 def min_counts_per_order(min_count: tuple[int, ...], order: int) -> list[int]:
@@ -72,11 +64,6 @@ def min_counts_per_order(min_count: tuple[int, ...], order: int) -> list[int]:
     if len(values) != order:
         raise UsageError(f"--min-count takes 1 or {order} values for order {order}, got {len(values)}", f"e.g. --min-count 2 or --min-count {' '.join(['1'] + ['2'] * (order - 1))}")
     return values
-
-
-def local_shards(shard: tuple[int, int], num_proc: int) -> list[tuple[int, int]]:
-    i, n = shard
-    return [(i + n * p, n * num_proc) for p in range(num_proc)]
 
 
 def make_job(cfg: BuildConfig, data: DataConfig) -> Job:
@@ -115,48 +102,72 @@ def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False
     """Count (resuming if partials exist) and, unless ``--shard`` is given, merge. Returns the stats dir.
 
     ``overwrite``: a finished stats dir in ``--out`` is recounted (else a finished dir of the
-    same job is left as it is, and one of another job is refused)."""
+    same job is left as it is, and one of another job is refused). ``cfg.executor`` picks where
+    the tasks run; the stats dir is the same either way."""
     if not cfg.out:
         raise UsageError("no output directory given", "pass --out DIR")
     out = Path(cfg.out)
+    root = work_path(cfg.work_dir) if cfg.work_dir else out
+    check_executor(cfg.executor, cfg.address)
     with job_lock(out):
-        return _build_locked(cfg, data, out, log, overwrite)
+        return _build_locked(cfg, data, out, root, log, overwrite)
 
 
-def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, log, overwrite: bool) -> Path | None:
+def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path | str, log, overwrite: bool) -> Path | None:
+    """``root``: where partials and merge parts go (``out`` unless --work-dir; a URL string for
+    an object store)."""
     job = make_job(cfg, data)
+    job.out = str(root)
     files, lines = describe_files(data)  # also refuses a --split the data does not have
     print("\n".join(lines), file=sys.stderr, flush=True)
     mins = min_counts_per_order(cfg.min_count, cfg.order)
-    shards = local_shards(parse_shard(cfg.shard), cfg.num_proc)
+    shard_by, shards = plan_shards(cfg.shard, cfg.num_proc, cfg.shard_by, data)
     if (out / META_NAME).exists():
         meta = _existing_meta(out, overwrite)
         if overwrite:
             log(f"{out}: --overwrite: recounting (the old stats stay until the new ones replace them)")
             (out / META_NAME).unlink()
-            _remove_partials(out)
-            shutil.rmtree(out / MERGE_WORK, ignore_errors=True)
+            _remove_partials(root)
+            _rmtree(_sub(root, MERGE_WORK))
         elif meta.get("job") != job.identity():
             raise UsageError(f"{out} already holds stats of another job", "pass --overwrite to recount it, or another --out")
         elif not _same_min_counts(meta, mins):
-            _prepare_reprune(out, meta, mins, cfg.shard is not None)
+            _prepare_reprune(out, root, meta, mins, cfg.shard is not None)
             log(f"{out}: re-pruning the kept partial counts with min counts {mins}")
         else:
             log(f"{out} is complete already (pass --overwrite to recount)")
             if not cfg.keep_partials:  # a kill between writing meta.json and the clean-up
-                _remove_partials(out, shards)
+                _remove_partials(root, shards)
             return out
-    _check_no_foreign_shards(out, shards)
-    save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files})
+    _check_no_foreign_shards(root, shards)
+    plan = {"shard_by": shard_by, "shards": [shard_dir("", s).name for s in shards]}
+    save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files, "plan": plan})
+    executor = make_executor(cfg.executor, cfg.num_proc, cfg.address)
+    try:
+        return _count_and_merge(cfg, job, executor, shards, mins, files, out, root, log)
+    finally:
+        executor.close()
+
+
+def _count_and_merge(cfg: BuildConfig, job: Job, executor: Executor, shards: list[Shard], mins: list[int],
+                     files: list[str] | None, out: Path, root: Path | str, log) -> Path | None:
     t0 = time.perf_counter()
-    tokens = count_shards(job, shards, cfg.num_proc)
-    log(f"counted {tokens:,} tokens in {time.perf_counter() - t0:.1f}s")
+    tokens = executor.count(job, shards)
+    seconds = time.perf_counter() - t0
+    log(f"counted {tokens:,} tokens in {seconds:.1f}s ({tokens / max(seconds, 1e-9):,.0f} tokens/s, {executor.name} executor)")
     if cfg.shard is not None:
         log(f"shard {cfg.shard} done; merge all shards with: multitoken stats merge DIR... --out STATS_DIR")
         return None
-    write_stats(out, [shard_dir(out, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files)
+    if isinstance(root, str):  # an object store: check and plan on local copies (store.py)
+        with tempfile.TemporaryDirectory(prefix="multitoken-mirror-") as tmp:
+            sdirs, urls = mirror_shards(root, shards, Path(tmp))
+            write_stats(out, sdirs, mins, cfg.num_proc, job.memory_bytes, log, files=files, executor=executor,
+                        work=_sub(root, MERGE_WORK), remote_runs=urls)
+    else:
+        write_stats(out, [shard_dir(root, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files,
+                    executor=executor, work=root / MERGE_WORK)
     if not cfg.keep_partials:
-        _remove_partials(out, shards)
+        _remove_partials(root, shards)
     return out
 
 
@@ -170,9 +181,22 @@ def _existing_meta(out: Path, overwrite: bool) -> dict:
         raise UsageError(f"--out {out} holds a damaged stats dir: {err.problem}", "pass --overwrite to recount it, or another --out") from err
 
 
-def _remove_partials(out: Path, shards: list[tuple[int, int]] | None = None) -> None:
+def _sub(root: Path | str, name: str) -> Path | str:
+    return join(root, name) if isinstance(root, str) else root / name
+
+
+def _rmtree(path: Path | str) -> None:
+    remove(path) if isinstance(path, str) else shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_partials(out: Path | str, shards: list[Shard] | None = None) -> None:
     """Remove our shard dirs (those of ``shards``, or every ``shard-*`` holding a job.json) and
     ``partials/`` itself once empty: nothing else in it is touched."""
+    if isinstance(out, str):  # and this node's staged copies (a killed task's, or an old job's)
+        for name in [shard_dir("", s).name for s in shards] if shards is not None else sorted(shard_names(out)):
+            remove(join(out, "partials", name))
+        _remove_partials(staging_root(out), shards)
+        return
     root = out / "partials"
     if not root.is_dir():
         return
@@ -188,7 +212,7 @@ def _same_min_counts(meta: dict, mins: list[int]) -> bool:
     return meta.get("min_counts") == {str(k + 1): m for k, m in enumerate(mins)}
 
 
-def _prepare_reprune(out: Path, meta: dict, mins: list[int], sharded: bool) -> None:
+def _prepare_reprune(out: Path, root: Path | str, meta: dict, mins: list[int], sharded: bool) -> None:
     """A finished dir asked for other min counts: re-merge from its partials, or say why not.
 
     Pruning drops counts for good, so only the kept partials (``--keep-partials``) can give a
@@ -196,7 +220,7 @@ def _prepare_reprune(out: Path, meta: dict, mins: list[int], sharded: bool) -> N
     that reads as unfinished (and reruns), never old meta over half-rewritten arrays.
     """
     was = ",".join(str(v) for _, v in sorted(meta.get("min_counts", {}).items(), key=lambda kv: int(kv[0])))
-    if sharded or not (out / "partials").is_dir():
+    if sharded or not (shard_names(root) if isinstance(root, str) else (root / "partials").is_dir()):
         raise UsageError(
             f"{out} is complete with --min-count {was}; re-pruning to {','.join(map(str, mins))} needs its partial "
             "counts, which were removed after the merge",
@@ -206,9 +230,12 @@ def _prepare_reprune(out: Path, meta: dict, mins: list[int], sharded: bool) -> N
     (out / META_NAME).unlink()
 
 
-def _check_no_foreign_shards(out: Path, shards: list[tuple[int, int]]) -> None:
-    planned = {shard_dir(out, s).name for s in shards}
-    found = {p.name for p in (out / "partials").glob("shard-*")} if (out / "partials").exists() else set()
+def _check_no_foreign_shards(out: Path | str, shards: list[Shard]) -> None:
+    planned = {shard_dir("", s).name for s in shards}
+    if isinstance(out, str):
+        found = shard_names(out)
+    else:
+        found = {p.name for p in (out / "partials").glob("shard-*")} if (out / "partials").exists() else set()
     if found - planned:
         raise UsageError(
             f"{out}/partials holds shards {sorted(found - planned)} from a run with other --num-proc/--shard values",
@@ -231,38 +258,25 @@ def find_shard_dirs(inputs: list[str]) -> list[Path]:
     return dirs
 
 
-def check_coverage(shards: list[tuple[int, int]]) -> None:
-    """The residue classes ``i mod n`` of the shards must tile the integers exactly once."""
-    period = math.lcm(*(n for _, n in shards))
-    if period > 10_000_000:
-        raise UsageError(f"shard counts {sorted({n for _, n in shards})} are too irregular to check", "use the same N on every machine")
-    cover = np.zeros(period, np.int64)
-    for i, n in shards:
-        cover[i::n] += 1
-    if (cover == 0).any() or (cover > 1).any():
-        missing = int((cover == 0).sum() * 100 / period)
-        raise UsageError(
-            f"the shards {sorted(shards)} do not cover the corpus exactly once ({missing}% of documents missing, {int((cover > 1).sum() * 100 / period)}% counted twice)",
-            "pass the partials of every shard I/N, each once",
-        )
-
-
 def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, memory_bytes: int, log=print,
-                files: list[str] | None = None) -> dict:
+                files: list[str] | None = None, executor: Executor | None = None, work: Path | str | None = None,
+                remote_runs: dict[str, str] | None = None) -> dict:
     """Merge the finished shards ``sdirs`` into the stats dir ``out`` and write its meta.json
     (staged, then published: the arrays of an older stats dir there are replaced, stale ones of
     other orders removed, files we did not write kept). ``files``: the local data files counted,
     when known; a merge of shards counted elsewhere records None, each shard's config.json lists
-    its own."""
+    its own. ``executor`` runs the key-range merges (default: ``num_proc`` local processes);
+    ``work`` holds their parts (default ``out/merge-parts``; every worker must reach it).
+    ``remote_runs``: the runs' object-store URLs by local copy, when ``work`` is one (store.py)."""
     jobs = [read_job(d) for d in sdirs]
-    ident = {k: v for k, v in jobs[0].items() if k not in ("shard", "tokenizer")}
+    ident = {k: v for k, v in jobs[0].items() if k not in SHARD_KEYS}
     for d, j in zip(sdirs, jobs):
-        if {k: v for k, v in j.items() if k not in ("shard", "tokenizer")} != ident:
+        if {k: v for k, v in j.items() if k not in SHARD_KEYS} != ident:
             raise UsageError(f"{d} belongs to another job than {sdirs[0]} (data, tokenizer or order differ)", "merge only shards of one job")
     order = ident["order"]
     if len(mins) != order:
         mins = min_counts_per_order(tuple(mins), order)
-    check_coverage([tuple(j["shard"]) for j in jobs])
+    check_tiling(jobs)
     runs, totals = [], [0] * order
     for d in sdirs:
         infos = check_runs(d, order)
@@ -278,11 +292,14 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
         raise DataError(f"the corpus holds no n-grams of order {short[0]} (every document is shorter than {short[0]} tokens)",
                         f"pass longer documents, or --order {short[0] - 1}")
     t0 = time.perf_counter()
+    work = work if work is not None else out / MERGE_WORK
     with atomic_dir(out, marker=META_NAME, owned=STATS_ARRAYS) as stage:
-        kept = merge_orders(runs, stage, order, mins, ident["vocab_size"], memory_bytes, num_proc, log, work=out / MERGE_WORK)
+        kept = merge_orders(runs, stage, order, mins, ident["vocab_size"], memory_bytes, num_proc, log, work=work,
+                            map_ranges=executor.map_ranges if executor is not None else None,
+                           names=remote_runs, fetch_parts=store_fetch_parts if remote_runs is not None else None)
         meta = _meta(jobs, ident, order, totals, kept, mins, files)
         atomic_write_text(stage / META_NAME, json.dumps(meta, indent=1) + "\n")  # published last: marks the dir complete
-    shutil.rmtree(out / MERGE_WORK, ignore_errors=True)
+    _rmtree(work)
     log(f"merged {len(runs)} runs in {time.perf_counter() - t0:.1f}s")
     return meta
 
@@ -301,8 +318,7 @@ def _meta(jobs: list[dict], ident: dict, order: int, totals: list[int], kept: di
         "distinct": {str(k): v["distinct"] for k, v in kept.items()},
         "count_dtypes": {str(k): v["dtype"] for k, v in kept.items()},
         "min_counts": {str(k + 1): m for k, m in enumerate(mins)},
-        "source": ident["data"],
-        "shards": sorted(j["shard"] for j in jobs),
+        "source": ident["data"],  # no shard plan: the counts do not depend on it (config.json has it)
         "data_files": files,
         "package_version": version("multitoken"),
         "job": ident,

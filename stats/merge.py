@@ -44,8 +44,10 @@ def sum_unigrams(runs: list[Path], vocab_size: int) -> np.ndarray:
     return total
 
 
-def plan_ranges(runs: list[Path], order: int, memory_bytes: int, min_ranges: int, work: Path, min_count: int) -> list[RangeTask]:
-    """Range tasks for one order, sized so one task fits in ``memory_bytes``."""
+def plan_ranges(runs: list[Path], order: int, memory_bytes: int, min_ranges: int, work: Path | str, min_count: int,
+                names: dict[str, str] | None = None) -> list[RangeTask]:
+    """Range tasks for one order, sized so one task fits in ``memory_bytes``. ``names``: the run
+    paths the tasks read instead of the local ones (URLs of an object-store work dir)."""
     keys = [load_array(r, f"k{order}", read_info(r)) for r in runs]
     entries = sum(k.size for k in keys)
     n_ranges = max(min_ranges, math.ceil(entries * MERGE_BYTES_PER_ENTRY / max(memory_bytes, 1)), 1)
@@ -55,8 +57,8 @@ def plan_ranges(runs: list[Path], order: int, memory_bytes: int, min_ranges: int
     cuts = [int(sample[(i * sample.size) // n_ranges]) for i in range(1, n_ranges)] if sample.size else []
     bounds = [0] + sorted(set(c for c in cuts if c > 0)) + [2**64 - 1]
     return [
-        RangeTask(order, i, bounds[i], bounds[i + 1], tuple(str(r) for r in runs), min_count,
-                  str(work / f"o{order}-part-{i:05d}-of-{len(bounds) - 1:05d}"))
+        RangeTask(order, i, bounds[i], bounds[i + 1], tuple((names or {}).get(str(r), str(r)) for r in runs), min_count,
+                  f"{str(work).rstrip('/')}/o{order}-part-{i:05d}-of-{len(bounds) - 1:05d}")
         for i in range(len(bounds) - 1)
     ]
 
@@ -110,15 +112,23 @@ def assemble(parts: list[Path], out: Path, order: int) -> tuple[int, str]:
 def merge_orders(
     runs: list[Path], out: Path, order: int, min_counts: list[int], vocab_size: int,
     memory_bytes: int, num_proc: int, progress: Callable[[str], None] | None = None, work: Path | None = None,
+    map_ranges: Callable[[list[RangeTask]], list[int]] | None = None,
+    names: dict[str, str] | None = None, fetch_parts: Callable[[list[str], Path], list[Path]] | None = None,
 ) -> dict:
     """Write ``counts1.npy`` and ``keysN/countsN.npy`` for N = 2..order into ``out`` (a staging
     dir: temp files of a killed assembly stay there, never in a finished stats dir). Merged
     key ranges go to ``work`` (default ``out/merge-parts``), where a rerun finds them.
 
-    Returns per order the distinct n-grams kept and the count dtype.
+    ``num_proc`` sets the least number of key ranges per order; ``map_ranges`` runs the range
+    tasks (default: on ``num_proc`` local processes; see executors.py). Returns per order the
+    distinct n-grams kept and the count dtype.
+
+    An object-store work dir (store.py): ``work`` is its URL, ``names`` maps local run dirs to
+    their URLs, and ``fetch_parts(parts, dest)`` brings the written parts here to assemble.
     """
     work = work if work is not None else out / "merge-parts"
-    work.mkdir(parents=True, exist_ok=True)
+    if fetch_parts is None:
+        Path(work).mkdir(parents=True, exist_ok=True)
     uni = sum_unigrams(runs, vocab_size)
     uni[uni < min_counts[0]] = 0
     tmp = out / f".counts1.npy.tmp-{os.getpid()}"
@@ -127,17 +137,24 @@ def merge_orders(
     os.replace(tmp, out / "counts1.npy")
     result = {1: {"distinct": int(np.count_nonzero(uni)), "dtype": "uint64"}}
     for k in range(2, order + 1):
-        tasks = plan_ranges(runs, k, memory_bytes, num_proc, work, min_counts[k - 1])
+        tasks = plan_ranges(runs, k, memory_bytes, num_proc, work, min_counts[k - 1], names)
         if progress:
             progress(f"merging order {k}: {len(tasks)} key ranges")
-        _map(run_range, tasks, num_proc)
-        length, dtype = assemble([Path(t.part) for t in tasks], out, k)
+        if map_ranges is None:
+            map_local(run_range, tasks, num_proc)
+        else:
+            map_ranges(tasks)
+        parts = [t.part for t in tasks]
+        fetched = out / f".parts-{os.getpid()}"  # in the staging dir: never left in a finished stats dir
+        length, dtype = assemble(fetch_parts(parts, fetched) if fetch_parts else [Path(p) for p in parts], out, k)
+        shutil.rmtree(fetched, ignore_errors=True)
         result[k] = {"distinct": length, "dtype": dtype}
-    shutil.rmtree(work, ignore_errors=True)
+    if fetch_parts is None:
+        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
-def _map(fn, tasks: list, num_proc: int) -> list:
+def map_local(fn, tasks: list, num_proc: int) -> list:
     if num_proc <= 1 or len(tasks) <= 1:
         return [fn(t) for t in tasks]
     import multiprocessing as mp

@@ -1,6 +1,8 @@
 """Map step: count one shard of the corpus into sorted runs spilled to disk, resumably.
 
-A shard ``(i, n)`` is documents ``i, i+n, ...`` (``pipeline.data`` numbering). Counts are
+A shard ``(i, n)`` is documents ``i, i+n, ...`` (``pipeline.data`` numbering) of the whole
+corpus, or of a contiguous group of its files (``Shard.first..end``): then the task reads only
+those files, and numbers their documents from 0. Counts are
 held in memory until they reach the memory bound (or a checkpoint interval passes), then
 merged and written as one run dir ``run-NNNNNN`` that also records where counting stopped:
 ``next = (doc index, tokens of that document consumed)``. Runs cover disjoint stretches of
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -77,15 +80,37 @@ class LazyTokenizer:
         return self._tok(*args, **kwargs)
 
 
-def shard_dir(out: str | Path, shard: tuple[int, int]) -> Path:
-    return Path(out) / "partials" / f"shard-{shard[0]:05d}-of-{shard[1]:05d}"
+class Shard(NamedTuple):
+    """What one map task counts: documents ``index mod count``, of the whole corpus (``files`` 0)
+    or of files ``first..end-1`` of the corpus's ``files`` (numbered from 0 at ``first``). A plain
+    ``(i, n)`` tuple is the whole-corpus shard."""
+
+    index: int
+    count: int
+    first: int = 0
+    end: int = 0
+    files: int = 0
+
+    @property
+    def file_group(self) -> tuple[int, int, int] | None:
+        return (self.first, self.end, self.files) if self.files else None
+
+    def record(self) -> dict:
+        """The shard's fields in job.json (no ``files`` key for a whole-corpus shard, as before)."""
+        return {"shard": [self.index, self.count], **({"files": list(self.file_group)} if self.files else {})}
 
 
-def shard_budget(max_tokens: int | None, shard: tuple[int, int]) -> int | None:
+def shard_dir(out: str | Path, shard: tuple[int, ...]) -> Path:
+    s = Shard(*shard)
+    files = f"-files-{s.first:05d}-{s.end:05d}-of-{s.files:05d}" if s.files else ""
+    return Path(out) / "partials" / f"shard-{s.index:05d}-of-{s.count:05d}{files}"
+
+
+def shard_budget(max_tokens: int | None, shard: tuple[int, ...]) -> int | None:
     """This shard's share of a global token budget (split evenly, remainder to the first)."""
     if max_tokens is None:
         return None
-    i, n = shard
+    i, n = shard[:2]
     return max_tokens // n + (1 if i < max_tokens % n else 0)
 
 
@@ -138,18 +163,22 @@ def read_job(sdir: Path) -> dict:
         return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
     shard = job.get("shard") if isinstance(job, dict) else None
+    files = job.get("files", [0, 1, 1]) if isinstance(job, dict) else None
     checks = (isinstance(job, dict) and isinstance(job.get("data"), dict)
               and isinstance(job.get("tokenizer_fingerprint"), str) and count(job.get("vocab_size"), 1)
               and count(job.get("order"), 1) and job["order"] <= MAX_ORDER
-              and isinstance(shard, list) and len(shard) == 2 and all(count(x) for x in shard) and shard[0] < shard[1])
+              and isinstance(shard, list) and len(shard) == 2 and all(count(x) for x in shard) and shard[0] < shard[1]
+              and isinstance(files, list) and len(files) == 3 and all(count(x) for x in files)
+              and files[0] < files[1] <= files[2])
     if not checks:
         raise CheckpointError(f"{path}: not a shard record (needs data, tokenizer_fingerprint, vocab_size >= 1, "
-                              f"order 1..{MAX_ORDER} and shard [I, N] with 0 <= I < N)", fix)
+                              f"order 1..{MAX_ORDER}, shard [I, N] with 0 <= I < N and, if given, files "
+                              "[FIRST, END, TOTAL] with FIRST < END <= TOTAL)", fix)
     return job
 
 
-def check_identity(sdir: Path, job: Job, shard: tuple[int, int]) -> None:
-    want = {**job.identity(), "shard": list(shard)}
+def check_identity(sdir: Path, job: Job, shard: Shard) -> None:
+    want = {**job.identity(), **shard.record()}
     path = sdir / JOB_NAME
     if path.exists():
         have = read_job(sdir)
@@ -186,12 +215,14 @@ class _Held:
         self.totals = [a + b for a, b in zip(self.totals, chunk.totals)]
 
 
-def count_shard(job: Job, shard: tuple[int, int], progress: Callable[[int], None] | None = None,
+def count_shard(job: Job, shard: tuple[int, ...], progress: Callable[[int], None] | None = None,
                 documents: Callable[[DataConfig, int], Iterable[tuple[int, np.ndarray]]] | None = None) -> dict:
-    """Count shard ``(i, n)`` into ``job.out/partials``; resume if runs exist. Returns the last run's info.
+    """Count ``shard`` (a ``Shard``, or ``(i, n)``) into ``job.out/partials``; resume if runs exist.
+    Returns the last run's info.
 
     ``documents(data, start)`` replaces the corpus reader (benchmarks feed in-memory token arrays).
     """
+    shard = Shard(*shard)
     sdir = shard_dir(job.out, shard)
     with shard_lock(sdir):
         check_identity(sdir, job, shard)
@@ -210,7 +241,8 @@ def count_shard(job: Job, shard: tuple[int, int], progress: Callable[[int], None
         builder = ChunkBuilder(job.order, job.chunk_tokens)
         if budget is None or tokens < budget:
             docs = documents(data, doc) if documents else iter_documents(
-                data, LazyTokenizer(job.tokenizer), vocab_size=job.vocab_size, shard=shard, start=doc)
+                data, LazyTokenizer(job.tokenizer), vocab_size=job.vocab_size, shard=shard[:2], start=doc,
+                files=shard.file_group)
             for index, ids in docs:
                 for chunk in builder.add(index, ids, offset if index == doc else 0):
                     _count(job, chunk, builder.position, held, state, progress)

@@ -14,7 +14,7 @@ from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
 from tqdm import tqdm
 
-from .shard import Job, count_shard
+from .shard import Job, Shard, count_shard
 
 _COUNTERS = None  # per-worker token counters shared with the parent (set in each worker)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -47,31 +47,32 @@ def _init(counters, parent_pid: int) -> None:
     die_with_parent(parent_pid)
 
 
-def _count_in_worker(job: Job, shard: tuple[int, int], slot: int) -> int:
+def _count_in_worker(job: Job, shard: Shard, slot: int, count) -> int:
     def progress(n: int) -> None:
         with _COUNTERS.get_lock():
             _COUNTERS[slot] += n
 
-    return count_shard(job, shard, progress)["tokens"]
+    return count(job, shard, progress)["tokens"]
 
 
-def count_shards(job: Job, shards: list[tuple[int, int]], num_proc: int) -> int:
-    """Count every shard (resuming finished work); returns the tokens counted in total."""
+def count_shards(job: Job, shards: list[Shard], num_proc: int, count=count_shard) -> int:
+    """Count every shard (resuming finished work) with ``count`` (``count_shard`` or a wrapper
+    of it, picklable); returns the tokens counted in total."""
     bar = tqdm(desc="counting", unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5)
     try:
         if num_proc <= 1:
-            return sum(count_shard(job, s, bar.update)["tokens"] for s in shards)
-        return _count_parallel(job, shards, num_proc, bar)
+            return sum(count(job, s, bar.update)["tokens"] for s in shards)
+        return _count_parallel(job, shards, num_proc, bar, count)
     finally:
         bar.close()
 
 
-def _count_parallel(job: Job, shards, num_proc: int, bar) -> int:
+def _count_parallel(job: Job, shards, num_proc: int, bar, count) -> int:
     # spawn, not fork: the parent holds a loaded tokenizer (threads) and maybe torch
     ctx = mp.get_context("spawn")
     counters = ctx.Array("q", len(shards))
     with ProcessPoolExecutor(max_workers=num_proc, mp_context=ctx, initializer=_init, initargs=(counters, os.getpid())) as pool:
-        futures = [pool.submit(_count_in_worker, job, s, i) for i, s in enumerate(shards)]
+        futures = [pool.submit(_count_in_worker, job, s, i, count) for i, s in enumerate(shards)]
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)

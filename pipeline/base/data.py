@@ -249,19 +249,43 @@ def _iter_file_rows(path: Path) -> Iterator[dict]:
             yield from batch.to_pylist()
 
 
-def iter_rows(cfg: DataConfig) -> Iterator[dict]:
-    """Raw rows (dicts) of the corpus, in a deterministic order."""
+def count_files(cfg: DataConfig) -> int:
+    """How many files the corpus is read from: local files, or a Hub dataset's data files (the
+    streamed dataset's shards). ``iter_rows(files=...)`` reads a contiguous group of them."""
+    found = local_files(cfg)
+    return len(found.files) if found is not None else _open_hub(cfg).num_shards
+
+
+def iter_rows(cfg: DataConfig, files: tuple[int, int, int] | None = None) -> Iterator[dict]:
+    """Raw rows (dicts) of the corpus, in a deterministic order. ``files=(first, end, total)``:
+    only the rows of files ``first..end-1`` of the ``total`` that ``count_files`` gives (a
+    different total now is refused: the listing changed since the job was planned)."""
     if not cfg.data:
         raise UsageError("no data given", "pass --data FILE|DIR|GLOB|HUB_ID")
     found = local_files(cfg)
     if found is not None:
-        for f in found.files:
+        for f in _file_group(found.files, files, cfg):
             yield from _iter_file_rows(f)
         return
-    yield from _iter_hub_rows(cfg)
+    ds = _open_hub(cfg)
+    if files is None:
+        yield from ds
+        return
+    for f in _file_group(range(ds.num_shards), files, cfg):  # shard f of num_shards: data file f
+        yield from ds.shard(num_shards=ds.num_shards, index=f, contiguous=True)
 
 
-def _iter_hub_rows(cfg: DataConfig) -> Iterator[dict]:
+def _file_group(items, files: tuple[int, int, int] | None, cfg: DataConfig):
+    if files is None:
+        return items
+    first, end, total = files
+    if len(items) != total:
+        raise DataError(f"{cfg.data!r} now has {len(items)} data files, the job was planned on {total}",
+                        "restore the files, or count the new set into another --out")
+    return items[first:end]
+
+
+def _open_hub(cfg: DataConfig):
     import datasets
 
     check_hub_reachable(cfg)
@@ -272,7 +296,7 @@ def _iter_hub_rows(cfg: DataConfig) -> Iterator[dict]:
             f"{cfg.data!r} is not a local path and could not be opened as a Hub dataset ({type(err).__name__}: {err})",
             "check the path or dataset id; without network access, download the data and pass its local path",
         ) from err
-    yield from ds
+    return ds
 
 
 def pick_column(row: dict, column: str | None) -> tuple[str, bool]:
@@ -338,7 +362,8 @@ def _as_ids(value, vocab_size: int | None, where: str) -> np.ndarray:
     return ids
 
 
-def _documents(cfg: DataConfig, tokenizer, vocab_size: int | None, shard: tuple[int, int], start: int):
+def _documents(cfg: DataConfig, tokenizer, vocab_size: int | None, shard: tuple[int, int], start: int,
+               files: tuple[int, int, int] | None):
     index, count = shard
     column: tuple[str, bool] | None = None
     pending: list[tuple[int, str]] = []
@@ -350,7 +375,7 @@ def _documents(cfg: DataConfig, tokenizer, vocab_size: int | None, shard: tuple[
         pending.clear()
         return out
 
-    for doc_index, row in enumerate(iter_rows(cfg)):
+    for doc_index, row in enumerate(iter_rows(cfg, files)):
         seen = True
         if doc_index < start or doc_index % count != index:
             continue
@@ -369,7 +394,7 @@ def _documents(cfg: DataConfig, tokenizer, vocab_size: int | None, shard: tuple[
             yield from flush()
     if pending:
         yield from flush()
-    if not seen:
+    if not seen and files is None:  # one empty file of a group is no error: the job checks its total
         raise DataError(f"{cfg.data!r} holds no rows", "check the data spec and --split")
 
 
@@ -380,8 +405,12 @@ def iter_documents(
     vocab_size: int | None = None,
     shard: tuple[int, int] = (0, 1),
     start: int = 0,
+    files: tuple[int, int, int] | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield ``(document index, token ids # [len])`` for this shard, from index ``start`` on.
+
+    ``files=(first, end, total)`` reads only those files (see ``iter_rows``); documents are then
+    numbered from 0 at the first of them, and ``shard`` applies to that numbering.
 
     Text is tokenized in batches without special tokens; id rows are checked against
     ``vocab_size`` (default: the tokenizer's). ``cfg.max_tokens`` bounds the tokens yielded
@@ -392,7 +421,7 @@ def iter_documents(
     if vocab_size is None and tokenizer is not None:
         vocab_size = len(tokenizer)
     budget = cfg.max_tokens if cfg.max_tokens is not None else None
-    for doc_index, ids in _documents(cfg, tokenizer, vocab_size, shard, start):
+    for doc_index, ids in _documents(cfg, tokenizer, vocab_size, shard, start, files):
         if budget is not None:
             if budget <= 0:
                 return

@@ -11,7 +11,8 @@ from stats_helpers import PYTHIA_TOKENIZER, arrays_equal, build_ids, write_jsonl
 
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.base.errors import UsageError
-from multitoken.stats.job import BuildConfig, check_coverage, make_job, merge, write_stats
+from multitoken.stats.job import BuildConfig, make_job, merge, write_stats
+from multitoken.stats.plan import check_coverage
 from multitoken.stats.shard import count_shard, list_runs, shard_dir
 
 VOCAB = 50000
