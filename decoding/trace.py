@@ -24,6 +24,7 @@ class Trace:
     device: str = "cpu"  # where the model ran
     synchronised: bool = False  # model / logic split exact on an accelerator (generate(profile=True))
     unembed_rows: Counter = field(default_factory=Counter)  # rows per unembedding call -> calls (base and layer heads)
+    batch_size: int = 1  # rows decoded together (decoding.batch): passes and model time are shared by them
 
     @property
     def tokens_per_forward(self) -> float:

@@ -150,12 +150,14 @@ class MultiTokenModel(nn.Module):
         """Empty KV caches for one decoding run: the backbone's plus one per head layer."""
         return new_caches(self)
 
-    def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0):
+    def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0,
+             lengths: list[int] | None = None):
         """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
         returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
         ``caches.crop(m)`` drops the last m positions (rejected drafts); ``heads_upto`` skips
-        the layers of heads a run never reads; ``read_from`` skips the logits of earlier positions."""
-        return step(self, new_ids, caches, heads_upto, read_from)
+        the layers of heads a run never reads; ``read_from`` skips the logits of earlier positions;
+        ``lengths``: real tokens per row, right-aligned in ``new_ids`` (batched rows; None: all)."""
+        return step(self, new_ids, caches, heads_upto, read_from, lengths)
 
 
 def _any_grad(*modules: nn.Module) -> bool:
