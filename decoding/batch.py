@@ -119,9 +119,9 @@ class Row:
         return self.done
 
 
-class _Width:
-    """``dynamic_propose``'s head scores when every head it reads comes precomputed: only the
-    count and the vocabulary width are read (a meta tensor: no memory)."""
+class HeadWidth:
+    """``dynamic_propose``'s head scores when every head it reads comes precomputed
+    (``candidates=``): only the count and the vocabulary width are read (a meta tensor: no memory)."""
 
     def __init__(self, n: int, vocab: int):
         self.n, self.row = n, torch.empty(vocab, device="meta")
@@ -291,7 +291,7 @@ def _propose_dynamic(out, batch, live, anchors, order, cfg, table, vocab) -> Non
     cands = head_candidates(scores.index_select(0, index).reshape(len(live) * m, -1), k, temperature)
     for slot, j in enumerate(live):
         row = batch[j]
-        choice = dynamic_propose(_Width(order, vocab), cfg, table, row.run.seen_array(), row.run.rng,
+        choice = dynamic_propose(HeadWidth(order, vocab), cfg, table, row.run.seen_array(), row.run.rng,
                                  candidates=cands[slot * m:(slot + 1) * m])
         row.commit, row.drafts = choice.tokens, Drafts.empty(scores.device)
         row.trace.orders[choice.order] += 1
