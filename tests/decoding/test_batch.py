@@ -230,3 +230,32 @@ def test_ragged_caches_equal_each_row_recomputed_alone(tiny_backbones, arch, hea
         caches.compact_if_sparse()
     assert caches.row_lengths(len(kept)) == [len(seqs[r]) for r in kept]
     assert (caches.compactions > 0) == compact
+
+
+@pytest.mark.parametrize("mode", ["speculative", "dynamic", "ar"])
+def test_one_host_read_per_step_for_the_whole_batch(tiny_backbones, mode, monkeypatch):
+    """Reads of tensor values (``tolist`` / ``cpu`` / ``item``) per step do not grow with the
+    batch: the committed ids, the verdicts and DynaMo's top-k of every row cross together."""
+    model = attach(tiny_backbones["llama"], "replicated")
+    prompts = encode(model.backbone)
+    cfg = DecodeConfig(mode=mode, max_new_tokens=12, eps_b=0.0, stop_at_eos=False)
+    reads = []
+    for name in ("tolist", "cpu", "item"):
+        plain = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, (lambda f, n: lambda self, *a, **k: (reads.append(n), f(self, *a, **k))[1])(plain, name))
+    got = generate_batch(model, prompts, cfg, seeds=[0, 1, 2, 3])
+    steps = max(r.trace.forward_passes for r in got)  # proposals: one per pass (the last needs no pass after it)
+    # the prompts are read once each, as lists; then one read per step, whatever the batch size
+    assert len(reads) - len(prompts) == steps, reads
+
+
+def test_eager_attention_takes_the_additive_ragged_mask(tiny_model_dir):
+    """Kernels other than SDPA read an additive float mask: rows still equal transformers'."""
+    bb = load_backbone(BackboneConfig(base=str(tiny_model_dir)))
+    bb.causal_lm.set_attn_implementation("eager")
+    assert bb.config._attn_implementation == "eager"
+    model = attach(bb, "replicated")
+    prompts = encode(bb)[:3]
+    refs = [hf_greedy(bb, torch.tensor([p]), 12) for p in prompts]
+    got = generate_batch(model, prompts, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=12, stop_at_eos=False))
+    assert [r.token_ids for r in got] == refs
