@@ -318,15 +318,33 @@ def _propose_speculative(out, batch, live, anchors, order, speculative, drafter,
     if need:
         for j, token in zip(need, _next_tokens(out, batch, need, anchors)):
             batch[j].forced = token
+    gs = {j: min(order - 1, batch[j].run.cfg.max_new_tokens - len(batch[j].out_ids) - 1) if speculative else 0 for j in live}
+    if drafter is joint_drafts:
+        _joint_candidates(out, batch, [j for j in live if gs[j] > 0], anchors, gs)
     for j in live:
         row = batch[j]
         row.commit, row.forced = [row.forced], None
-        cfg = row.run.cfg
-        g = min(order - 1, cfg.max_new_tokens - len(row.out_ids) - 1) if speculative else 0
+        g = gs[j]
         drafts = drafter(RowView(out, j, anchors), row.anchor, row.commit[0], g, row.run) if g > 0 else Drafts.empty(device)
         if drafts.tokens.device != device:  # a custom drafter's host tensors: moved once
             drafts = Drafts(drafts.tokens.to(device), None if drafts.probs is None else drafts.probs.to(device))
         row.drafts = drafts
+
+
+def _joint_candidates(out, batch, rows: list[int], anchors, gs: dict[int, int]) -> None:
+    """The joint drafter's top-k of heads 1..g for every drafting row in one top-k call and one
+    host transfer (``RunState.candidates``; ``joint_drafts`` takes them instead of reading)."""
+    if not rows:
+        return
+    cfg = batch[rows[0]].run.cfg
+    g = max(gs[j] for j in rows)
+    k = min(cfg.draft_k, cfg.top_k, batch[rows[0]].run.vocab_size)
+    temperature = cfg.temperature if cfg.temperature > 0 else 1.0
+    scores = torch.stack([_anchor_scores(out, i, anchors) for i in range(1, g + 1)], dim=1)  # [B, g, V]
+    index = torch.tensor(rows, dtype=torch.long, device=scores.device)
+    cands = head_candidates(scores.index_select(0, index).reshape(len(rows) * g, -1), k, temperature)
+    for slot, j in enumerate(rows):
+        batch[j].run.candidates = cands[slot * g:slot * g + gs[j]]
 
 
 def _next_tokens(out, batch, need: list[int], anchors) -> list[int]:

@@ -232,21 +232,24 @@ def test_ragged_caches_equal_each_row_recomputed_alone(tiny_backbones, arch, hea
     assert (caches.compactions > 0) == compact
 
 
-@pytest.mark.parametrize("mode", ["speculative", "dynamic", "ar"])
+@pytest.mark.parametrize("mode", ["speculative", "joint", "dynamic", "ar"])
 def test_one_host_read_per_step_for_the_whole_batch(tiny_backbones, mode, monkeypatch):
     """Reads of tensor values (``tolist`` / ``cpu`` / ``item``) per step do not grow with the
     batch: the committed ids, the verdicts and DynaMo's top-k of every row cross together."""
     model = attach(tiny_backbones["llama"], "replicated")
     prompts = encode(model.backbone)
-    cfg = DecodeConfig(mode=mode, max_new_tokens=12, eps_b=0.0, stop_at_eos=False)
+    joint = mode == "joint"  # speculative with the joint drafter: every row's top-k in one read too
+    cfg = DecodeConfig(mode="speculative" if joint else mode, drafter="joint" if joint else "auto", max_new_tokens=12,
+                       eps_b=0.0, stop_at_eos=False)
     reads = []
     for name in ("tolist", "cpu", "item"):
         plain = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, (lambda f, n: lambda self, *a, **k: (reads.append(n), f(self, *a, **k))[1])(plain, name))
-    got = generate_batch(model, prompts, cfg, seeds=[0, 1, 2, 3])
+    got = generate_batch(model, prompts, cfg, seeds=[0, 1, 2, 3], table=RatioTable() if joint else None)
     steps = max(r.trace.forward_passes for r in got)  # proposals: one per pass (the last needs no pass after it)
     # the prompts are read once each, as lists; then one read per step, whatever the batch size
-    assert len(reads) - len(prompts) == steps, reads
+    drafting = steps - 1 if joint else 0  # joint drafts: the heads' top-k of every row, once per drafting step
+    assert len(reads) - len(prompts) == steps + drafting, reads
 
 
 def test_eager_attention_takes_the_additive_ragged_mask(tiny_model_dir):
