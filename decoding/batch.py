@@ -254,16 +254,15 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
             caches.keep_rows(keep)  # finished rows leave before the next pass
             batch = [batch[j] for j in keep]
         caches.compact_if_sparse()
-        out = _step(forward, batch, device)
+        out, new = _step(forward, batch, device)
         with_drafts = [j for j, row in enumerate(batch) if row.drafts.tokens.numel()]
         if with_drafts:
-            _accept(out, batch, with_drafts, caches, acceptor, cfg, argmax_only, wants_rule, eos, on_tokens, finish)
+            _accept(out, batch, with_drafts, caches, acceptor, cfg, argmax_only, wants_rule, eos, on_tokens, finish, new)
     results = []
     tok = model.backbone.tokenizer
     for row in rows:
         row.trace.new_tokens = len(row.out_ids)
         row.trace.dynamic_kernel = row.run.kernels
-        row.trace.model_s = min(row.trace.model_s, row.trace.wall_s)  # shared passes past its end are not its own
         text = tok.decode(row.out_ids, skip_special_tokens=True) if tok is not None else ""
         results.append(DecodeResult(row.out_ids, text, row.trace, row.prompt))
     return results
@@ -373,20 +372,23 @@ def _step(forward, batch, device):
         new = _left_pad(seqs, width, device)
     for row, n in zip(batch, lengths):
         row.anchor = width - n + len(row.commit) - 1
-    return forward(new, min(row.anchor for row in batch), lengths if min(lengths) < width else None)
+    return forward(new, min(row.anchor for row in batch), lengths if min(lengths) < width else None), new
 
 
-def _accept(out, batch, with_drafts, caches, acceptor, cfg, argmax_only, wants_rule, eos, on_tokens, finish) -> None:
+def _accept(out, batch, with_drafts, caches, acceptor, cfg, argmax_only, wants_rule, eos, on_tokens, finish, new) -> None:
     """Verify every row's drafts; one host read for all verdicts and drafts; forget each row's
     rejected drafts."""
     anchors = tuple(row.anchor for row in batch)
-    packs = []
-    for j in with_drafts:
-        row = batch[j]
-        view = RowView(out, j, anchors)
-        target, rule = _verify_rows(view, row, cfg, argmax_only, wants_rule)
-        verdict = acceptor(row.drafts.tokens, row.drafts.probs, target, row.run.sampler, **rule)
-        packs.append(torch.cat([verdict.packed, row.drafts.tokens]))
+    if argmax_only and cfg.penalty == 1:
+        packs = _greedy_verdicts(out, batch, with_drafts, new)
+    else:
+        packs = []
+        for j in with_drafts:
+            row = batch[j]
+            view = RowView(out, j, anchors)
+            target, rule = _verify_rows(view, row, cfg, argmax_only, wants_rule)
+            verdict = acceptor(row.drafts.tokens, row.drafts.probs, target, row.run.sampler, **rule)
+            packs.append(torch.cat([verdict.packed, row.drafts.tokens]))
     host = torch.cat(packs).tolist()
     remove = [0] * len(batch)
     start = 0
@@ -401,6 +403,25 @@ def _accept(out, batch, with_drafts, caches, acceptor, cfg, argmax_only, wants_r
         if row.emit(drafted[:accepted], eos, on_tokens):
             finish(row)
     caches.crop_rows(remove)
+
+
+def _greedy_verdicts(out, batch, with_drafts, new: torch.Tensor) -> list[torch.Tensor]:
+    """``greedy_accept`` for every row at once (no repetition penalty): the base argmax after
+    every slot of the step in one call; a row's drafts are its last g slots (right-aligned), kept
+    while each equals the argmax after the slot before it. Per row [accepted, next, drafts...]
+    as ``Verdict.packed`` + drafts, still on the device."""
+    best = out.base_logits().argmax(-1)  # [B, T - first]
+    width, first = new.shape[1], out.first
+    index = torch.tensor(with_drafts, dtype=torch.long, device=best.device)
+    g = torch.tensor([batch[j].drafts.tokens.numel() for j in with_drafts], device=best.device)  # [R]
+    best, tokens = best.index_select(0, index), new.index_select(0, index)  # [R, T - first], [R, T]
+    match = tokens[:, first + 1:] == best[:, :-1]  # [R, T - first - 1]: slot s + 1 equals the argmax after slot s
+    slots = torch.arange(first, width - 1, device=best.device)  # the judged slot of each column
+    start = width - 1 - g  # [R] the slot whose argmax judges the first draft (the anchor)
+    ok = match | (slots[None, :] < start[:, None])  # columns before a row's window pass through
+    accepted = ok.long().cumprod(1).sum(1) - (start - first)  # [R]
+    nxt = best.gather(1, (start - first + accepted)[:, None])[:, 0]  # the argmax after the last kept draft
+    return [torch.cat([torch.stack([accepted[r], nxt[r]]), batch[j].drafts.tokens]) for r, j in enumerate(with_drafts)]
 
 
 def _verify_rows(view, row: Row, cfg, argmax_only: bool, wants_rule: bool):
