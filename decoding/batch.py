@@ -43,7 +43,7 @@ from .config import DecodeConfig, check_context
 from .dynamic import always_backs_off, dynamic_propose, head_candidates, heads_needed
 from .loop import DecodeResult, RunState, _acceptor, _eos_ids, generate as generate_one, stats_order_cap
 from .accept import greedy_accept, speculative_accept
-from .proposal import Drafts, joint_drafts, pick_drafter
+from .proposal import Drafts, independent_drafts, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
 from .sparse_step import prepare_kernel
 from .timing import clock_for
@@ -235,6 +235,8 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
         row.trace.prefill_s, row.anchor = row.trace.model_s, width - 1
     while True:
         live = [j for j, row in enumerate(batch) if not row.done]
+        if not live:  # the last verification finished every row
+            break
         anchors = tuple(row.anchor for row in batch)
         if cfg.mode == "dynamic":
             _propose_dynamic(out, batch, live, anchors, order, cfg, table, vocab)
@@ -320,11 +322,19 @@ def _propose_speculative(out, batch, live, anchors, order, speculative, drafter,
     gs = {j: min(order - 1, batch[j].run.cfg.max_new_tokens - len(batch[j].out_ids) - 1) if speculative else 0 for j in live}
     if drafter is joint_drafts:
         _joint_candidates(out, batch, [j for j in live if gs[j] > 0], anchors, gs)
+    cfg = batch[live[0]].run.cfg
+    argmaxes = None
+    if drafter is independent_drafts and cfg.greedy and cfg.penalty == 1 and max(gs.values()) > 0:
+        # greedy drafts without a penalty are each head's argmax at the anchor: all rows per head at once
+        argmaxes = torch.stack([out.anchor_head_log_probs(i, anchors).argmax(-1) for i in range(1, max(gs.values()) + 1)], 1)
     for j in live:
         row = batch[j]
         row.commit, row.forced = [row.forced], None
         g = gs[j]
-        drafts = drafter(RowView(out, j, anchors), row.anchor, row.commit[0], g, row.run) if g > 0 else Drafts.empty(device)
+        if argmaxes is not None:
+            drafts = Drafts(argmaxes[j, :g], None)
+        else:
+            drafts = drafter(RowView(out, j, anchors), row.anchor, row.commit[0], g, row.run) if g > 0 else Drafts.empty(device)
         if drafts.tokens.device != device:  # a custom drafter's host tensors: moved once
             drafts = Drafts(drafts.tokens.to(device), None if drafts.probs is None else drafts.probs.to(device))
         row.drafts = drafts
