@@ -94,8 +94,10 @@ class SweepConfig:
         """The flags alone, before a model loads; the sampling settings are DecodeConfig's
         (validated there, as for generate)."""
 
-        if self.seeds < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
-            raise UsageError("--seeds, --max-new-tokens and --batch-size must be >= 1")
+        if self.seeds < 1 or self.max_new_tokens < 1:
+            raise UsageError("--seeds and --max-new-tokens must be >= 1")
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
         decode_configs(self, [])[0].validate()
 
     def configs(self) -> list[str]:
