@@ -104,6 +104,8 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     seeds = [cfg.seed] * len(prompts) if seeds is None else [int(s) for s in seeds]
     if len(seeds) != len(prompts):
         raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts", "pass one seed per prompt")
+    for seed in seeds:
+        replace(cfg, seed=seed).validate()  # the seed's range, as for one prompt
     for ids in prompts:
         if not ids:
             raise UsageError("a prompt is empty", "pass at least one token per prompt")

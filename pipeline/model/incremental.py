@@ -75,9 +75,10 @@ class DecodeCaches:
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only batch rows ``rows`` (finished rows leave: they cost nothing afterwards)."""
-        index = torch.tensor(rows, dtype=torch.long)
+        device = next((layer.keys.device for layer in self.backbone.layers if getattr(layer, "keys", None) is not None), "cpu")
+        index = torch.tensor(rows, dtype=torch.long).to(device)  # one copy to the device for every layer
         for cache in (self.backbone, *self.heads):
-            ragged.map_layers(cache, lambda x: x.index_select(0, index.to(x.device)))
+            ragged.map_layers(cache, lambda x: x.index_select(0, index))
         if self.valid is not None:
             self.valid = self.valid[rows]
             lead = ragged.leading_holes(self.valid)  # left pads only the dropped rows needed

@@ -187,6 +187,8 @@ def test_bad_batches_are_refused(tiny_backbones):
         generate_batch(model, [[1, 2], []], DecodeConfig())
     with pytest.raises(UsageError, match="seeds"):
         generate_batch(model, [[1, 2], [3]], DecodeConfig(), seeds=[1])
+    with pytest.raises(UsageError, match="--seed"):
+        generate_batch(model, [[1, 2], [3]], DecodeConfig(), seeds=[1, -1])
 
 
 @pytest.mark.parametrize("compact", [False, True])
