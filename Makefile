@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 # (stories260K + its trained heads + its co-occurrence stats): prints the table, writes
 # $(DEMO_OUT)/sweep.{json,csv,png}. 10 prompts x 2 seeds x 11 eps_b values, 32 tokens each.
 DEMO_OUT ?= out/demo
+# DEMO_BATCH > 1 decodes that many prompt x seed runs together: the same tokens and quality
+# figures, timings per batch (pipeline/eval/sweep.py)
+DEMO_BATCH ?= 1
 demo: $(STAMP)
-	$(VENV)/bin/multitoken sweep --seeds 2 --max-new-tokens 32 --out $(DEMO_OUT)
+	$(VENV)/bin/multitoken sweep --seeds 2 --max-new-tokens 32 --batch-size $(DEMO_BATCH) --out $(DEMO_OUT)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest

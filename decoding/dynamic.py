@@ -246,18 +246,19 @@ def heads_needed(cfg, n: int) -> int:
     return 1 if always_backs_off(cfg) else n
 
 
-def dynamic_propose(head_scores, cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
+def dynamic_propose(head_scores, cfg, table, seen: np.ndarray, rng, candidates: list[Candidates] | None = None) -> DynamicChoice:
     """Alg. 1: try order n, n-1, ..., 2 and fall back to top-k sampling of head 1.
 
     head_scores: n x [V] scores at the anchor position (head i predicts t+i): log-probs or raw
     logits (only their top-k is read), a list or a lazy sequence (``loop.HeadScores``); only the
     heads the step reads are stacked, and their top-k cross to the host in one transfer.
-    ``rng`` None = greedy (argmax cell).
+    ``rng`` None = greedy (argmax cell). ``candidates``: the top-k of the first heads, already
+    read (batched decoding reads every row's in one transfer); only later heads are read here.
     """
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
     n = len(head_scores)
     k = min(cfg.top_k, head_scores[0].shape[-1])
-    cache: list[Candidates] = []
+    cache: list[Candidates] = list(candidates or ())
 
     def cand(head: int) -> Candidates:
         if head >= len(cache):  # the missing heads the step will read, in one batch

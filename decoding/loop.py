@@ -40,6 +40,7 @@ class RunState:
     draft_cfg: DecodeConfig | None = None  # the joint drafter's grid: no thresholds (set once)
     kernels: Counter = field(default_factory=Counter)  # grids built per path (sparse.py), for the trace
     seen_host: np.ndarray | None = None  # ``seen`` for the numpy grids, kept in step by ``mark``
+    candidates: list | None = None  # heads 1..g's top-k, read for a whole batch at once (decoding.batch; joint drafts take them once)
 
     def seen_array(self) -> np.ndarray:
         """``seen`` for the numpy grids: copied from the device once, then updated on the host

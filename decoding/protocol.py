@@ -22,6 +22,15 @@ class Caches(Protocol):
     def keep(self, start: int, rows: list[int]) -> None:
         """Keep positions [0, start) and ``start + rows`` (an accepted tree path), in order."""
 
+    def crop_rows(self, remove: list[int]) -> None:
+        """Batched rows: forget row b's last ``remove[b]`` positions (right after the step)."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Batched rows: keep only these batch rows (finished rows leave)."""
+
+    def compact_if_sparse(self) -> None:
+        """Batched rows: drop masked slots when they dominate (an optimisation, never required)."""
+
 
 @runtime_checkable
 class StepResult(Protocol):
@@ -70,6 +79,8 @@ class DecodingModel(Protocol):
         """Empty caches for one run."""
 
     def step(self, new_ids: torch.Tensor, caches: Caches, heads_upto: int | None = None,
-             read_from: int = 0, attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepResult:
-        """Feed ``new_ids`` # [B, T_new]; extend ``caches``; return the pass's outputs.
-        ``attend`` [T_new, T_new] bool / ``offsets`` [T_new]: tree mask and depths (None: causal)."""
+             read_from: int = 0, lengths: list[int] | None = None,
+             attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepResult:
+        """Feed ``new_ids`` # [B, T_new] (row b's last ``lengths[b]`` are its tokens, the rest
+        pads; None: all); extend ``caches``; return the pass's outputs. ``attend`` [T_new, T_new]
+        bool / ``offsets`` [T_new]: tree mask and depths (None: causal; batch size 1)."""

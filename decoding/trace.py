@@ -28,6 +28,7 @@ class Trace:
     tree_nodes: int = 0  # tree: candidates per step besides the committed token (the budget)
     tree_accuracies: str = ""  # static tree: where its per-rank accuracies came from (a file, or the fallback prior)
     tree_sibling_ranks: Counter = field(default_factory=Counter)  # tree: kept node's index among its siblings -> count
+    batch_size: int = 1  # rows decoded together (decoding.batch): passes and model time are shared by them
 
     @property
     def tokens_per_forward(self) -> float:

@@ -186,10 +186,23 @@ def _our_jsonl(path: Path) -> bool:
     return isinstance(record, dict) and bool(record) and set(record) <= {"input_ids", "text"}
 
 
-def prepare_output_file(path: str | None, *, overwrite: bool = False, inputs=(), sidecars: tuple[str, ...] = ()) -> Path:
-    """The same guard for a command writing one jsonl file (``distill``): an existing file is
-    replaced only with ``--overwrite`` and only if it is a corpus we wrote; ``sidecars``
-    (suffixes of files written beside it, e.g. ``.config.json``) must be ours too."""
+def our_generations(path: Path) -> bool:
+    """True when ``path`` starts like ``multitoken generate --prompts`` output (a JSON object per
+    line with at least ``prompt``, ``token_ids`` and ``text``)."""
+    try:
+        with open(path, "rb") as fh:
+            record = json.loads(fh.readline(1 << 24).decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"prompt", "token_ids", "text"} <= set(record)
+
+
+def prepare_output_file(path: str | None, *, overwrite: bool = False, inputs=(), sidecars: tuple[str, ...] = (),
+                        command: str = "distill") -> Path:
+    """The same guard for a command writing one jsonl file (``distill``, ``generate --prompts``):
+    an existing file is replaced only with ``--overwrite`` and only if that command wrote it;
+    ``sidecars`` (suffixes of files written beside it, e.g. ``.config.json``) must be ours too."""
+    ours, what = {"distill": (_our_jsonl, "a corpus"), "generate": (our_generations, "generations")}[command]
     if not path:
         raise UsageError("no output file given", "pass --out FILE.jsonl")
     out = _resolve(path)
@@ -199,12 +212,12 @@ def prepare_output_file(path: str | None, *, overwrite: bool = False, inputs=(),
     if out.exists():
         if not overwrite:
             raise UsageError(f"--out {path} exists", "pass --overwrite to replace it, or choose another --out")
-        if not _our_jsonl(out):
-            raise UsageError(f"--out {path} exists and is not a corpus written by multitoken distill",
+        if not ours(out):
+            raise UsageError(f"--out {path} exists and is not {what} written by multitoken {command}",
                              "choose another --out: multitoken never replaces files it did not write")
     for suffix in sidecars:
         side = Path(str(out) + suffix)
-        if side.exists() and not _json_object(side).get("command") == "distill":
-            raise UsageError(f"{side} exists and was not written by multitoken distill", "choose another --out")
+        if side.exists() and not _json_object(side).get("command") == command:
+            raise UsageError(f"{side} exists and was not written by multitoken {command}", "choose another --out")
     _probe(_existing_parent(out, path), path)
     return Path(path)

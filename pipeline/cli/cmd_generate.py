@@ -3,7 +3,10 @@
 With only a prompt it runs the embedded model with the embedded heads and stats (when shipped);
 ``--base/--heads/--stats`` choose others. Text streams to stdout as tokens become final and the
 trace summary goes to stderr; ``--json`` prints one JSON object instead (token ids, text, trace,
-resolved configs), for scripts.
+resolved configs), for scripts. ``--prompts FILE --out FILE.jsonl`` decodes every prompt of a file
+(one per line, or jsonl with ``prompt``/``text``), ``--batch-size`` rows at a time, and writes one
+JSON object per prompt (prompt, token ids, text, trace) atomically, its settings beside it in
+``FILE.jsonl.config.json``; each row is what the prompt alone gives with the same ``--seed``.
 """
 
 from __future__ import annotations
@@ -16,18 +19,23 @@ from pathlib import Path
 
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
-from multitoken.pipeline.base.config_io import config_dict
+from multitoken.pipeline.base.atomic import atomic_write_text
+from multitoken.pipeline.base.config_io import config_dict, save_resolved_config
 from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output_file
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import dataclass_from_args, set_default
 
 
 @dataclass
 class GenerateConfig:
-    prompt: str = field(default="", metadata={"positional": True, "help": "text to continue"})
+    prompt: str = field(default="", metadata={"positional": True, "nargs": "?", "help": "text to continue (or --prompts FILE)"})
     heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded heads with the embedded base)"})
     stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir for dynamic masking (default: the embedded stats with the embedded base)"})
     json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
+    prompts: str = field(default="", metadata={"help": "prompts file (one per line, or jsonl with 'prompt'/'text'): decode them all, writing --out"})
+    batch_size: int = field(default=8, metadata={"help": "with --prompts: rows decoded together (1: one at a time, the same tokens)"})
+    out: str = field(default="", metadata={"help": "with --prompts: the jsonl file written (one object per prompt)"})
 
 
 BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (default: the base recorded in "
@@ -38,6 +46,7 @@ def register(sub) -> None:
     from multitoken.decoding.config import DecodeConfig  # lazy: torch
 
     parser = add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
+    add_overwrite_flag(parser)
     set_default(parser, "base", None, {"help": BASE_HELP})  # None: not given, so --heads' own base
 
 
@@ -104,8 +113,11 @@ def run(args) -> None:
     from multitoken.pipeline.model.assets import backbone_config, load_stats  # lazy: torch
 
     cfg = dataclass_from_args(GenerateConfig, args)
+    cfg.prompt = cfg.prompt or ""  # optional positional: None when --prompts is used
     decode = dataclass_from_args(DecodeConfig, args)
     base_cfg = dataclass_from_args(BackboneConfig, args, base=None)
+    if cfg.prompts or cfg.out:
+        return run_file(args, cfg, decode, base_cfg)
     if not cfg.prompt.strip():
         raise UsageError("the prompt is empty", 'pass the text to continue, e.g. multitoken generate "Once upon a time"')
     decode.validate()  # the flags alone, before a model loads; the model's bounds below
@@ -131,3 +143,53 @@ def run(args) -> None:
     else:
         print(flush=True)
         print(result.trace.summary(), file=sys.stderr)
+
+
+def _check_file_flags(cfg: GenerateConfig) -> None:
+    if cfg.prompt:
+        raise UsageError("both a prompt and --prompts were given", "pass the text to continue, or --prompts FILE, not both")
+    if not cfg.prompts:
+        raise UsageError("--out needs --prompts FILE", "pass the prompts to decode, or drop --out to stream one prompt")
+    if not cfg.out:
+        raise UsageError("--prompts needs --out FILE.jsonl", "pass where to write the generations")
+    if cfg.json:
+        raise UsageError("--json prints one prompt's result", "drop --json: --prompts always writes jsonl to --out")
+    if cfg.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {cfg.batch_size}")
+
+
+def run_file(args, cfg: GenerateConfig, decode, base_cfg: BackboneConfig) -> None:
+    """Every prompt of ``--prompts``, ``--batch-size`` at a time, to ``--out`` (jsonl)."""
+    from multitoken.decoding.batch import generate_batch  # lazy: torch
+    from multitoken.decoding.config import check_context  # lazy: torch
+    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
+    from multitoken.pipeline.eval.sweep import read_prompts  # lazy: the eval package imports torch
+    from multitoken.pipeline.model.assets import backbone_config, load_stats  # lazy: torch
+
+    _check_file_flags(cfg)
+    decode.validate()
+    texts = read_prompts(cfg.prompts)
+    fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
+    base_cfg = backbone_config(cfg.heads, args.base, **fields)
+    prepare_output_file(cfg.out, overwrite=args.overwrite, inputs=(cfg.prompts, base_cfg.base), sidecars=(".config.json",),
+                        command="generate")
+    model, heads = _load(cfg, base_cfg)
+    stats = cfg.stats or _embedded(base_cfg.base, EMBEDDED_STATS)
+    table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None
+    decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
+                    max_order=stats_order_cap(decode, model.n_future, table, False))
+    _note_order_cap(decode, model, table)
+    tok = model.backbone.tokenizer
+    ids = [tok(t)["input_ids"] for t in texts]
+    for i, row in enumerate(ids, 1):
+        if not row:
+            raise UsageError(f"prompt {i} of {cfg.prompts} has no tokens", "remove it or give it some text")
+        check_context(len(row), decode.max_new_tokens, model.backbone.config.max_position_embeddings)
+    lines = []
+    for start in range(0, len(ids), cfg.batch_size):
+        chunk = ids[start:start + cfg.batch_size]
+        for k, result in enumerate(generate_batch(model, chunk, decode, table=table)):
+            lines.append(json.dumps({"prompt": texts[start + k], **result.as_dict()}))
+        print(f"{min(start + cfg.batch_size, len(ids))}/{len(ids)} prompts", file=sys.stderr)
+    atomic_write_text(cfg.out, "\n".join(lines) + "\n")
+    save_resolved_config(cfg.out + ".config.json", "generate", cfg, decode, base_cfg, extra={"heads": heads, "stats": stats})

@@ -13,6 +13,10 @@ How a step is scored (teacher forcing on the reference text x):
 4. The cursor moves to t+m. PPL_d = exp(-sum of step scores / tokens scored); the mean tokens
    per step is tokens scored / steps. eps_b = 1 gives PPL_1 over the walked tokens.
 Only the first ``dynamic_tokens`` tokens are walked (each step builds a k^n grid).
+
+The walk reads only the heads' top-k: the candidates (top-k ids and tempered probabilities, as
+``dynamic.head_candidates`` makes them) of every position of a batch's rows are made in one call
+per head from the stored top-k, so the steps of every row and eps_b do no tensor work at all.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import math
 
 import numpy as np
 import torch
+from multitoken.decoding.batch import HeadWidth
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import dynamic_propose
+from multitoken.decoding.dynamic import Candidates, dynamic_propose, head_candidates
 
 
 class DynamicPPL:
@@ -55,15 +60,27 @@ class DynamicPPL:
 
     def end_batch(self, ids: torch.Tensor) -> None:
         tops, self._top = self._top, []
-        for b in range(ids.shape[0]):
-            if self.full or not tops:
-                break
+        if not tops or self.full:
+            return
+        rows = min(ids.shape[0], -(-(self.budget - self.walked) // ids.shape[1]))  # the rows the budget reaches
+        cands = [self._candidates(vals[:rows], idx[:rows]) for vals, idx, _ in tops]  # heads x [rows][T]
+        for b in range(rows):
             row = ids[b].cpu()
             for e in self.eps_b:
-                self._walk(row, [(v[b], x[b]) for v, x, _ in tops], [r[b] for _, _, r in tops], e)
+                self._walk(row, [c[b] for c in cands], [r[b] for _, _, r in tops], e)
             self.walked += row.numel()
 
-    def _walk(self, row: torch.Tensor, tops, ref, eps_b: float) -> None:
+    def _candidates(self, vals: torch.Tensor, idx: torch.Tensor) -> list[list[Candidates]]:
+        """Every position's candidates for one head # [R, T, k] -> R x T: one top-k call over the
+        stored top-k (re-sorted as the proposal sorts them), ids mapped back to the vocabulary."""
+        temperature = self.cfg.temperature if self.cfg.temperature > 0 else 1.0
+        r, t, k = vals.shape
+        flat = head_candidates(vals.reshape(r * t, k), k, temperature)
+        ids = idx.reshape(r * t, k).numpy()
+        out = [Candidates(ids[j][c.ids], c.probs) for j, c in enumerate(flat)]
+        return [out[b * t:(b + 1) * t] for b in range(r)]
+
+    def _walk(self, row: torch.Tensor, cands, ref, eps_b: float) -> None:
         from dataclasses import replace
 
         cfg = replace(self.cfg, eps_b=eps_b)
@@ -73,20 +90,13 @@ class DynamicPPL:
         seen[int(row[0])] = True
         while t < last:
             n = min(self.n, last - t)
-            logps = [self._sparse(*tops[i], t) for i in range(n)]
-            m = dynamic_propose(logps, cfg, self.table, seen, None).order if n > 1 else 1
+            at = [cands[i][t] for i in range(n)]
+            m = dynamic_propose(HeadWidth(n, self.vocab), cfg, self.table, seen, None, candidates=at).order if n > 1 else 1
             acc[0] -= float(sum(ref[i][t] for i in range(m)))
             acc[1] += m
             acc[2] += 1
             seen[row[t + 1: t + m + 1].numpy()] = True
             t += m
-
-    def _sparse(self, vals: torch.Tensor, idx: torch.Tensor, t: int) -> torch.Tensor:
-        """A [V] log-distribution with only position t's top-k entries (everything else -inf):
-        its top-k, hence the proposal built from it, is that of the full distribution."""
-        out = torch.full((self.vocab,), -math.inf)
-        out[idx[t]] = vals[t].float()
-        return out
 
     def report(self) -> list[dict]:
         rows = []

@@ -14,7 +14,11 @@ point reports means with 95% Student-t intervals over the prompt x seed runs; th
 speed-up of a run is ar's seconds per token over the point's, on the same prompt and seed
 (ar runs just before and after that prompt and seed's points; the mean of the two is used);
 the CPU-time speed-up (process time, one thread by default) is the same ratio measured in a
-way other processes on a shared machine cannot inflate.
+way other processes on a shared machine cannot inflate. ``--batch-size B`` decodes B prompt x
+seed runs of a point together (``decoding.batch``): every run's tokens, hence every quality
+figure and tokens per forward, are those of the one-at-a-time sweep; the timings are then the
+batch's (seconds per token = the batch's time over its tokens, the same for its runs), ar's
+batched the same way.
 
 ``same_quality_speedup``: among the points of ar's quality, the one with the most tokens per
 forward (its wall-clock speed-up is reported beside it). Of ar's quality = for each of NLL,
@@ -36,6 +40,7 @@ import torch
 from multitoken.pipeline.eval import metrics as M
 from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
 from multitoken.pipeline.base.threads import THREADS_ONE_SEQUENCE, threads_field
+from multitoken.decoding.batch import generate_batch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.pipeline.base.config_io import expand_range
@@ -82,6 +87,7 @@ class SweepConfig:
     dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int | None = threads_field(THREADS_ONE_SEQUENCE)  # batch-1 decoding: latency-bound; steadier timings too
+    batch_size: int = field(default=1, metadata={"help": "prompt x seed runs decoded together (same tokens as 1; timings per batch)"})
     quiet: bool = field(default=False, metadata={"help": "no progress lines"})
 
     def validate(self) -> None:
@@ -90,6 +96,8 @@ class SweepConfig:
 
         if self.seeds < 1 or self.max_new_tokens < 1:
             raise UsageError("--seeds and --max-new-tokens must be >= 1")
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
         decode_configs(self, [])[0].validate()
 
     def configs(self) -> list[str]:
@@ -180,6 +188,22 @@ def run_once(model, prompt_ids: list[int], decode_cfg, table) -> dict:
     }
 
 
+def run_batch(model, runs: list[tuple[list[int], int]], decode_cfg, table) -> list[dict]:
+    """``run_once`` for (prompt ids, seed) runs decoded as one batch: each run's tokens are its
+    one-at-a-time tokens; the timings are the batch's per token."""
+    if len(runs) == 1:
+        return [run_once(model, runs[0][0], replace(decode_cfg, seed=runs[0][1]), table)]
+    cpu, wall = time.process_time(), time.perf_counter()
+    results = generate_batch(model, [p for p, _ in runs], decode_cfg, seeds=[s for _, s in runs], table=table)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    tokens = max(sum(len(r.token_ids) for r in results), 1)
+    return [{"tokens": len(r.token_ids), "tokens_per_forward": r.trace.tokens_per_forward,
+             "sec_per_token": wall / tokens, "cpu_per_token": cpu / tokens,
+             "nll": continuation_nll(model.backbone, p, r.token_ids), "distinct2": M.distinct_n(r.token_ids, 2),
+             "distinct3": M.distinct_n(r.token_ids, 3), "repetition": M.repetition_rate(r.token_ids, 4)}
+            for (p, _), r in zip(runs, results)]
+
+
 def _average_timing(a: dict, b: dict) -> dict:
     """Two runs of the same (deterministic) generation: same tokens, mean of the timings."""
     return {**a, **{k: (a[k] + b[k]) / 2 for k in ("sec_per_token", "cpu_per_token")}}
@@ -263,14 +287,18 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
     started = time.perf_counter()
     # Pair-major order: a prompt/seed's ar reference runs just before and just after its grid
     # points and hf-sample, so on a shared machine the load the timings see changes little between them.
+    # Batches of pairs (--batch-size) keep that order: ar before and after each batch's points.
     ar_runs, hf_runs, point_runs = [], [], [[] for _ in grid_cfgs]
-    for done, (i, s) in enumerate(pairs, 1):
-        before = run_once(model, prompt_ids[i], replace(base_cfg, seed=s), table)
+    for first in range(0, len(pairs), cfg.batch_size):
+        chunk = pairs[first:first + cfg.batch_size]
+        runs_in = [(prompt_ids[i], s) for i, s in chunk]
+        before = run_batch(model, runs_in, base_cfg, table)
         for runs, (_, _, dcfg) in zip(point_runs, grid_cfgs):
-            runs.append(run_once(model, prompt_ids[i], replace(dcfg, seed=s), table))
+            runs.extend(run_batch(model, runs_in, dcfg, table))
         if cfg.hf_sample:
-            hf_runs.append(run_hf_sample(model.backbone, prompt_ids[i], replace(base_cfg, seed=s)))
-        ar_runs.append(_average_timing(before, run_once(model, prompt_ids[i], replace(base_cfg, seed=s), table)))
+            hf_runs.extend(run_hf_sample(model.backbone, p, replace(base_cfg, seed=s)) for p, s in runs_in)
+        ar_runs.extend(map(_average_timing, before, run_batch(model, runs_in, base_cfg, table)))
+        (i, s), done = chunk[-1], first + len(chunk)
         log(f"prompt {i + 1}/{len(prompts)} seed {s}: done ({done}/{len(pairs)}, {time.perf_counter() - started:.0f} s)")
     ar = {"config": "ar", **_summarise(ar_runs, None)}
     c = draft_cost_ratio(model)

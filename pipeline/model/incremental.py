@@ -5,6 +5,10 @@ final layer read and extend the backbone cache; each head layer (replicated / WH
 extends its own cache. Every cache always covers the same positions, so one ``LayerContext``
 (mask, positions, rotary) serves all of them, and cropping removes the same suffix everywhere.
 Everything goes through ``Backbone.run_layer`` / ``layer_context``: no patched transformers code.
+
+Batches (``decoding.batch``): rows of different lengths share the slot axis; ``DecodeCaches.valid``
+marks per row which slots hold its tokens (None: every slot, every row: the batch-1 fast path).
+``pipeline/model/ragged.py`` explains the layout and why holes are masked, not compacted per step.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from multitoken.adapters.base import Features
 from multitoken.pipeline.model.backbone import LayerContext
+from multitoken.pipeline.model import ragged
 
 
 def _new_cache():
@@ -35,7 +41,9 @@ class DecodeCaches:
 
     backbone: object
     heads: list = field(default_factory=list)
-    length: int = 0
+    length: int = 0  # slots (positions when no row has holes)
+    valid: np.ndarray | None = None  # [B, length] bool, host: slot holds a token of the row (None: all)
+    compactions: int = 0  # gathers done (``ragged.should_compact``)
 
     def crop(self, remove: int) -> None:
         """Drop the last ``remove`` positions (rejected drafts) from every cache."""
@@ -44,6 +52,63 @@ class DecodeCaches:
         for cache in (self.backbone, *self.heads):
             cache.crop(-remove)  # transformers 5: a negative count removes that many positions
         self.length -= remove
+        if self.valid is not None:
+            self.valid = self.valid[:, : self.length]
+
+    # Ragged rows (batched decoding; ragged.py) ------------------------------------------------
+    def row_lengths(self, rows: int) -> list[int]:
+        """Tokens held per row (its next position)."""
+        return [self.length] * rows if self.valid is None else self.valid.sum(1).tolist()
+
+    def crop_rows(self, remove: list[int]) -> None:
+        """Forget the last ``remove[b]`` slots of row b (its rejected drafts, right after the step
+        that fed them): the suffix every row drops is cropped, the rest become holes."""
+        if len(set(remove)) == 1 and self.valid is None:
+            return self.crop(remove[0])
+        valid = self._valid_array(len(remove))
+        for row, r in enumerate(remove):
+            if r > 0:
+                valid[row, self.length - r:] = False
+        self.valid = valid
+        self.crop(ragged.trailing_holes(valid))
+        self._settle()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only batch rows ``rows`` (finished rows leave: they cost nothing afterwards)."""
+        device = next((layer.keys.device for layer in self.backbone.layers if getattr(layer, "keys", None) is not None), "cpu")
+        index = torch.tensor(rows, dtype=torch.long).to(device)  # one copy to the device for every layer
+        for cache in (self.backbone, *self.heads):
+            ragged.map_layers(cache, lambda x: x.index_select(0, index))
+        if self.valid is not None:
+            self.valid = self.valid[rows]
+            lead = ragged.leading_holes(self.valid)  # left pads only the dropped rows needed
+            if lead:
+                for cache in (self.backbone, *self.heads):
+                    ragged.map_layers(cache, lambda x: x[:, :, lead:])
+                self.valid, self.length = self.valid[:, lead:], self.length - lead
+            self._settle()
+
+    def compact_if_sparse(self) -> None:
+        """Gather every row's tokens to the end of a slot axis as long as the longest row, when
+        holes have made it much longer (``ragged.should_compact``)."""
+        if self.valid is None or not ragged.should_compact(self.valid):
+            return
+        index, self.valid = ragged.compact_index(self.valid)
+        for cache in (self.backbone, *self.heads):
+            device = next((layer.keys.device for layer in cache.layers if getattr(layer, "keys", None) is not None), None)
+            if device is not None:
+                ragged.map_layers(cache, ragged.gather_slots(torch.from_numpy(index).to(device)))
+        self.length = self.valid.shape[1]
+        self.compactions += 1
+        self._settle()
+
+    def _valid_array(self, rows: int) -> np.ndarray:
+        return np.ones((rows, self.length), dtype=bool) if self.valid is None else self.valid.copy()
+
+    def _settle(self) -> None:
+        """No holes left: back to the unmasked layout (batch 1's fast path)."""
+        if self.valid is not None and self.valid.all():
+            self.valid = None
 
     @torch.no_grad()
     def keep(self, start: int, rows: list[int]) -> None:
@@ -198,6 +263,41 @@ class StepOutput:
         """Base hidden state at ``pos`` (what CP experts condition on) # [B, H]."""
         return self.feats.base[:, pos]
 
+    # Batched decoding: every row reads its heads at its own anchor --------------------------
+    def _at(self, x: torch.Tensor, anchors: tuple[int, ...]) -> torch.Tensor:
+        """Row b of ``x`` [B, T, ...] at position anchors[b] # -> [B, 1, ...]."""
+        if len(set(anchors)) == 1:
+            return x[:, anchors[0]:anchors[0] + 1]
+        index = torch.tensor(anchors, dtype=torch.long, device=x.device)
+        return x[torch.arange(x.shape[0], device=x.device), index][:, None]
+
+    def anchor_head_logits(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
+        """Layer head ``index``'s logits at each row's anchor # [B, V]; the first read unembeds
+        every layer head there in one call."""
+        key = ("logits", anchors)
+        if key not in self._head_logits:
+            heads = sorted(self.hiddens)
+            logits = self._unembed(torch.cat([self._at(self.hiddens[i], anchors) for i in heads], dim=1))  # [B, L, V]
+            self._head_logits[key] = {i: logits[:, j] for j, i in enumerate(heads)}
+        return self._head_logits[key][index]
+
+    def anchor_head_log_probs(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
+        """``head_log_probs`` with each row at its own anchor # [B, V] float32."""
+        if index == 0 and index not in self.hiddens:
+            base = self.base_log_probs()
+            return self._at(base, tuple(a - self.first for a in anchors))[:, 0]
+        if index in self.hiddens:
+            logits = self.anchor_head_logits(index, anchors)
+        start = self.clock()
+        if index in self.hiddens:
+            out = torch.log_softmax(logits.float(), dim=-1)
+        else:  # one-position heads: every row's anchor in one call
+            f = self.feats
+            sliced = Features(self._at(f.trunk, anchors), self._at(f.base, anchors), (), f.ctx)
+            out = self.model.heads.log_probs(index, sliced)[:, 0]
+        self.model_s += self.clock() - start
+        return out
+
 
 def _tree_context(bb, hidden: torch.Tensor, caches: DecodeCaches, attend: torch.Tensor, offsets: torch.Tensor):
     """The context of T new tokens that see the cached positions and, among themselves, only
@@ -209,13 +309,15 @@ def _tree_context(bb, hidden: torch.Tensor, caches: DecodeCaches, attend: torch.
     return bb.explicit_context(hidden, full, position_ids)
 
 
-def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
+def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches, lengths: list[int] | None = None):
     """Mask, positions and rotary for the T new tokens after ``caches.length`` cached ones
     (batch 1, no padding). One token attends to everything: no mask. Several tokens under SDPA
     get the boolean causal mask transformers' builder would return ([1, 1, T, past + T], True =
     attend), built directly: the generic builder is a measurable share of a small model's
     verification step. Other attention kernels go through the builder."""
     past, t = caches.length, hidden.shape[1]
+    if caches.valid is not None or (lengths is not None and min(lengths) < t):
+        return ragged.ragged_context(bb, hidden, caches.valid, past, ragged.step_valid(lengths or [t] * hidden.shape[0], t))
     if t > 1 and bb.config._attn_implementation != "sdpa":
         return bb.layer_context(hidden, None, caches.backbone)
     position_ids = torch.arange(past, past + t, device=hidden.device).unsqueeze(0)  # [1, T]
@@ -229,20 +331,22 @@ def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
 
 @torch.no_grad()
 def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
-         read_from: int = 0, attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepOutput:
+         read_from: int = 0, lengths: list[int] | None = None, attend: torch.Tensor | None = None,
+         offsets: torch.Tensor | None = None) -> StepOutput:
     """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
     ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
     layer runs); a run must use the same value throughout, its head caches cover those heads only.
     ``read_from``: the first position whose distributions will be read (a prompt's last).
+    ``lengths``: tokens per row, right-aligned in ``new_ids`` (the rest are pads; None: all T).
     ``attend`` [T, T] bool and ``offsets`` [T] long (both or neither): which new tokens each new
     token sees and their positions after the cached ones (a candidate tree: ancestors and
-    depth); None = causal, consecutive."""
+    depth; batch size 1); None = causal, consecutive."""
     bb, heads = model.backbone, model.heads
     hidden = bb.embeddings(new_ids)  # [B, T, H]
     if attend is not None:
         ctx = _tree_context(bb, hidden, caches, attend, offsets)
     else:
-        ctx = _layer_context(bb, hidden, caches)
+        ctx = _layer_context(bb, hidden, caches, lengths)
     states = []
     for layer in bb.layers[:-1]:
         hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)
@@ -255,5 +359,8 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
         slot = heads.layer_slot(index)
         if slot is not None:  # layer heads attend over the sequence: run them on every new position
             hiddens[index] = heads.hidden(index, feats, cache=caches.heads[slot])
+    if caches.valid is not None or (lengths is not None and min(lengths) < new_ids.shape[1]):
+        new_valid = ragged.step_valid(lengths or [new_ids.shape[1]] * new_ids.shape[0], new_ids.shape[1])
+        caches.valid = np.concatenate([caches._valid_array(new_ids.shape[0]), new_valid], axis=1)
     caches.length += new_ids.shape[1]
     return StepOutput(model, feats, hiddens, first=read_from)

@@ -151,14 +151,16 @@ class MultiTokenModel(nn.Module):
         return new_caches(self)
 
     def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0,
-             attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None):
+             lengths: list[int] | None = None, attend: torch.Tensor | None = None,
+             offsets: torch.Tensor | None = None):
         """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
         returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
         ``caches.crop(m)`` drops the last m positions (rejected drafts), ``caches.keep(start,
         rows)`` keeps an accepted tree path; ``heads_upto`` skips the layers of heads a run never
-        reads; ``read_from`` skips the logits of earlier positions; ``attend`` / ``offsets``: an
-        explicit mask among the new tokens and their positions (a candidate tree)."""
-        return step(self, new_ids, caches, heads_upto, read_from, attend, offsets)
+        reads; ``read_from`` skips the logits of earlier positions; ``lengths``: real tokens per
+        row, right-aligned in ``new_ids`` (batched rows; None: all); ``attend`` / ``offsets``: an
+        explicit mask among the new tokens and their positions (a candidate tree, batch size 1)."""
+        return step(self, new_ids, caches, heads_upto, read_from, lengths, attend, offsets)
 
 
 def _any_grad(*modules: nn.Module) -> bool:

@@ -85,3 +85,34 @@ def test_ar_applies_the_repetition_penalty_from_the_cli(capsys, heads_dir):
     assert runs["1"]["trace"]["repetition_penalty"] == 1.0 and runs["100"]["trace"]["repetition_penalty"] == 100.0
     assert run_json(capsys, "--heads", str(heads_dir), "--max-new-tokens", "2")["trace"]["repetition_penalty"] == 1.1
     assert run_json(capsys, "--heads", str(heads_dir), "--max-new-tokens", "2", "--greedy")["trace"]["repetition_penalty"] == 1.0
+
+
+def test_prompts_file_in_batches_equals_one_at_a_time(tmp_path, heads_dir):
+    """``--prompts --batch-size 2`` (ragged prompts, sampled, rows finishing apart) writes what
+    ``--batch-size 1`` writes, token for token; the file is replaced only with --overwrite."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe little dog ran to the big red\nShe\n")
+    out = tmp_path / "gen.jsonl"
+    common = ["generate", "--prompts", str(prompts), "--out", str(out), "--heads", str(heads_dir),
+              "--max-new-tokens", "12", "--seed", "3", "--mode", "speculative"]
+    assert main([*common, "--batch-size", "2"]) == 0
+    batched = [json.loads(line) for line in out.read_text().splitlines()]
+    assert main([*common, "--batch-size", "1"]) == 2  # exists: refused
+    assert main([*common, "--batch-size", "1", "--overwrite"]) == 0
+    single = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in batched] == ["Once upon a time", "The little dog ran to the big red", "She"]
+    assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in single]
+    assert batched[0]["trace"]["batch_size"] == 2 and single[0]["trace"]["batch_size"] == 1
+    assert json.loads((tmp_path / "gen.jsonl.config.json").read_text())["command"] == "generate"
+
+
+def test_prompts_file_flags_are_checked(tmp_path, heads_dir):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Once\n")
+    foreign = tmp_path / "notes.jsonl"
+    foreign.write_text('{"mine": 1}\n')
+    base = ["generate", "--prompts", str(prompts), "--heads", str(heads_dir)]
+    assert main([*base]) == 2  # no --out
+    assert main([*base, "--out", str(tmp_path / "o.jsonl"), "--batch-size", "0"]) == 2
+    assert main([*base, "--out", str(foreign), "--overwrite"]) == 2  # never replaces a file it did not write
+    assert foreign.read_text() == '{"mine": 1}\n'

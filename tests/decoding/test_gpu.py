@@ -138,3 +138,22 @@ def test_bench_decode_runs_on_cuda(tmp_path, monkeypatch, pythia_mini_dir):
     assert record["machine"]["device_name"] == torch.cuda.get_device_name(0)
     for key in ("embedded", "pythia_mini"):
         assert record[key]["methods"]["speculative_greedy"]["tokens"] > 0
+
+
+def test_batched_rows_equal_generate_and_their_runs_alone_on_cuda(cuda_backbones, arch):
+    """Batches on the device: greedy rows == transformers (float32), sampled rows == alone."""
+    from multitoken.decoding.batch import generate_batch
+
+    backbone = cuda_backbones[(arch, "float32")]
+    model = attach(backbone, "replicated")
+    prompts = [backbone.tokenizer(p).input_ids for p in PROMPTS]
+    refs = [hf_greedy(backbone, torch.tensor([p]), 16) for p in prompts]
+    for mode in ("ar", "speculative"):
+        got = generate_batch(model, prompts, DecodeConfig(mode=mode, greedy=True, max_new_tokens=16, stop_at_eos=False))
+        assert [r.token_ids for r in got] == refs, mode
+    for mode in ("speculative", "dynamic"):
+        cfg = DecodeConfig(mode=mode, max_new_tokens=16, eps_b=0.1, stop_at_eos=False)
+        got = generate_batch(model, prompts, cfg, seeds=[5, 6, 7], table=RatioTable())
+        alone = [generate(model, p, DecodeConfig(**{**cfg.__dict__, "seed": s}), table=RatioTable()).token_ids
+                 for p, s in zip(prompts, [5, 6, 7])]
+        assert [r.token_ids for r in got] == alone, mode

@@ -36,3 +36,22 @@ def test_budget_stops_walking(tiny_model):
         dyn.add_head(i, score_head(tiny_model, i, feats, ids, k=dyn.k))
     dyn.end_batch(ids)
     assert dyn.report()[0]["tokens"] == 7 and dyn.full
+
+
+def test_batched_candidates_equal_the_proposals_own_top_k(tiny_model):
+    """The walk's candidates, made for every position of a batch in one call from the stored
+    top-k, are those ``dynamic_propose`` makes from the head's distribution (ids and probs)."""
+    from multitoken.decoding.dynamic import head_candidates
+
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(4))
+    dyn = DynamicPPL([0.5], tiny_model, budget=10_000)
+    feats = tiny_model.features(ids)
+    logps = tiny_model.head_logits(ids, last_only=False)
+    for i in range(3):
+        sc = score_head(tiny_model, i, feats, ids, k=dyn.k)
+        cands = dyn._candidates(sc.top_vals.cpu(), sc.top_ids.cpu())
+        for b in range(2):
+            for t in (0, 5, 11):
+                ref = head_candidates(logps[i][b, t][None], dyn.k, dyn.cfg.temperature)[0]
+                assert (cands[b][t].ids == ref.ids).all()
+                assert abs(cands[b][t].probs - ref.probs).max() <= 1e-6
