@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from multitoken.decoding import generate as generate_any
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.decoding.tree import (ACCURACY_FILE, Accuracies, Tree, best_first, expected_accepted,
@@ -233,3 +234,17 @@ def test_typical_tree_runs_and_chain_stays_the_default(tiny_backbones):
     res = generate(model, ids, DecodeConfig(mode="typical", max_new_tokens=12, tree="dynamic", tree_nodes="6", seed=3))
     assert len(res.token_ids) == 12 and res.trace.tree == "dynamic"
     assert DecodeConfig().tree == "chain" and generate(model, ids, DecodeConfig(max_new_tokens=4)).trace.tree == "chain"
+
+
+def test_a_batch_of_tree_rows_equals_each_row_alone(tiny_backbones):
+    """Trees verify one sequence at a time: a batch decodes its rows one after another, each
+    with its own seed, streaming (row, tokens)."""
+    backbone = tiny_backbones["gpt_neox"]
+    model = attach(backbone, "medusa")
+    prompts = [backbone.tokenizer(p).input_ids for p in PROMPTS[:2]]
+    cfg = DecodeConfig(mode="speculative", max_new_tokens=12, tree="dynamic", tree_nodes="6")
+    streamed = {0: [], 1: []}
+    rows = generate_any(model, prompts, cfg, seeds=[3, 4], on_tokens=lambda row, t: streamed[row].extend(t))
+    for row, (ids, seed) in enumerate(zip(prompts, [3, 4])):
+        alone = generate(model, ids, DecodeConfig(mode="speculative", max_new_tokens=12, tree="dynamic", tree_nodes="6", seed=seed))
+        assert rows[row].token_ids == alone.token_ids == streamed[row]
