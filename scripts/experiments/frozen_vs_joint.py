@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 NAME = "frozen_vs_joint"
-FULL = common.Budget(steps=60, batch_size=4, seq_len=64, lr=5e-4, eval_tokens=6144, eval_batches=2)
+FULL = common.Budget(steps=40, batch_size=4, seq_len=64, lr=5e-4, eval_tokens=4096, eval_batches=2)
 QUICK = common.Budget(steps=2, batch_size=2, seq_len=16, lr=5e-4, eval_tokens=64, eval_batches=1)
 HEADS = {"head_type": "replicated", "n_future": 3, "init": "copy"}
 

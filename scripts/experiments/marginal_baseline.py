@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 NAME = "marginal_baseline"
-FULL = common.Budget(steps=80, batch_size=4, seq_len=64, lr=1e-3, eval_tokens=4096, eval_batches=2)
+FULL = common.Budget(steps=60, batch_size=4, seq_len=64, lr=1e-3, eval_tokens=4096, eval_batches=2)
 QUICK = common.Budget(steps=2, batch_size=2, seq_len=16, lr=1e-3, eval_tokens=64, eval_batches=1)
 HEADS = {"head_type": "replicated", "n_future": 2, "init": "copy"}
 MARGINAL = {"FULL": {"marginal_every": 48, "max_candidates": 256, "top_p": 0.99},
