@@ -25,7 +25,7 @@ import common  # noqa: E402
 
 NAME = "cp_rank"
 RANKS = (1, 2, 4, 8)
-FULL = common.Budget(steps=200, batch_size=8, seq_len=128, lr=3e-3, train_tokens=20_000, eval_tokens=8_192,
+FULL = common.Budget(steps=120, batch_size=8, seq_len=128, lr=3e-3, train_tokens=20_000, eval_tokens=8_192,
                      eval_batches=4, new_tokens=64, prompts=6, seeds=2)
 QUICK = common.Budget(steps=2, batch_size=2, seq_len=32, lr=3e-3, train_tokens=1_500, eval_tokens=256,
                       eval_batches=1, new_tokens=8, prompts=1, seeds=1)
