@@ -17,7 +17,7 @@ def f(x, digits=3) -> str:
 
 
 def cp_rank(d: dict) -> list[str]:
-    lines = ["| rank | joint loss 1..3 | joint loss 2..3 given 1 | first-token loss | tokens/forward (cp drafts) | tokens/forward (independent drafts) | max |seq. - indep.| log p |",
+    lines = ["| rank | joint loss 1..3 | joint loss 2..3 given 1 | first-token loss | tokens/forward (cp drafts) | tokens/forward (independent drafts) | max abs diff., sequential vs independent log p |",
              "|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         lines.append(f"| {r['rank']} | {f(r['joint_loss'])} | {f(r['joint_loss_tokens_2_to_n'])} | {f(r['first_token_loss'])} | "
