@@ -28,7 +28,7 @@ def run_quick(name: str, tmp_path) -> dict:
     finally:
         sys.path.remove(str(EXPERIMENTS))
     out = tmp_path / name
-    record = module.main(["--quick", "--out", str(out), "--threads", "2"])
+    record = module.main(["--quick", "--out", str(out), "--threads", "1"])
     on_disk = json.loads((out / f"{name}.json").read_text())
     png = (out / f"{name}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000  # a drawn figure, not an empty canvas
