@@ -18,8 +18,8 @@ from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
 from multitoken.pipeline.base.config_io import config_dict
 from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.cli import add_command
-from multitoken.pipeline.cli.args import dataclass_from_args, set_default
+from multitoken.pipeline.cli import add_command, base_from_heads
+from multitoken.pipeline.cli.args import dataclass_from_args
 
 
 @dataclass
@@ -30,15 +30,10 @@ class GenerateConfig:
     json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
 
 
-BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (default: the base recorded in "
-             "--heads, else the embedded stories260K)")
-
-
 def register(sub) -> None:
     from multitoken.decoding.config import DecodeConfig  # lazy: torch
 
-    parser = add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
-    set_default(parser, "base", None, {"help": BASE_HELP})  # None: not given, so --heads' own base
+    base_from_heads(add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run))
 
 
 def _embedded(base: str, shipped: Path) -> str | None:
@@ -54,8 +49,7 @@ def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
     heads = cfg.heads or _embedded(base_cfg.base, EMBEDDED_HEADS)
     if heads is None:
         return load_base_only(base_cfg), None
-    fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
-    return load_model(heads, base_cfg.base, **fields)
+    return load_model(heads, **dataclasses.asdict(base_cfg))
 
 
 def _note_order_cap(decode, model, table) -> None:
