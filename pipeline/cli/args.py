@@ -89,7 +89,7 @@ def plain(value) -> str:
 
 def _help(meta, default) -> str:
     help_ = meta.get("help", "")
-    if "(default" in help_ or meta.get("positional"):
+    if "(default" in help_ or meta.get("positional") or default is argparse.SUPPRESS:
         return help_
     shown = meta.get("default_help")
     if shown is None and default not in (None, "", ()):
@@ -129,17 +129,19 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", e
     group = parser.add_argument_group(title(cls))
     fields, inner = _flag_fields(cls, exclude, only, meta, instance)
     for f, meta_, default in fields:
-        _add_flag(group, f.name, prefix, hints[f.name], meta_, meta_.get("cli_default", default))
+        add_flag(group, f.name, hints[f.name], meta_, meta_.get("cli_default", default), prefix=prefix)
     for f in inner:
         sub = _field_default(f, instance)
         spec = f.metadata["nested"]
         add_dataclass_args(parser, type(sub), prefix, only=spec["flags"], meta=spec["meta"], instance=sub)
 
 
-def _add_flag(group, name: str, prefix: str, hint, meta, default) -> None:
+def add_flag(group, name: str, hint, meta, default, *, prefix: str = "", dest: str | None = None) -> None:
+    """The flag of one config field ``name`` (type ``hint``, field ``meta``data); ``default``
+    ``argparse.SUPPRESS`` leaves it out of the namespace unless given."""
     tp, nargs = _base_type(hint)
     help_ = _help(meta, default)
-    dest = prefix + name
+    dest = dest or prefix + name
     if meta.get("positional"):
         group.add_argument(dest, type=tp, help=help_, nargs=meta.get("nargs"))
         return

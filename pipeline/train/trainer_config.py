@@ -27,8 +27,8 @@ SAVE_EVERY_MINUTES = 5.0  # a killed run with the defaults loses at most this mu
 
 @dataclass
 class TrainConfig:
-    heads: str = field(default="", metadata={"help": "heads dir to start from (made by `multitoken attach`, or a trained one)"})
-    out: str = field(default="", metadata={"help": "output heads dir (replaced atomically at the end)"})
+    heads: str | None = field(default=None, metadata={"help": "heads dir to start from (made by `multitoken attach`, or a trained one)"})
+    out: str | None = field(default=None, metadata={"help": "output heads dir (replaced atomically at the end)"})
     base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
     dtype: str | None = field(default=None, metadata={"help": "backbone weights dtype (default: the one recorded in the heads dir)", "choices": ("float32", "float16", "bfloat16")})
     device: str = field(default="cpu", metadata={"help": "torch device (under torchrun, cuda picks cuda:LOCAL_RANK)"})
