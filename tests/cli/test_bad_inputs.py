@@ -26,12 +26,8 @@ import pytest
 from multitoken.pipeline.cli import main
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 
-from conftest import fixture_path
-
-
-def run_cli(*args, cwd=None, env=None, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+from ..conftest import fixture_path
+from .cli_helpers import phrase_corpus, run_cli
 
 
 def run_forked(cases: dict, workdir: Path) -> dict[str, subprocess.CompletedProcess]:
@@ -47,13 +43,6 @@ def run_forked(cases: dict, workdir: Path) -> dict[str, subprocess.CompletedProc
     assert done.returncode == 0, done.stderr
     results = json.loads((workdir / "results.json").read_text())
     return {n: subprocess.CompletedProcess(spec[n]["args"], r["returncode"], r["stdout"], r["stderr"]) for n, r in results.items()}
-
-
-def phrase_corpus(path: Path, docs: int = 40) -> Path:
-    rng = np.random.default_rng(0)
-    lines = [json.dumps({"input_ids": rng.integers(3, 500, size=int(rng.integers(20, 60))).tolist()}) for _ in range(docs)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-from train_helpers import corpus, heads_dir  # noqa: F401 (shared fixtures)
-from train_helpers import head_state, load_trained, make_heads_dir, train_cfg
+from .train_helpers import head_state, load_trained, make_heads_dir, train_cfg
 
 from multitoken.pipeline.train import train as train_mod
 from multitoken.adapters.registry import registered_heads

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from train_helpers import make_heads_dir, train_cfg
+from .train_helpers import make_heads_dir, train_cfg
 
 from multitoken.adapters.base import LossOutput
 from multitoken.pipeline.train import optim
