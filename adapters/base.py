@@ -87,9 +87,7 @@ class HeadAdapter(nn.Module):
 
     def __init__(self, config, backbone):
         super().__init__()
-        if config.n_future < 1:
-            raise ValueError(f"n_future must be >= 1, got {config.n_future}")
-        self.config = config
+        self.config = config  # checked by registry.check_config (make_config, build_head)
         self.backbone = backbone  # plain attribute (not an nn.Module): base weights stay out of state_dict
 
     @property

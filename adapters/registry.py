@@ -55,7 +55,12 @@ def make_config(head_type: str, **options):
             f"option(s) {', '.join(unknown)} do not apply to head type {head_type!r}",
             f"{head_type} takes: {', '.join(sorted(known))}",
         )
-    config = cls(head_type=head_type, **options)
+    return check_config(cls(head_type=head_type, **options))
+
+
+def check_config(config):
+    """``config`` if it can build heads (n_future, then the type's own ``validate``), else a
+    UsageError: the one place head configs are validated (make_config, build_head)."""
     if not isinstance(config.n_future, int) or config.n_future < 1:  # every head type has one
         raise UsageError(f"n_future must be an integer >= 1, got {config.n_future!r}")
     if config.n_future > MAX_N_FUTURE:
@@ -82,7 +87,7 @@ def config_from_dict(record: dict):
 
 
 def build_head(config, backbone):
-    return get_head(config.head_type).module_cls(config, backbone)
+    return get_head(config.head_type).module_cls(check_config(config), backbone)
 
 
 BUILTIN = ("replicated", "whs", "cp", "medusa")

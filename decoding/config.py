@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from multitoken.pipeline.base.errors import UsageError
 
+from .accept import typical_rule
 from .sparse import KERNELS, numba_available
 from .tree import MAX_TREE_NODES, TREES
 
@@ -103,8 +104,10 @@ class DecodeConfig:
         if self.blur_kernel > MAX_BLUR_KERNEL:
             raise UsageError(f"--blur-kernel must be <= {MAX_BLUR_KERNEL}, got {self.blur_kernel}",
                              "DynaMo blurs with 3; a kernel wider than the grid only flattens it")
-        if not (0 < self.typical_eps <= 1 and self.typical_delta > 0):
-            raise UsageError("typical acceptance needs 0 < --typical-eps <= 1 and --typical-delta > 0")
+        try:
+            typical_rule(self.typical_eps, self.typical_delta)  # its own bounds, stated once
+        except ValueError:
+            raise UsageError("typical acceptance needs 0 < --typical-eps <= 1 and --typical-delta > 0") from None
         self._validate_tree()
         if self.mode == "dynamic" and n_heads is not None:
             order = min(self.order(n_heads), max_order or n_heads)

@@ -39,7 +39,7 @@ STATS_ARRAYS = (META_NAME, "counts[0-9].npy", "keys[0-9].npy")  # what a merge w
 
 @dataclass
 class BuildConfig:
-    out: str = field(default="", metadata={"help": "stats directory to write"})
+    out: str | None = field(default=None, metadata={"help": "stats directory to write"})
     tokenizer: str = field(default_factory=default_base, metadata={"help": "tokenizer (base model dir or Hub id) the corpus is tokenized with (default: the embedded model's)"})
     order: int = field(default=3, metadata={"help": "highest n-gram order counted (1-3)"})
     min_count: tuple[int, ...] = field(default=(1,), metadata={"help": "prune n-grams rarer than this at merge: one value for orders 2..N, or one per order 1..N"})

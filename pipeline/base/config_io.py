@@ -55,6 +55,15 @@ def expand_range(token: str, cast=float) -> list:
     return [cast(v) for v in values]
 
 
+def nested(cls, *, flags: tuple[str, ...] | None = None, help: dict | None = None, **defaults):
+    """A config field holding another config (``cls``, built with ``defaults``): one source for
+    its fields, their defaults and validation. The command line shows its fields as the outer
+    command's own flags (``flags``: only these; ``help``: field name -> metadata that replaces
+    the field's own, e.g. ``{"help": ...}``, where the command reads the value its own way)."""
+    return dataclasses.field(default_factory=lambda: cls(**defaults),
+                             metadata={"nested": {"flags": flags, "meta": help or {}}})
+
+
 def config_dict(*configs) -> dict:
     """JSON-ready view of resolved dataclass configs, keyed by class name."""
     return {type(c).__name__: dataclasses.asdict(c) for c in configs}

@@ -49,7 +49,7 @@ _SEP = r"[-._ 0-9]"
 class DataConfig:
     """Where the corpus comes from. Drives the ``--data/--split/--column`` flags."""
 
-    data: str = field(default="", metadata={"help": "local file, directory or glob (jsonl, jsonl.zst, parquet, txt) or a Hub dataset id"})
+    data: str | None = field(default=None, metadata={"help": "local file, directory or glob (jsonl, jsonl.zst, parquet, txt) or a Hub dataset id"})
     split: str = field(default="train", metadata={"help": "dataset split: train, validation or test (local folders: files or folders named so, as on the Hub)"})
     column: str | None = field(default=None, metadata={"help": f"text or token-id column (default: the first of {', '.join(ID_COLUMNS + TEXT_COLUMNS)} present)"})
     max_tokens: int | None = field(default=None, metadata={"help": "stop after this many tokens"})
@@ -115,7 +115,8 @@ def _dedupe(files: list[Path]) -> tuple[list[Path], list[tuple[Path, Path]]]:
 def local_files(cfg: DataConfig) -> LocalFiles | None:
     """The local files ``cfg`` reads (sorted, split selected, de-duplicated), or None when
     ``cfg.data`` is not local (a Hub id)."""
-
+    if not cfg.data:
+        raise UsageError("no data given", "pass --data FILE|DIR|GLOB|HUB_ID")
     spec = cfg.data
     p = Path(spec).expanduser()
     if p.is_dir():
@@ -260,8 +261,6 @@ def iter_rows(cfg: DataConfig, files: tuple[int, int, int] | None = None) -> Ite
     """Raw rows (dicts) of the corpus, in a deterministic order. ``files=(first, end, total)``:
     only the rows of files ``first..end-1`` of the ``total`` that ``count_files`` gives (a
     different total now is refused: the listing changed since the job was planned)."""
-    if not cfg.data:
-        raise UsageError("no data given", "pass --data FILE|DIR|GLOB|HUB_ID")
     found = local_files(cfg)
     if found is not None:
         for f in _file_group(found.files, files, cfg):

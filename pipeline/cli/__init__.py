@@ -13,7 +13,7 @@ import importlib
 import sys
 
 from multitoken.pipeline.base.errors import MultitokenError
-from multitoken.pipeline.cli.args import add_dataclass_args
+from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
 # --help order. Only the chosen command's module is imported: most import torch (~2 s), which
@@ -65,6 +65,22 @@ def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
     if run is not None:
         parser.set_defaults(func=run)
     return parser
+
+
+BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (default: the base recorded in "
+             "--heads, else the embedded stories260K)")
+
+
+def base_from_heads(parser: argparse.ArgumentParser) -> None:
+    """``--base`` of a command that loads heads: omitted (None), the heads dir's own base."""
+    set_default(parser, "base", None, {"help": BASE_HELP})
+
+
+def threads_for_batches(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` of a command that runs batches (``BackboneConfig``'s is one sequence's)."""
+    from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field  # lazy: torch
+
+    set_default(parser, "threads", THREADS_BATCHES, threads_field(THREADS_BATCHES).metadata)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -5,8 +5,10 @@ Field metadata may carry ``help``, ``choices``, ``flag`` (another flag name), ``
 command line's default where it differs from the library's, e.g. ``--threads``). ``bool`` fields
 become ``--name/--no-name`` switches. Tuple fields take space-separated values; numeric ones
 also take ``start:stop:step`` ranges as one token (stop included): ``--eps-b 0 0.5 1`` or
-``--eps-b 0:1:0.1``. Each config class is shown under a plain-words title (``TITLES``). The
-resolved dataclass is what commands save next to their outputs.
+``--eps-b 0:1:0.1``. Each config class is shown under a plain-words title (``TITLES``). A field
+made by ``config_io.nested`` holds another config (sweep's ``DecodeConfig``): its fields become
+flags of the same names, under that config's title. The resolved dataclass is what commands
+save next to their outputs (a nested config as a nested object).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def plain(value) -> str:
 
 def _help(meta, default) -> str:
     help_ = meta.get("help", "")
-    if "(default" in help_ or meta.get("positional"):
+    if "(default" in help_ or meta.get("positional") or default is argparse.SUPPRESS:
         return help_
     shown = meta.get("default_help")
     if shown is None and default not in (None, "", ()):
@@ -95,32 +97,64 @@ def _help(meta, default) -> str:
     return f"{help_} (default: {shown})".strip() if shown is not None else help_
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", exclude: tuple[str, ...] = ()):
+def _field_default(f, instance=None):
+    """A field's default: read from ``instance`` (a nested config's defaults), else the field's."""
+    if instance is not None:
+        return getattr(instance, f.name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def _flag_fields(cls, exclude=(), only=None, meta=None, instance=None):
+    """``(field, metadata, default)`` of each field of ``cls`` the command line shows; a nested
+    config's fields (``config_io.nested``) come flattened, after the outer ones."""
+    out, inner = [], []
+    for f in dataclasses.fields(cls):
+        if f.name in exclude or not f.init or (only is not None and f.name not in only):
+            continue
+        if "nested" in f.metadata:
+            inner.append(f)
+            continue
+        out.append((f, {**f.metadata, **(meta or {}).get(f.name, {})}, _field_default(f, instance)))
+    return out, inner
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", exclude: tuple[str, ...] = (), *,
+                       only: tuple[str, ...] | None = None, meta: dict | None = None, instance=None):
+    """One flag per field of ``cls`` (under its plain-words title); a nested config field adds
+    its own group. ``only``/``meta``/``instance``: a nested config's flag subset, help and
+    defaults."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(title(cls))
-    for f in dataclasses.fields(cls):
-        if f.name in exclude or not f.init:
-            continue
-        meta = f.metadata
-        tp, nargs = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        default = meta.get("cli_default", default)
-        help_ = _help(meta, default)
-        dest = prefix + f.name
-        if meta.get("positional"):
-            group.add_argument(dest, type=tp, help=help_, nargs=meta.get("nargs"))
-            continue
-        flag = meta.get("flag", "--" + (prefix + f.name).replace("_", "-"))
-        if tp is bool:
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
-            continue
-        if nargs and tp in (int, float):
-            tp = _list_item(tp)
-        elif tp is float:
-            tp = finite_arg
-        group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
-                           choices=meta.get("choices"), nargs=nargs, metavar=meta.get("metavar"))
+    fields, inner = _flag_fields(cls, exclude, only, meta, instance)
+    for f, meta_, default in fields:
+        add_flag(group, f.name, hints[f.name], meta_, meta_.get("cli_default", default), prefix=prefix)
+    for f in inner:
+        sub = _field_default(f, instance)
+        spec = f.metadata["nested"]
+        add_dataclass_args(parser, type(sub), prefix, only=spec["flags"], meta=spec["meta"], instance=sub)
+
+
+def add_flag(group, name: str, hint, meta, default, *, prefix: str = "", dest: str | None = None) -> None:
+    """The flag of one config field ``name`` (type ``hint``, field ``meta``data); ``default``
+    ``argparse.SUPPRESS`` leaves it out of the namespace unless given."""
+    tp, nargs = _base_type(hint)
+    help_ = _help(meta, default)
+    dest = dest or prefix + name
+    if meta.get("positional"):
+        group.add_argument(dest, type=tp, help=help_, nargs=meta.get("nargs"))
+        return
+    flag = meta.get("flag", "--" + (prefix + name).replace("_", "-"))
+    if tp is bool:
+        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        return
+    if nargs and tp in (int, float):
+        tp = _list_item(tp)
+    elif tp is float:
+        tp = finite_arg
+    group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
+                       choices=meta.get("choices"), nargs=nargs, metavar=meta.get("metavar"))
 
 
 def set_default(parser: argparse.ArgumentParser, dest: str, value, meta: dict | None = None) -> None:
@@ -140,12 +174,22 @@ def _flatten(values: list) -> tuple:
     return tuple(out)
 
 
-def dataclass_from_args(cls, ns: argparse.Namespace, prefix: str = "", **overrides):
+def dataclass_from_args(cls, ns: argparse.Namespace, prefix: str = "", *, only=None, instance=None, **overrides):
+    """``cls`` from the parsed flags (a nested config field from its flattened flags; fields
+    without a flag keep ``instance``'s value or their default)."""
     values = {}
     for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if "nested" in f.metadata:
+            sub = _field_default(f, instance)
+            values[f.name] = dataclass_from_args(type(sub), ns, prefix, only=f.metadata["nested"]["flags"], instance=sub)
+            continue
         key = prefix + f.name
-        if f.init and hasattr(ns, key):
+        if hasattr(ns, key) and (only is None or f.name in only):
             v = getattr(ns, key)
             values[f.name] = _flatten(v) if isinstance(v, list) else v
+        elif instance is not None:
+            values[f.name] = getattr(instance, f.name)
     values.update(overrides)
     return cls(**values)

@@ -18,7 +18,7 @@ from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.base.config_io import resolved_config_text
 from multitoken.pipeline.base.outputs import prepare_output
 from multitoken.pipeline.cli import add_command
-from multitoken.pipeline.cli.args import dataclass_from_args, finite_arg, plain
+from multitoken.pipeline.cli.args import add_flag, dataclass_from_args, plain
 
 RESOLVED_CONFIG = "attach_config.json"
 _SKIP = ("head_type", "n_future")  # set by --head and --n
@@ -28,7 +28,7 @@ _SKIP = ("head_type", "n_future")  # set by --head and --n
 class AttachConfig:
     head: str = field(default="replicated", metadata={"help": "head type"})
     n: int = field(default=3, metadata={"help": "tokens predicted per forward pass (head 1 = the base model)"})
-    out: str = field(default="", metadata={"help": "heads directory to create"})
+    out: str | None = field(default=None, metadata={"help": "heads directory to create"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing output of this command in --out (only its own files; others stay)"})
 
 
@@ -57,14 +57,9 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
                 owners.setdefault(f.name, []).append(name)
                 fields.setdefault(f.name, (f, hints[f.name]))
     for fname, (f, tp) in fields.items():
-        flag = "--" + fname.replace("_", "-")
         help_ = f"{f.metadata.get('help', '')} [{', '.join(owners[fname])}; default {plain(f.default)}]"
-        if tp is bool:
-            group.add_argument(flag, dest=f"head_{fname}", action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=help_)
-        else:
-            group.add_argument(flag, dest=f"head_{fname}", type=finite_arg if tp is float else tp, default=argparse.SUPPRESS,
-                               choices=f.metadata.get("choices"), metavar=fname.upper(), help=help_)
+        meta = {**f.metadata, "help": help_, "metavar": fname.upper()}
+        add_flag(group, fname, tp, meta, argparse.SUPPRESS, dest=f"head_{fname}")
 
 
 def head_options(args) -> dict:

@@ -14,8 +14,8 @@ from multitoken.pipeline.model.llama2c import convert_llama2c
 @dataclass
 class ConvertLlama2cConfig:
     model: str = field(default="", metadata={"positional": True, "help": "llama2.c legacy .bin checkpoint"})
-    tokenizer: str = field(default="", metadata={"help": "its SentencePiece tokenizer (.model)"})
-    out: str = field(default="", metadata={"help": "output directory (must not exist or be empty)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "its SentencePiece tokenizer (.model)"})
+    out: str | None = field(default=None, metadata={"help": "output directory (must not exist or be empty)"})
 
 
 def register(sub) -> None:
@@ -25,7 +25,7 @@ def register(sub) -> None:
 def run(args) -> None:
     cfg = dataclass_from_args(ConvertLlama2cConfig, args)
     prepare_output(cfg.out, "convert", overwrite=args.overwrite, inputs=(cfg.model, cfg.tokenizer))
-    if not cfg.tokenizer or not cfg.out:
-        raise UsageError("convert-llama2c needs --tokenizer and --out", "e.g. --tokenizer tok512.model --out my-model/")
+    if cfg.tokenizer is None:
+        raise UsageError("convert-llama2c needs --tokenizer", "e.g. --tokenizer tok512.model --out my-model/")
     out = convert_llama2c(cfg.model, cfg.tokenizer, cfg.out, overwrite=args.overwrite)
     print(f"wrote Hugging Face Llama checkpoint to {out}")

@@ -8,17 +8,14 @@ from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.train.distill import DistillConfig
 from multitoken.pipeline.base.config_io import save_resolved_config
 from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output_file
-from multitoken.pipeline.cli import add_command
-from multitoken.pipeline.cli.args import dataclass_from_args, set_default
+from multitoken.pipeline.cli import add_command, threads_for_batches
+from multitoken.pipeline.cli.args import dataclass_from_args
 
 
 def register(sub) -> None:
-    from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field  # lazy: torch
-
     parser = add_command(sub, "distill", DistillConfig, BackboneConfig, run=run)
     add_overwrite_flag(parser)
-    # distill samples batches, not one sequence
-    set_default(parser, "threads", THREADS_BATCHES, threads_field(THREADS_BATCHES).metadata)
+    threads_for_batches(parser)  # distill samples batches, not one sequence
 
 
 def run(args) -> None:

@@ -6,6 +6,7 @@ Writes ``report.json``, ``logit_lens.png`` (when the lens part runs) and the res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -14,9 +15,8 @@ from pathlib import Path
 from multitoken.pipeline.base.atomic import atomic_dir, atomic_write_text
 from multitoken.pipeline.base.config_io import save_resolved_config
 from multitoken.pipeline.base.data import DataConfig, describe_files
-from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.base.outputs import EVAL, add_overwrite_flag, prepare_output
-from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli import add_command, base_from_heads, threads_for_batches
 from multitoken.pipeline.cli.args import dataclass_from_args
 
 RESOLVED_CONFIG = "eval_config.json"
@@ -26,27 +26,33 @@ LENS_PNG = "logit_lens.png"
 
 def register(sub) -> None:
     from multitoken.pipeline.eval.evaluate import EvalConfig  # lazy: torch
+    from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
 
-    add_overwrite_flag(add_command(sub, "eval", EvalConfig, DataConfig, run=run))
+    parser = add_command(sub, "eval", EvalConfig, BackboneConfig, DataConfig, run=run)
+    base_from_heads(parser)
+    threads_for_batches(parser)
+    add_overwrite_flag(parser)
 
 
 def run(args) -> None:
     from multitoken.pipeline.model.assets import default_stats, load_model  # lazy: torch
     from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate  # lazy: torch
     from multitoken.decoding.tree import ACCURACY_FILE  # lazy: torch
+    from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
 
     cfg = dataclass_from_args(EvalConfig, args)
+    bb_cfg = dataclass_from_args(BackboneConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
-    prepare_output(cfg.out, "eval", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, data_cfg.data))
+    prepare_output(cfg.out, "eval", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, bb_cfg.base, data_cfg.data))
     cfg.validate()
-    if not cfg.out:
-        raise UsageError("--out is required", "pass a directory for the report, e.g. --out eval/")
     files, lines = describe_files(data_cfg)  # also refuses a --split the data does not have
-    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
+    model, cfg.heads = load_model(cfg.heads, **dataclasses.asdict(bb_cfg))
+    bb_cfg.base = model.backbone.name  # resolved: the base the heads ran on
     print("\n".join(lines), file=sys.stderr, flush=True)
-    cfg.stats = cfg.stats or default_stats(model.backbone)
+    if cfg.stats is None:
+        cfg.stats = default_stats(model.backbone)
     report = evaluate(model, cfg, data_cfg)
-    report = {"heads_dir": heads, "base": model.backbone.name, "head_type": model.config.head_type, **report}
+    report = {"heads_dir": cfg.heads, "base": model.backbone.name, "head_type": model.config.head_type, **report}
     out = Path(cfg.out)
     with atomic_dir(out, marker=EVAL.marker, owned=EVAL.owned) as stage:
         if "logit_lens" in report:
@@ -57,11 +63,11 @@ def run(args) -> None:
         atomic_write_text(stage / REPORT, json.dumps(report, indent=2, default=_json_default) + "\n")
         if "tree" in report:
             atomic_write_text(stage / ACCURACY_FILE, json.dumps(report["tree"], indent=2) + "\n")
-        save_resolved_config(stage / RESOLVED_CONFIG, "eval", cfg, data_cfg, extra={"data_files": files})
+        save_resolved_config(stage / RESOLVED_CONFIG, "eval", cfg, bb_cfg, data_cfg, extra={"data_files": files})
     print(format_report(report))
     print(f"\nreport: {out / REPORT}")
     if "tree" in report and cfg.beside_heads:
-        _write_beside_heads(heads, report["tree"])
+        _write_beside_heads(cfg.heads, report["tree"])
 
 
 def _write_beside_heads(heads: str, record: dict) -> None:

@@ -23,8 +23,8 @@ from multitoken.pipeline.base.atomic import atomic_write_text
 from multitoken.pipeline.base.config_io import config_dict, save_resolved_config
 from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output_file
-from multitoken.pipeline.cli import add_command
-from multitoken.pipeline.cli.args import dataclass_from_args, set_default
+from multitoken.pipeline.cli import add_command, base_from_heads
+from multitoken.pipeline.cli.args import dataclass_from_args
 
 
 @dataclass
@@ -33,13 +33,9 @@ class GenerateConfig:
     heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded heads with the embedded base)"})
     stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir for dynamic masking (default: the embedded stats with the embedded base)"})
     json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
-    prompts: str = field(default="", metadata={"help": "prompts file (one per line, or jsonl with 'prompt'/'text'): decode them all, writing --out"})
+    prompts: str | None = field(default=None, metadata={"help": "prompts file (one per line, or jsonl with 'prompt'/'text'): decode them all, writing --out"})
     batch_size: int = field(default=8, metadata={"help": "with --prompts: rows decoded together (1: one at a time, the same tokens)"})
-    out: str = field(default="", metadata={"help": "with --prompts: the jsonl file written (one object per prompt)"})
-
-
-BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (default: the base recorded in "
-             "--heads, else the embedded stories260K)")
+    out: str | None = field(default=None, metadata={"help": "with --prompts: the jsonl file written (one object per prompt)"})
 
 
 def register(sub) -> None:
@@ -47,7 +43,7 @@ def register(sub) -> None:
 
     parser = add_command(sub, "generate", GenerateConfig, DecodeConfig, BackboneConfig, run=run)
     add_overwrite_flag(parser)
-    set_default(parser, "base", None, {"help": BASE_HELP})  # None: not given, so --heads' own base
+    base_from_heads(parser)
 
 
 def _embedded(base: str, shipped: Path) -> str | None:
@@ -63,8 +59,7 @@ def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
     heads = cfg.heads or _embedded(base_cfg.base, EMBEDDED_HEADS)
     if heads is None:
         return load_base_only(base_cfg), None
-    fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
-    return load_model(heads, base_cfg.base, **fields)
+    return load_model(heads, **dataclasses.asdict(base_cfg))
 
 
 def _note_order_cap(decode, model, table) -> None:

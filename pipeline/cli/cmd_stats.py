@@ -19,7 +19,7 @@ from multitoken.stats.table import CooccurrenceTable
 @dataclass
 class MergeConfig:
     inputs: tuple[str, ...] = field(default=(), metadata={"positional": True, "nargs": "+", "help": "directories holding partials (the --out of each `stats build --shard I/N`)"})
-    out: str = field(default="", metadata={"help": "stats directory to write"})
+    out: str | None = field(default=None, metadata={"help": "stats directory to write"})
     min_count: tuple[int, ...] = field(default=(1,), metadata={"help": "prune n-grams rarer than this: one value for orders 2..N, or one per order 1..N"})
     num_proc: int = field(default=1, metadata={"help": "merge key ranges on this many processes"})
     memory_mb: int = field(default=1024, metadata={"help": "memory bound per process"})
@@ -75,8 +75,6 @@ def run_build(args) -> None:
 
 def run_merge(args) -> None:
     cfg = dataclass_from_args(MergeConfig, args)
-    if not cfg.out:
-        raise UsageError("no output directory given", "pass --out DIR")
     prepare_output(cfg.out, "stats", overwrite=args.overwrite, inputs=cfg.inputs)
     merge(list(cfg.inputs), cfg.out, cfg.min_count, cfg.num_proc, cfg.memory_mb)
     save_resolved_config(f"{cfg.out}/config.json", "stats merge", cfg)

@@ -13,6 +13,7 @@ grey band), transformers' sampling generate the black cross. The caption spells 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import sys
@@ -20,9 +21,8 @@ from pathlib import Path
 
 from multitoken.pipeline.base.atomic import atomic_dir, atomic_write_text
 from multitoken.pipeline.base.config_io import save_resolved_config
-from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.base.outputs import SWEEP, add_overwrite_flag, prepare_output
-from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli import add_command, base_from_heads
 from multitoken.pipeline.cli.args import dataclass_from_args
 
 RESOLVED_CONFIG = "sweep_config.json"
@@ -31,22 +31,28 @@ FILES = ("sweep.json", "sweep.csv", "sweep.png")
 
 def register(sub) -> None:
     from multitoken.pipeline.eval.sweep import SweepConfig  # lazy: torch
+    from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
 
-    add_overwrite_flag(add_command(sub, "sweep", SweepConfig, run=run))
+    parser = add_command(sub, "sweep", SweepConfig, BackboneConfig, run=run)
+    base_from_heads(parser)
+    add_overwrite_flag(parser)
 
 
 def run(args) -> None:
-    from multitoken.pipeline.model.assets import default_stats, load_model, load_stats  # lazy: torch
+    from multitoken.pipeline.model.assets import NO_STATS, default_stats, load_model, load_stats  # lazy: torch
     from multitoken.pipeline.eval.sweep import SweepConfig, parse_grid, read_prompts, sweep  # lazy: torch
+    from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
 
     cfg = dataclass_from_args(SweepConfig, args)
-    prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, cfg.base, cfg.prompts))
-    if not cfg.out:
-        raise UsageError("--out is required", "pass a directory for the results, e.g. --out sweep/")
+    bb_cfg = dataclass_from_args(BackboneConfig, args)
+    prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, bb_cfg.base, cfg.prompts))
     cfg.validate()
     grid, prompts = parse_grid(cfg.eps_b), read_prompts(cfg.prompts)
-    model, heads = load_model(cfg.heads, cfg.base, cfg.dtype, cfg.device, threads=cfg.threads)
-    cfg.heads, cfg.stats = heads, cfg.stats or default_stats(model.backbone) or "none"
+    model, heads = load_model(cfg.heads, **dataclasses.asdict(bb_cfg))
+    bb_cfg.base = model.backbone.name  # resolved: the base the heads ran on
+    if cfg.stats is None:
+        cfg.stats = default_stats(model.backbone) or NO_STATS
+    cfg.heads, cfg.decode = heads, cfg.decode.resolved()
     table = load_stats(cfg.stats, model.backbone.tokenizer)
     _check_points(cfg, grid, model, table)
     log = (lambda _msg: None) if cfg.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -57,7 +63,7 @@ def run(args) -> None:
         atomic_write_text(stage / "sweep.json", json.dumps(result, indent=2) + "\n")
         atomic_write_text(stage / "sweep.csv", to_csv(result))
         plot_sweep(result, stage / "sweep.png")
-        save_resolved_config(stage / RESOLVED_CONFIG, "sweep", cfg)
+        save_resolved_config(stage / RESOLVED_CONFIG, "sweep", cfg, bb_cfg)
     print(format_table(result))
     print(f"\nwrote {', '.join(str(out / f) for f in FILES)}")
 

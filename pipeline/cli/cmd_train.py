@@ -40,6 +40,6 @@ def _check_out(cfg, data, overwrite: bool) -> None:
     if cfg.out and Path(cfg.out).name and not cfg.resume and list_checkpoints(cfg.ckpt_dir()):
         raise UsageError(f"{cfg.ckpt_dir()} already holds checkpoints of a run",
                          "pass --resume to continue it (a finished run then changes nothing), or another --checkpoint-dir")
-    inputs = (cfg.heads, data.data, cfg.eval_data, cfg.base)
+    inputs = (cfg.heads, data.data, cfg.eval_data, cfg.backbone.base)
     prepare_output(cfg.out, "heads", overwrite=overwrite, inputs=inputs, resume=cfg.resume)
     prepare_output(str(cfg.ckpt_dir()), "checkpoints", inputs=inputs, resume=True)  # train checks --resume itself

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from multitoken.pipeline.eval import metrics as M
-from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
 from multitoken.pipeline.base.errors import DataError, UsageError
 from multitoken.pipeline.base.packing import PackedStream
 from multitoken.pipeline.eval.dynamic_ppl import DynamicPPL
@@ -38,22 +37,20 @@ DEFAULT_PARTS = PARTS
 
 @dataclass
 class EvalConfig:
-    heads: str = field(default="", metadata={"help": "heads dir (default: the embedded trained heads)"})
-    base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
-    out: str = field(default="", metadata={"help": "output directory for report.json, the lens PNG and the resolved config"})
+    """What to measure; the model is loaded apart (``BackboneConfig``)."""
+
+    heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded trained heads)"})
+    out: str | None = field(default=None, metadata={"help": "output directory for report.json, the lens PNG and the resolved config"})
     seq_len: int = field(default=256, metadata={"help": "tokens per packed sequence (as in training)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per forward pass"})
     parts: tuple[str, ...] = field(default=DEFAULT_PARTS, metadata={"help": f"parts to run, among {', '.join(PARTS)}"})
     eps_b: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0), metadata={"help": "back-off thresholds for PPL_d"})
-    stats: str = field(default="", metadata={"help": "co-occurrence stats dir for PPL_d's masking (default: the embedded stats; none: no mask)"})
+    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir for PPL_d's masking (default: the embedded stats; none: no mask)"})
     dynamic_tokens: int = field(default=2048, metadata={"help": "tokens walked for PPL_d (each step builds a k^n grid)"})
     marginal_every: int = field(default=1000, metadata={"help": "one marginalization position every N tokens"})
     top_p: float = field(default=0.99, metadata={"help": "nucleus of token t+1 marginalized over (Mehra et al.: 0.99)"})
     max_candidates: int = field(default=256, metadata={"help": "cap on the nucleus size (the covered mass is reported)"})
     lens_tokens: int = field(default=4096, metadata={"help": "tokens used for the logit-lens KL"})
-    dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int | None = threads_field(THREADS_BATCHES)
     quiet: bool = field(default=False, metadata={"help": "no progress bars (they go to stderr, and only when it is a terminal)"})
     beside_heads: bool = field(default=True, metadata={"help": (
         "also write rank_accuracy.json (each head's accuracy per rank of its guesses, which `generate --tree static` "

@@ -39,13 +39,13 @@ import torch
 
 from multitoken.pipeline.eval import metrics as M
 from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
-from multitoken.pipeline.base.threads import THREADS_ONE_SEQUENCE, threads_field
 from multitoken.decoding.batch import generate_batch
-from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.config import DYNAMO_PENALTY, DecodeConfig
 from multitoken.decoding.loop import generate
-from multitoken.pipeline.base.config_io import expand_range
+from multitoken.pipeline.base.config_io import expand_range, nested
 from multitoken.pipeline.base.data import json_kind
 from multitoken.pipeline.base.errors import DataError, UsageError
+from multitoken.pipeline.model.assets import NO_STATS
 
 # DynaMo's Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (
@@ -69,40 +69,46 @@ SAME_QUALITY_RULE = ("NLL, repetition rate, distinct-2 and distinct-3: each metr
                      "prompt x seed runs overlaps ar's")
 
 
+# The sampling settings every run shares (sweep reads them as they apply to it: no --greedy).
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "repetition_penalty")
+SAMPLING_HELP = {
+    "max_new_tokens": {"help": "tokens generated per run"},
+    "temperature": {"help": "sampling temperature (DynaMo: 0.7)"},
+    "top_k": {"help": "top-k per head (DynaMo: 50)"},
+    "repetition_penalty": {"help": "repetition penalty of every run, ar and hf-sample included (DynaMo: 1.1)",
+                           "default_help": f"{DYNAMO_PENALTY:g}"},
+}
+
+
 @dataclass
 class SweepConfig:
-    heads: str = field(default="", metadata={"help": "heads dir (default: the embedded trained heads)"})
-    base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
-    stats: str = field(default="", metadata={"help": "co-occurrence stats dir (default: the embedded stats for the embedded base; 'none': no mask)"})
-    prompts: str = field(default="", metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: DynaMo's Table 7)"})
+    """A sweep; the model is loaded apart (``BackboneConfig``). ``decode``: ar's settings, which
+    every point shares but for mode, eps_b and the Table 8 switches (``decode_configs``)."""
+
+    heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded trained heads)"})
+    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir (default: the embedded stats for the embedded base; 'none': no mask)"})
+    prompts: str | None = field(default=None, metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: DynaMo's Table 7)"})
     eps_b: tuple[float, ...] = field(default=DEFAULT_GRID, metadata={"help": "eps_b values: e.g. 0 0.5 1, or a range start:stop:step (stop included)", "default_help": "0:1:0.1"})
     seeds: int = field(default=3, metadata={"help": "sampling seeds per prompt"})
-    max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per run"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (DynaMo: 0.7)"})
-    top_k: int = field(default=50, metadata={"help": "top-k per head (DynaMo: 50)"})
-    repetition_penalty: float = field(default=1.1, metadata={"help": "repetition penalty of every run, ar and hf-sample included (DynaMo: 1.1)"})
+    decode: DecodeConfig = nested(DecodeConfig, flags=SAMPLING_FLAGS, help=SAMPLING_HELP, mode="ar")
     hf_sample: bool = field(default=True, metadata={"help": "also time transformers' sampling generate (the hf-sample reference row)"})
     ablations: bool = field(default=False, metadata={"help": f"also run DynaMo's Table 8 ablations ({', '.join(TABLE8)})"})
-    out: str = field(default="", metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})
-    dtype: str = field(default="float32", metadata={"help": "backbone dtype", "choices": ("float32", "float16", "bfloat16")})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int | None = threads_field(THREADS_ONE_SEQUENCE)  # batch-1 decoding: latency-bound; steadier timings too
+    out: str | None = field(default=None, metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})
     batch_size: int = field(default=1, metadata={"help": "prompt x seed runs decoded together (same tokens as 1; timings per batch)"})
     quiet: bool = field(default=False, metadata={"help": "no progress lines"})
 
     def validate(self) -> None:
         """The flags alone, before a model loads; the sampling settings are DecodeConfig's
         (validated there, as for generate)."""
-
-        if self.seeds < 1 or self.max_new_tokens < 1:
-            raise UsageError("--seeds and --max-new-tokens must be >= 1")
+        if self.seeds < 1:
+            raise UsageError("--seeds must be >= 1")
+        self.decode.validate()
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
-        decode_configs(self, [])[0].validate()
 
     def configs(self) -> list[str]:
         names = list(TABLE8) if self.ablations else [DEFAULT_CONFIG]
-        if self.stats == "none":  # no table, no co-occurrence mask: only the CO-free rows apply
+        if self.stats == NO_STATS:  # no table, no co-occurrence mask: only the CO-free rows apply
             names = [n for n in names if TABLE8[n]["alpha_c"] == 0.0] or ["AT+G-3"]
         return names
 
@@ -251,8 +257,7 @@ def decode_configs(cfg: SweepConfig, grid: list[float]):
     """ar's config and every (config name, eps_b, dynamic config): the dynamic points differ from
     ar only in mode, eps_b and the Table 8 switches, never in a sampling setting (seeds are set
     per run, the same for all)."""
-    ar = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                      repetition_penalty=cfg.repetition_penalty)
+    ar = replace(cfg.decode, mode="ar").resolved()
     return ar, [(name, eps, replace(ar, mode="dynamic", eps_b=eps, **TABLE8[name])) for name in cfg.configs() for eps in grid]
 
 
@@ -308,8 +313,8 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
         point["theory"] = theory(point, model.n_future, c)
         points.append(_judged(point, ar))
     hf = _judged({"config": "hf-sample", **_summarise(hf_runs, ar_runs)}, ar) if hf_runs else None
-    sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "repetition_penalty": base_cfg.penalty,
-                "max_new_tokens": cfg.max_new_tokens, "seeds": list(range(cfg.seeds))}
+    sampling = {"temperature": base_cfg.temperature, "top_k": base_cfg.top_k, "repetition_penalty": base_cfg.penalty,
+                "max_new_tokens": base_cfg.max_new_tokens, "seeds": list(range(cfg.seeds))}
     return {"prompts": prompts, "seeds": cfg.seeds, "eps_b": grid, "n_future": model.n_future, "draft_cost_ratio": c,
             "sampling": sampling, "ar": ar, "hf_sample": hf, "points": points, "same_quality_rule": SAME_QUALITY_RULE,
             "same_quality_speedup": same_quality(points, ar), "seconds": round(time.perf_counter() - started, 2)}

@@ -11,14 +11,19 @@ from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.stats.table import CooccurrenceTable
 
 
-def default_heads() -> str:
-    """The embedded trained heads, when the package ships them ('' otherwise)."""
-    return str(EMBEDDED_HEADS) if (EMBEDDED_HEADS / "heads_config.json").is_file() else ""
+# ``--stats none``: decode / evaluate without a co-occurrence table (no mask), where omitting
+# --stats (None) means the default table. The one string value that stands for "no value".
+NO_STATS = "none"
 
 
-def default_stats(backbone) -> str:
+def default_heads() -> str | None:
+    """The embedded trained heads, when the package ships them (None otherwise)."""
+    return str(EMBEDDED_HEADS) if (EMBEDDED_HEADS / "heads_config.json").is_file() else None
+
+
+def default_stats(backbone) -> str | None:
     """The embedded stats, but only for the embedded base (another tokenizer would not match)."""
-    return str(EMBEDDED_STATS) if is_default_base(backbone.name) and EMBEDDED_STATS.is_dir() else ""
+    return str(EMBEDDED_STATS) if is_default_base(backbone.name) and EMBEDDED_STATS.is_dir() else None
 
 
 def backbone_config(heads: str | None, base: str | None = None, **fields):
@@ -30,12 +35,12 @@ def backbone_config(heads: str | None, base: str | None = None, **fields):
     return BackboneConfig(base=str(base), **fields)
 
 
-def load_model(heads: str, base: str | None = None, dtype: str = "float32", device: str = "cpu", **fields):
+def load_model(heads: str | None, base: str | None = None, dtype: str = "float32", device: str = "cpu", **fields):
     """``(MultiTokenModel, heads dir)``: the heads on ``base`` (None: the base recorded in the
-    heads dir); ``heads`` '' means the embedded trained heads. ``fields``: other
+    heads dir); ``heads`` None means the embedded trained heads. ``fields``: other
     ``BackboneConfig`` fields (quantization, threads)."""
-    heads = heads or default_heads()
-    if not heads:
+    heads = default_heads() if heads is None else heads
+    if heads is None:
         raise UsageError("no heads dir given and no embedded heads found",
                          "pass --heads DIR (made by `multitoken attach` or `multitoken train`)")
     config = backbone_config(heads, base, dtype=dtype, device=device, **fields)
@@ -47,8 +52,9 @@ def load_base_only(config):
     return MultiTokenModel.attach(load_backbone(config), {"head_type": "medusa", "n_future": 1})
 
 
-def load_stats(path: str, tokenizer):
-    """The co-occurrence table at ``path`` (checked against ``tokenizer``), or None for ''/none."""
-    if not path or path == "none":
+def load_stats(path: str | None, tokenizer):
+    """The co-occurrence table at ``path`` (checked against ``tokenizer``), or None for None
+    (no stats found) and ``NO_STATS``."""
+    if path is None or path == NO_STATS:
         return None
     return CooccurrenceTable.for_tokenizer(path, tokenizer)

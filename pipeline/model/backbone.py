@@ -128,17 +128,14 @@ def _load_error(base: str, err: Exception) -> CheckpointError:
     )
 
 
-def _quantization_config(quantization: str | None, dtype: torch.dtype, skip_modules: list[str] | None = None):
-    if quantization is None:
-        return None
+def _quantization_config(quantization: str, dtype: torch.dtype, skip_modules: list[str] | None = None):
+    """bitsandbytes' config of a quantization ``_quantization_plan`` accepted."""
     from transformers import BitsAndBytesConfig
 
     if quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
-    if quantization == "4bit":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                                  llm_int8_skip_modules=skip_modules)
-    raise UsageError(f"unknown quantization {quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                              llm_int8_skip_modules=skip_modules)
 
 
 def _quantization_plan(model_config, config: "BackboneConfig"):
@@ -146,7 +143,8 @@ def _quantization_plan(model_config, config: "BackboneConfig"):
     if config.quantization is None:
         return None
     if config.quantization not in QUANTIZATIONS:
-        raise UsageError(f"unknown quantization {config.quantization!r}", f"use one of {', '.join(QUANTIZATIONS)} or none")
+        raise UsageError(f"unknown quantization {config.quantization!r}",
+                         f"use one of {', '.join(QUANTIZATIONS)}, or None (omit --quantization) for float weights")
     return checked_plan(model_config, config.quantization, config.device, str(config.base))
 
 

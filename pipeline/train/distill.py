@@ -26,7 +26,7 @@ class DistillConfig:
     """Drives ``multitoken distill``."""
 
     num_tokens: int = field(default=0, metadata={"help": "tokens to sample in total (required, > 0)"})
-    out: str = field(default="", metadata={"help": "output .jsonl file (written atomically)"})
+    out: str | None = field(default=None, metadata={"help": "output .jsonl file (written atomically)"})
     batch_size: int = field(default=32, metadata={"help": "samples drawn in parallel"})
     max_new_tokens: int = field(default=256, metadata={"help": "longest sample, in tokens (a sample also ends at EOS)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (> 0); 1 samples the base distribution"})

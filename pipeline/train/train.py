@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ from multitoken.pipeline.base.errors import DataError, UsageError
 from multitoken.pipeline.base.packing import PackedStream, PackPosition, take_sequences
 from multitoken.pipeline.train.trainer_config import TrainConfig, validate
 from multitoken.pipeline.base.config_io import resolved_config_text
-from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+from multitoken.pipeline.model.backbone import LoraSpec, load_backbone
 from multitoken.pipeline.model.heads_io import read_heads_config
 from multitoken.pipeline.model.model import MultiTokenModel
 
@@ -50,17 +50,17 @@ def init_distributed(cfg: TrainConfig) -> Dist:
         return Dist()
     import torch.distributed as tdist
 
-    if cfg.device.startswith("cuda"):  # one GPU per process, as NCCL expects
+    if cfg.backbone.device.startswith("cuda"):  # one GPU per process, as NCCL expects
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not tdist.is_initialized():
-        tdist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+        tdist.init_process_group("nccl" if cfg.backbone.device.startswith("cuda") else "gloo")
     return Dist(tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _device(cfg: TrainConfig, dist: Dist) -> str:
-    if cfg.device == "cuda" and dist.world > 1:
+    if cfg.backbone.device == "cuda" and dist.world > 1:
         return f"cuda:{dist.local_rank}"
-    return cfg.device
+    return cfg.backbone.device
 
 
 # Model ----------------------------------------------------------------------------------
@@ -72,9 +72,9 @@ def load_trainable_model(cfg: TrainConfig, dist: Dist):
         # Saving frozen heads would drop the trained final layer (only trained weights are saved).
         raise UsageError(f"the heads in {cfg.heads!r} carry a trained final layer (head 1)",
                          "pass --train-base-head to keep training it")
-    base = cfg.base or record["base"]  # load_backbone resolves embedded:NAME
-    dtype = cfg.dtype or record.get("dtype") or "float32"
-    bb_cfg = BackboneConfig(base=base, dtype=dtype, device=_device(cfg, dist), quantization=cfg.quantization, threads=cfg.threads)
+    base = cfg.backbone.base or record["base"]  # load_backbone resolves embedded:NAME
+    dtype = cfg.backbone.dtype or record.get("dtype") or "float32"
+    bb_cfg = replace(cfg.backbone, base=base, dtype=dtype, device=_device(cfg, dist))
     lora_kwargs: dict = {}
     if record.get("lora"):  # continue training (or keep using) the LoRA saved with the heads
         lora_kwargs = {"lora_adapter": str(Path(cfg.heads) / record["lora"]), "trainable_lora": cfg.uses_lora}
@@ -286,7 +286,7 @@ def _save_due(cfg: TrainConfig, dist: Dist, step: int, saved_at: float) -> bool:
     if dist.world > 1:
         import torch.distributed as tdist
 
-        flag = torch.tensor([int(due)], device=_device(cfg, dist) if cfg.device.startswith("cuda") else "cpu")
+        flag = torch.tensor([int(due)], device=_device(cfg, dist) if cfg.backbone.device.startswith("cuda") else "cpu")
         tdist.broadcast(flag, src=0)
         due = bool(flag.item())
     return due

@@ -15,8 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from multitoken.pipeline.base.config_io import nested
+from multitoken.pipeline.base.dtypes import DTYPES
 from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
+from multitoken.pipeline.model.backbone import BackboneConfig
 
 MODES = ("heads", "joint", "warmup")
 SCHEDULES = ("cosine", "constant")
@@ -25,15 +28,20 @@ SEPARATORS = ("eos", "bos")
 SAVE_EVERY_MINUTES = 5.0  # a killed run with the defaults loses at most this much work
 
 
+# The base-model flags as training reads them: base and dtype default to the heads dir's record.
+BACKBONE_HELP = {
+    "base": {"help": "base model (default: the one recorded in the heads dir)"},
+    "dtype": {"help": "backbone weights dtype (default: the one recorded in the heads dir)", "choices": tuple(DTYPES)},
+    "device": {"help": "torch device (under torchrun, cuda picks cuda:LOCAL_RANK)"},
+    "threads": threads_field(THREADS_BATCHES).metadata,
+}
+
+
 @dataclass
 class TrainConfig:
-    heads: str = field(default="", metadata={"help": "heads dir to start from (made by `multitoken attach`, or a trained one)"})
-    out: str = field(default="", metadata={"help": "output heads dir (replaced atomically at the end)"})
-    base: str | None = field(default=None, metadata={"help": "base model (default: the one recorded in the heads dir)"})
-    dtype: str | None = field(default=None, metadata={"help": "backbone weights dtype (default: the one recorded in the heads dir)", "choices": ("float32", "float16", "bfloat16")})
-    device: str = field(default="cpu", metadata={"help": "torch device (under torchrun, cuda picks cuda:LOCAL_RANK)"})
-    quantization: str | None = field(default=None, metadata={"help": "load the backbone in 8-bit or 4-bit", "choices": ("8bit", "4bit")})
-    threads: int | None = threads_field(THREADS_BATCHES)
+    heads: str | None = field(default=None, metadata={"help": "heads dir to start from (made by `multitoken attach`, or a trained one)"})
+    out: str | None = field(default=None, metadata={"help": "output heads dir (replaced atomically at the end)"})
+    backbone: BackboneConfig = nested(BackboneConfig, help=BACKBONE_HELP, base=None, dtype=None)
     eval_data: str | None = field(default=None, metadata={"help": "held-out data spec (default: the first --eval-batches batches of --data, skipped by training)"})
     separator: str = field(default="eos", metadata={"help": "token joining packed documents", "choices": SEPARATORS})
     mode: str = field(default="heads", metadata={"help": "heads (frozen backbone) | joint (LoRA + heads) | warmup (heads, then joint)", "choices": MODES})
@@ -115,7 +123,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.mode == "warmup" and not 0 < cfg.head_warmup_steps < cfg.max_steps:
         raise UsageError("mode warmup needs 0 < --head-warmup-steps < --max-steps",
                          f"got --head-warmup-steps {cfg.head_warmup_steps} with --max-steps {cfg.max_steps}")
-    if cfg.train_base_head and cfg.quantization:
+    if cfg.train_base_head and cfg.backbone.quantization:
         raise UsageError("--train-base-head needs float weights", "drop --quantization or --train-base-head")
     if cfg.mode != "warmup" and cfg.head_warmup_steps:
         raise UsageError("--head-warmup-steps only applies to --mode warmup")

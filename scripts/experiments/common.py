@@ -234,7 +234,8 @@ def train_heads(run: Run, name: str, backbone, head_config: dict, data: str, hel
     cfg = TrainConfig(heads=str(init), out=str(out), checkpoint_dir=str(ckpt), max_steps=b.steps, seq_len=b.seq_len,
                       batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches, eval_data=heldout,
                       save_every=0, save_every_minutes=0, keep_checkpoints=1, seed=run.args.seed, progress=False,
-                      separator=separator, threads=run.args.threads, **fields)
+                      separator=separator, **fields)
+    cfg.backbone.threads = run.args.threads  # the base and dtype stay the heads dir's record
     with run.timed(f"train {name}") as t:
         summary = train(cfg, DataConfig(data=data))
     shutil.rmtree(ckpt, ignore_errors=True)

@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     args = common.parser(__doc__, NAME).parse_args(argv)
     run = common.Run(NAME, args, FULL, QUICK)
     b, key = run.budget, "QUICK" if args.quick else "FULL"
-    model, heads_dir = load_model("")
+    model, heads_dir = load_model(None)
     model.train(False)
     with run.timed("distill"):
         heldout = common.story_samples(run.work, model.backbone, b.eval_tokens, common.HELDOUT_SEED, "heldout")
@@ -46,8 +46,8 @@ def main(argv=None) -> dict:
            "PPL_d": report["dynamic"], "tokens": report["tokens"]}
     table = load_stats(str(EMBEDDED_STATS), model.backbone.tokenizer)
     prompts = list(TABLE7_PROMPTS[:b.prompts])
-    cfg = SweepConfig(eps_b=SWEEP_EPS[key], seeds=b.seeds, max_new_tokens=b.new_tokens, ablations=True, hf_sample=False,
-                      threads=args.threads or 1, quiet=True)
+    cfg = SweepConfig(eps_b=SWEEP_EPS[key], seeds=b.seeds, ablations=True, hf_sample=False, quiet=True)
+    cfg.decode.max_new_tokens = b.new_tokens  # threads: common.Run applied --threads
     with run.timed("sweep"):
         swept = sweep(model, cfg, prompts, list(SWEEP_EPS[key]), table=table, log=lambda msg: None)
     curves = {}

@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     args = common.parser(__doc__, NAME).parse_args(argv)
     run = common.Run(NAME, args, FULL, QUICK)
     b = run.budget
-    model, heads_dir = load_model("")
+    model, heads_dir = load_model(None)
     model.train(False)
     g, c, vocab = model.n_future - 1, draft_cost_ratio(model), model.backbone.vocab_size
     with run.timed("distill"):

@@ -26,12 +26,8 @@ import pytest
 from multitoken.pipeline.cli import main
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 
-from conftest import fixture_path
-
-
-def run_cli(*args, cwd=None, env=None, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+from ..conftest import fixture_path
+from .cli_helpers import phrase_corpus, run_cli
 
 
 def run_forked(cases: dict, workdir: Path) -> dict[str, subprocess.CompletedProcess]:
@@ -47,13 +43,6 @@ def run_forked(cases: dict, workdir: Path) -> dict[str, subprocess.CompletedProc
     assert done.returncode == 0, done.stderr
     results = json.loads((workdir / "results.json").read_text())
     return {n: subprocess.CompletedProcess(spec[n]["args"], r["returncode"], r["stdout"], r["stderr"]) for n, r in results.items()}
-
-
-def phrase_corpus(path: Path, docs: int = 40) -> Path:
-    rng = np.random.default_rng(0)
-    lines = [json.dumps({"input_ids": rng.integers(3, 500, size=int(rng.integers(20, 60))).tolist()}) for _ in range(docs)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -535,7 +524,8 @@ CASES.update({
                                           "gives 1,000,000,000,001 values, more than 1,001"),
     "sweep_eps_b_inf_range": _option_case(["sweep", "--out", "@out", "--eps-b", "0:inf:0.1"], "three finite numbers"),
     "sweep_temperature_nan": _option_case(["sweep", "--out", "@out", "--temperature", "nan"], "'nan' is not a finite number"),
-    "sweep_seed_count_zero": _option_case(["sweep", "--out", "@out", "--seeds", "0"], "--seeds and --max-new-tokens must be >= 1"),
+    "sweep_seed_count_zero": _option_case(["sweep", "--out", "@out", "--seeds", "0"], "--seeds must be >= 1"),
+    "sweep_max_new_tokens_zero": _option_case(["sweep", "--out", "@out", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     "attach_n_100": _option_case(["attach", "--n", "100", "--out", "@out"], "heads predict at most 16 tokens per forward pass"),
     "attach_float_option_nan": _option_case(["attach", "--head", "cp", "--init-std", "nan", "--out", "@out"],
                                             "argument --init-std: 'nan' is not a finite number"),

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_bad_inputs import phrase_corpus, run_cli
 
 from multitoken.pipeline.base.atomic import atomic_dir, lock_file
 from multitoken.pipeline.embedded import EMBEDDED_STATS
 from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.base.outputs import prepare_output
+
+from .cli_helpers import phrase_corpus, run_cli
 
 
 def _leftovers(root: Path) -> list[Path]:

@@ -58,20 +58,34 @@ def reference_grid(logps, cfg, ratio, seen):
 
 def test_emitted_pairs_follow_the_masked_thresholded_grid():
     rng = np.random.default_rng(3)
-    v = 12
-    logps = [torch.log_softmax(torch.tensor(rng.normal(0, 0.5, v)), -1).float() for _ in range(2)]
-    ratio = rng.uniform(0.2, 3.0, size=(v, v))
-    seen = np.zeros(v, dtype=bool)
+    logps = pair_logps(rng)
+    ratio = rng.uniform(0.2, 3.0, size=(V, V))
+    assert_draws_follow_grid(logps, ratio, RatioTable(ratio))
+
+
+V = 12  # vocabulary of the chi-square tests
+
+
+def pair_logps(rng) -> list[torch.Tensor]:
+    """Two heads' log-probabilities over ``V`` tokens # 2 x [V]."""
+    return [torch.log_softmax(torch.tensor(rng.normal(0, 0.5, V)), -1).float() for _ in range(2)]
+
+
+def assert_draws_follow_grid(logps, ratio: np.ndarray, table, kernel: str | None = None) -> None:
+    """3000 dynamic steps (tokens 2 and 5 seen) emit only the reference grid's live cells, in
+    its proportions (chi-square); ``kernel``: the one that must have built every grid."""
+    seen = np.zeros(V, dtype=bool)
     seen[[2, 5]] = True
-    cfg = DecodeConfig(mode="dynamic", top_k=6, temperature=1.0, eps_b=0.01, repetition_penalty=1.5)
+    cfg = DecodeConfig(mode="dynamic", top_k=6, temperature=1.0, eps_b=0.01, repetition_penalty=1.5,
+                       **({"dynamic_kernel": kernel} if kernel else {}))
     ids, grid = reference_grid(logps, cfg, ratio, seen)
     assert (grid > 0).sum() >= 4, "the test needs several live cells"
     sampler = np.random.default_rng(0)
     draws = Counter()
     runs = 3000
     for _ in range(runs):
-        choice = dynamic_propose(logps, cfg, RatioTable(ratio), seen, sampler)
-        assert choice.order == 2
+        choice = dynamic_propose(logps, cfg, table, seen, sampler)
+        assert choice.order == 2 and (kernel is None or choice.kernels == [kernel])
         draws[tuple(choice.tokens)] += 1
     cells = [(int(ids[0][i]), int(ids[1][j])) for i, j in zip(*np.nonzero(grid))]
     assert set(draws) <= set(cells), "a thresholded-away cell was emitted"

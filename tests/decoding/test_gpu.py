@@ -19,7 +19,7 @@ from multitoken.decoding.proposal import Drafts
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 
 from .conftest import RatioTable, attach, build_small_vocab
-from .test_exactness import PROMPTS, exact_pairs, merge_small_cells
+from .test_exactness import PROMPTS, exact_pairs, merge_small_cells, sampled_pairs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,16 +97,9 @@ def test_sampled_speculative_matches_base_distribution_on_cuda(small_vocab_pair,
     if head_type == "medusa":
         with torch.no_grad():  # a head clearly different from the base: q != p
             model.heads.blocks[0][0].linear.weight.normal_(0, 1.0)
-    prompt, v = [0, 3, 1], gpu.vocab_size
+    prompt = [0, 3, 1]
     kwargs = {"rigged": {"drafter": rigged_on_device}, "joint": {"table": RatioTable()}}.get(drafter, {})
-    counts, accepted = torch.zeros(v, v), torch.zeros(2)
-    for seed in range(400):
-        res = generate(model, prompt, DecodeConfig(mode="speculative", temperature=1.0, top_k=v, max_new_tokens=2,
-                                                   n=2, seed=seed, stop_at_eos=False), **kwargs)
-        a, b = res.token_ids
-        counts[a, b] += 1
-        for length, c in res.trace.accepted_lengths.items():
-            accepted[length] += c
+    counts, accepted = sampled_pairs(model, prompt, 400, **kwargs)
     expected = exact_pairs(cpu, prompt) * counts.sum()
     stat = chisquare(*merge_small_cells(counts.flatten(), expected.flatten()))
     assert stat.pvalue > 1e-3, (counts, expected)

@@ -223,32 +223,9 @@ def markov_table(tmp_path_factory):
 @pytest.mark.parametrize("kernel", ["dense", *KERNELS])
 def test_emitted_pairs_follow_the_grid_with_real_stats(markov_table, kernel):
     """The chi-square test of test_dynamic on a real table, through every kernel."""
-    from collections import Counter as Draws
+    from .test_dynamic import V, assert_draws_follow_grid, pair_logps
 
-    import torch
-    from scipy.stats import chisquare
-
-    from .test_dynamic import reference_grid
-
-    rng = np.random.default_rng(3)
-    v = 12
-    logps = [torch.log_softmax(torch.tensor(rng.normal(0, 0.5, v)), -1).float() for _ in range(2)]
-    ratio = markov_table.ratio([np.arange(v), np.arange(v)]).astype(np.float64)
+    logps = pair_logps(np.random.default_rng(3))
+    ratio = markov_table.ratio([np.arange(V), np.arange(V)]).astype(np.float64)
     assert (ratio == 0).any(), "the table must have absent pairs"
-    seen = np.zeros(v, dtype=bool)
-    seen[[2, 5]] = True
-    cfg = DecodeConfig(mode="dynamic", top_k=6, temperature=1.0, eps_b=0.01, repetition_penalty=1.5, dynamic_kernel=kernel)
-    ids, grid = reference_grid(logps, cfg, ratio, seen)
-    assert (grid > 0).sum() >= 4, "the test needs several live cells"
-    sampler = np.random.default_rng(0)
-    draws = Draws()
-    runs = 3000
-    for _ in range(runs):
-        choice = dynamic_propose(logps, cfg, markov_table, seen, sampler)
-        assert choice.order == 2 and choice.kernels == [kernel]
-        draws[tuple(choice.tokens)] += 1
-    cells = [(int(ids[0][i]), int(ids[1][j])) for i, j in zip(*np.nonzero(grid))]
-    assert set(draws) <= set(cells), "a thresholded-away cell was emitted"
-    obs = np.array([draws[c] for c in cells], dtype=float)
-    exp = np.array([grid[i, j] for i, j in zip(*np.nonzero(grid))]) * runs
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert_draws_follow_grid(logps, ratio, markov_table, kernel)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import PYTHIA_TOKENIZER, fixture_path
+from ..conftest import PYTHIA_TOKENIZER, fixture_path
 from multitoken.pipeline.base.tokenizer import load_tokenizer
 from multitoken.pipeline.base.data import DataConfig, iter_documents
 from multitoken.pipeline.base.errors import DataError, UsageError

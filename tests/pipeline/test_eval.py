@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from eval_reference import target_logprobs, topk_hits
+from .eval_reference import target_logprobs, topk_hits
 
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.eval.evaluate import EvalConfig, HeadAccumulator, evaluate

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from eval_reference import target_logprobs, topk_hits
+from .eval_reference import target_logprobs, topk_hits
 
 from multitoken.pipeline.eval import metrics as M
 

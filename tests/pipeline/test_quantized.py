@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import fixture_path
+from ..conftest import fixture_path
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
 POSITIONS = 400

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from multitoken.decoding.config import DecodeConfig
 from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.eval.sweep import (
     TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, decode_configs, parse_grid, quality_vs_ar, read_prompts,
@@ -83,7 +84,8 @@ def test_a_looping_point_with_good_nll_is_not_same_quality():
 
 
 def test_ar_reference_uses_the_points_sampling_settings():
-    cfg = SweepConfig(seeds=2, max_new_tokens=17, temperature=0.9, top_k=7, repetition_penalty=1.3, ablations=True)
+    cfg = SweepConfig(seeds=2, decode=DecodeConfig(max_new_tokens=17, temperature=0.9, top_k=7, repetition_penalty=1.3),
+                      ablations=True)
     ar, points = decode_configs(cfg, [0.0, 0.5])
     assert ar.mode == "ar" and ar.penalty == 1.3 and len(points) == 2 * len(TABLE8)
     for _, eps, dcfg in points:
@@ -95,14 +97,14 @@ def test_ar_reference_uses_the_points_sampling_settings():
 def test_hf_sample_is_seeded_and_honours_the_budget(tiny_model):
     from dataclasses import replace
 
-    ar, _ = decode_configs(SweepConfig(max_new_tokens=6), [])
+    ar, _ = decode_configs(SweepConfig(decode=DecodeConfig(max_new_tokens=6)), [])
     a = run_hf_sample(tiny_model.backbone, [5, 9, 17], replace(ar, seed=3))
     b = run_hf_sample(tiny_model.backbone, [5, 9, 17], replace(ar, seed=3))
     assert 1 <= a["tokens"] <= 6 and a["nll"] == b["nll"] and a["sec_per_token"] > 0
 
 
 def test_sweep_end_to_end_counts(tiny_model):
-    cfg = SweepConfig(seeds=2, max_new_tokens=8)
+    cfg = SweepConfig(seeds=2, decode=DecodeConfig(max_new_tokens=8))
     res = sweep(tiny_model, cfg, ["Once upon", "The cat"], [0.0, 1.0], table=None, log=lambda m: None)
     by_eps = {p["eps_b"]: p for p in res["points"]}
     # eps_b = 1 always backs off to one token; eps_b = 0 never does: steps of 3, 3, 2 tokens
@@ -136,12 +138,17 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     assert rows[0].endswith("same_quality,nll_overlaps_ar,repetition_overlaps_ar,distinct2_overlaps_ar,distinct3_overlaps_ar")
     assert [r.split(",")[0] for r in rows[1:]] == ["ar", "hf-sample", "AT+G-3", "AT+G-3"]
     assert (out / "sweep.png").stat().st_size > 5000
+    saved = json.loads((out / "sweep_config.json").read_text())  # the decoding settings nested, resolved
+    assert saved["SweepConfig"]["decode"] == {**saved["SweepConfig"]["decode"], "mode": "ar", "max_new_tokens": 6,
+                                              "repetition_penalty": 1.1, "temperature": 0.7}
+    assert saved["SweepConfig"]["stats"] == "none" and saved["BackboneConfig"]["base"] == tiny_model.backbone.name
+    assert DecodeConfig(**saved["SweepConfig"]["decode"]) == decode_configs(SweepConfig(decode=DecodeConfig(max_new_tokens=6)), [])[0]
     printed = capsys.readouterr().out
     assert "same_quality_speedup" in printed and "hf-sample" in printed and "same quality?" in printed
 
 
 def test_ablations_add_one_curve_each(tiny_model):
-    res = sweep(tiny_model, SweepConfig(seeds=1, max_new_tokens=4, ablations=True), ["Once"], [0.5],
+    res = sweep(tiny_model, SweepConfig(seeds=1, decode=DecodeConfig(max_new_tokens=4), ablations=True), ["Once"], [0.5],
                 table=None, log=lambda m: None)
     assert [p["config"] for p in res["points"]] == list(TABLE8)
     assert all(p["theory"]["predicted_wall_speedup"] > 0 for p in res["points"])

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from train_helpers import corpus, heads_dir  # noqa: F401 (shared fixtures)
-from train_helpers import head_state, load_trained, make_heads_dir, train_cfg
+from .train_helpers import head_state, load_trained, make_heads_dir, train_cfg
 
 from multitoken.pipeline.train import train as train_mod
 from multitoken.adapters.registry import registered_heads
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.base.errors import DataError
+from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.train.train import train
 
 
@@ -203,7 +203,8 @@ def test_heads_train_on_a_quantized_backbone(tiny_llama_q_dir, corpus, tmp_path,
 
     heads_dir = make_heads_dir(tiny_llama_q_dir, tmp_path / "heads")  # a width every CPU kernel takes
     out = tmp_path / "q"
-    train(train_cfg(heads_dir, out, max_steps=2, quantization=quantization), DataConfig(data=str(corpus)))
+    bb = BackboneConfig(base=None, dtype=None, quantization=quantization)  # base and dtype: the heads dir's
+    train(train_cfg(heads_dir, out, max_steps=2, backbone=bb), DataConfig(data=str(corpus)))
     before = load_trained(tiny_llama_q_dir, heads_dir)
     after = MultiTokenModel.from_pretrained(str(tiny_llama_q_dir), out, quantization=quantization)
     assert after.backbone.is_quantized

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import corpus, heads_dir  # noqa: F401 (shared fixtures)
 
 from multitoken.pipeline.cli import main
 

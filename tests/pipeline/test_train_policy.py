@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
-from train_helpers import make_heads_dir, train_cfg
+from .train_helpers import make_heads_dir, train_cfg
 
 from multitoken.adapters.base import LossOutput
 from multitoken.pipeline.train import optim
 from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.train.trainer_config import validate
 
 
@@ -137,7 +138,7 @@ def test_schedule_warms_up_then_anneals():
     (dict(lr_b=1e-5, lr_m=1e-3, lr_mb=1e-6, head_lr_mult=4.0), "alternatives"),
     (dict(batch_size=0), "batch-size"),
     (dict(lr=0), "--lr"),
-    (dict(train_base_head=True, quantization="4bit"), "float weights"),
+    (dict(train_base_head=True, backbone=BackboneConfig(base=None, dtype=None, quantization="4bit")), "float weights"),
 ])
 def test_bad_flag_combinations(heads_dir, kw, match):
     with pytest.raises(UsageError, match=match):

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 
@@ -49,14 +48,3 @@ def train_cfg(heads: Path, out: Path, **kw):
 
 def head_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.heads.state_dict().items()}
-
-
-# Fixtures shared by the training test modules (imported by name there).
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return phrase_corpus(tmp_path_factory.mktemp("corpus") / "phrases.jsonl")
-
-
-@pytest.fixture(scope="module")
-def heads_dir(tiny_llama_dir, tmp_path_factory):
-    return make_heads_dir(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "untrained")

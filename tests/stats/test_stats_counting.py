@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import fixture_path
-from stats_helpers import (
+from ..conftest import fixture_path
+from .stats_helpers import (
     PYTHIA_TOKENIZER, arrays_equal, brute_counts, build_ids, corpus_docs, stats_counts, write_jsonl_ids,
     write_parquet_ids, zipf_docs,
 )

@@ -7,9 +7,9 @@ import json
 import subprocess
 import sys
 
-from stats_helpers import PYTHIA_TOKENIZER
+from .stats_helpers import PYTHIA_TOKENIZER
 
-from conftest import fixture_path
+from ..conftest import fixture_path
 from multitoken.pipeline.base.tokenizer import load_tokenizer
 from multitoken.pipeline.cli import main
 

@@ -26,7 +26,7 @@ def test_embedded_stats_match_the_embedded_tokenizer(stories_dir):
 
 
 def test_embedded_stats_refuse_another_tokenizer():
-    from stats_helpers import PYTHIA_TOKENIZER
+    from .stats_helpers import PYTHIA_TOKENIZER
 
     with pytest.raises(MismatchError):
         CooccurrenceTable.for_tokenizer(EMBEDDED_STATS, load_tokenizer(PYTHIA_TOKENIZER))

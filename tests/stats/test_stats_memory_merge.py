@@ -7,13 +7,14 @@ import sys
 import tracemalloc
 
 import pytest
-from stats_helpers import PYTHIA_TOKENIZER, arrays_equal, build_ids, write_jsonl_ids, zipf_docs
 
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.base.errors import UsageError
 from multitoken.stats.job import BuildConfig, make_job, merge, write_stats
 from multitoken.stats.plan import check_coverage
 from multitoken.stats.shard import count_shard, list_runs, shard_dir
+
+from .stats_helpers import PYTHIA_TOKENIZER, arrays_equal, build_ids, write_jsonl_ids, zipf_docs
 
 VOCAB = 50000
 
@@ -67,7 +68,7 @@ def _cli(*args):
 
 
 def test_cli_build_info_and_errors(tmp_path, corpus, capsys):
-    from conftest import fixture_path
+    from ..conftest import fixture_path
 
     from multitoken.pipeline.cli import main
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from stats_helpers import PYTHIA_TOKENIZER, arrays_equal, build_ids, write_jsonl_ids, zipf_docs
+from .stats_helpers import PYTHIA_TOKENIZER, arrays_equal, build_ids, write_jsonl_ids, zipf_docs
 
 from multitoken.pipeline.base.errors import CheckpointError, UsageError
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from stats_helpers import build_ids, write_jsonl_ids, zipf_docs
+from .stats_helpers import build_ids, write_jsonl_ids, zipf_docs
 
 from multitoken.decoding import sparse
 from multitoken.decoding.config import DecodeConfig

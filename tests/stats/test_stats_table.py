@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from stats_helpers import PYTHIA_TOKENIZER, brute_counts, build_ids, write_jsonl_ids, zipf_docs
+from .stats_helpers import PYTHIA_TOKENIZER, brute_counts, build_ids, write_jsonl_ids, zipf_docs
 
 from multitoken.pipeline.base.errors import CheckpointError, DataError, MismatchError, UsageError
 from multitoken.stats.hashindex import HashIndex, PrefixBlockIndex, _fib
