@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, fixture_path
+from .conftest import REPO, fixture_path
 
 EXPERIMENTS = REPO / "scripts" / "experiments"
 

@@ -166,7 +166,7 @@ def test_batched_sweep_gives_the_sequential_results(tiny_model):
     """--batch-size 3 over 2 prompts x 2 seeds (a batch of 3 and one of 1): every quality figure
     and tokens per forward equal the one-at-a-time sweep's (same seeds, same tokens)."""
     def figures(batch_size):
-        cfg = SweepConfig(seeds=2, max_new_tokens=10, hf_sample=False, batch_size=batch_size)
+        cfg = SweepConfig(seeds=2, decode=DecodeConfig(max_new_tokens=10), hf_sample=False, batch_size=batch_size)
         res = sweep(tiny_model, cfg, ["Once upon", "The cat sat on the"], [0.0, 0.3, 1.0], table=None, log=lambda m: None)
         keys = ("tokens_per_forward", "nll", "distinct2", "distinct3", "repetition")
         return [{k: p[k] for k in keys} for p in [res["ar"], *res["points"]]]
