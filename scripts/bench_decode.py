@@ -42,6 +42,7 @@ from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_ba
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.embedded import DEFAULT_BASE
 from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.model.unembed_plan import plan_for
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
@@ -62,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--embedded-heads", default=str(EMBEDDED_HEADS))
     p.add_argument("--embedded-stats", default=str(EMBEDDED_STATS))
     p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
-    p.add_argument("--pythia-heads", default=None, help="heads trained for pythia-mini by scripts/build_heads.py (default: untrained copies)")
+    p.add_argument("--pythia-heads", "--heads", dest="pythia_heads", default=None, help="heads trained for pythia-mini by scripts/build_heads.py (default: untrained copies)")
     p.add_argument("--pythia-stats", default=None, help="stats dir with the pythia tokenizer (dynamic masking on pythia-mini)")
     p.add_argument("--logic-stats", default=None,
                    help="a big stats dir (any tokenizer) for a second logic timing, e.g. the 18.4M-trigram table "
@@ -173,6 +174,7 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
             row["identical_to_hf_greedy"] = r["outputs"] == best["hf_greedy"]["outputs"]
         rows[label] = row
     return {"model": name, "heads": heads_label, "stats": bool(table), "n": n, "prompts": prompts, "sampling": sample,
+            "unembed_plan_ms": unembed_plan_ms(model),
             "hf_sample_penalty": "transformers' logit form (logit / penalty if > 0, else x penalty, before temperature and top-k)",
             "methods": rows}
 
@@ -204,6 +206,14 @@ def pythia_shaped(shape: str, device: str, dtype: str) -> MultiTokenModel:
     bb = Backbone(GPTNeoXForCausalLM(cfg).eval(), None, f"pythia-{shape}-shaped (random)", BackboneConfig(base="random"))
     model = MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
     return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+
+
+def unembed_plan_ms(model) -> dict:
+    """The unembedding plan this process measured for ``model`` (ms per call, per row count and
+    form; empty on an accelerator: one call, nothing measured)."""
+    bb = model.backbone
+    probe = torch.empty(1, bb.hidden_size, dtype=bb.unembedding.weight.dtype, device=bb.device)
+    return plan_for(bb.unembedding, probe).as_dict()
 
 
 def step_row(traces: list) -> dict:
@@ -254,7 +264,7 @@ def bench_shapes(args) -> dict:
         for row in rows.values():
             row["step_cost_vs_ar"] = row["ms_per_step"] / rows["ar"]["ms_per_step"]
             row["model_cost_vs_ar"] = row["model_ms_per_step"] / rows["ar"]["model_ms_per_step"]
-        out[shape] = {"model": model.backbone.name,
+        out[shape] = {"model": model.backbone.name, "unembed_plan_ms": unembed_plan_ms(model),
                       "prompt_tokens": args.shape_prompt, "stats": args.shape_stats, "sampling": sample, "modes": rows}
         del model
     return out
