@@ -14,6 +14,11 @@ drifts by up to 2x for seconds at a time, so the best round stands for the code;
 process ratio is that of the best rounds, with each round's own ratio beside it.
 
     .venv/bin/python scripts/bench_stats.py --out bench_stats.json
+    .venv/bin/python scripts/bench_stats.py --table-only --work /tmp/big  # only the table -> /tmp/big/merged
+
+``--table-only``: count the 2-process Zipf shards and merge them into WORK/merged (the ~18.4M
+distinct trigrams of the default settings), time nothing else: the table
+``bench_decode.py --logic-only --logic-stats WORK/merged`` times DynaMo's logic on.
 """
 
 from __future__ import annotations
@@ -146,6 +151,21 @@ def bench_merge(work: Path, memory_mb: int, num_proc: int) -> tuple[dict, Path]:
             "distinct": meta["distinct"], "tokens": meta["total_tokens"]}, out
 
 
+def build_table(work: Path, tokens: int, memory_mb: int) -> Path:
+    """The merged table of the timed run (round 0's two Zipf shards, seeds 1 and 2), built
+    without the timing rounds; an existing WORK/merged is kept."""
+    if (work / "merged").is_dir():
+        print(f"{work / 'merged'} exists: kept")
+        return work / "merged"
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2, initializer=_set_start, initargs=(ctx.Barrier(2),)) as pool:
+        pool.map(count_worker, [(str(work / "two-zipf-0"), (i, 2), tokens, 1 + i, memory_mb, "zipf") for i in range(2)])
+    info, out = bench_merge(work, memory_mb, 2)
+    shutil.rmtree(work / "two-zipf-0", ignore_errors=True)
+    print(json.dumps({"merged": str(out), **info}))
+    return out
+
+
 def candidates(rng, probs: np.ndarray, k: int) -> np.ndarray:
     """k distinct tokens drawn by corpus frequency: stand-ins for a head's top-k."""
     return rng.choice(probs.size, size=k, replace=False, p=probs)
@@ -218,7 +238,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each measurement; the best counts (the VM's speed drifts)")
     ap.add_argument("--out", default="bench_stats.json")
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir, removed)")
+    ap.add_argument("--table-only", action="store_true", help="only build WORK/merged (needs --work), no timing")
     args = ap.parse_args()
+    if args.table_only:
+        if args.work is None:
+            raise SystemExit("--table-only keeps the table in --work DIR: pass --work")
+        build_table(Path(args.work), args.tokens, args.memory_mb)
+        return
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-stats-"))
     try:
         record = {"machine": {"cpus": mp.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
