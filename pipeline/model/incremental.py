@@ -183,16 +183,9 @@ def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches):
     return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=rotary)
 
 
-@torch.no_grad()
-def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
-         read_from: int = 0) -> StepOutput:
-    """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
-    ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
-    layer runs); a run must use the same value throughout, its head caches cover those heads only.
-    ``read_from``: the first position whose distributions will be read (a prompt's last)."""
+def _run_layers(model, hidden: torch.Tensor, ctx, caches: DecodeCaches, heads_upto: int | None):
+    """The backbone's layers, then the head layers up to ``heads_upto`` # -> (Features, {head: [B, T, H]})."""
     bb, heads = model.backbone, model.heads
-    hidden = bb.embeddings(new_ids)  # [B, T, H]
-    ctx = _layer_context(bb, hidden, caches)
     states = []
     for layer in bb.layers[:-1]:
         hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)
@@ -205,5 +198,20 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
         slot = heads.layer_slot(index)
         if slot is not None:  # layer heads attend over the sequence: run them on every new position
             hiddens[index] = heads.hidden(index, feats, cache=caches.heads[slot])
+    return feats, hiddens
+
+
+@torch.no_grad()
+def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
+         read_from: int = 0) -> StepOutput:
+    """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
+    ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
+    layer runs); a run must use the same value throughout, its head caches cover those heads only.
+    ``read_from``: the first position whose distributions will be read (a prompt's last)."""
+    bb = model.backbone
+    hidden = bb.embeddings(new_ids)  # [B, T, H]
+    ctx = _layer_context(bb, hidden, caches)
+    with bb.masked_gqa(ctx, hidden.device):  # a multi-token pass reads grouped KV heads in place
+        feats, hiddens = _run_layers(model, hidden, ctx, caches, heads_upto)
     caches.length += new_ids.shape[1]
     return StepOutput(model, feats, hiddens, first=read_from)

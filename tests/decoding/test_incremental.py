@@ -3,6 +3,8 @@ architectures, float and quantized backbones; cropping forgets exactly the rejec
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -159,3 +161,34 @@ def test_the_cpu_plan_measures_each_row_count_once_and_one_row_only_by_the_modul
     plan.joint(9, 3, 2)
     assert plan.table == measured  # nothing re-measured
     assert plan_for(head, x.to("meta")).measure is None  # no values to time: one call
+
+
+def test_masked_gqa_passes_read_grouped_heads_in_place_with_the_same_values(tiny_backbones, monkeypatch):
+    """A multi-token pass of a grouped-query model (tiny llama: 4 heads, 2 KV heads) runs under
+    transformers' TRANSFORMERS_SDPA_FORCE_GQA (torch's enable_gqa, no repeat_kv copy): the same
+    logits as without it, and the setting is as before once the pass is over."""
+    from multitoken.pipeline.model import backbone as backbone_mod
+
+    monkeypatch.delenv(backbone_mod.GQA_SETTING, raising=False)
+    model = attach(tiny_backbones["llama"], "replicated")
+    seen = []
+    real = backbone_mod.Backbone.run_layer
+
+    def spy(self, *args, **kwargs):
+        seen.append(os.environ.get(backbone_mod.GQA_SETTING))
+        return real(self, *args, **kwargs)
+
+    def logits(scope_on: bool):
+        monkeypatch.setattr(backbone_mod, "_SDPA_GQA", scope_on)
+        caches = model.new_caches()
+        model.step(torch.tensor([[1, 5, 9, 4]]), caches)
+        out = model.step(torch.tensor([[7, 11, 13]]), caches)
+        return torch.cat([out.base_logits(), out._head_row(1, 2)[:, None]], 1)
+
+    monkeypatch.setattr(backbone_mod.Backbone, "run_layer", spy)
+    plain, grouped = logits(False), logits(True)
+    assert torch.equal(plain, grouped)
+    assert set(seen[: len(seen) // 2]) == {None} and set(seen[len(seen) // 2:]) == {"1"}
+    assert backbone_mod.GQA_SETTING not in os.environ
+    one = model.step(torch.tensor([[3]]), model.new_caches())  # one token: no mask, transformers' own GQA path
+    assert one.feats.ctx.mask is None and os.environ.get(backbone_mod.GQA_SETTING) is None
