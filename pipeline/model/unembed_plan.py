@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 LINEAR, TRANSPOSED = "linear", "transposed"
 MEASURE_REPS = 5  # interleaved timings per form and row count (median kept)
