@@ -12,6 +12,7 @@ repetition counts (the machine may be shared). Prints a table and writes JSON.
 
     python scripts/bench_decode.py --out bench_decode.json [--pythia-heads DIR] [--device cuda --dtype bfloat16]
     python scripts/bench_decode.py --shapes 160m 410m --out bench_shapes.json   # step cost only
+    python scripts/bench_decode.py --shapes 410m --shape-dtypes float32 bfloat16 --out bench_shapes.json
 
 ``--batch-sizes 1 2 4 8 16``: only the batch bench (issue 14): for each batch size B, B prompts of
 different lengths decoded together by transformers' batched greedy ``generate`` (left-padded),
@@ -39,6 +40,7 @@ import platform
 import statistics
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,7 @@ from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_ba
 from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.embedded import DEFAULT_BASE
 from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.model.unembed_plan import plan_for
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
@@ -73,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="only the batch bench at these batch sizes")
     p.add_argument("--batch-eps", type=float, default=0.5, help="eps_b of the batch bench's dynamic row (the same-quality point)")
-    p.add_argument("--pythia-heads", "--heads", default=None, help="heads trained for pythia-mini by scripts/build_heads.py (default: untrained copies)")
+    p.add_argument("--pythia-heads", "--heads", dest="pythia_heads", default=None, help="heads trained for pythia-mini by scripts/build_heads.py (default: untrained copies)")
     p.add_argument("--pythia-stats", default=None, help="stats dir with the pythia tokenizer (dynamic masking on pythia-mini)")
     p.add_argument("--logic-stats", default=None,
                    help="a big stats dir (any tokenizer) for a second logic timing, e.g. the 18.4M-trigram table "
@@ -87,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
                    help="only the step-cost bench on random-weight models of these pythia shapes")
     p.add_argument("--shape-prompt", type=int, default=64, help="random prompt tokens (--shapes)")
+    p.add_argument("--shape-dtypes", nargs="+", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="--shapes in each of these dtypes, one after the other (default: --dtype); on CPUs with "
+                        "AVX512-BF16, bfloat16 multi-row matmuls cost about one row's (oneDNN), float32 ones 2-3x (MKL)")
     p.add_argument("--shape-stats", default=None, help="a stats dir over a 50304-token vocabulary (the pythia "
                    "tokenizer) for a masked dynamic row (--shapes; default: unmasked dynamic only)")
     args = p.parse_args(argv)
@@ -184,6 +190,7 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
             row["identical_to_hf_greedy"] = r["outputs"] == best["hf_greedy"]["outputs"]
         rows[label] = row
     return {"model": name, "heads": heads_label, "stats": bool(table), "n": n, "prompts": prompts, "sampling": sample,
+            "unembed_plan_ms": unembed_plan_ms(model),
             "hf_sample_penalty": "transformers' logit form (logit / penalty if > 0, else x penalty, before temperature and top-k)",
             "methods": rows}
 
@@ -344,6 +351,14 @@ def pythia_shaped(shape: str, device: str, dtype: str) -> MultiTokenModel:
     return model.to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
+def unembed_plan_ms(model) -> dict:
+    """The unembedding plan this process measured for ``model`` (ms per call, per row count and
+    form; empty on an accelerator: one call, nothing measured)."""
+    bb = model.backbone
+    probe = torch.empty(1, bb.hidden_size, dtype=bb.unembedding.weight.dtype, device=bb.device)
+    return plan_for(bb.unembedding, probe).as_dict()
+
+
 def step_row(traces: list) -> dict:
     """Per-step costs of a mode from its traces (prefill excluded: a step is a forward pass after
     the prompt's; the model share includes the head distributions it reads)."""
@@ -365,8 +380,8 @@ def bench_shapes(args) -> dict:
     sample = dict(temperature=args.temperature, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     base = dict(max_new_tokens=args.max_new_tokens, n=3, stop_at_eos=False)
     out = {}
-    for shape in args.shapes:
-        model = pythia_shaped(shape, args.device, args.dtype)
+    for shape, dtype in [(shape, dtype) for shape in args.shapes for dtype in args.shape_dtypes or [args.dtype]]:
+        model = pythia_shaped(shape, args.device, dtype)
         prompt = torch.randint(0, 50304, (1, args.shape_prompt), generator=torch.Generator().manual_seed(1))
         table = None
         if args.shape_stats:
@@ -380,7 +395,8 @@ def bench_shapes(args) -> dict:
         tables = {label: None for label in modes}
         if table is not None:
             modes["dynamic_eps0_masked"], tables["dynamic_eps0_masked"] = modes["dynamic_eps0"], table
-        generate(model, prompt, DecodeConfig(mode="ar", greedy=True, max_new_tokens=2))  # warm-up (allocations)
+        for label, cfg in modes.items():  # warm-up: allocations, and the unembedding plan measures its row counts
+            generate(model, prompt, replace(cfg, max_new_tokens=4), table=tables[label])
         best: dict[str, tuple[float, list]] = {}
         for _ in range(args.reps):
             for label, cfg in modes.items():
@@ -392,7 +408,8 @@ def bench_shapes(args) -> dict:
         for row in rows.values():
             row["step_cost_vs_ar"] = row["ms_per_step"] / rows["ar"]["ms_per_step"]
             row["model_cost_vs_ar"] = row["model_ms_per_step"] / rows["ar"]["model_ms_per_step"]
-        out[shape] = {"model": model.backbone.name,
+        out[shape if dtype == "float32" else f"{shape}-{dtype}"] = {"model": model.backbone.name, "dtype": dtype,
+                      "unembed_plan_ms": unembed_plan_ms(model),
                       "prompt_tokens": args.shape_prompt, "stats": args.shape_stats, "sampling": sample, "modes": rows}
         del model
     return out
@@ -400,7 +417,7 @@ def bench_shapes(args) -> dict:
 
 def print_shapes(shapes: dict) -> None:
     for shape, r in shapes.items():
-        print(f"\npythia-{shape}-shaped (random weights, 3 replicated heads), prompt {r['prompt_tokens']} tokens")
+        print(f"\npythia-{shape}-shaped (random weights, 3 replicated heads, {r['dtype']}), prompt {r['prompt_tokens']} tokens")
         print(f"{'mode':20s} {'model ms/step':>13s} {'logic ms/step':>13s} {'tok/fwd':>8s} {'ms/token':>9s} "
               f"{'step x ar':>9s} {'model x ar':>10s}  rows/unembed call")
         for label, m in r["modes"].items():

@@ -22,6 +22,11 @@ alternating by round, plus the per-task overhead of each (no-op Ray tasks, and a
 one-document shards on each executor).
 
     .venv/bin/python scripts/bench_stats.py --executor ray --tokens 16000000 --out bench_stats_ray.json
+    .venv/bin/python scripts/bench_stats.py --table-only --work /tmp/big  # only the table -> /tmp/big/merged
+
+``--table-only``: count the 2-process Zipf shards and merge them into WORK/merged (the ~18.4M
+distinct trigrams of the default settings), time nothing else: the table
+``bench_decode.py --logic-only --logic-stats WORK/merged`` times DynaMo's logic on.
 """
 
 from __future__ import annotations
@@ -153,6 +158,21 @@ def bench_merge(work: Path, memory_mb: int, num_proc: int) -> tuple[dict, Path]:
     meta = write_stats(out, sdirs, [1, 1, 1], num_proc, memory_mb << 20, log=lambda *_: None)
     return {"seconds": round(time.perf_counter() - t0, 2), "num_proc": num_proc, "memory_mb": memory_mb,
             "distinct": meta["distinct"], "tokens": meta["total_tokens"]}, out
+
+
+def build_table(work: Path, tokens: int, memory_mb: int) -> Path:
+    """The merged table of the timed run (round 0's two Zipf shards, seeds 1 and 2), built
+    without the timing rounds; an existing WORK/merged is kept."""
+    if (work / "merged").is_dir():
+        print(f"{work / 'merged'} exists: kept")
+        return work / "merged"
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2, initializer=_set_start, initargs=(ctx.Barrier(2),)) as pool:
+        pool.map(count_worker, [(str(work / "two-zipf-0"), (i, 2), tokens, 1 + i, memory_mb, "zipf") for i in range(2)])
+    info, out = bench_merge(work, memory_mb, 2)
+    shutil.rmtree(work / "two-zipf-0", ignore_errors=True)
+    print(json.dumps({"merged": str(out), **info}))
+    return out
 
 
 def candidates(rng, probs: np.ndarray, k: int) -> np.ndarray:
@@ -319,7 +339,13 @@ def main() -> None:
     ap.add_argument("--executor", choices=("local", "ray"), default="local",
                     help="ray: the Ray executor against 2 local processes (--tokens per worker) instead of the figures above")
     ap.add_argument("--tiny-shards", type=int, default=40, help="--executor ray: one-document shards of the overhead job")
+    ap.add_argument("--table-only", action="store_true", help="only build WORK/merged (needs --work), no timing")
     args = ap.parse_args()
+    if args.table_only:
+        if args.work is None:
+            raise SystemExit("--table-only keeps the table in --work DIR: pass --work")
+        build_table(Path(args.work), args.tokens, args.memory_mb)
+        return
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-stats-"))
     try:
         record = {"machine": machine_record()}

@@ -1,8 +1,8 @@
 """The multi-row unembedding cliff: ms per call of logits for R rows against a [V, H] weight,
 three ways -- F.linear over all R rows, F.linear in calls of at most 3 rows, and (W @ x^T)^T --
-on pythia-160m / 410m shapes (random fp32 weights: cost only). The decoding rule it checks
-(pipeline/incremental.py, CPU_FAST_ROWS = 3): up to 3 rows per F.linear call cost one row's time;
-beyond that (W x^T)^T is cheaper than F.linear. Run on a quiet machine:
+on pythia-160m / 410m shapes (random fp32 weights: cost only). Decoding no longer relies on a
+fixed rule: pipeline/model/unembed_plan.py measures the same forms per backbone, dtype and thread
+count when a row count is first needed (bench_decode.py records that plan). Run on a quiet machine:
 
     python scripts/bench_unembed.py --threads 1 --out bench_unembed.json
 """

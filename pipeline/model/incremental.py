@@ -23,6 +23,7 @@ import torch
 from multitoken.adapters.base import Features
 from multitoken.pipeline.model.backbone import LayerContext
 from multitoken.pipeline.model import ragged
+from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, apply, plan_for
 
 
 def _new_cache():
@@ -136,45 +137,31 @@ def new_caches(model) -> DecodeCaches:
     return DecodeCaches(backbone=_new_cache(), heads=[_new_cache() for _ in range(model.heads.num_head_layers)])
 
 
-# Rows one unembedding call takes at the 1-row rate. On the CPU, F.linear of 1-3 rows against a
-# [V, H] weight costs what 1 row does (reading the weight dominates) and 4+ rows switch BLAS path
-# (1.6-1.8x, 9 rows 3.3x on a pythia-160m shape), while (W @ x.T).T of 9 rows costs ~2x one row
-# (scripts/bench_unembed.py measures all three). An accelerator reads the weight once per call
-# whatever the row count (memory-bound): rows are free there, calls are not.
-CPU_FAST_ROWS = 3
-
-
-def fast_rows(device: torch.device) -> int | None:
-    """Rows an unembedding call on ``device`` takes at the 1-row rate (None: any number)."""
-    return CPU_FAST_ROWS if device.type == "cpu" else None
-
-
 def unembed(bb, rows: torch.Tensor) -> torch.Tensor:
-    """Logits of ``rows`` [B, R, H] # -> [B, R, V]: F.linear up to the fast row count, beyond it
-    on the CPU (W @ x^T)^T, which keeps a plain Linear's weight-bound rate (no bias to add: the
-    unembeddings of both architectures have none; a biased or quantized one takes F.linear).
-    Neither form is bit-identical to 1-row calls for R > 1 (nor is the other): the logits agree
-    to float rounding, which is all the greedy argmax of a model's own forward can promise."""
-    limit, head = fast_rows(rows.device), bb.unembedding
-    plain = type(head) is torch.nn.Linear and head.bias is None
-    if limit is None or rows.shape[0] * rows.shape[1] <= limit or not plain:
-        return bb.logits(rows)
+    """Logits of ``rows`` [B, R, H] # -> [B, R, V], in the form the backbone's unembedding plan
+    measured cheaper for B * R rows (``unembed_plan.py``: F.linear, or on the CPU (W x^T)^T for
+    a plain Linear; one row always through the module). Neither form is bit-identical to
+    1-row calls for R > 1 (nor is the other): the logits agree to float rounding, which is all
+    the greedy argmax of a model's own forward can promise."""
+    head = bb.unembedding
     flat = rows.reshape(-1, rows.shape[-1])  # [B * R, H]
-    return (head.weight @ flat.T).T.reshape(*rows.shape[:-1], -1)
+    if plan_for(head, flat).form(flat.shape[0]) == LINEAR:
+        return head(rows)  # the module itself, as transformers computes logits
+    return apply(head, flat, TRANSPOSED).reshape(*rows.shape[:-1], -1)
 
 
 class StepOutput:
     """One incremental pass over T new tokens. Distributions are computed on demand, and only the
     rows the decoder reads are unembedded: the base after every position (verification reads all
     of them, argmax decoding the last) and the layer heads at one position (the anchor the next
-    proposal starts from, known only after acceptance). When all of those rows fit one call at
-    the 1-row rate (``fast_rows``: on an accelerator always, on the CPU 3 rows) they go in one
-    call, head rows at every position included; otherwise the base rows go first and the head
-    rows at the anchor in a second call. Log-softmax only for rows read. ``model_s`` accumulates
-    the time spent here (model time, not decoding logic), read by ``clock`` (the loop's, which
-    synchronises an accelerator when profiling); ``unembed_rows`` counts rows per call made here
-    (one-position heads, Medusa and CP, unembed their single row inside the adapter, per head or
-    per CP expert: not counted)."""
+    proposal starts from, known only after acceptance). When one call over the base and head
+    rows at every position costs no more than two calls (the unembedding plan: on an
+    accelerator always; on the CPU measured per shape, dtype and threads) they go in one call;
+    otherwise the base rows go first and the head rows at the anchor in a second call.
+    Log-softmax only for rows read. ``model_s`` accumulates the time spent here (model time, not
+    decoding logic), read by ``clock`` (the loop's, which synchronises an accelerator when
+    profiling); ``unembed_rows`` counts rows per call made here (one-position heads, Medusa and
+    CP, unembed their single row inside the adapter, per head or per CP expert: not counted)."""
 
     clock = staticmethod(time.perf_counter)
 
@@ -208,10 +195,10 @@ class StepOutput:
         return logits
 
     def _unembed_base(self) -> None:
-        """The base rows, with every head's rows in the same call when all fit at the 1-row rate."""
+        """The base rows, with every head's rows in the same call when that is the cheaper plan."""
         heads, t = sorted(self.hiddens), self.length - self.first
-        limit = fast_rows(self.feats.base.device)
-        if not heads or (limit is not None and t * (1 + len(heads)) > limit):
+        plan = plan_for(self.model.backbone.unembedding, self.feats.base)
+        if not heads or not plan.joint(t * (1 + len(heads)), t, len(heads)):
             self._logits = self._unembed(self.feats.base[:, self.first:])  # [B, T - first, V]
             return
         read = [self.feats.base] + [self.hiddens[i] for i in heads]  # (1 + L) x [B, T, H]
@@ -222,7 +209,7 @@ class StepOutput:
 
     def _head_row(self, index: int, pos: int) -> torch.Tensor:
         """Logits of layer head ``index`` at ``pos`` # [B, V]; the first read at ``pos``
-        unembeds every layer head there in one call (their rows fit the 1-row rate)."""
+        unembeds every layer head there in one call."""
         if self._logits is None:
             self._unembed_base()  # the base is always read first; this may bring the heads along
         if pos not in self._head_logits:
@@ -329,24 +316,9 @@ def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches, lengths: list
     return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=rotary)
 
 
-@torch.no_grad()
-def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
-         read_from: int = 0, lengths: list[int] | None = None, attend: torch.Tensor | None = None,
-         offsets: torch.Tensor | None = None) -> StepOutput:
-    """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
-    ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
-    layer runs); a run must use the same value throughout, its head caches cover those heads only.
-    ``read_from``: the first position whose distributions will be read (a prompt's last).
-    ``lengths``: tokens per row, right-aligned in ``new_ids`` (the rest are pads; None: all T).
-    ``attend`` [T, T] bool and ``offsets`` [T] long (both or neither): which new tokens each new
-    token sees and their positions after the cached ones (a candidate tree: ancestors and
-    depth; batch size 1); None = causal, consecutive."""
+def _run_layers(model, hidden: torch.Tensor, ctx, caches: DecodeCaches, heads_upto: int | None):
+    """The backbone's layers, then the head layers up to ``heads_upto`` # -> (Features, {head: [B, T, H]})."""
     bb, heads = model.backbone, model.heads
-    hidden = bb.embeddings(new_ids)  # [B, T, H]
-    if attend is not None:
-        ctx = _tree_context(bb, hidden, caches, attend, offsets)
-    else:
-        ctx = _layer_context(bb, hidden, caches, lengths)
     states = []
     for layer in bb.layers[:-1]:
         hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)
@@ -359,6 +331,29 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
         slot = heads.layer_slot(index)
         if slot is not None:  # layer heads attend over the sequence: run them on every new position
             hiddens[index] = heads.hidden(index, feats, cache=caches.heads[slot])
+    return feats, hiddens
+
+
+@torch.no_grad()
+def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
+         read_from: int = 0, lengths: list[int] | None = None, attend: torch.Tensor | None = None,
+         offsets: torch.Tensor | None = None) -> StepOutput:
+    """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
+    ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
+    layer runs); a run must use the same value throughout, its head caches cover those heads only.
+    ``read_from``: the first position whose distributions will be read (a prompt's last).
+    ``lengths``: tokens per row, right-aligned in ``new_ids`` (the rest are pads; None: all T).
+    ``attend`` [T, T] bool and ``offsets`` [T] long (both or neither): which new tokens each new
+    token sees and their positions after the cached ones (a candidate tree: ancestors and
+    depth; batch size 1); None = causal, consecutive."""
+    bb = model.backbone
+    hidden = bb.embeddings(new_ids)  # [B, T, H]
+    if attend is not None:
+        ctx = _tree_context(bb, hidden, caches, attend, offsets)
+    else:
+        ctx = _layer_context(bb, hidden, caches, lengths)
+    with bb.masked_gqa(ctx, hidden.device):  # a multi-token pass reads grouped KV heads in place
+        feats, hiddens = _run_layers(model, hidden, ctx, caches, heads_upto)
     if caches.valid is not None or (lengths is not None and min(lengths) < new_ids.shape[1]):
         new_valid = ragged.step_valid(lengths or [new_ids.shape[1]] * new_ids.shape[0], new_ids.shape[1])
         caches.valid = np.concatenate([caches._valid_array(new_ids.shape[0]), new_valid], axis=1)

@@ -3,14 +3,25 @@ architectures, float and quantized backbones; cropping forgets exactly the rejec
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
+from multitoken.pipeline.model import unembed_plan
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, UnembedPlan, fixed_plan, plan_for
 
 from .conftest import attach
+
+
+@pytest.fixture
+def three_fast_rows(monkeypatch):
+    """The unembedding plan pinned to a rule (up to 3 rows at the 1-row rate, then (W x^T)^T):
+    the CPU's measured plan depends on the machine and its load."""
+    monkeypatch.setattr(unembed_plan, "PINNED", fixed_plan(3))
 
 
 def incremental_log_probs(model, ids: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
@@ -73,7 +84,7 @@ def test_quantized_backbone_decodes_like_its_own_generate(tiny_neox_q_dir, tiny_
     assert len(res.token_ids) == 12
 
 
-def test_cpu_steps_unembed_only_the_rows_read_at_the_one_row_rate(tiny_backbones):
+def test_cpu_steps_unembed_only_the_rows_read_at_the_one_row_rate(tiny_backbones, three_fast_rows):
     """Verification (3 positions, 2 head layers): the 3 base rows in one call, then the heads at
     the anchor in a call of 2 rows, per anchor read; never a call over the CPU's 3 fast rows. The
     logits are those of one call over every row, to float rounding."""
@@ -91,7 +102,7 @@ def test_cpu_steps_unembed_only_the_rows_read_at_the_one_row_rate(tiny_backbones
     assert dict(out.unembed_rows) == {3: 1, 2: 2}
 
 
-def test_a_one_position_step_unembeds_base_and_heads_in_one_call(tiny_backbones):
+def test_a_one_position_step_unembeds_base_and_heads_in_one_call(tiny_backbones, three_fast_rows):
     """Dynamic / ar steps read one position: 1 base + 2 head rows fit one fast call."""
     model = attach(tiny_backbones["llama"], "replicated")
     caches = model.new_caches()
@@ -101,7 +112,7 @@ def test_a_one_position_step_unembeds_base_and_heads_in_one_call(tiny_backbones)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_unembed_beyond_the_fast_rows_agrees_within_rounding(tiny_backbones, rows):
+def test_unembed_beyond_the_fast_rows_agrees_within_rounding(tiny_backbones, rows, three_fast_rows):
     """(W x^T)^T for more rows than the CPU's fast count: each logit is the same dot product
     summed in another order, so it differs from F.linear's by at most H * eps * sum |w_i x_i|."""
     from multitoken.pipeline.model.incremental import unembed
@@ -116,7 +127,7 @@ def test_unembed_beyond_the_fast_rows_agrees_within_rounding(tiny_backbones, row
         assert torch.equal(got, ref)  # the fast rows go through the module itself
 
 
-def test_the_trace_records_device_sync_and_rows_per_call(tiny_backbones):
+def test_the_trace_records_device_sync_and_rows_per_call(tiny_backbones, three_fast_rows):
     model = attach(tiny_backbones["llama"], "replicated")
     cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=12)
     plain = generate(model, [1, 5, 9, 4], cfg)
@@ -125,3 +136,59 @@ def test_the_trace_records_device_sync_and_rows_per_call(tiny_backbones):
     assert (plain.trace.device, plain.trace.synchronised, profiled.trace.synchronised) == ("cpu", False, True)
     rows = plain.trace.unembed_rows
     assert rows and max(rows) <= 3 and plain.trace.as_dict()["unembed_rows"] == {str(k): v for k, v in sorted(rows.items())}
+
+
+def test_the_plan_joins_calls_only_when_one_call_is_not_dearer():
+    """Costs per row count: one call of 9 rows against 3 + 2 rows in two calls."""
+    flat = UnembedPlan(lambda rows: {r: {LINEAR: 1.0 + 0.01 * r} for r in rows})  # call overhead dominates
+    assert flat.joint(9, 3, 2) and flat.form(9) == LINEAR
+    steep = UnembedPlan(lambda rows: {r: {LINEAR: float(r), TRANSPOSED: 1.5 + 0.5 * r} for r in rows})
+    assert not steep.joint(9, 3, 2) and steep.form(9) == TRANSPOSED and steep.form(1) == LINEAR
+    assert UnembedPlan().joint(9, 3, 2) and UnembedPlan().form(9) == LINEAR  # accelerator: one call
+
+
+def test_the_cpu_plan_measures_each_row_count_once_and_one_row_only_by_the_module(tiny_backbones, monkeypatch):
+    monkeypatch.setattr(unembed_plan, "_PLANS", {})  # this process's earlier decodes measured other counts
+    head = tiny_backbones["llama"].unembedding
+    x = torch.zeros(1, head.weight.shape[1])
+    plan = plan_for(head, x)
+    assert plan is plan_for(head, x)  # cached per process
+    plan.joint(9, 3, 2)
+    assert {1, 2, 3, 9} >= set(plan.table) >= {2, 3, 9}
+    assert set(plan.table[9]) == {LINEAR, TRANSPOSED} and all(v > 0 for v in plan.table[9].values())
+    assert set(plan.cost(1) and plan.table[1]) == {LINEAR}  # ar's row stays transformers' computation
+    measured = dict(plan.table)
+    plan.joint(9, 3, 2)
+    assert plan.table == measured  # nothing re-measured
+    assert plan_for(head, x.to("meta")).measure is None  # no values to time: one call
+
+
+def test_masked_gqa_passes_read_grouped_heads_in_place_with_the_same_values(tiny_backbones, monkeypatch):
+    """A multi-token pass of a grouped-query model (tiny llama: 4 heads, 2 KV heads) runs under
+    transformers' TRANSFORMERS_SDPA_FORCE_GQA (torch's enable_gqa, no repeat_kv copy): the same
+    logits as without it, and the setting is as before once the pass is over."""
+    from multitoken.pipeline.model import backbone as backbone_mod
+
+    monkeypatch.delenv(backbone_mod.GQA_SETTING, raising=False)
+    model = attach(tiny_backbones["llama"], "replicated")
+    seen = []
+    real = backbone_mod.Backbone.run_layer
+
+    def spy(self, *args, **kwargs):
+        seen.append(os.environ.get(backbone_mod.GQA_SETTING))
+        return real(self, *args, **kwargs)
+
+    def logits(scope_on: bool):
+        monkeypatch.setattr(backbone_mod, "_SDPA_GQA", scope_on)
+        caches = model.new_caches()
+        model.step(torch.tensor([[1, 5, 9, 4]]), caches)
+        out = model.step(torch.tensor([[7, 11, 13]]), caches)
+        return torch.cat([out.base_logits(), out._head_row(1, 2)[:, None]], 1)
+
+    monkeypatch.setattr(backbone_mod.Backbone, "run_layer", spy)
+    plain, grouped = logits(False), logits(True)
+    assert torch.equal(plain, grouped)
+    assert set(seen[: len(seen) // 2]) == {None} and set(seen[len(seen) // 2:]) == {"1"}
+    assert backbone_mod.GQA_SETTING not in os.environ
+    one = model.step(torch.tensor([[3]]), model.new_caches())  # one token: no mask, transformers' own GQA path
+    assert one.feats.ctx.mask is None and os.environ.get(backbone_mod.GQA_SETTING) is None

@@ -1,0 +1,126 @@
+"""How to unembed R rows of one backbone: in one call or split, and by which matmul form.
+
+Whether R rows cost one row's time depends on the machine, the weight's shape and dtype, and
+the thread count, not on a constant: on a 2-core AMD EPYC (MKL, one thread) a [50304, 768]
+fp32 unembedding takes 1-3 rows at the 1-row rate, a [512, 64] one is all call overhead (one
+call of 9 rows beats two calls of 3 and 2), and bf16 weights (oneDNN, AVX512-BF16) take up to 8
+rows at ~1.1x one row. So the CPU plan measures: the first time a row count is needed, both
+forms (``F.linear`` and ``(W x^T)^T``) are timed on the real weight, interleaved, medians kept,
+and cached per process for (weight, shape, dtype, device, threads). An accelerator reads the
+weight once per call whatever the row count (memory-bound): one call, ``F.linear``, nothing
+measured (nor on ``meta``, which has no values to time).
+
+The choice changes the float rounding of logits, never which rows are computed: both forms are
+the same dot products summed in another order (tests bound the difference).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+LINEAR, TRANSPOSED = "linear", "transposed"
+MEASURE_REPS = 5  # interleaved timings per form and row count (median kept)
+
+
+def plain_linear(head: torch.nn.Module) -> bool:
+    """A bias-free float ``nn.Linear``: the only kind ``(W x^T)^T`` may replace (a quantized or
+    biased unembedding always goes through its module)."""
+    return type(head) is torch.nn.Linear and head.bias is None
+
+
+@dataclass
+class UnembedPlan:
+    """Cost and form per row count. ``measure(rows) -> {form: seconds}`` fills ``table`` on
+    first need; ``measure`` None: every row count costs one call (accelerators)."""
+
+    measure: Callable[[list[int]], dict[int, dict[str, float]]] | None = None
+    table: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def _ensure(self, rows: list[int]) -> None:
+        missing = sorted({r for r in rows if r not in self.table})
+        if missing and self.measure is not None:
+            self.table.update(self.measure(missing))  # measured together: one load level
+
+    def cost(self, rows: int) -> float:
+        if self.measure is None:
+            return 1.0
+        self._ensure([rows])
+        return min(self.table[rows].values())
+
+    def form(self, rows: int) -> str:
+        if self.measure is None:
+            return LINEAR
+        self._ensure([rows])
+        forms = self.table[rows]
+        return min(forms, key=forms.get)
+
+    def joint(self, total: int, *parts: int) -> bool:
+        """Whether one call of ``total`` rows costs no more than one call per part (the rows
+        read either way; ``total`` may hold more than the parts: rows computed in passing)."""
+        if self.measure is None:
+            return True
+        self._ensure([total, *parts])
+        return self.cost(total) <= sum(self.cost(p) for p in parts)
+
+    def as_dict(self) -> dict:
+        """The measured table, ms per call (for benchmark records)."""
+        return {r: {f: round(1000 * s, 4) for f, s in forms.items()} for r, forms in sorted(self.table.items())}
+
+
+def fixed_plan(fast_rows: int) -> UnembedPlan:
+    """A plan from a rule instead of a measurement (deterministic: tests pin it): up to
+    ``fast_rows`` rows cost one row's ``F.linear``; beyond it F.linear costs a row's time per row
+    and ``(W x^T)^T`` 1 + rows / fast_rows, so calls over more rows than that are split."""
+    def measure(rows: list[int]) -> dict[int, dict[str, float]]:
+        return {r: {LINEAR: 1.0} if r <= fast_rows else {LINEAR: float(r), TRANSPOSED: 1 + r / fast_rows} for r in rows}
+    return UnembedPlan(measure)
+
+
+def apply(head: torch.nn.Module, x: torch.Tensor, form: str) -> torch.Tensor:
+    """Logits of ``x`` [N, H] # -> [N, V] by ``form``."""
+    if form == TRANSPOSED:
+        return (head.weight @ x.T).T
+    return head(x)
+
+
+def _timer(head: torch.nn.Module, hidden: int, dtype: torch.dtype, device: torch.device):
+    # one row always goes through the module, as transformers' generate computes it: greedy
+    # ``ar`` stays bit-identical to it
+    forms = (LINEAR, TRANSPOSED) if plain_linear(head) else (LINEAR,)
+
+    @torch.inference_mode()
+    def measure(rows: list[int]) -> dict[int, dict[str, float]]:
+        xs = {r: torch.randn(r, hidden, generator=torch.Generator().manual_seed(r)).to(device=device, dtype=dtype) for r in rows}
+        times = {(r, f): [] for r in rows for f in (forms if r > 1 else (LINEAR,))}
+        for r, f in times:  # warm-up: first calls allocate
+            apply(head, xs[r], f)
+        for _ in range(MEASURE_REPS):
+            for r, f in times:
+                start = time.perf_counter()
+                apply(head, xs[r], f)
+                times[r, f].append(time.perf_counter() - start)
+        return {r: {f: statistics.median(times[r, f]) for f in forms if (r, f) in times} for r in rows}
+    return measure
+
+
+_PLANS: dict[tuple, UnembedPlan] = {}
+PINNED: UnembedPlan | None = None  # tests set a fixed plan here (every backbone then uses it)
+
+
+def plan_for(head: torch.nn.Module, rows: torch.Tensor) -> UnembedPlan:
+    """The process's plan for unembedding ``rows`` [..., H] (their dtype and device) with
+    ``head`` (measured lazily on the CPU)."""
+    if PINNED is not None:
+        return PINNED
+    if rows.device.type != "cpu":
+        return UnembedPlan()
+    weight = head.weight
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, rows.dtype, torch.get_num_threads(), type(head))
+    if key not in _PLANS:
+        _PLANS[key] = UnembedPlan(_timer(head, rows.shape[-1], rows.dtype, rows.device))
+    return _PLANS[key]
