@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from stats_helpers import PYTHIA_TOKENIZER, build_ids, write_jsonl_ids, write_parquet_ids, zipf_docs
+from .stats_helpers import PYTHIA_TOKENIZER, build_ids, write_jsonl_ids, write_parquet_ids, zipf_docs
 
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.base.errors import DataError, UsageError

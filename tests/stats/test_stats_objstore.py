@@ -9,9 +9,9 @@ import filecmp
 import json
 from pathlib import Path
 
-import objstore
+from . import objstore
 import pytest
-from stats_helpers import build_ids, write_jsonl_ids, zipf_docs
+from .stats_helpers import build_ids, write_jsonl_ids, zipf_docs
 
 from multitoken.stats.store import MARKER, is_remote, staging_root
 

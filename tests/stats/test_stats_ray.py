@@ -17,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-import objstore
+from . import objstore
 import pytest
-from stats_helpers import write_jsonl_ids, zipf_docs
+from .stats_helpers import write_jsonl_ids, zipf_docs
 
 from multitoken.pipeline.base.data import DataConfig
 from multitoken.pipeline.base.tokenizer import load_tokenizer
