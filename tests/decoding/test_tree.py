@@ -18,6 +18,7 @@ from multitoken.decoding.tree import (ACCURACY_FILE, Accuracies, Tree, best_firs
                                       fallback_accuracies, read_accuracies)
 from multitoken.decoding.tree_accept import greedy_tree, sampled_tree
 from multitoken.pipeline.base.errors import UsageError
+from multitoken.pipeline.model.assets import load_model
 from multitoken.pipeline.model.incremental import _tree_context
 
 from .conftest import attach
@@ -118,9 +119,7 @@ def test_greedy_tree_with_heads_that_guess_well(tiny_backbones, arch):
 
 
 def test_embedded_heads_accept_more_per_forward_with_a_tree():
-    from multitoken.pipeline.model.assets import load_model
-
-    model, _ = load_model("")
+    model, _ = load_model(None)
     ids = model.backbone.tokenizer("The little dog ran to the park and", return_tensors="pt").input_ids
     cfg = dict(mode="speculative", greedy=True, max_new_tokens=64)
     chain = generate(model, ids, DecodeConfig(**cfg))
