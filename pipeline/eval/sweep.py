@@ -12,7 +12,8 @@ external judge: the base model's mean NLL of the continuation given the prompt (
 1, full vocabulary), distinct-2/3 and the repetition rate (share of repeated 4-grams). Each
 point reports means with 95% Student-t intervals over the prompt x seed runs; the wall-clock
 speed-up of a run is ar's seconds per token over the point's, on the same prompt and seed
-(ar runs just before and after that prompt and seed's points; the mean of the two is used);
+(ar runs just before and after that prompt and seed's points; the mean of the two is used; the
+points' order rotates from one prompt x seed to the next, so no point always runs first after ar);
 the CPU-time speed-up (process time, one thread by default) is the same ratio measured in a
 way other processes on a shared machine cannot inflate. ``--batch-size B`` decodes B prompt x
 seed runs of a point together (``decoding.batch``): every run's tokens, hence every quality
@@ -210,6 +211,15 @@ def run_batch(model, runs: list[tuple[list[int], int]], decode_cfg, table) -> li
             for (p, _), r in zip(runs, results)]
 
 
+def _warm_up(model, runs: list[tuple[list[int], int]], ar_cfg, grid_cfgs, table) -> None:
+    """A few untimed tokens of ar and of each config's first point at the sweep's batch size:
+    one-time costs (compiled kernels loading, first allocations of a batch shape) would otherwise
+    land on whichever run comes first."""
+    firsts = {name: dcfg for name, _, dcfg in reversed(grid_cfgs)}
+    for dcfg in (ar_cfg, *firsts.values()):
+        run_batch(model, runs, replace(dcfg, max_new_tokens=min(4, dcfg.max_new_tokens)), table)
+
+
 def _average_timing(a: dict, b: dict) -> dict:
     """Two runs of the same (deterministic) generation: same tokens, mean of the timings."""
     return {**a, **{k: (a[k] + b[k]) / 2 for k in ("sec_per_token", "cpu_per_token")}}
@@ -294,12 +304,16 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
     # points and hf-sample, so on a shared machine the load the timings see changes little between them.
     # Batches of pairs (--batch-size) keep that order: ar before and after each batch's points.
     ar_runs, hf_runs, point_runs = [], [], [[] for _ in grid_cfgs]
+    _warm_up(model, [(prompt_ids[i], s) for i, s in pairs[:cfg.batch_size]], base_cfg, grid_cfgs, table)
     for first in range(0, len(pairs), cfg.batch_size):
         chunk = pairs[first:first + cfg.batch_size]
         runs_in = [(prompt_ids[i], s) for i, s in chunk]
         before = run_batch(model, runs_in, base_cfg, table)
-        for runs, (_, _, dcfg) in zip(point_runs, grid_cfgs):
-            runs.extend(run_batch(model, runs_in, dcfg, table))
+        # the point run first after ar pays the switch of code paths (cold caches): rotate the
+        # grid's order from one batch to the next so that no point always runs first
+        shift = (first // cfg.batch_size) % len(grid_cfgs) if grid_cfgs else 0
+        for j in [*range(shift, len(grid_cfgs)), *range(shift)]:
+            point_runs[j].extend(run_batch(model, runs_in, grid_cfgs[j][2], table))
         if cfg.hf_sample:
             hf_runs.extend(run_hf_sample(model.backbone, p, replace(base_cfg, seed=s)) for p, s in runs_in)
         ar_runs.extend(map(_average_timing, before, run_batch(model, runs_in, base_cfg, table)))
