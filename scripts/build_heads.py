@@ -1,4 +1,4 @@
-"""Train ``replicated`` heads (n = 3) for a base model from its own text: by default the heads
+"""Train ``replicated`` heads (n = 3, or ``--n``) for a base model from its own text: by default the heads
 shipped beside the embedded stories260K model; ``--base DIR --dest DIR`` for another base (the
 decoding benchmark's pythia-mini heads, say).
 
@@ -6,7 +6,7 @@ Steps (each skipped when its output already exists in --work-dir):
 1. distill training and held-out corpora (other seeds) from the base itself: sampled text,
    and greedy text (a sampled prefix of 0..64 tokens continued with argmax, ``--greedy-after``),
    which is what greedy speculative decoding verifies; the training file interleaves the two;
-2. attach untrained replicated heads (heads 2..3 start as copies of the final layer);
+2. attach untrained replicated heads (heads 2..n start as copies of the final layer);
 3. train them with the backbone frozen (``multitoken train --mode heads``), documents joined
    by BOS, the way stories260K saw its training stories;
 4. evaluate per-head loss and top-1/top-5 accuracy on both held-out corpora;
@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--greedy-tokens", type=int, default=1_000_000, help="greedy-continued training tokens (0: none)")
     p.add_argument("--greedy-after", type=int, default=64)
     p.add_argument("--heldout-tokens", type=int, default=60_000)
+    p.add_argument("--n", type=int, default=3, help="tokens per forward pass: the base's head + n - 1 replicated heads")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
@@ -109,8 +110,8 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     if args.dest is None:
-        if args.base is not None:
-            raise SystemExit("--base given without --dest: only the embedded model's heads go into the package")
+        if args.base is not None or args.n != 3:
+            raise SystemExit("--base or --n given without --dest: only the embedded model's 3-token heads go into the package")
         args.dest = str(DEST)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     untrained = work / "untrained"
     if not (untrained / "heads_config.json").is_file():
         torch.manual_seed(0)
-        MultiTokenModel.attach(backbone, {"head_type": "replicated", "n_future": 3, "init": "copy"}).save_heads(untrained)
+        MultiTokenModel.attach(backbone, {"head_type": "replicated", "n_future": args.n, "init": "copy"}).save_heads(untrained)
     trained = work / "trained"
     cfg = TrainConfig(
         heads=str(untrained), out=str(trained), separator="bos", mode="heads", max_steps=args.steps,

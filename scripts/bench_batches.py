@@ -1,0 +1,143 @@
+"""The batch bench of ``bench_decode.py --batch-sizes`` (issue 14): for each batch size B, B
+prompts of different lengths decoded together by transformers' batched greedy ``generate``
+(left-padded) and by every mode of ours, interleaved per repetition; tokens/s, tokens per
+forward, peak memory and whether every row equals its B = 1 output."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench_common import PROMPTS, load, open_table
+from multitoken.decoding.batch import generate_batch
+from multitoken.decoding.config import DecodeConfig
+from multitoken.pipeline.embedded import DEFAULT_BASE
+
+def batch_prompts(texts: list[str], count: int) -> list[str]:
+    """``count`` prompts of different lengths: the texts, then each extended by the next ones."""
+    out = []
+    for i in range(count):
+        base = texts[i % len(texts)]
+        extra = " ".join(texts[(i + j) % len(texts)] for j in range(1, 1 + i // len(texts)))
+        out.append(f"{base} {extra}".strip())
+    return out
+
+
+def hf_batched_greedy(model, texts: list[str], max_new: int):
+    """transformers' batched greedy ``generate``: left-padded prompts with their attention mask."""
+    bb = model.backbone
+    tok = bb.tokenizer
+    side, tok.padding_side = tok.padding_side, "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(texts, return_tensors="pt", padding=True).to(bb.device)
+    tok.padding_side = side
+    out = bb.model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+    return [row[enc.input_ids.shape[1]:].tolist() for row in out], None
+
+
+def peak_memory_reset(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak accelerator memory since the reset; on the CPU the process's peak RSS (monotonic)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_batch_model(name, model, heads_label, table, texts, args) -> dict:
+    """Every method at every batch size (interleaved per repetition, best repetition kept)."""
+    n, new = model.n_future, args.max_new_tokens
+    sample = dict(temperature=args.temperature, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
+    base = dict(max_new_tokens=new, n=n, stop_at_eos=False)
+    cfgs = {"ar": DecodeConfig(mode="ar", greedy=True, max_new_tokens=new, stop_at_eos=False),
+            "speculative_greedy": DecodeConfig(mode="speculative", greedy=True, **base),
+            "speculative_sample": DecodeConfig(mode="speculative", **base, **sample),
+            "typical_greedy": DecodeConfig(mode="typical", greedy=True, **base),
+            f"dynamic_eps{args.batch_eps}": DecodeConfig(mode="dynamic", eps_b=args.batch_eps, **base, **sample)}
+    tok = model.backbone.tokenizer
+    pool = batch_prompts(texts, max(args.batch_sizes))
+    out = {}
+    singles: dict[str, list] = {}
+    for b in args.batch_sizes:
+        chosen = pool[:b]
+        ids = [tok(t)["input_ids"] for t in chosen]
+        best: dict[str, dict] = {}
+        warm = b == args.batch_sizes[0]  # one untimed pass first: allocations, kernel caches, numba
+        for rep in range(args.reps + warm):
+            runs = {"hf_greedy_batched": lambda: hf_batched_greedy(model, chosen, new)}
+            for label, cfg in cfgs.items():
+                runs[label] = (lambda c: lambda: _ours(model, ids, c, table))(cfg)
+            for label, run in runs.items():
+                peak_memory_reset(args.device)
+                start = time.perf_counter()
+                outputs, traces = run()
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+                if warm and rep == 0:
+                    continue
+                if label not in best or wall < best[label]["wall_s"]:
+                    best[label] = {"wall_s": wall, "outputs": outputs, "traces": traces, "peak_mb": peak_memory_mb(args.device)}
+        rows = {}
+        for label, r in best.items():
+            tokens = sum(map(len, r["outputs"]))
+            row = {"tokens": tokens, "wall_s": round(r["wall_s"], 4), "tokens_per_s": round(tokens / r["wall_s"], 1),
+                   "peak_memory_mb": round(r["peak_mb"], 1)}
+            if r["traces"] is not None:
+                row["tokens_per_forward"] = round(statistics.mean(t.tokens_per_forward for t in r["traces"]), 3)
+                row["forward_passes"] = r["traces"][0].forward_passes if b == 1 else max(t.forward_passes for t in r["traces"])
+            singles.setdefault(label, [])
+            if b == min(args.batch_sizes) == 1:
+                singles[label] = r["outputs"]
+            if label in singles and singles[label]:
+                k = min(len(singles[label]), b)
+                row["rows_equal_batch1"] = r["outputs"][:k] == singles[label][:k]
+            rows[label] = row
+        for row in rows.values():
+            row["speedup_vs_hf_batched"] = round(row["tokens_per_s"] / rows["hf_greedy_batched"]["tokens_per_s"], 3)
+            row["speedup_vs_our_ar"] = round(row["tokens_per_s"] / rows["ar"]["tokens_per_s"], 3)
+        out[str(b)] = rows
+    for b in out:  # throughput over the same method at the smallest batch size
+        for label, row in out[b].items():
+            row["speedup_vs_smallest_batch"] = round(row["tokens_per_s"] / out[str(min(args.batch_sizes))][label]["tokens_per_s"], 3)
+    return {"model": name, "heads": heads_label, "stats": bool(table), "n": n, "sampling": sample,
+            "prompts": pool, "batch_sizes": out}
+
+
+def _ours(model, ids, cfg, table):
+    results = generate_batch(model, ids, cfg, seeds=list(range(len(ids))), table=table)
+    return [r.token_ids for r in results], [r.trace for r in results]
+
+
+def bench_batches(args) -> dict:
+    out = {}
+    emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
+    out["embedded"] = bench_batch_model("stories260K (embedded)", emb, emb_heads,
+                                        open_table(args.embedded_stats, emb.backbone.tokenizer), PROMPTS["stories"], args)
+    if args.pythia_heads or Path(args.pythia_mini).is_dir():
+        pm, pm_heads = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype)
+        out["pythia_mini"] = bench_batch_model("pythia-mini", pm, pm_heads, open_table(args.pythia_stats, pm.backbone.tokenizer),
+                                               PROMPTS["pile"], args)
+    return out
+
+
+def print_batches(batches: dict) -> None:
+    for r in batches.values():
+        print(f"\n{r['model']}  heads: {r['heads']}  stats: {r['stats']}  (tokens/s; x HF batched; x our ar; tok/fwd; peak MB)")
+        for b, rows in r["batch_sizes"].items():
+            print(f"B = {b}")
+            for label, m in rows.items():
+                print(f"  {label:22s} {m['tokens_per_s']:9.1f} {m['speedup_vs_hf_batched']:6.2f} {m['speedup_vs_our_ar']:6.2f} "
+                      f"{m.get('tokens_per_forward', float('nan')):6.2f} {m['peak_memory_mb']:9.1f}  "
+                      f"x B_min {m['speedup_vs_smallest_batch']:.2f}  {'' if m.get('rows_equal_batch1', True) else 'ROWS DIFFER FROM B=1'}")
