@@ -1,7 +1,8 @@
-"""The batch bench of ``bench_decode.py --batch-sizes`` (issue 14): for each batch size B, B
-prompts of different lengths decoded together by transformers' batched greedy ``generate``
-(left-padded) and by every mode of ours, interleaved per repetition; tokens/s, tokens per
-forward, peak memory and whether every row equals its B = 1 output."""
+"""The batch bench of ``bench_decode.py --batch-sizes`` (issue 14): the same work at every batch
+size B (max(B) prompts of different lengths, each seeded by its index), decoded B rows at a time
+by transformers' batched greedy ``generate`` (left-padded) and by every mode of ours,
+interleaved per repetition; tokens/s, tokens per forward per row (the same rows at every B),
+peak memory and whether every row equals its B = 1 output."""
 
 from __future__ import annotations
 
@@ -66,43 +67,42 @@ def bench_batch_model(name, model, heads_label, table, texts, args) -> dict:
             "typical_greedy": DecodeConfig(mode="typical", greedy=True, **base),
             f"dynamic_eps{args.batch_eps}": DecodeConfig(mode="dynamic", eps_b=args.batch_eps, **base, **sample)}
     tok = model.backbone.tokenizer
-    pool = batch_prompts(texts, max(args.batch_sizes))
+    pool = batch_prompts(texts, max(args.batch_sizes))  # the same work at every B: all of it, B rows at a time
+    pool_ids = [tok(t)["input_ids"] for t in pool]
     out = {}
     singles: dict[str, list] = {}
     for b in args.batch_sizes:
-        chosen = pool[:b]
-        ids = [tok(t)["input_ids"] for t in chosen]
+        starts = range(0, len(pool), b)
         best: dict[str, dict] = {}
         warm = b == args.batch_sizes[0]  # one untimed pass first: allocations, kernel caches, numba
         for rep in range(args.reps + warm):
-            runs = {"hf_greedy_batched": lambda: hf_batched_greedy(model, chosen, new)}
+            runs = {"hf_greedy_batched": lambda: _chunked([hf_batched_greedy(model, pool[i:i + b], new) for i in starts])}
             for label, cfg in cfgs.items():
-                runs[label] = (lambda c: lambda: _ours(model, ids, c, table))(cfg)
+                runs[label] = (lambda c: lambda: _chunked([_ours(model, pool_ids, i, b, c, table) for i in starts]))(cfg)
             for label, run in runs.items():
                 peak_memory_reset(args.device)
                 start = time.perf_counter()
-                outputs, traces = run()
+                outputs, traces, passes = run()
                 if args.device.startswith("cuda"):
                     torch.cuda.synchronize()
                 wall = time.perf_counter() - start
                 if warm and rep == 0:
                     continue
                 if label not in best or wall < best[label]["wall_s"]:
-                    best[label] = {"wall_s": wall, "outputs": outputs, "traces": traces, "peak_mb": peak_memory_mb(args.device)}
+                    best[label] = {"wall_s": wall, "outputs": outputs, "traces": traces, "passes": passes,
+                                   "peak_mb": peak_memory_mb(args.device)}
         rows = {}
         for label, r in best.items():
             tokens = sum(map(len, r["outputs"]))
             row = {"tokens": tokens, "wall_s": round(r["wall_s"], 4), "tokens_per_s": round(tokens / r["wall_s"], 1),
                    "peak_memory_mb": round(r["peak_mb"], 1)}
-            if r["traces"] is not None:
+            if r["traces"] is not None:  # per row: the same prompts at every B, so comparable across B
                 row["tokens_per_forward"] = round(statistics.mean(t.tokens_per_forward for t in r["traces"]), 3)
-                row["forward_passes"] = r["traces"][0].forward_passes if b == 1 else max(t.forward_passes for t in r["traces"])
-            singles.setdefault(label, [])
+                row["forward_passes"] = r["passes"]  # batch passes over the whole work
             if b == min(args.batch_sizes) == 1:
                 singles[label] = r["outputs"]
-            if label in singles and singles[label]:
-                k = min(len(singles[label]), b)
-                row["rows_equal_batch1"] = r["outputs"][:k] == singles[label][:k]
+            if singles.get(label):
+                row["rows_equal_batch1"] = r["outputs"] == singles[label]
             rows[label] = row
         for row in rows.values():
             row["speedup_vs_hf_batched"] = round(row["tokens_per_s"] / rows["hf_greedy_batched"]["tokens_per_s"], 3)
@@ -115,9 +115,22 @@ def bench_batch_model(name, model, heads_label, table, texts, args) -> dict:
             "prompts": pool, "batch_sizes": out}
 
 
-def _ours(model, ids, cfg, table):
-    results = generate_batch(model, ids, cfg, seeds=list(range(len(ids))), table=table)
+def _ours(model, pool_ids, first, b, cfg, table):
+    """Rows first..first+b-1 of the pool as one batch, each seeded by its index in the pool (so a
+    sampled row is the same at every B)."""
+    ids = pool_ids[first:first + b]
+    results = generate_batch(model, ids, cfg, seeds=list(range(first, first + len(ids))), table=table)
     return [r.token_ids for r in results], [r.trace for r in results]
+
+
+def _chunked(parts: list[tuple]) -> tuple[list, list | None, int]:
+    """The batches' (outputs, traces) joined, and the forward passes they took (the longest row's
+    per batch: every live row shares a pass)."""
+    outputs = [o for part in parts for o in part[0]]
+    if parts[0][1] is None:
+        return outputs, None, 0
+    traces = [t for part in parts for t in part[1]]
+    return outputs, traces, sum(max(t.forward_passes for t in part[1]) for part in parts)
 
 
 def bench_batches(args) -> dict:
