@@ -50,24 +50,38 @@ def greedy_tree(tree: Tree, best: list[int]) -> TreeVerdict:
         ranks.append(hit)
 
 
+def _children_at(tree: Tree, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each node's row of ``rows`` [N, V] read at its children's tokens # -> [N, W] (W = the most
+    children of a node; missing children read column 0 and are never looked at), and W."""
+    width = max(len(k) for k in tree.children)
+    index = [[tree.tokens[c] for c in kids] + [0] * (width - len(kids)) for kids in tree.children]
+    return rows.gather(1, torch.tensor(index, dtype=torch.long, device=rows.device)), width
+
+
 def sampled_tree(tree: Tree, target: torch.Tensor, sampler) -> TreeVerdict:
-    """``target`` [N, V]: the processed distribution after each node; draws from ``sampler``."""
+    """``target`` [N, V]: the processed distribution after each node; draws from ``sampler``.
+    The walk reads the device once (children's probabilities, row masses, one uniform per
+    sibling) and once more for the token drawn from the last node's residual."""
+    p = target.double()  # [N, V]
+    probs, width = _children_at(tree, p)  # [N, W]
+    uniforms = sampler.uniform(len(tree) * width).reshape(len(tree), width).to(p.device)
+    host_p, host_u, mass = torch.cat([probs, uniforms, p.sum(-1, keepdim=True)], dim=1).cpu().split([width, width, 1], 1)
+    host_p, host_u, mass = host_p.tolist(), host_u.tolist(), mass[:, 0].tolist()
     path, ranks, node = [0], [], 0
     while True:
-        p = target[node].double().clone()  # [V] the residual, updated per rejected sibling
-        kept = None
-        for i, child in enumerate(tree.children[node]):
-            x = tree.tokens[child]
-            if float(sampler.uniform(1)[0]) < float(p[x]):
+        kept, rejected = None, 0.0  # mass of the siblings rejected so far: the residual is p minus them
+        for i in range(len(tree.children[node])):
+            left = mass[node] - rejected
+            if not left > 0:  # only rejected tokens had mass: cannot happen (p(x) = 1 keeps x)
+                break
+            if host_u[node][i] < host_p[node][i] / left:
                 kept = i
                 break
-            p[x] = 0.0
-            mass = p.sum()
-            if not mass > 0:  # only rejected tokens had mass: cannot happen (p(x) = 1 keeps x)
-                break
-            p /= mass
-        if kept is None:
-            return TreeVerdict(path, int(sampler.draw(p)), ranks)
+            rejected += host_p[node][i]
+        if kept is None:  # every sibling rejected (or a leaf): the residual without them
+            residual = p[node].clone()
+            residual[[tree.tokens[c] for c in tree.children[node]]] = 0.0
+            return TreeVerdict(path, int(sampler.draw(residual)), ranks)
         node = tree.children[node][kept]
         path.append(node)
         ranks.append(kept)
@@ -78,9 +92,13 @@ def typical_tree(tree: Tree, target: torch.Tensor, rule_probs: torch.Tensor, sam
     """``rule_probs`` [N, V]: the whole-vocabulary distribution the rule reads (Medusa's)."""
     p = rule_probs.double()
     entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [N]
-    bound = torch.clamp(delta * torch.exp(-entropy), max=eps).tolist()  # [N]
-    parents, tokens = tree.parents, tree.tokens
-    ok = [False] + [float(p[parents[c], tokens[c]]) > bound[parents[c]] for c in range(1, len(tree))]
+    bound = torch.clamp(delta * torch.exp(-entropy), max=eps)  # [N]
+    probs, _ = _children_at(tree, p)  # [N, W]
+    passes = (probs > bound[:, None]).cpu().tolist()  # the walk's one read of the device (+ the final draw)
+    ok = [False] * len(tree)
+    for node, kids in enumerate(tree.children):
+        for i, c in enumerate(kids):
+            ok[c] = passes[node][i]
     longest = [0] * len(tree)  # passing nodes on the best path below (and including) each node
     for c in range(len(tree) - 1, 0, -1):  # children follow their parents: reverse order is bottom-up
         if ok[c]:

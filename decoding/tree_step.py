@@ -9,6 +9,7 @@ starts from the token the verification decided, exactly as the chain loop does.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .sampling import penalised_logits
@@ -43,9 +44,11 @@ class TreeSteps:
         if self.cfg.penalty != 1:  # rank as the verification will judge: seen tokens penalised
             logp = penalised_logits(logp, self.run.seen, self.cfg.penalty)
         vals, ids = torch.topk(logp.float(), ranks, dim=-1)  # [depth, R]
-        guesses = ids.tolist()
-        if shape is None:  # dynamic: this step's own probabilities score the paths
-            shape = best_first([row for row in vals.double().cpu().numpy()], self.budget)
+        if shape is not None:
+            guesses = ids.tolist()
+        else:  # dynamic: this step's own probabilities score the paths; ids and scores in one read
+            host = torch.stack([ids.double(), vals.double()]).cpu().numpy()  # [2, depth, R]
+            guesses, shape = host[0].astype(np.int64).tolist(), best_first(list(host[1]), self.budget)
         return shape.fill(root, guesses)
 
     # verify --------------------------------------------------------------------------------
