@@ -109,8 +109,24 @@ def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False
     out = Path(cfg.out)
     root = work_path(cfg.work_dir) if cfg.work_dir else out
     check_executor(cfg.executor, cfg.address)
+    if cfg.work_dir and isinstance(root, Path) and root.resolve() != out.resolve():
+        check_work_dir(root)
     with job_lock(out):
         return _build_locked(cfg, data, out, root, log, overwrite)
+
+
+WORK_ENTRIES = {"partials", MERGE_WORK, LOCK_NAME}  # all that a job writes into --work-dir
+
+
+def check_work_dir(root: Path) -> None:
+    """A local --work-dir is new, empty or holds only a job's own entries: its clean-up removes
+    ``partials/`` shards and ``merge-parts/``, so a folder of the user's is refused up front."""
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--work-dir {root} is a file", "pass a new or empty directory")
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in WORK_ENTRIES) if root.is_dir() else []
+    if foreign:
+        raise UsageError(f"--work-dir {root} holds files of its own ({', '.join(foreign[:3])})",
+                         "pass a new or empty directory (a job's partials there are reused)")
 
 
 def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path | str, log, overwrite: bool) -> Path | None:

@@ -89,6 +89,13 @@ def stats_build_over_other_content(w, d):
     return Case(["stats", "build", "--data", w["corpus"], "--out", d / "U"], 2, "does not hold a stats dir", [config, mine])
 
 
+def stats_build_work_dir_with_other_files(w, d):
+    mine = _note(d / "W" / "merge-notes.txt")
+    parts = _note(d / "W" / "merge-parts" / "mine.txt")
+    return Case(["stats", "build", "--data", w["corpus"], "--out", d / "S", "--work-dir", d / "W"], 2,
+                "holds files of its own (merge-notes.txt)", [mine, parts])
+
+
 def stats_build_over_a_corrupt_stats_dir(w, d):
     meta = _note(d / "S" / "meta.json", "{not json")
     return Case(["stats", "build", "--data", w["corpus"], "--out", d / "S"], 2, "holds a damaged stats dir", [meta])
@@ -170,6 +177,7 @@ OUTPUT_CASES = [
     train_into_home,
     train_checkpoints_into_a_foreign_folder,
     stats_build_over_other_content,
+    stats_build_work_dir_with_other_files,
     stats_build_over_a_corrupt_stats_dir,
     stats_merge_over_a_finished_stats_dir,
     distill_over_an_existing_file,
