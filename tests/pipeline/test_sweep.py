@@ -172,3 +172,24 @@ def test_batched_sweep_gives_the_sequential_results(tiny_model):
         return [{k: p[k] for k in keys} for p in [res["ar"], *res["points"]]]
 
     assert figures(3) == figures(1)
+
+
+def test_sweep_scores_each_continuation_once_and_never_the_warm_up(tiny_model, monkeypatch):
+    """The quality forward runs once per distinct (prompt, continuation): ar's second run and
+    grid points with the same tokens reuse it; the discarded warm-up runs are not scored."""
+    from multitoken.pipeline.eval import sweep as sweep_mod
+
+    scored = []
+    real = sweep_mod.continuation_nll
+
+    def counting(backbone, prompt_ids, new_ids):
+        scored.append((tuple(prompt_ids), tuple(new_ids)))
+        return real(backbone, prompt_ids, new_ids)
+
+    monkeypatch.setattr(sweep_mod, "continuation_nll", counting)
+    cfg = SweepConfig(seeds=2, decode=DecodeConfig(max_new_tokens=10, stop_at_eos=False), batch_size=2, hf_sample=False)
+    res = sweep(tiny_model, cfg, ["Once upon", "The cat sat on the"], [0.0, 1.0], table=None, log=lambda m: None)
+    assert len(scored) == len(set(scored))  # no pair scored twice
+    assert all(len(new) == 10 for _, new in scored)  # the 4-token warm-ups were never scored
+    # 4 runs each of ar and 2 points: at most 12 distinct continuations, all scored
+    assert 4 <= len(scored) <= 12 and res["ar"]["nll"]["n"] == 4
