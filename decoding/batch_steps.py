@@ -145,7 +145,7 @@ def propose_speculative(out, batch, live, anchors, order, speculative, drafter, 
     argmaxes = None
     if drafter is independent_drafts and cfg.greedy and cfg.penalty == 1 and max(gs.values()) > 0:
         # greedy drafts without a penalty are each head's argmax at the anchor: all rows per head at once
-        argmaxes = torch.stack([out.anchor_head_log_probs(i, anchors).argmax(-1) for i in range(1, max(gs.values()) + 1)], 1)
+        argmaxes = torch.stack([_anchor_scores(out, i, anchors).argmax(-1) for i in range(1, max(gs.values()) + 1)], 1)
     for j in live:
         row = batch[j]
         row.commit, row.forced = [row.forced], None

@@ -54,7 +54,8 @@ class HeadScores:
 
 
 def _draw(logp: torch.Tensor, run, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A draft from a head's log-distribution, processed like the target # [V] -> (id [], q [V]).
+    """A draft from a head's scores (raw logits or log-probs: the same distribution), processed
+    like the target # [V] -> (id [], q [V]).
     ``context`` [j] (on the device): the tokens between the committed context and this draft
     (``first`` and the earlier drafts), penalised like the context, as the verification row
     judging it does. Greedy drafts have no q: greedy verification compares tokens only."""
@@ -71,11 +72,14 @@ def _pack(tokens: list[torch.Tensor], probs: list[torch.Tensor | None], device) 
 
 
 def independent_drafts(out, anchor: int, first: int, g: int, run) -> Drafts:
-    """Head i+1 drafts token t+i+1 on its own (the heads ignore ``first``)."""
+    """Head i+1 drafts token t+i+1 on its own (the heads ignore ``first``). Layer heads draft
+    from their raw logits: the target's processing (top-k first) makes the distribution, so no
+    log-softmax over the vocabulary is spent per head."""
     context = torch.tensor([first], dtype=torch.long, device=run.seen.device)  # [1 + i]
+    scores = HeadScores(out, anchor, g + 1)
     tokens, probs = [], []
     for i in range(1, g + 1):
-        tok, q = _draw(out.head_log_probs(i, anchor)[0], run, context)
+        tok, q = _draw(scores[i], run, context)
         tokens.append(tok)
         probs.append(q)
         context = torch.cat([context, tok.reshape(1)])

@@ -120,9 +120,12 @@ def test_acceptance_stays_on_the_device(only_meta, rule):
     assert on_meta(verdict.packed) and verdict.packed.shape == (2,)
 
 
-def fake_out(n_heads: int):
-    """A ``StepOutput`` stand-in whose head distributions live on meta."""
-    return SimpleNamespace(head_log_probs=lambda i, pos: torch.randn(1, V, device=META), model_s=0.0)
+def fake_out(n_heads: int, layer_heads: bool = False):
+    """A ``StepOutput`` stand-in whose head distributions live on meta (``layer_heads``: heads
+    1.. read as raw logits, as replicated / WHS heads are)."""
+    return SimpleNamespace(head_log_probs=lambda i, pos: torch.randn(1, V, device=META), model_s=0.0,
+                           hiddens=dict.fromkeys(range(1, n_heads)) if layer_heads else {},
+                           _head_row=lambda i, pos: torch.randn(1, V, device=META))
 
 
 def meta_run(model, greedy: bool, vocab: int = V) -> RunState:
@@ -131,9 +134,10 @@ def meta_run(model, greedy: bool, vocab: int = V) -> RunState:
                     torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab)
 
 
+@pytest.mark.parametrize("layer_heads", [True, False])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_independent_drafts_stay_on_the_device(only_meta, greedy):
-    drafts = independent_drafts(fake_out(3), 0, 5, 2, meta_run(None, greedy))
+def test_independent_drafts_stay_on_the_device(only_meta, greedy, layer_heads):
+    drafts = independent_drafts(fake_out(3, layer_heads), 0, 5, 2, meta_run(None, greedy))
     assert drafts.tokens.shape == (2,) and on_meta(drafts.tokens)
     assert drafts.probs is None if greedy else on_meta(drafts.probs) and drafts.probs.shape == (2, V)
 
