@@ -198,7 +198,8 @@ class StepOutput:
         """The base rows, with every head's rows in the same call when that is the cheaper plan."""
         heads, t = sorted(self.hiddens), self.length - self.first
         plan = plan_for(self.model.backbone.unembedding, self.feats.base)
-        if not heads or not plan.joint(t * (1 + len(heads)), t, len(heads)):
+        b = self.feats.base.shape[0]  # a call unembeds every batch row: the plan prices b x rows
+        if not heads or not plan.joint(b * t * (1 + len(heads)), b * t, b * len(heads)):
             self._logits = self._unembed(self.feats.base[:, self.first:])  # [B, T - first, V]
             return
         read = [self.feats.base] + [self.hiddens[i] for i in heads]  # (1 + L) x [B, T, H]
@@ -262,6 +263,11 @@ class StepOutput:
         """Layer head ``index``'s logits at each row's anchor # [B, V]; the first read unembeds
         every layer head there in one call."""
         key = ("logits", anchors)
+        if len(set(anchors)) == 1 and key not in self._head_logits:
+            if self._logits is None:
+                self._unembed_base()  # the plan may bring every head's rows along with the base's
+            if anchors[0] in self._head_logits:  # one anchor for all rows: those rows, already computed
+                self._head_logits[key] = self._head_logits[anchors[0]]
         if key not in self._head_logits:
             heads = sorted(self.hiddens)
             logits = self._unembed(torch.cat([self._at(self.hiddens[i], anchors) for i in heads], dim=1))  # [B, L, V]

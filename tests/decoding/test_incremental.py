@@ -111,6 +111,18 @@ def test_a_one_position_step_unembeds_base_and_heads_in_one_call(tiny_backbones,
     assert dict(out.unembed_rows) == {3: 1}
 
 
+def test_the_plan_prices_every_batch_row(tiny_backbones, monkeypatch):
+    """Two rows reading one position: base + 2 heads is 6 rows. Up to 3 rows cost one, more
+    cost a row each, so one call of 6 (cost 6) loses to 2 + 4 rows (cost 1 + 4): the base's rows
+    go first and the heads' in a second call, read at the shared anchor without another."""
+    monkeypatch.setattr(unembed_plan, "PINNED", UnembedPlan(lambda rows: {r: {LINEAR: 1.0 if r <= 3 else float(r)} for r in rows}))
+    model = attach(tiny_backbones["llama"], "replicated")
+    caches = model.new_caches()
+    out = model.step(torch.tensor([[1, 5, 9, 4], [2, 6, 8, 3]]), caches, read_from=3)
+    out.base_logits(), out.anchor_head_logits(1, (3, 3)), out.anchor_head_logits(2, (3, 3))
+    assert dict(out.unembed_rows) == {2: 1, 4: 1}
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_unembed_beyond_the_fast_rows_agrees_within_rounding(tiny_backbones, rows, three_fast_rows):
     """(W x^T)^T for more rows than the CPU's fast count: each logit is the same dot product
