@@ -25,6 +25,9 @@ from multitoken.decoding.loop import RunState
 from multitoken.decoding.dynamic import dynamic_propose, head_candidates
 from multitoken.decoding.proposal import HeadScores, cp_drafts, independent_drafts, joint_drafts
 from multitoken.decoding.sampling import Sampler, penalised_logits, processed_probs, rows_seen, top_probs, with_tokens
+from multitoken.decoding.trace import Trace
+from multitoken.decoding.tree import fallback_accuracies
+from multitoken.decoding.tree_step import TreeSteps
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
 from .conftest import attach
@@ -187,8 +190,8 @@ def test_a_verification_pass_unembeds_only_the_rows_read_on_the_device(meta_mode
 
 
 class HostReads(OnlyOn):
-    """``OnlyOn`` that also allows copies off the device, counts them, and answers them with
-    host data (meta has none): a packed top-k [m, 2, k] gets ids 0..k-1 and probabilities
+    """``OnlyOn`` that also allows copies off the device (and scalar reads), counts them, and
+    answers them with host data (meta has none): a packed top-k [m, 2, k] gets ids 0..k-1 and probabilities
     falling from the first, anything else zeros. Ops on host tensors alone are the host's work
     on what it read (numpy views): allowed; an op mixing host and device tensors is not."""
 
@@ -203,6 +206,10 @@ class HostReads(OnlyOn):
                 and torch.device(kwargs.get("device", self.device)).type == "cpu":
             self.reads.append(tuple(src.shape))
             return fake_host(tuple(src.shape), kwargs.get("dtype") or src.dtype)
+        if func.overloadpacket.__name__ == "_local_scalar_dense" and isinstance(src, torch.Tensor) \
+                and src.device == self.device:  # int() / float() / .item() of a device scalar
+            self.reads.append(())
+            return 0.0 if src.dtype.is_floating_point else 0
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if tensors and all(t.device.type == "cpu" for t in tensors):
             return func(*args, **kwargs)
@@ -273,3 +280,32 @@ def test_joint_drafts_read_the_device_once(meta_models, greedy):
     assert mode.reads == [(2, 2, 4)]
     assert drafts.tokens.shape == (2,) and on_meta(drafts.tokens)
     assert drafts.probs is None if greedy else on_meta(drafts.probs) and drafts.probs.shape == (2, vocab)
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+@pytest.mark.parametrize("mode,greedy", [("speculative", True), ("speculative", False), ("typical", False)])
+def test_a_tree_step_stays_on_the_device_and_reads_it_boundedly(meta_models, tree, mode, greedy):
+    """A tree step on meta-device heads: the guesses in one read (ids, and scores for the
+    dynamic tree), the verdict in one read (argmax per node; or children's probabilities,
+    masses and uniforms; or which nodes pass the rule), plus the token drawn after the path."""
+    model = meta_models["replicated"]
+    vocab = model.backbone.vocab_size
+    cfg = DecodeConfig(mode=mode, greedy=greedy, top_k=4, tree=tree, tree_nodes="4").resolved()
+    run = RunState(model, cfg, Sampler(greedy, 0.7, 4, seed=0, penalty=cfg.penalty, device=META), None,
+                   torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab)
+    steps = TreeSteps(model, cfg, run, 3, Trace(), fallback_accuracies(2))
+    out = meta_step(model, 4, 3)
+    mode_ = HostReads(META)
+    with mode_:
+        guesses = steps.propose(out, 3, 5, 2)
+    assert not mode_.bad, mode_.bad
+    assert len(guesses) == 5 and len(mode_.reads) == 1
+    caches = model.new_caches()
+    attend = guesses.attend(META)
+    tree_out = model.step(torch.zeros(1, len(guesses), dtype=torch.long, device=META), caches,
+                          attend=attend, offsets=guesses.offsets(META))
+    mode_ = HostReads(META)
+    with mode_:
+        verdict = steps.verify(tree_out, guesses, attend)
+    assert not mode_.bad, mode_.bad
+    assert 1 <= len(mode_.reads) <= 2 and verdict.path[0] == 0

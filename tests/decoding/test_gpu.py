@@ -1,4 +1,4 @@
-"""The GPU suite (``make test-gpu`` = ``pytest -m gpu``): the exactness tests on CUDA -- greedy
+"""The GPU suite (``make test-gpu`` = ``pytest -m gpu``): the exactness tests on CUDA -- greedy (chain and tree)
 == transformers' ``generate`` for every head type, both architectures, float32 / bfloat16 and
 4 / 8-bit backbones; the chi-square tests of sampled speculative decoding; same seed, same
 output; ``bench_decode.py --device cuda``. Without CUDA every test here is skipped, saying so
@@ -150,3 +150,20 @@ def test_batched_rows_equal_generate_and_their_runs_alone_on_cuda(cuda_backbones
         alone = [generate(model, p, DecodeConfig(**{**cfg.__dict__, "seed": s}), table=RatioTable()).token_ids
                  for p, s in zip(prompts, [5, 6, 7])]
         assert [r.token_ids for r in got] == alone, mode
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_greedy_tree_equals_generate_and_sampled_tree_is_seeded_on_cuda(cuda_backbones, arch, head_type, tree):
+    """Tree verification on the device: greedy == transformers (float32, every head type),
+    sampled and typical trees give the same output for the same seed."""
+    backbone = cuda_backbones[(arch, "float32")]
+    model = attach(backbone, head_type)
+    for prompt in PROMPTS:
+        ids = backbone.tokenizer(prompt, return_tensors="pt").input_ids
+        got = generate(model, ids, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=20, tree=tree, tree_nodes="8"))
+        assert got.token_ids == hf_greedy(backbone, ids, 20), prompt
+        assert got.trace.device.startswith("cuda") and got.trace.tree == tree
+    for mode in ("speculative", "typical"):
+        cfg = DecodeConfig(mode=mode, max_new_tokens=20, seed=3, stop_at_eos=False, tree=tree, tree_nodes="8")
+        runs = [generate(model, [1, 5, 9, 4], cfg).token_ids for _ in range(2)]
+        assert runs[0] == runs[1] and len(runs[0]) == 20, mode
