@@ -15,138 +15,22 @@ import numba as nb
 import numpy as np
 
 from . import sparse
+from . import sparse_lookup as lookup
 from .sparse import CUT, TINY, blur_order, layout, otsu_threshold
 
-EMPTY64 = np.uint64(2**64 - 1)
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _otsu = nb.njit(cache=True)(otsu_threshold)
 
 
-@nb.njit(cache=True)
-def _home(x, shift):
-    return np.int64((np.uint64(x) * GOLDEN) >> shift)
-
-
-@nb.njit(cache=True)
-def _prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel):
-    """Block of a prefix key: the dense map (one-token prefixes) or open-addressing probes."""
-    if dense.size:
-        return dense[np.int64(key)]
-    slot = _home(key, pshift)
-    while True:
-        found = pkeys[slot]
-        if found == key:
-            return pvalues[slot]
-        if found == EMPTY64:
-            return sentinel
-        slot = (slot + 1) & pmask
-
-
-@nb.njit(cache=True)
-def _probe(blk, tok, base, mask, shift, slots, count_bits, count_mask):
-    """Count of ``tok`` in block ``blk`` (0 when absent): linear probing inside the block."""
-    b = base[blk]
-    s = b + _home(tok, shift[blk])
-    while True:
-        found = slots[s]
-        if found == EMPTY64:
-            return np.uint64(0)
-        if (found >> count_bits) == np.uint64(tok):
-            return found & count_mask
-        s = b + ((s - b + 1) & mask[blk])
-
-
-@nb.njit(cache=True)
-def _cells(ids0, ids1, last, vocab, scan_max, pos, keys, counts, row_start, base, mask, shift, slots,
-           count_bits, count_mask, dense, pkeys, pvalues, pshift, pmask, sentinel, out_flat, out_count):
-    """Seen n-grams over the candidate lists (order 2: ``ids1`` empty) in ascending flat order:
-    each seen prefix's row is scanned when short, else each last candidate probed."""
-    k = last.size
-    v = np.uint64(vocab)
-    for c in range(k):
-        if last[c] < vocab:
-            pos[last[c]] = c
-    m = 0
-    n1 = max(ids1.size, 1)
-    for i in range(ids0.size):
-        if ids0[i] >= vocab:
-            continue
-        for j in range(n1):
-            key = np.uint64(ids0[i])
-            if ids1.size:
-                if ids1[j] >= vocab:
-                    continue
-                key = key * v + np.uint64(ids1[j])
-            blk = _prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel)
-            if blk == sentinel:
-                continue
-            row = i * n1 + j
-            length = row_start[blk + 1] - row_start[blk]
-            if length <= scan_max:
-                start = m
-                first = row_start[blk]
-                for t in range(first, first + length):
-                    c = pos[np.int64(keys[t] - key * v)]
-                    if c >= 0:
-                        # insertion by column: the row is in token order, the grid in candidate order
-                        f = row * k + c
-                        cnt = np.uint64(counts[t])
-                        at = m
-                        while at > start and out_flat[at - 1] > f:
-                            out_flat[at] = out_flat[at - 1]
-                            out_count[at] = out_count[at - 1]
-                            at -= 1
-                        out_flat[at] = f
-                        out_count[at] = cnt
-                        m += 1
-            else:
-                for c in range(k):
-                    if last[c] < vocab:
-                        cnt = _probe(blk, last[c], base, mask, shift, slots, count_bits, count_mask)
-                        if cnt:
-                            out_flat[m] = row * k + c
-                            out_count[m] = cnt
-                            m += 1
-    for c in range(k):
-        if last[c] < vocab:
-            pos[last[c]] = -1
-    return m
-
-
-@nb.njit(cache=True)
-def _values(flat, count, shape, probs0, probs1, probs2, ids0, ids1, ids2, scale, inv, fuse):
-    """grid value and ratio of each seen cell, in the dense path's float32 order; ``fuse``
-    (alpha 1): their product with the zero products dropped, else both for numpy's power."""
-    m = flat.size
-    grid = np.empty(m, np.float32)
-    ratio = np.empty(m, np.float32)
-    keep = 0
-    k1, k2 = shape[1], shape[2]
-    for t in range(m):
-        f = flat[t]
-        i, rest = f // (k1 * k2), f % (k1 * k2)
-        j, l = rest // k2, rest % k2
-        if probs2.size:  # order 3
-            g = (probs0[i] * probs1[j]) * probs2[l]
-            r = np.float32(count[t]) * scale
-            r = r * inv[ids0[i]]
-            r = r * inv[ids1[j]]
-            r = r * inv[ids2[l]]
-        else:  # order 2: the grid is [k1, k2]
-            g = probs0[j] * probs1[l]
-            r = np.float32(count[t]) * scale
-            r = r * inv[ids0[j]]
-            r = r * inv[ids1[l]]
-        if fuse:
-            x = g * r
-            if x != 0:
-                flat[keep] = f
-                grid[keep] = x
-                keep += 1
-        else:
-            grid[t] = g
-            ratio[t] = r
-    return (keep if fuse else m), grid, ratio
+def scan_arrays(lay) -> tuple[np.ndarray, np.ndarray]:
+    """The compiled lookup's per-table arrays, built once per layout: each key's last token
+    (uint16 up to 65,536 tokens, else uint32: a quarter or half of the keys' bytes to scan;
+    37 MB for 18.4M trigrams) and the token -> candidate column map (int32, reset after use)."""
+    got = lay.__dict__.get("scan")
+    if got is None:
+        dtype = np.uint16 if lay.vocab <= 1 << 16 else np.uint32
+        tokens = (np.asarray(lay.arrays["keys"]) % np.uint64(lay.vocab)).astype(dtype)
+        got = lay.scan = (tokens, np.full(lay.vocab, -1, np.int32))
+    return got
 
 
 def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -156,30 +40,32 @@ def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     buf = lay.__dict__.get("buffers")
     if buf is None or buf[0].size < cap:
         buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
+    tokens, pos = scan_arrays(lay)
     ids1 = ids[1] if len(ids) == 3 else np.zeros(0, np.int64)
     scan = int(sparse.SCAN_FACTOR * ids[-1].size)  # read per call: tests switch scan / probe
-    m = _cells(ids[0], ids1, ids[-1], lay.vocab, scan, lay.pos, a["keys"], a["counts"],
-               a["row_start"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
-               a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
-               a["sentinel"], buf[0], buf[1])
+    m = lookup.cells(ids[0], ids1, ids[-1], lay.vocab, scan, pos, tokens, a["counts"],
+                     a["row_start"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
+                     a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
+                     a["sentinel"], buf[0], buf[1])
     return buf[0][:m], buf[1][:m]
 
 
 def masked_values(lay, cands, flat: np.ndarray, count: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
     """``sparse.masked_values`` compiled # -> flat [m'] (a new array), masked [m'] float32."""
-    shape = [c.ids.size for c in cands]
-    flat = flat.copy()  # compacted in place below; the lookup's buffer is reused next call
-    shape3 = np.array(([1] + shape) if len(shape) == 2 else shape, np.int64)
+    m = flat.size
+    out, grid = np.empty(m, np.int64), np.empty(m, np.float32)
+    ratio = grid if alpha == 1 else np.empty(m, np.float32)
     p = [c.probs for c in cands] + [np.zeros(0, np.float32)]
     ids = [c.ids for c in cands] + [np.zeros(0, np.int64)]
-    keep, grid, ratio = _values(flat, count, shape3, p[0], p[1], p[2], ids[0], ids[1], ids[2],
-                                lay.scale, lay.inv, alpha == 1)
+    k1 = cands[-2].ids.size  # the 3-D view's middle axis (order 2: the first axis)
+    keep = lookup.values(flat, count, k1, cands[-1].ids.size, p[0], p[1], p[2], ids[0], ids[1], ids[2],
+                         lay.scale, lay.inv, alpha == 1, out, grid, ratio)
     if alpha == 1:
-        return flat[:keep], grid[:keep]
+        return out[:keep], grid[:keep]
     np.power(ratio, np.float32(alpha), out=ratio)
     masked = grid * ratio
     nz = masked != 0
-    return flat[nz], masked[nz]
+    return out[nz], masked[nz]
 
 
 def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
