@@ -36,7 +36,7 @@ def scan_arrays(lay) -> tuple[np.ndarray, np.ndarray]:
 def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """``sparse.seen_cells`` compiled # -> flat [m] ascending, counts [m] (views of scratch buffers)."""
     a = lay.arrays
-    cap = int(np.prod([x.size for x in ids]))
+    cap = int(np.prod([x.size for x in ids])) + 1  # + the lookup's scratch cell
     buf = lay.__dict__.get("buffers")
     if buf is None or buf[0].size < cap:
         buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
@@ -75,10 +75,12 @@ def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 @nb.njit(cache=True)
-def _blur_pass(x, axis, lo, full):
-    """``sparse._blur_axis`` on a box padded by one cell per side: opencv's 3-tap arithmetic
-    ``x * 0.5 + (left + right) * 0.25``; this axis' margins hold the reflect-101 neighbour at the
-    grid's borders, zeros elsewhere (cells past the box), so the loops carry no branch."""
+def _blur_pass(x, out, axis, lo, full):
+    """``sparse._blur_axis`` on a box padded by one cell per side, into ``out``'s interior:
+    opencv's 3-tap arithmetic ``x * 0.5 + (left + right) * 0.25``; this axis' margins of ``x``
+    are set to the reflect-101 neighbour at the grid's borders, zeros elsewhere (cells past the
+    box), so the loops carry no branch. Every loop runs along the contiguous last axis (SIMD);
+    ``out``'s margins are left as they are (a pass reads only its own axis' margins)."""
     n = x.shape[axis] - 2
     at_lo, at_hi = lo == 0, lo + n == full
     zero = np.float32(0.0)
@@ -103,21 +105,19 @@ def _blur_pass(x, axis, lo, full):
             x[:, :, 0] = x[:, :, 2]
         if at_hi:
             x[:, :, n + 1] = x[:, :, n - 1]
-    out = np.zeros_like(x)
     h, q = np.float32(0.5), np.float32(0.25)
     n0, n1, n2 = x.shape[0] - 1, x.shape[1] - 1, x.shape[2] - 1
     for i in range(1, n0):
         for j in range(1, n1):
+            o, c = out[i, j], x[i, j]
             if axis == 2:
                 for l in range(1, n2):
-                    out[i, j, l] = x[i, j, l] * h + (x[i, j, l - 1] + x[i, j, l + 1]) * q
-            elif axis == 1:
-                for l in range(1, n2):
-                    out[i, j, l] = x[i, j, l] * h + (x[i, j - 1, l] + x[i, j + 1, l]) * q
+                    o[l] = c[l] * h + (c[l - 1] + c[l + 1]) * q
             else:
+                a = x[i - 1, j] if axis == 0 else x[i, j - 1]
+                b = x[i + 1, j] if axis == 0 else x[i, j + 1]
                 for l in range(1, n2):
-                    out[i, j, l] = x[i, j, l] * h + (x[i - 1, j, l] + x[i + 1, j, l]) * q
-    return out
+                    o[l] = c[l] * h + (a[l] + b[l]) * q
 
 
 @nb.njit(cache=True)
@@ -135,17 +135,20 @@ def _neighbourhood_max(x, coords, values, big, ilo, b0, b1, b2, e0, e1, e2, r):
 
 
 @nb.njit(cache=True)
-def _otsu_keep(flat, values, shape, blur, axes, total):
-    """``sparse.otsu_survivors`` on a 3-D view of the grid (order 2: a leading axis of 1)."""
+def _otsu_keep(flat, values, shape, blur, axes, total, xs, ys):
+    """``sparse.otsu_survivors`` on a 3-D view of the grid (order 2: a leading axis of 1);
+    ``xs``, ``ys``: float32 scratch of (k0 + 2)(k1 + 2)(k2 + 2) cells or more."""
     m = flat.size
     coords = np.empty((m, 3), np.int64)
     xmax = np.float32(0.0)
-    for t in range(m):
+    row_hi, i, j = np.int64(-1), np.int64(0), np.int64(0)
+    for t in range(m):  # flat is ascending: divide once per row of the last axis, not per cell
         f = flat[t]
-        coords[t, 2] = f % shape[2]
-        f //= shape[2]
-        coords[t, 1] = f % shape[1]
-        coords[t, 0] = f // shape[1]
+        if f >= row_hi:
+            row = f // shape[2]
+            row_hi = (row + 1) * shape[2]
+            i, j = row // shape[1], row % shape[1]
+        coords[t, 0], coords[t, 1], coords[t, 2] = i, j, f - (row_hi - shape[2])
         xmax = max(xmax, values[t])
     cut = CUT * np.float64(xmax) if blur and xmax > TINY else 0.0
     lo = np.full(3, 1 << 62, np.int64)
@@ -160,13 +163,29 @@ def _otsu_keep(flat, values, shape, blur, axes, total):
     for a in range(3):
         ilo[a], ihi[a] = max(lo[a] - 2 * r, 0), min(hi[a] + 2 * r, shape[a])
         olo[a], ohi[a] = max(lo[a] - r, 0), min(hi[a] + r, shape[a])
-    # the blur's box, padded by one cell per side (box cell c sits at c + 1)
-    x = np.zeros((ihi[0] - ilo[0] + 2, ihi[1] - ilo[1] + 2, ihi[2] - ilo[2] + 2), np.float32)
+    # the blur's box, padded by one cell per side (box cell c sits at c + 1); each cell's flat
+    # index in it (-1 outside the box) and whether it lies in the out box
+    d0, d1, d2 = ihi[0] - ilo[0] + 2, ihi[1] - ilo[1] + 2, ihi[2] - ilo[2] + 2
+    at = np.empty(m, np.int64)
+    shows = np.empty(m, np.bool_)
+    xf = xs[:d0 * d1 * d2]
+    xf[:] = 0
     for t in range(m):
-        if ilo[0] <= coords[t, 0] < ihi[0] and ilo[1] <= coords[t, 1] < ihi[1] and ilo[2] <= coords[t, 2] < ihi[2]:
-            x[coords[t, 0] - ilo[0] + 1, coords[t, 1] - ilo[1] + 1, coords[t, 2] - ilo[2] + 1] = values[t]
+        c0, c1, c2 = coords[t, 0] - ilo[0], coords[t, 1] - ilo[1], coords[t, 2] - ilo[2]
+        # unsigned compares: 0 <= c < d - 2 without a branch per bound
+        inside = (np.uint64(c0) < np.uint64(d0 - 2)) & (np.uint64(c1) < np.uint64(d1 - 2)) & (np.uint64(c2) < np.uint64(d2 - 2))
+        p = ((c0 + 1) * d1 + c1 + 1) * d2 + c2 + 1
+        at[t] = p if inside else -1
+        if inside:
+            xf[p] = values[t]
+        e0, e1, e2 = coords[t, 0] - olo[0], coords[t, 1] - olo[1], coords[t, 2] - olo[2]
+        shows[t] = ((np.uint64(e0) < np.uint64(ohi[0] - olo[0])) & (np.uint64(e1) < np.uint64(ohi[1] - olo[1]))
+                    & (np.uint64(e2) < np.uint64(ohi[2] - olo[2])))
+    yf = ys[:d0 * d1 * d2]  # ping-pong: each pass writes the other buffer's interior
     for a in axes:
-        x = _blur_pass(x, a, ilo[a], shape[a])
+        _blur_pass(xf.reshape((d0, d1, d2)), yf.reshape((d0, d1, d2)), a, ilo[a], shape[a])
+        xf, yf = yf, xf
+    x = xf.reshape((d0, d1, d2))
     b0, b1, b2 = olo[0] - ilo[0] + 1, olo[1] - ilo[1] + 1, olo[2] - ilo[2] + 1
     e0, e1, e2 = ohi[0] - ilo[0] + 1, ohi[1] - ilo[1] + 1, ohi[2] - ilo[2] + 1
     # the image's top lies next to a cell >= xmax / 8 (see sparse.CUT): search only there
@@ -201,10 +220,20 @@ def _otsu_keep(flat, values, shape, blur, axes, total):
     t = _otsu(hist, total)
     keep = np.zeros(m, np.bool_)
     for c in range(m):
-        if olo[0] <= coords[c, 0] < ohi[0] and olo[1] <= coords[c, 1] < ohi[1] and olo[2] <= coords[c, 2] < ohi[2]:
-            v = x[coords[c, 0] - ilo[0] + 1, coords[c, 1] - ilo[1] + 1, coords[c, 2] - ilo[2] + 1]
-            keep[c] = min(np.rint(v * s), np.float32(255.0)) > t
+        if shows[c]:  # the out box lies inside the blur's box
+            keep[c] = min(np.rint(xf[at[c]] * s), np.float32(255.0)) > t
     return keep
+
+
+_SCRATCH: list[np.ndarray] = []
+
+
+def _scratch(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two float32 buffers of >= ``size`` cells for the blur, kept between calls: fresh ones of
+    ~0.5 MB each (k = 50, n = 3) cost more in page faults than the whole blur."""
+    if not _SCRATCH or _SCRATCH[0].size < size:
+        _SCRATCH[:] = [np.empty(size, np.float32), np.empty(size, np.float32)]
+    return _SCRATCH[0], _SCRATCH[1]
 
 
 def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
@@ -217,7 +246,7 @@ def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32
         shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
         # opencv's axis order, in the 3-D view's numbering (order 2's axes are 1 and 2 there)
         axes = np.array([a + 3 - len(shape) for a in blur_order(len(shape))] if blur else [], np.int64)
-        kept = _otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)))
+        kept = _otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)), *_scratch(int(np.prod(shape3 + 2))))
         if kept.any():
             return flat[kept], values[kept]
     return flat, values
