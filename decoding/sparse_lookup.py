@@ -22,6 +22,9 @@ import numpy as np
 
 EMPTY64 = np.uint64(2**64 - 1)
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+DEBRUIJN_INDEX = np.zeros(64, np.int64)
+DEBRUIJN_INDEX[((np.uint64(1) << np.arange(64, dtype=np.uint64)) * DEBRUIJN) >> np.uint64(58)] = np.arange(64)
 
 
 @nb.njit(cache=True)
@@ -46,23 +49,31 @@ def prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel):
 
 
 @nb.njit(cache=True)
-def _scan_row(first, length, tokens, counts, pos, row, k, out_flat, out_count, m):
-    """Append the row's tokens that are candidates, in column order (the row is in token order,
-    the grid in candidate order: insertion by column among this row's few hits)."""
-    start = m
+def _lowest_bit(x):
+    """Index of the lowest set bit of ``x`` (de Bruijn multiply: no count-trailing-zeros in numba)."""
+    return np.int64(DEBRUIJN_INDEX[((x & (~x + np.uint64(1))) * DEBRUIJN) >> np.uint64(58)])
+
+
+@nb.njit(cache=True)
+def _scan_row(first, length, tokens, counts, pos, row, k, hit_at, bits, out_flat, out_count, m):
+    """Append the row's tokens that are candidates, in column order: the row is in token order,
+    the grid in candidate order, so each hit sets its column's bit (and where it was found) and
+    the set bits are then read lowest first (no sort)."""
     for t in range(first, first + length):
         c = pos[np.int64(tokens[t])]
         if c >= 0:
-            f = row * k + c
-            cnt = np.uint64(counts[t])
-            at = m
-            while at > start and out_flat[at - 1] > f:
-                out_flat[at] = out_flat[at - 1]
-                out_count[at] = out_count[at - 1]
-                at -= 1
-            out_flat[at] = f
-            out_count[at] = cnt
+            hit_at[c] = t
+            bits[c >> 6] |= np.uint64(1) << np.uint64(c & 63)
+    base = row * k
+    for w in range(bits.size):
+        x = bits[w]
+        while x:
+            c = w * 64 + _lowest_bit(x)
+            out_flat[m] = base + c
+            out_count[m] = counts[hit_at[c]]
             m += 1
+            x &= x - np.uint64(1)
+        bits[w] = 0
     return m
 
 
@@ -117,6 +128,8 @@ def cells(ids0, ids1, last, vocab, scan_max, pos, tokens, counts, row_start, bas
         queries[t] = np.uint64(last[cols[t]]) << count_bits
     home = np.empty(n, np.int64)
     found = np.empty(n, np.uint64)
+    hit_at = np.empty(k, np.int64)
+    bits = np.zeros((k + 63) // 64, np.uint64)
     n1 = max(ids1.size, 1)
     rows = np.empty(ids0.size * n1, np.int64)  # grid row (flat prefix index) of each seen prefix
     blks = np.empty(ids0.size * n1, np.int64)
@@ -156,7 +169,7 @@ def cells(ids0, ids1, last, vocab, scan_max, pos, tokens, counts, row_start, bas
     m = 0
     for t in range(r):
         if lengths[t] <= scan_max:
-            m = _scan_row(firsts[t], lengths[t], tokens, counts, pos, rows[t], k, out_flat, out_count, m)
+            m = _scan_row(firsts[t], lengths[t], tokens, counts, pos, rows[t], k, hit_at, bits, out_flat, out_count, m)
         else:
             m = _probe_row(blks[t], cols, hashed, queries, base, mask, shift, slots, count_mask, rows[t], k,
                            home, found, out_flat, out_count, m)
