@@ -160,7 +160,9 @@ def cells(ids0, ids1, last, vocab, scan_max, pos, tokens, counts, row_start, bas
     for t in range(r):
         first, length = firsts[t], lengths[t]
         if length <= scan_max:
-            acc += np.uint64(tokens[first]) + np.uint64(tokens[first + length - 1]) + np.uint64(counts[first])
+            for at in range(first, first + length, 16):  # every line of the row's tokens and counts
+                acc += np.uint64(tokens[at]) + np.uint64(counts[at])
+            acc += np.uint64(tokens[first + length - 1]) + np.uint64(counts[first + length - 1])
         else:
             b, sh = base[blks[t]], shift[blks[t]]
             for c in range(n):
