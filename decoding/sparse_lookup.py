@@ -187,9 +187,13 @@ def values(flat, count, k1, k2, probs0, probs1, probs2, ids0, ids1, ids2, scale,
     # -> cells written. ``fuse`` (alpha 1): their product into ``grid``, zero products dropped;
     else both, for numpy's power. The axes' indices are divided out once per row, not per cell."""
     k = k2
+    last_ids, last_probs = (ids2, probs2) if probs2.size else (ids1, probs1)
+    inv_last = np.empty(k, np.float32)  # the last axis' 1 / count, gathered once
+    for c in range(k):
+        inv_last[c] = inv[last_ids[c]]
     row_hi = np.int64(-1)
     i = j = np.int64(0)
-    g01 = np.float32(0.0)
+    g01 = inv_i = inv_j = np.float32(0.0)
     keep = 0
     for t in range(flat.size):
         f = flat[t]
@@ -198,19 +202,17 @@ def values(flat, count, k1, k2, probs0, probs1, probs2, ids0, ids1, ids2, scale,
             row_hi = (row + 1) * k
             i, j = row // k1, row % k1
             if probs2.size:
-                g01 = probs0[i] * probs1[j]
+                g01, inv_i, inv_j = probs0[i] * probs1[j], inv[ids0[i]], inv[ids1[j]]
+            else:
+                g01, inv_j = probs0[j], inv[ids0[j]]
         c = f - (row_hi - k)
+        # the same float32 operations in the same order as the dense path
+        g = g01 * last_probs[c]
+        r = np.float32(count[t]) * scale
         if probs2.size:  # order 3
-            g = g01 * probs2[c]
-            r = np.float32(count[t]) * scale
-            r = r * inv[ids0[i]]
-            r = r * inv[ids1[j]]
-            r = r * inv[ids2[c]]
-        else:  # order 2: the row is the first axis
-            g = probs0[j] * probs1[c]
-            r = np.float32(count[t]) * scale
-            r = r * inv[ids0[j]]
-            r = r * inv[ids1[c]]
+            r = r * inv_i
+        r = r * inv_j
+        r = r * inv_last[c]
         if fuse:
             x = g * r
             if x != 0:
