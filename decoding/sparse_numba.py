@@ -151,13 +151,14 @@ def _otsu_keep(flat, values, shape, blur, axes, total, xs, ys):
         coords[t, 0], coords[t, 1], coords[t, 2] = i, j, f - (row_hi - shape[2])
         xmax = max(xmax, values[t])
     cut = CUT * np.float64(xmax) if blur and xmax > TINY else 0.0
-    lo = np.full(3, 1 << 62, np.int64)
-    hi = np.full(3, -1, np.int64)
+    lo0 = lo1 = lo2 = np.int64(1 << 62)  # scalars, not arrays: the loops' stores cannot alias them
+    hi0 = hi1 = hi2 = np.int64(-1)
     for t in range(m):
         if values[t] > cut:
-            for a in range(3):
-                lo[a] = min(lo[a], coords[t, a])
-                hi[a] = max(hi[a], coords[t, a] + 1)
+            lo0, hi0 = min(lo0, coords[t, 0]), max(hi0, coords[t, 0] + 1)
+            lo1, hi1 = min(lo1, coords[t, 1]), max(hi1, coords[t, 1] + 1)
+            lo2, hi2 = min(lo2, coords[t, 2]), max(hi2, coords[t, 2] + 1)
+    lo, hi = np.array([lo0, lo1, lo2]), np.array([hi0, hi1, hi2])
     r = 1 if blur else 0
     ilo, ihi, olo, ohi = np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64)
     for a in range(3):
@@ -170,17 +171,19 @@ def _otsu_keep(flat, values, shape, blur, axes, total, xs, ys):
     shows = np.empty(m, np.bool_)
     xf = xs[:d0 * d1 * d2]
     xf[:] = 0
+    i0, i1, i2, o0, o1, o2 = ilo[0], ilo[1], ilo[2], olo[0], olo[1], olo[2]
+    n0, n1, n2 = np.uint64(d0 - 2), np.uint64(d1 - 2), np.uint64(d2 - 2)
+    w0, w1, w2 = np.uint64(ohi[0] - o0), np.uint64(ohi[1] - o1), np.uint64(ohi[2] - o2)
     for t in range(m):
-        c0, c1, c2 = coords[t, 0] - ilo[0], coords[t, 1] - ilo[1], coords[t, 2] - ilo[2]
-        # unsigned compares: 0 <= c < d - 2 without a branch per bound
-        inside = (np.uint64(c0) < np.uint64(d0 - 2)) & (np.uint64(c1) < np.uint64(d1 - 2)) & (np.uint64(c2) < np.uint64(d2 - 2))
+        c0, c1, c2 = coords[t, 0] - i0, coords[t, 1] - i1, coords[t, 2] - i2
+        # unsigned compares: 0 <= c < n without a branch per bound
+        inside = (np.uint64(c0) < n0) & (np.uint64(c1) < n1) & (np.uint64(c2) < n2)
         p = ((c0 + 1) * d1 + c1 + 1) * d2 + c2 + 1
         at[t] = p if inside else -1
         if inside:
             xf[p] = values[t]
-        e0, e1, e2 = coords[t, 0] - olo[0], coords[t, 1] - olo[1], coords[t, 2] - olo[2]
-        shows[t] = ((np.uint64(e0) < np.uint64(ohi[0] - olo[0])) & (np.uint64(e1) < np.uint64(ohi[1] - olo[1]))
-                    & (np.uint64(e2) < np.uint64(ohi[2] - olo[2])))
+        e0, e1, e2 = coords[t, 0] - o0, coords[t, 1] - o1, coords[t, 2] - o2
+        shows[t] = (np.uint64(e0) < w0) & (np.uint64(e1) < w1) & (np.uint64(e2) < w2)
     yf = ys[:d0 * d1 * d2]  # ping-pong: each pass writes the other buffer's interior
     for a in axes:
         _blur_pass(xf.reshape((d0, d1, d2)), yf.reshape((d0, d1, d2)), a, ilo[a], shape[a])
