@@ -15,171 +15,57 @@ import numba as nb
 import numpy as np
 
 from . import sparse
+from . import sparse_lookup as lookup
 from .sparse import CUT, TINY, blur_order, layout, otsu_threshold
 
-EMPTY64 = np.uint64(2**64 - 1)
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _otsu = nb.njit(cache=True)(otsu_threshold)
 
 
-@nb.njit(cache=True)
-def _home(x, shift):
-    return np.int64((np.uint64(x) * GOLDEN) >> shift)
-
-
-@nb.njit(cache=True)
-def _prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel):
-    """Block of a prefix key: the dense map (one-token prefixes) or open-addressing probes."""
-    if dense.size:
-        return dense[np.int64(key)]
-    slot = _home(key, pshift)
-    while True:
-        found = pkeys[slot]
-        if found == key:
-            return pvalues[slot]
-        if found == EMPTY64:
-            return sentinel
-        slot = (slot + 1) & pmask
-
-
-@nb.njit(cache=True)
-def _probe(blk, tok, base, mask, shift, slots, count_bits, count_mask):
-    """Count of ``tok`` in block ``blk`` (0 when absent): linear probing inside the block."""
-    b = base[blk]
-    s = b + _home(tok, shift[blk])
-    while True:
-        found = slots[s]
-        if found == EMPTY64:
-            return np.uint64(0)
-        if (found >> count_bits) == np.uint64(tok):
-            return found & count_mask
-        s = b + ((s - b + 1) & mask[blk])
-
-
-@nb.njit(cache=True)
-def _cells(ids0, ids1, last, vocab, scan_max, pos, keys, counts, row_start, base, mask, shift, slots,
-           count_bits, count_mask, dense, pkeys, pvalues, pshift, pmask, sentinel, out_flat, out_count):
-    """Seen n-grams over the candidate lists (order 2: ``ids1`` empty) in ascending flat order:
-    each seen prefix's row is scanned when short, else each last candidate probed."""
-    k = last.size
-    v = np.uint64(vocab)
-    for c in range(k):
-        if last[c] < vocab:
-            pos[last[c]] = c
-    m = 0
-    n1 = max(ids1.size, 1)
-    for i in range(ids0.size):
-        if ids0[i] >= vocab:
-            continue
-        for j in range(n1):
-            key = np.uint64(ids0[i])
-            if ids1.size:
-                if ids1[j] >= vocab:
-                    continue
-                key = key * v + np.uint64(ids1[j])
-            blk = _prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel)
-            if blk == sentinel:
-                continue
-            row = i * n1 + j
-            length = row_start[blk + 1] - row_start[blk]
-            if length <= scan_max:
-                start = m
-                first = row_start[blk]
-                for t in range(first, first + length):
-                    c = pos[np.int64(keys[t] - key * v)]
-                    if c >= 0:
-                        # insertion by column: the row is in token order, the grid in candidate order
-                        f = row * k + c
-                        cnt = np.uint64(counts[t])
-                        at = m
-                        while at > start and out_flat[at - 1] > f:
-                            out_flat[at] = out_flat[at - 1]
-                            out_count[at] = out_count[at - 1]
-                            at -= 1
-                        out_flat[at] = f
-                        out_count[at] = cnt
-                        m += 1
-            else:
-                for c in range(k):
-                    if last[c] < vocab:
-                        cnt = _probe(blk, last[c], base, mask, shift, slots, count_bits, count_mask)
-                        if cnt:
-                            out_flat[m] = row * k + c
-                            out_count[m] = cnt
-                            m += 1
-    for c in range(k):
-        if last[c] < vocab:
-            pos[last[c]] = -1
-    return m
-
-
-@nb.njit(cache=True)
-def _values(flat, count, shape, probs0, probs1, probs2, ids0, ids1, ids2, scale, inv, fuse):
-    """grid value and ratio of each seen cell, in the dense path's float32 order; ``fuse``
-    (alpha 1): their product with the zero products dropped, else both for numpy's power."""
-    m = flat.size
-    grid = np.empty(m, np.float32)
-    ratio = np.empty(m, np.float32)
-    keep = 0
-    k1, k2 = shape[1], shape[2]
-    for t in range(m):
-        f = flat[t]
-        i, rest = f // (k1 * k2), f % (k1 * k2)
-        j, l = rest // k2, rest % k2
-        if probs2.size:  # order 3
-            g = (probs0[i] * probs1[j]) * probs2[l]
-            r = np.float32(count[t]) * scale
-            r = r * inv[ids0[i]]
-            r = r * inv[ids1[j]]
-            r = r * inv[ids2[l]]
-        else:  # order 2: the grid is [k1, k2]
-            g = probs0[j] * probs1[l]
-            r = np.float32(count[t]) * scale
-            r = r * inv[ids0[j]]
-            r = r * inv[ids1[l]]
-        if fuse:
-            x = g * r
-            if x != 0:
-                flat[keep] = f
-                grid[keep] = x
-                keep += 1
-        else:
-            grid[t] = g
-            ratio[t] = r
-    return (keep if fuse else m), grid, ratio
+def scan_arrays(lay) -> tuple[np.ndarray, np.ndarray]:
+    """The compiled lookup's per-table arrays, built once per layout: each key's last token
+    (uint16 up to 65,536 tokens, else uint32: a quarter or half of the keys' bytes to scan;
+    37 MB for 18.4M trigrams) and the token -> candidate column map (int32, reset after use)."""
+    got = lay.__dict__.get("scan")
+    if got is None:
+        dtype = np.uint16 if lay.vocab <= 1 << 16 else np.uint32
+        tokens = (np.asarray(lay.arrays["keys"]) % np.uint64(lay.vocab)).astype(dtype)
+        got = lay.scan = (tokens, np.full(lay.vocab, -1, np.int32))
+    return got
 
 
 def seen_cells(lay, ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """``sparse.seen_cells`` compiled # -> flat [m] ascending, counts [m] (views of scratch buffers)."""
     a = lay.arrays
-    cap = int(np.prod([x.size for x in ids]))
+    cap = int(np.prod([x.size for x in ids])) + 1  # + the lookup's scratch cell
     buf = lay.__dict__.get("buffers")
     if buf is None or buf[0].size < cap:
         buf = lay.buffers = (np.empty(cap, np.int64), np.empty(cap, np.uint64))
+    tokens, pos = scan_arrays(lay)
     ids1 = ids[1] if len(ids) == 3 else np.zeros(0, np.int64)
     scan = int(sparse.SCAN_FACTOR * ids[-1].size)  # read per call: tests switch scan / probe
-    m = _cells(ids[0], ids1, ids[-1], lay.vocab, scan, lay.pos, a["keys"], a["counts"],
-               a["row_start"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
-               a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
-               a["sentinel"], buf[0], buf[1])
+    m = lookup.cells(ids[0], ids1, ids[-1], lay.vocab, scan, pos, tokens, a["counts"],
+                     a["row_start"], a["base"], a["mask"], a["shift"], a["slots"], a["count_bits"],
+                     a["count_mask"], a["dense"], a["prefix_keys"], a["prefix_values"], a["prefix_shift"], a["prefix_mask"],
+                     a["sentinel"], buf[0], buf[1])
     return buf[0][:m], buf[1][:m]
 
 
 def masked_values(lay, cands, flat: np.ndarray, count: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
     """``sparse.masked_values`` compiled # -> flat [m'] (a new array), masked [m'] float32."""
-    shape = [c.ids.size for c in cands]
-    flat = flat.copy()  # compacted in place below; the lookup's buffer is reused next call
-    shape3 = np.array(([1] + shape) if len(shape) == 2 else shape, np.int64)
+    m = flat.size
+    out, grid = np.empty(m, np.int64), np.empty(m, np.float32)
+    ratio = grid if alpha == 1 else np.empty(m, np.float32)
     p = [c.probs for c in cands] + [np.zeros(0, np.float32)]
     ids = [c.ids for c in cands] + [np.zeros(0, np.int64)]
-    keep, grid, ratio = _values(flat, count, shape3, p[0], p[1], p[2], ids[0], ids[1], ids[2],
-                                lay.scale, lay.inv, alpha == 1)
+    k1 = cands[-2].ids.size  # the 3-D view's middle axis (order 2: the first axis)
+    keep = lookup.values(flat, count, k1, cands[-1].ids.size, p[0], p[1], p[2], ids[0], ids[1], ids[2],
+                         lay.scale, lay.inv, alpha == 1, out, grid, ratio)
     if alpha == 1:
-        return flat[:keep], grid[:keep]
+        return out[:keep], grid[:keep]
     np.power(ratio, np.float32(alpha), out=ratio)
     masked = grid * ratio
     nz = masked != 0
-    return flat[nz], masked[nz]
+    return out[nz], masked[nz]
 
 
 def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
@@ -189,10 +75,12 @@ def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 @nb.njit(cache=True)
-def _blur_pass(x, axis, lo, full):
-    """``sparse._blur_axis`` on a box padded by one cell per side: opencv's 3-tap arithmetic
-    ``x * 0.5 + (left + right) * 0.25``; this axis' margins hold the reflect-101 neighbour at the
-    grid's borders, zeros elsewhere (cells past the box), so the loops carry no branch."""
+def _blur_pass(x, out, axis, lo, full):
+    """``sparse._blur_axis`` on a box padded by one cell per side, into ``out``'s interior:
+    opencv's 3-tap arithmetic ``x * 0.5 + (left + right) * 0.25``; this axis' margins of ``x``
+    are set to the reflect-101 neighbour at the grid's borders, zeros elsewhere (cells past the
+    box), so the loops carry no branch. Every loop runs along the contiguous last axis (SIMD);
+    ``out``'s margins are left as they are (a pass reads only its own axis' margins)."""
     n = x.shape[axis] - 2
     at_lo, at_hi = lo == 0, lo + n == full
     zero = np.float32(0.0)
@@ -217,21 +105,19 @@ def _blur_pass(x, axis, lo, full):
             x[:, :, 0] = x[:, :, 2]
         if at_hi:
             x[:, :, n + 1] = x[:, :, n - 1]
-    out = np.zeros_like(x)
     h, q = np.float32(0.5), np.float32(0.25)
     n0, n1, n2 = x.shape[0] - 1, x.shape[1] - 1, x.shape[2] - 1
     for i in range(1, n0):
         for j in range(1, n1):
+            o, c = out[i, j], x[i, j]
             if axis == 2:
                 for l in range(1, n2):
-                    out[i, j, l] = x[i, j, l] * h + (x[i, j, l - 1] + x[i, j, l + 1]) * q
-            elif axis == 1:
-                for l in range(1, n2):
-                    out[i, j, l] = x[i, j, l] * h + (x[i, j - 1, l] + x[i, j + 1, l]) * q
+                    o[l] = c[l] * h + (c[l - 1] + c[l + 1]) * q
             else:
+                a = x[i - 1, j] if axis == 0 else x[i, j - 1]
+                b = x[i + 1, j] if axis == 0 else x[i, j + 1]
                 for l in range(1, n2):
-                    out[i, j, l] = x[i, j, l] * h + (x[i - 1, j, l] + x[i + 1, j, l]) * q
-    return out
+                    o[l] = c[l] * h + (a[l] + b[l]) * q
 
 
 @nb.njit(cache=True)
@@ -249,38 +135,60 @@ def _neighbourhood_max(x, coords, values, big, ilo, b0, b1, b2, e0, e1, e2, r):
 
 
 @nb.njit(cache=True)
-def _otsu_keep(flat, values, shape, blur, axes, total):
-    """``sparse.otsu_survivors`` on a 3-D view of the grid (order 2: a leading axis of 1)."""
+def _otsu_keep(flat, values, shape, blur, axes, total, xs, ys):
+    """``sparse.otsu_survivors`` on a 3-D view of the grid (order 2: a leading axis of 1);
+    ``xs``, ``ys``: float32 scratch of (k0 + 2)(k1 + 2)(k2 + 2) cells or more."""
     m = flat.size
     coords = np.empty((m, 3), np.int64)
     xmax = np.float32(0.0)
-    for t in range(m):
+    row_hi, i, j = np.int64(-1), np.int64(0), np.int64(0)
+    for t in range(m):  # flat is ascending: divide once per row of the last axis, not per cell
         f = flat[t]
-        coords[t, 2] = f % shape[2]
-        f //= shape[2]
-        coords[t, 1] = f % shape[1]
-        coords[t, 0] = f // shape[1]
+        if f >= row_hi:
+            row = f // shape[2]
+            row_hi = (row + 1) * shape[2]
+            i, j = row // shape[1], row % shape[1]
+        coords[t, 0], coords[t, 1], coords[t, 2] = i, j, f - (row_hi - shape[2])
         xmax = max(xmax, values[t])
     cut = CUT * np.float64(xmax) if blur and xmax > TINY else 0.0
-    lo = np.full(3, 1 << 62, np.int64)
-    hi = np.full(3, -1, np.int64)
+    lo0 = lo1 = lo2 = np.int64(1 << 62)  # scalars, not arrays: the loops' stores cannot alias them
+    hi0 = hi1 = hi2 = np.int64(-1)
     for t in range(m):
         if values[t] > cut:
-            for a in range(3):
-                lo[a] = min(lo[a], coords[t, a])
-                hi[a] = max(hi[a], coords[t, a] + 1)
+            lo0, hi0 = min(lo0, coords[t, 0]), max(hi0, coords[t, 0] + 1)
+            lo1, hi1 = min(lo1, coords[t, 1]), max(hi1, coords[t, 1] + 1)
+            lo2, hi2 = min(lo2, coords[t, 2]), max(hi2, coords[t, 2] + 1)
+    lo, hi = np.array([lo0, lo1, lo2]), np.array([hi0, hi1, hi2])
     r = 1 if blur else 0
     ilo, ihi, olo, ohi = np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64)
     for a in range(3):
         ilo[a], ihi[a] = max(lo[a] - 2 * r, 0), min(hi[a] + 2 * r, shape[a])
         olo[a], ohi[a] = max(lo[a] - r, 0), min(hi[a] + r, shape[a])
-    # the blur's box, padded by one cell per side (box cell c sits at c + 1)
-    x = np.zeros((ihi[0] - ilo[0] + 2, ihi[1] - ilo[1] + 2, ihi[2] - ilo[2] + 2), np.float32)
+    # the blur's box, padded by one cell per side (box cell c sits at c + 1); each cell's flat
+    # index in it (-1 outside the box) and whether it lies in the out box
+    d0, d1, d2 = ihi[0] - ilo[0] + 2, ihi[1] - ilo[1] + 2, ihi[2] - ilo[2] + 2
+    at = np.empty(m, np.int64)
+    shows = np.empty(m, np.bool_)
+    xf = xs[:d0 * d1 * d2]
+    xf[:] = 0
+    i0, i1, i2, o0, o1, o2 = ilo[0], ilo[1], ilo[2], olo[0], olo[1], olo[2]
+    n0, n1, n2 = np.uint64(d0 - 2), np.uint64(d1 - 2), np.uint64(d2 - 2)
+    w0, w1, w2 = np.uint64(ohi[0] - o0), np.uint64(ohi[1] - o1), np.uint64(ohi[2] - o2)
     for t in range(m):
-        if ilo[0] <= coords[t, 0] < ihi[0] and ilo[1] <= coords[t, 1] < ihi[1] and ilo[2] <= coords[t, 2] < ihi[2]:
-            x[coords[t, 0] - ilo[0] + 1, coords[t, 1] - ilo[1] + 1, coords[t, 2] - ilo[2] + 1] = values[t]
+        c0, c1, c2 = coords[t, 0] - i0, coords[t, 1] - i1, coords[t, 2] - i2
+        # unsigned compares: 0 <= c < n without a branch per bound
+        inside = (np.uint64(c0) < n0) & (np.uint64(c1) < n1) & (np.uint64(c2) < n2)
+        p = ((c0 + 1) * d1 + c1 + 1) * d2 + c2 + 1
+        at[t] = p if inside else -1
+        if inside:
+            xf[p] = values[t]
+        e0, e1, e2 = coords[t, 0] - o0, coords[t, 1] - o1, coords[t, 2] - o2
+        shows[t] = (np.uint64(e0) < w0) & (np.uint64(e1) < w1) & (np.uint64(e2) < w2)
+    yf = ys[:d0 * d1 * d2]  # ping-pong: each pass writes the other buffer's interior
     for a in axes:
-        x = _blur_pass(x, a, ilo[a], shape[a])
+        _blur_pass(xf.reshape((d0, d1, d2)), yf.reshape((d0, d1, d2)), a, ilo[a], shape[a])
+        xf, yf = yf, xf
+    x = xf.reshape((d0, d1, d2))
     b0, b1, b2 = olo[0] - ilo[0] + 1, olo[1] - ilo[1] + 1, olo[2] - ilo[2] + 1
     e0, e1, e2 = ohi[0] - ilo[0] + 1, ohi[1] - ilo[1] + 1, ohi[2] - ilo[2] + 1
     # the image's top lies next to a cell >= xmax / 8 (see sparse.CUT): search only there
@@ -315,10 +223,20 @@ def _otsu_keep(flat, values, shape, blur, axes, total):
     t = _otsu(hist, total)
     keep = np.zeros(m, np.bool_)
     for c in range(m):
-        if olo[0] <= coords[c, 0] < ohi[0] and olo[1] <= coords[c, 1] < ohi[1] and olo[2] <= coords[c, 2] < ohi[2]:
-            v = x[coords[c, 0] - ilo[0] + 1, coords[c, 1] - ilo[1] + 1, coords[c, 2] - ilo[2] + 1]
-            keep[c] = min(np.rint(v * s), np.float32(255.0)) > t
+        if shows[c]:  # the out box lies inside the blur's box
+            keep[c] = min(np.rint(xf[at[c]] * s), np.float32(255.0)) > t
     return keep
+
+
+_SCRATCH: list[np.ndarray] = []
+
+
+def _scratch(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two float32 buffers of >= ``size`` cells for the blur, kept between calls: fresh ones of
+    ~0.5 MB each (k = 50, n = 3) cost more in page faults than the whole blur."""
+    if not _SCRATCH or _SCRATCH[0].size < size:
+        _SCRATCH[:] = [np.empty(size, np.float32), np.empty(size, np.float32)]
+    return _SCRATCH[0], _SCRATCH[1]
 
 
 def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
@@ -331,7 +249,7 @@ def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32
         shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
         # opencv's axis order, in the 3-D view's numbering (order 2's axes are 1 and 2 there)
         axes = np.array([a + 3 - len(shape) for a in blur_order(len(shape))] if blur else [], np.int64)
-        kept = _otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)))
+        kept = _otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)), *_scratch(int(np.prod(shape3 + 2))))
         if kept.any():
             return flat[kept], values[kept]
     return flat, values

@@ -79,6 +79,28 @@ def test_random_grids_match_the_dense_path(zipf_table, monkeypatch, kernel, look
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("lookup", ["scan", "probe"])
+def test_wide_candidate_lists_match_the_dense_path(tmp_path, monkeypatch, kernel, lookup):
+    """k up to 300 (a row's hits span several 64-column words of the compiled scan; hash prefix
+    map) on a 400-token vocabulary, with ids past it on every axis."""
+    monkeypatch.setattr(sparse, "SCAN_FACTOR", 10**9 if lookup == "scan" else 0)
+    monkeypatch.setattr(sparse, "DENSE_PAIRS", 0)
+    vocab = 400
+    corpus = write_jsonl_ids(tmp_path / "w.jsonl", zipf_docs(400, vocab, 200, seed=9))
+    table = CooccurrenceTable(build_ids(tmp_path, str(corpus), "wide", vocab))
+    rng = np.random.default_rng(3)
+    live = 0
+    for k, order in ((300, 2), (130, 3), (70, 3)):
+        cands = random_cands(rng, order, k, vocab=vocab + 20)
+        for eps in (0.0, 0.5):
+            for switch in ({}, {"adaptive_threshold": False}):
+                ref, _ = assert_same(cands, DecodeConfig(mode="dynamic", eps_b=eps, top_k=k, **switch), table,
+                                     np.zeros(vocab + 20, bool), kernel)
+                live += ref.flat.size
+    assert live > 500, "the grids must hold live cells"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_ids_past_the_tables_vocabulary_stay_absent(zipf_table, kernel):
     """Embedding padding (ids >= the tokenizer's vocabulary): absent cells, as the dense mask."""
     rng = np.random.default_rng(1)
