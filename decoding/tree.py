@@ -67,10 +67,11 @@ class Tree:
     def attend(self, device=None) -> torch.Tensor:
         """[N, N] bool: row i sees node j when j is i or one of its ancestors."""
         n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        rows = [[False] * n for _ in range(n)]
         for i in range(n):
-            mask[i, self.path(i)] = True
-        return mask.to(device) if device is not None else mask
+            for j in self.path(i):
+                rows[i][j] = True
+        return torch.tensor(rows, dtype=torch.bool, device=device)  # one host-to-device copy, not N index ops
 
     def offsets(self, device=None) -> torch.Tensor:
         """[N] long: each node's depth (its position after the root's)."""
