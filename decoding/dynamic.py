@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .host_topk import exact_topk
+from .host_topk import MIN_VOCAB, exact_topk
 from .sparse import applies, resolve_kernel
 from .sparse_step import sparse_live
 
@@ -37,7 +37,9 @@ def head_candidates(scores: torch.Tensor, k: int, temperature: float) -> list[Ca
     is shift-invariant, so the top-k of either gives the same candidates (log-softmax over V is
     work the grid never reads)."""
     scores = scores.float()
-    got = exact_topk(scores.detach().numpy(), k) if scores.device.type == "cpu" else None
+    got = None
+    if scores.device.type == "cpu" and scores.shape[-1] >= MIN_VOCAB:  # else torch's own sort is cheaper
+        got = exact_topk(scores.detach().numpy(), k)
     if got is not None:  # torch.topk's very values and ids, at less than half its cost (host_topk)
         vals, ids = torch.from_numpy(got[0]), got[1]
     else:
