@@ -79,7 +79,7 @@ def _next_row(f, row_hi, i, j, shape):
 
 @nb.njit(cache=True)
 def _big_cells(flat, values, shape, cut):
-    """Grid coordinates [b, 3] and values [b] of the cells > ``cut``."""
+    """Grid coordinates [b, 3] and values [b] of the cells > ``cut``, and their bounds lo, hi [3]."""
     b = 0
     for t in range(flat.size):
         if values[t] > cut:
@@ -87,14 +87,20 @@ def _big_cells(flat, values, shape, cut):
     coords = np.empty((b, 3), np.int64)
     vals = np.empty(b, np.float32)
     row_hi, i, j = shape[2], np.int64(0), np.int64(0)
+    lo0 = lo1 = lo2 = np.int64(1 << 62)  # scalars, not arrays: the loop's stores cannot alias them
+    hi0 = hi1 = hi2 = np.int64(-1)
     u = 0
     for t in range(flat.size):
         if values[t] > cut:
             row_hi, i, j = _next_row(flat[t], row_hi, i, j, shape)
-            coords[u, 0], coords[u, 1], coords[u, 2] = i, j, flat[t] - (row_hi - shape[2])
+            l = flat[t] - (row_hi - shape[2])
+            coords[u, 0], coords[u, 1], coords[u, 2] = i, j, l
             vals[u] = values[t]
             u += 1
-    return coords, vals
+            lo0, hi0 = min(lo0, i), max(hi0, i + 1)  # i only grows, but this costs nothing
+            lo1, hi1 = min(lo1, j), max(hi1, j + 1)
+            lo2, hi2 = min(lo2, l), max(hi2, l + 1)
+    return coords, vals, np.array([lo0, lo1, lo2]), np.array([hi0, hi1, hi2])
 
 
 @nb.njit(cache=True)
@@ -148,13 +154,12 @@ def otsu_keep(flat, values, shape, blur, axes, total, xs, ys):
     # the only cells whose neighbourhoods the image shows; values are > 0 (masked != 0, then
     # normalised) or underflowed to 0, whose neighbourhoods blur to exactly 0 unless a cell > 0
     # is near, so with cut 0 the cells > 0 still reach every non-zero pixel
-    coords, big = _big_cells(flat, values, shape, cut)
+    coords, big, lo, hi = _big_cells(flat, values, shape, cut)
     r = 1 if blur else 0
     ilo, ihi, olo, ohi = np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64)
     for a in range(3):
-        lo, hi = coords[:, a].min(), coords[:, a].max() + 1
-        ilo[a], ihi[a] = max(lo - 2 * r, 0), min(hi + 2 * r, shape[a])
-        olo[a], ohi[a] = max(lo - r, 0), min(hi + r, shape[a])
+        ilo[a], ihi[a] = max(lo[a] - 2 * r, 0), min(hi[a] + 2 * r, shape[a])
+        olo[a], ohi[a] = max(lo[a] - r, 0), min(hi[a] + r, shape[a])
     # the blur's box, padded by one cell per side (box cell c sits at c + 1)
     d0, d1, d2 = ihi[0] - ilo[0] + 2, ihi[1] - ilo[1] + 2, ihi[2] - ilo[2] + 2
     xf, yf = xs[:d0 * d1 * d2], ys[:d0 * d1 * d2]  # ping-pong: each pass writes the other's interior
