@@ -36,19 +36,29 @@ def _home(x, shift):
 
 
 @nb.njit(cache=True)
-def prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel):
-    """Block of a prefix key: the dense map (one-token prefixes, small vocabularies) or
-    open-addressing probes in the index's prefix table."""
+def _prefix_blocks(keys, dense, pkeys, pvalues, pshift, pmask, sentinel):
+    """Block of each prefix key # -> [P] (``sentinel``: unseen), from the dense map (one-token
+    prefixes, small vocabularies) or open-addressing probes in the index's prefix table. Every
+    key's home slot is loaded before any probe run is resolved, so that the (~2,500 at k = 50)
+    cache misses in a prefix table of ~130 MB overlap (a run's end is a data-dependent branch:
+    one key at a time, they do not; ~0.08 -> ~0.04 ms)."""
+    out = np.empty(keys.size, np.int64)
     if dense.size:
-        return dense[np.int64(key)]
-    slot = _home(key, pshift)
-    while True:
-        found = pkeys[slot]
-        if found == key:
-            return pvalues[slot]
-        if found == EMPTY64:
-            return sentinel
-        slot = (slot + 1) & pmask
+        for t in range(keys.size):
+            out[t] = dense[np.int64(keys[t])]
+        return out
+    home = np.empty(keys.size, np.int64)
+    found = np.empty(keys.size, np.uint64)
+    for t in range(keys.size):
+        home[t] = _home(keys[t], pshift)
+        found[t] = pkeys[home[t]]
+    for t in range(keys.size):
+        key, slot, f = keys[t], home[t], found[t]
+        while f != key and f != EMPTY64:
+            slot = (slot + 1) & pmask
+            f = pkeys[slot]
+        out[t] = pvalues[slot] if f == key else sentinel
+    return out
 
 
 @nb.njit(cache=True)
@@ -134,8 +144,8 @@ def cells(ids0, ids1, last, vocab, scan_max, pos, tokens, counts, row_start, bas
     hit_at = np.empty(k, np.int64)
     bits = np.zeros((k + 63) // 64, np.uint64)
     n1 = max(ids1.size, 1)
-    rows = np.empty(ids0.size * n1, np.int64)  # grid row (flat prefix index) of each seen prefix
-    blks = np.empty(ids0.size * n1, np.int64)
+    rows = np.empty(ids0.size * n1, np.int64)  # grid row (flat prefix index) of each prefix, then each seen one
+    keys = np.empty(ids0.size * n1, np.uint64)
     r = 0
     for i in range(ids0.size):
         if ids0[i] >= vocab:
@@ -146,11 +156,16 @@ def cells(ids0, ids1, last, vocab, scan_max, pos, tokens, counts, row_start, bas
                 if ids1[j] >= vocab:
                     continue
                 key = key * v + np.uint64(ids1[j])
-            blk = prefix_block(key, dense, pkeys, pvalues, pshift, pmask, sentinel)
-            if blk != sentinel:
-                rows[r] = i * n1 + j
-                blks[r] = blk
-                r += 1
+            rows[r] = i * n1 + j
+            keys[r] = key
+            r += 1
+    blks = _prefix_blocks(keys[:r], dense, pkeys, pvalues, pshift, pmask, sentinel)
+    seen = 0
+    for t in range(r):  # keep the seen prefixes, in row order
+        if blks[t] != sentinel:
+            rows[seen], blks[seen] = rows[t], blks[t]
+            seen += 1
+    r = seen
     firsts = np.empty(r, np.int64)
     lengths = np.empty(r, np.int64)
     for t in range(r):

@@ -35,13 +35,13 @@ def blur_numpy(x: np.ndarray) -> np.ndarray:
 
 
 def blur_numba(x: np.ndarray) -> np.ndarray:
-    from multitoken.decoding import sparse_numba
+    from multitoken.decoding import sparse_otsu
 
     x3 = np.pad(x.reshape((1,) * (3 - x.ndim) + x.shape), 1)  # the kernel's padded box
     for axis in sparse.blur_order(x.ndim):
         a = axis + 3 - x.ndim
         out = np.empty_like(x3)
-        sparse_numba._blur_pass(x3, out, a, 0, x3.shape[a] - 2)
+        sparse_otsu._blur_pass(x3, out, a, 0, x3.shape[a] - 2)
         x3 = out
     return x3[1:-1, 1:-1, 1:-1].reshape(x.shape)
 
