@@ -32,6 +32,7 @@ distinct trigrams of the default settings), time nothing else: the table
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import multiprocessing as mp
 import platform
@@ -341,6 +342,8 @@ def main() -> None:
     ap.add_argument("--tiny-shards", type=int, default=40, help="--executor ray: one-document shards of the overhead job")
     ap.add_argument("--table-only", action="store_true", help="only build WORK/merged (needs --work), no timing")
     args = ap.parse_args()
+    if args.work is not None:
+        check_work(Path(args.work))
     if args.table_only:
         if args.work is None:
             raise SystemExit("--table-only keeps the table in --work DIR: pass --work")
@@ -362,6 +365,19 @@ def main() -> None:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     _write(record, args.out)
+
+
+# what this bench writes into --work (its clean-up removes some of them): anything else there is the user's
+WORK_ENTRIES = ("merged", "one-*", "two-*", "ids.parquet", "tiny.parquet", "warm-up", "local-*", "ray-*", "tiny-*")
+
+
+def check_work(work: Path) -> None:
+    """--work is new, empty or holds only this bench's own entries (a kept ``merged`` table)."""
+    if work.exists() and not work.is_dir():
+        raise SystemExit(f"error: --work {work} is a file; pass a new or empty directory")
+    foreign = sorted(p.name for p in work.iterdir() if not any(fnmatch.fnmatch(p.name, w) for w in WORK_ENTRIES)) if work.is_dir() else []
+    if foreign:
+        raise SystemExit(f"error: --work {work} holds files of its own ({', '.join(foreign[:3])}); pass a new or empty directory")
 
 
 def _write(record: dict, out: str) -> None:

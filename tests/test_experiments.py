@@ -112,3 +112,21 @@ def test_speedup_theory(tmp_path):
     assert len(chain["measured_acceptance"]["per_head"]) == g
     assert 1 <= chain["leviathan_tokens_per_step"] <= g + 1 and 1 <= chain["heldout_formula_tokens_per_step"] <= g + 1
     assert rec["static_tree_shape"]["nodes"] == 16
+
+
+def test_a_work_dir_of_the_users_is_refused_and_our_own_is_reused(tmp_path, monkeypatch):
+    """Runs replace their scratch in --work-dir (trained heads, checkpoints): a folder holding
+    files they did not write is refused before any work; an experiments work dir is reused."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    common = importlib.import_module("common")
+    args = common.parser("doc", "x").parse_args(["--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")])
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "x-trained").mkdir()  # a name a run would clear: the user's here
+    budget = common.Budget()
+    with pytest.raises(SystemExit, match="holds files not written by these experiments"):
+        common.Run("x", args, budget, budget)
+    assert (tmp_path / "work" / "x-trained").is_dir()
+    args.work_dir = str(tmp_path / "fresh")
+    first = common.Run("x", args, budget, budget)
+    (first.work / "x-trained").mkdir()
+    assert common.Run("x", args, budget, budget).work == first.work  # its own dir: accepted again

@@ -83,7 +83,7 @@ class Run:
         torch.manual_seed(args.seed)
         self._tmp = None if args.work_dir else tempfile.TemporaryDirectory(prefix=f"mt-{name}-")
         self.work = Path(args.work_dir or self._tmp.name)
-        self.work.mkdir(parents=True, exist_ok=True)
+        _claim_work(self.work)
         self.machine = machine_info()
         self.started, self.cpu0 = time.perf_counter(), time.process_time()
         self.parts: dict[str, dict[str, float]] = {}
@@ -123,6 +123,21 @@ class _Timed:
     def __exit__(self, *exc):
         self.parts[self.part] = {"wall_s": round(time.perf_counter() - self.t, 2), "cpu_s": round(time.process_time() - self.c, 2)}
         return False
+
+
+WORK_MARKER = ".multitoken-experiments-work"  # marks a --work-dir as ours: its scratch may be replaced
+
+
+def _claim_work(work: Path) -> None:
+    """--work-dir is new, empty or an experiments work dir from before (its marker file): runs
+    replace their own scratch there (trained heads, checkpoints), so a folder of the user's is
+    refused up front."""
+    if work.exists() and not work.is_dir():
+        raise SystemExit(f"error: --work-dir {work} is a file; pass a new or empty directory")
+    if work.is_dir() and any(work.iterdir()) and not (work / WORK_MARKER).is_file():
+        raise SystemExit(f"error: --work-dir {work} holds files not written by these experiments; pass a new or empty directory")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARKER).touch()
 
 
 def _check_out(out: Path, name: str, overwrite: bool) -> None:
