@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -343,27 +344,17 @@ def print_logic(logic: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    record = {"machine": {"platform": platform.platform(), "threads": args.threads, "cpu_count": __import__("os").cpu_count(),
+    record = {"machine": {"platform": platform.platform(), "threads": args.threads, "cpu_count": os.cpu_count(),
                           "device": args.device, "device_name": device_name(args.device), "dtype": args.dtype,
-                          "torch": torch.__version__, "loadavg_start": list(__import__("os").getloadavg())},
+                          "torch": torch.__version__, "loadavg_start": list(os.getloadavg())},
               "max_new_tokens": args.max_new_tokens, "reps": args.reps}
-    if args.batch_sizes:
-        record["batches"] = bench_batches(args)
-        record["machine"]["loadavg_end"] = list(__import__("os").getloadavg())
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-        print_batches(record["batches"])
-        return record
-    if args.shapes:
-        record["shapes"] = bench_shapes(args)
-        record["machine"]["loadavg_end"] = list(__import__("os").getloadavg())
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-        print_shapes(record["shapes"])
-        return record
-    if args.logic_only:
-        record["logic"] = bench_logic(args)
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-        print_logic(record["logic"])
-        return record
+    # one-part runs: the batch bench, the bigger shapes, or the DynaMo logic alone
+    for key, wanted, bench, show in (("batches", args.batch_sizes, bench_batches, print_batches),
+                                     ("shapes", args.shapes, bench_shapes, print_shapes),
+                                     ("logic", args.logic_only, bench_logic, print_logic)):
+        if wanted:
+            record[key] = bench(args)
+            return _finish(record, args.out, lambda: show(record[key]))
     emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
     record["embedded"] = bench_model("stories260K (embedded)", emb, emb_heads, open_table(args.embedded_stats, emb.backbone.tokenizer),
                                      PROMPTS["stories"], args)
@@ -371,9 +362,14 @@ def main(argv=None) -> dict:
     record["pythia_mini"] = bench_model("pythia-mini", pm, pm_heads, open_table(args.pythia_stats, pm.backbone.tokenizer),
                                         PROMPTS["pile"], args)
     record["logic"] = bench_logic(args)
-    record["machine"]["loadavg_end"] = list(__import__("os").getloadavg())
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print_table(record)
+    return _finish(record, args.out, lambda: print_table(record))
+
+
+def _finish(record: dict, out: str, show) -> dict:
+    """The load at the end recorded, the JSON written, the table printed."""
+    record["machine"]["loadavg_end"] = list(os.getloadavg())
+    Path(out).write_text(json.dumps(record, indent=2) + "\n")
+    show()
     return record
 
 

@@ -126,7 +126,7 @@ def test_bench_decode_runs_on_cuda(tmp_path, monkeypatch, pythia_mini_dir):
     import bench_decode
 
     record = bench_decode.main(["--device", CUDA, "--dtype", "bfloat16", "--max-new-tokens", "8", "--reps", "1",
-                                "--logic-steps", "2", "--out", str(tmp_path / "bench.json")])
+                                "--logic-new-tokens", "4", "--out", str(tmp_path / "bench.json")])
     assert record["machine"]["device"] == CUDA and record["machine"]["dtype"] == "bfloat16"
     assert record["machine"]["device_name"] == torch.cuda.get_device_name(0)
     for key in ("embedded", "pythia_mini"):
