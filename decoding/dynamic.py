@@ -37,19 +37,21 @@ def head_candidates(scores: torch.Tensor, k: int, temperature: float) -> list[Ca
     is shift-invariant, so the top-k of either gives the same candidates (log-softmax over V is
     work the grid never reads)."""
     scores = scores.float()
-    got = None
-    if scores.device.type == "cpu" and scores.shape[-1] >= MIN_VOCAB:  # else torch's own sort is cheaper
-        got = exact_topk(scores.detach().numpy(), k)
-    if got is not None:  # torch.topk's very values and ids, at less than half its cost (host_topk)
-        vals, ids = torch.from_numpy(got[0]), got[1]
-    else:
-        vals, idx = torch.topk(scores, k, dim=-1)  # [m, k] sorted: the grid's axes run from most to least likely
-    probs = torch.softmax(vals.double() / temperature, dim=-1).float()  # the grid is float32: k^n cells stay cheap
-    if got is not None:
-        return [Candidates(i, p) for i, p in zip(ids, probs.numpy())]
+    if scores.device.type == "cpu" and scores.shape[-1] >= MIN_VOCAB:  # below, torch's own sort is cheaper
+        top = exact_topk(scores.detach().numpy(), k)  # torch.topk's very values and ids, at less than half its cost
+        if top is not None:  # already on the host: no transfer
+            return [Candidates(i, p) for i, p in zip(top[1], _tempered(torch.from_numpy(top[0]), temperature).numpy())]
+    vals, idx = torch.topk(scores, k, dim=-1)  # [m, k] sorted: the grid's axes run from most to least likely
+    probs = _tempered(vals, temperature)
     # ids (< 2^53) and float32 probs are exact in float64: both cross in one transfer
     host = torch.stack([idx.double(), probs.double()], dim=1).cpu().numpy()  # [m, 2, k]
     return [Candidates(row[0].astype(np.int64), row[1].astype(np.float32)) for row in host]
+
+
+def _tempered(vals: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Probabilities of the top-k values at ``temperature`` # [m, k] -> [m, k] float32 (the grid
+    is float32: k^n cells stay cheap)."""
+    return torch.softmax(vals.double() / temperature, dim=-1).float()
 
 
 def top_candidates(logp: torch.Tensor, k: int, temperature: float) -> Candidates:

@@ -185,22 +185,22 @@ class NllMemo:
     """``continuation_nll`` scoring each (prompt, continuation) once: ar's second run of a batch and
     grid points that produce the same tokens reuse the value (same input, same forward, same float)."""
 
-    def __init__(self, backbone):
-        self.backbone, self.memo = backbone, {}
+    def __init__(self):
+        self.memo = {}
 
-    def __call__(self, prompt_ids: list[int], new_ids: list[int]) -> float:
+    def __call__(self, backbone, prompt_ids: list[int], new_ids: list[int]) -> float:
         key = (tuple(prompt_ids), tuple(new_ids))
         if key not in self.memo:
-            self.memo[key] = continuation_nll(self.backbone, prompt_ids, new_ids)
+            self.memo[key] = continuation_nll(backbone, prompt_ids, new_ids)
         return self.memo[key]
 
 
-def _no_nll(prompt_ids: list[int], new_ids: list[int]) -> float:
+def _no_nll(backbone, prompt_ids: list[int], new_ids: list[int]) -> float:
     """Warm-up runs are discarded: no quality forward for them."""
     return float("nan")
 
 
-def run_once(model, prompt_ids: list[int], decode_cfg, table, nll=None) -> dict:
+def run_once(model, prompt_ids: list[int], decode_cfg, table, nll=continuation_nll) -> dict:
     """One generation and its per-run measurements (``nll``: the scorer, default ``continuation_nll``)."""
     cpu = time.process_time()
     result = generate(model, prompt_ids, decode_cfg, table=table)
@@ -209,24 +209,23 @@ def run_once(model, prompt_ids: list[int], decode_cfg, table, nll=None) -> dict:
     return {
         "tokens": len(new), "tokens_per_forward": trace.tokens_per_forward,
         "sec_per_token": trace.wall_s / max(len(new), 1), "cpu_per_token": cpu / max(len(new), 1),
-        "nll": (nll or NllMemo(model.backbone))(prompt_ids, new),
+        "nll": nll(model.backbone, prompt_ids, new),
         "distinct2": M.distinct_n(new, 2), "distinct3": M.distinct_n(new, 3), "repetition": M.repetition_rate(new, 4),
     }
 
 
-def run_batch(model, runs: list[tuple[list[int], int]], decode_cfg, table, nll=None) -> list[dict]:
+def run_batch(model, runs: list[tuple[list[int], int]], decode_cfg, table, nll=continuation_nll) -> list[dict]:
     """``run_once`` for (prompt ids, seed) runs decoded as one batch: each run's tokens are its
     one-at-a-time tokens; the timings are the batch's per token."""
     if len(runs) == 1:
         return [run_once(model, runs[0][0], replace(decode_cfg, seed=runs[0][1]), table, nll)]
-    nll = nll or NllMemo(model.backbone)
     cpu, wall = time.process_time(), time.perf_counter()
     results = generate_batch(model, [p for p, _ in runs], decode_cfg, seeds=[s for _, s in runs], table=table)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     tokens = max(sum(len(r.token_ids) for r in results), 1)
     return [{"tokens": len(r.token_ids), "tokens_per_forward": r.trace.tokens_per_forward,
              "sec_per_token": wall / tokens, "cpu_per_token": cpu / tokens,
-             "nll": nll(p, r.token_ids), "distinct2": M.distinct_n(r.token_ids, 2),
+             "nll": nll(model.backbone, p, r.token_ids), "distinct2": M.distinct_n(r.token_ids, 2),
              "distinct3": M.distinct_n(r.token_ids, 3), "repetition": M.repetition_rate(r.token_ids, 4)}
             for (p, _), r in zip(runs, results)]
 
@@ -291,7 +290,7 @@ def decode_configs(cfg: SweepConfig, grid: list[float]):
     return ar, [(name, eps, replace(ar, mode="dynamic", eps_b=eps, **TABLE8[name])) for name in cfg.configs() for eps in grid]
 
 
-def run_hf_sample(backbone, prompt_ids: list[int], decode_cfg, nll=None) -> dict:
+def run_hf_sample(backbone, prompt_ids: list[int], decode_cfg, nll=continuation_nll) -> dict:
     """transformers' sampling ``generate`` at ``decode_cfg``'s settings and seed, measured like
     ``run_once``. Its repetition penalty is transformers' logit form (see the module docstring)."""
     ids = torch.tensor([prompt_ids], device=backbone.device)
@@ -307,7 +306,7 @@ def run_hf_sample(backbone, prompt_ids: list[int], decode_cfg, nll=None) -> dict
     return {
         "tokens": len(new), "tokens_per_forward": 1.0,
         "sec_per_token": wall / max(len(new), 1), "cpu_per_token": cpu / max(len(new), 1),
-        "nll": (nll or NllMemo(backbone))(prompt_ids, new),
+        "nll": nll(backbone, prompt_ids, new),
         "distinct2": M.distinct_n(new, 2), "distinct3": M.distinct_n(new, 3), "repetition": M.repetition_rate(new, 4),
     }
 
@@ -324,7 +323,7 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
     # points and hf-sample, so on a shared machine the load the timings see changes little between them.
     # Batches of pairs (--batch-size) keep that order: ar before and after each batch's points.
     ar_runs, hf_runs, point_runs = [], [], [[] for _ in grid_cfgs]
-    nll = NllMemo(model.backbone)
+    nll = NllMemo()
     _warm_up(model, [(prompt_ids[i], s) for i, s in pairs[:cfg.batch_size]], base_cfg, grid_cfgs, table)
     for first in range(0, len(pairs), cfg.batch_size):
         chunk = pairs[first:first + cfg.batch_size]
