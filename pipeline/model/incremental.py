@@ -262,12 +262,9 @@ class StepOutput:
     def anchor_head_logits(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
         """Layer head ``index``'s logits at each row's anchor # [B, V]; the first read unembeds
         every layer head there in one call."""
+        if len(set(anchors)) == 1:  # one position for every row: the per-position path (it reuses the base's call)
+            return self._head_row(index, anchors[0])
         key = ("logits", anchors)
-        if len(set(anchors)) == 1 and key not in self._head_logits:
-            if self._logits is None:
-                self._unembed_base()  # the plan may bring every head's rows along with the base's
-            if anchors[0] in self._head_logits:  # one anchor for all rows: those rows, already computed
-                self._head_logits[key] = self._head_logits[anchors[0]]
         if key not in self._head_logits:
             heads = sorted(self.hiddens)
             logits = self._unembed(torch.cat([self._at(self.hiddens[i], anchors) for i in heads], dim=1))  # [B, L, V]
