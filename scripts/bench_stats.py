@@ -336,7 +336,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=50, help="mask lookups per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each measurement; the best counts (the VM's speed drifts)")
     ap.add_argument("--out", default="bench_stats.json")
-    ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir, removed)")
+    ap.add_argument("--work", default=None, help="scratch dir: new, empty or this bench's own (default: a temp dir, removed)")
     ap.add_argument("--executor", choices=("local", "ray"), default="local",
                     help="ray: the Ray executor against 2 local processes (--tokens per worker) instead of the figures above")
     ap.add_argument("--tiny-shards", type=int, default=40, help="--executor ray: one-document shards of the overhead job")

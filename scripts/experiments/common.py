@@ -63,7 +63,7 @@ def parser(doc: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of head initialisation, training order and sampling")
     p.add_argument("--steps", type=int, default=None, help="override the optimizer steps per trained model")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    p.add_argument("--work-dir", default=None, help="keep corpora and trained heads here (default: a temporary dir, removed)")
+    p.add_argument("--work-dir", default=None, help="keep corpora and trained heads here: a new or empty dir, or one these experiments used before (default: a temporary dir, removed)")
     p.add_argument("--overwrite", action="store_true", help="replace this experiment's own earlier output in --out")
     return p
 
