@@ -1,8 +1,10 @@
 """Batched decoding: B prompts in one loop, every row exactly what it would be decoded alone.
 
 ``generate_batch(model, prompts, cfg, seeds=...)`` runs any mode (``ar``, ``dynamic``,
-``speculative``, ``typical``) with any drafter over rows of different prompt lengths that accept
-different numbers of drafts, back off to different orders and finish at different times.
+``speculative``, ``typical``) with any drafter, chain or candidate trees (``--tree``; each row its
+own tree, all verified in one pass: ``batch_tree.py``), over rows of different prompt lengths
+that accept different numbers of drafts, back off to different orders and finish at different
+times.
 ``generate(model, prompts, cfg)`` (the package's entry point) takes one prompt or many.
 
 What is shared, what is per row:
@@ -27,7 +29,9 @@ What is shared, what is per row:
 - Host reads stay one per step for the whole batch: the committed ids of every row in one
   transfer (a greedy ``ar`` step takes the argmax of all rows in one call), every row's verdict
   and drafts in one, and DynaMo's top-k of every row's heads in one (``head_candidates`` over
-  [B * n, V]); the grids are then built on the host per row.
+  [B * n, V]); the grids are then built on the host per row. A tree step reads twice as batch 1
+  does, for all rows together (the guesses; greedy verdicts), except sampled and typical tree
+  verdicts, read per row (``batch_tree.py``).
 - A finished row (end of sequence or budget) leaves the batch before the next forward pass
   (``DecodeCaches.keep_rows``): it costs nothing afterwards.
 """
