@@ -119,7 +119,8 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
             raise UsageError("a prompt is empty", "pass at least one token per prompt")
         check_context(len(ids), cfg.max_new_tokens, model.backbone.config.max_position_embeddings)
     if cfg.tree != "chain" and (drafter is not None or acceptor is not None):
-        raise UsageError("--tree static / dynamic build their own candidates and acceptance", "pass --tree chain with a custom drafter or acceptor")
+        raise UsageError("--tree static / dynamic build their own candidates and acceptance",
+                         "pass --tree chain with a custom drafter or acceptor")
     device = model.backbone.device
     speculative = cfg.mode in ("speculative", "typical")
     chain = cfg.tree == "chain"

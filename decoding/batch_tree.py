@@ -118,7 +118,8 @@ class BatchTrees:
 
 def tree_loop(trees: BatchTrees, out, batch: list[Row], caches, forward, finish, eos, on_tokens, device) -> None:
     """Decode every row of ``batch`` to its end with batched tree steps (``out``: the prompts'
-    pass, each row's anchor set). Rows finish and leave the batch as in the chain loop."""
+    pass, each row's anchor set). Rows finish and leave the batch as in the chain loop (``batch``,
+    the rows in the caches, is updated in place)."""
     while True:
         live = [j for j, row in enumerate(batch) if not row.done]
         if not live:
