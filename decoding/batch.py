@@ -1,8 +1,10 @@
 """Batched decoding: B prompts in one loop, every row exactly what it would be decoded alone.
 
 ``generate_batch(model, prompts, cfg, seeds=...)`` runs any mode (``ar``, ``dynamic``,
-``speculative``, ``typical``) with any drafter over rows of different prompt lengths that accept
-different numbers of drafts, back off to different orders and finish at different times.
+``speculative``, ``typical``) with any drafter, chain or candidate trees (``--tree``; each row its
+own tree, all verified in one pass: ``batch_tree.py``), over rows of different prompt lengths
+that accept different numbers of drafts, back off to different orders and finish at different
+times.
 ``generate(model, prompts, cfg)`` (the package's entry point) takes one prompt or many.
 
 What is shared, what is per row:
@@ -27,7 +29,9 @@ What is shared, what is per row:
 - Host reads stay one per step for the whole batch: the committed ids of every row in one
   transfer (a greedy ``ar`` step takes the argmax of all rows in one call), every row's verdict
   and drafts in one, and DynaMo's top-k of every row's heads in one (``head_candidates`` over
-  [B * n, V]); the grids are then built on the host per row.
+  [B * n, V]); the grids are then built on the host per row. A tree step reads twice as batch 1
+  does, for all rows together (the guesses; greedy verdicts), except sampled and typical tree
+  verdicts, read per row (``batch_tree.py``).
 - A finished row (end of sequence or budget) leaves the batch before the next forward pass
   (``DecodeCaches.keep_rows``): it costs nothing afterwards.
 """
@@ -41,6 +45,7 @@ import torch
 
 from .accept import greedy_accept, speculative_accept
 from .batch_steps import HeadWidth, Row, RowView, accept_all, propose_dynamic, propose_speculative
+from .batch_tree import BatchTrees, tree_loop
 from .config import DecodeConfig, check_context
 from .dynamic import always_backs_off
 from .loop import DecodeResult, RunState, _acceptor, _eos_ids, generate as generate_one, stats_order_cap
@@ -49,6 +54,7 @@ from .sampling import Sampler
 from .sparse_step import prepare_kernel
 from .timing import clock_for
 from .trace import Trace
+from .tree_step import TreeSteps
 from multitoken.pipeline.base.errors import UsageError
 
 __all__ = ["HeadWidth", "Row", "RowView", "generate", "generate_batch", "is_batch", "prompt_rows"]
@@ -81,16 +87,6 @@ def generate(model, prompts, cfg: DecodeConfig | None = None, *, seeds=None, att
     return generate_one(model, prompts, cfg, **kwargs)
 
 
-def _rows_alone(model, prompts, cfg, seeds, *, table, on_tokens, profile) -> list[DecodeResult]:
-    """Each row through ``loop.generate`` with its seed: what a batch of candidate trees gives
-    until rows carry trees of their own (each would need its own mask and compaction)."""
-    results = []
-    for row, (ids, seed) in enumerate(zip(prompts, seeds)):
-        stream = None if on_tokens is None else (lambda tokens, row=row: on_tokens(row, tokens))
-        results.append(generate_one(model, ids, replace(cfg, seed=seed), table=table, on_tokens=stream, profile=profile))
-    return results
-
-
 def _left_pad(seqs: list[torch.Tensor], width: int, device) -> torch.Tensor:
     """Rows right-aligned in a [B, width] tensor (pads, id 0, first: masked by the caches)."""
     out = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
@@ -101,9 +97,11 @@ def _left_pad(seqs: list[torch.Tensor], width: int, device) -> torch.Tensor:
 
 @torch.inference_mode()
 def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=None, attention_mask=None, table=None,
-                   on_tokens=None, drafter=None, acceptor=None, profile: bool = False) -> list[DecodeResult]:
+                   on_tokens=None, drafter=None, acceptor=None, profile: bool = False,
+                   tree_accuracies=None) -> list[DecodeResult]:
     """Decode every prompt (see the module doc). ``on_tokens(row, tokens)`` streams final tokens
-    per row; ``seeds[b]`` seeds row b's generators (default ``cfg.seed`` for all)."""
+    per row; ``seeds[b]`` seeds row b's generators (default ``cfg.seed`` for all);
+    ``tree_accuracies`` as for ``loop.generate``."""
     cfg = cfg or DecodeConfig()
     vocab = model.backbone.vocab_size
     cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False))
@@ -120,11 +118,13 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
         if not ids:
             raise UsageError("a prompt is empty", "pass at least one token per prompt")
         check_context(len(ids), cfg.max_new_tokens, model.backbone.config.max_position_embeddings)
-    if cfg.tree != "chain":  # trees are batch-1 (README: "Tree verification"): rows one after another
-        return _rows_alone(model, prompts, cfg, seeds, table=table, on_tokens=on_tokens, profile=profile)
+    if cfg.tree != "chain" and (drafter is not None or acceptor is not None):
+        raise UsageError("--tree static / dynamic build their own candidates and acceptance",
+                         "pass --tree chain with a custom drafter or acceptor")
     device = model.backbone.device
     speculative = cfg.mode in ("speculative", "typical")
-    drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative else None)
+    chain = cfg.tree == "chain"
+    drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative and chain else None)
     acceptor = acceptor or _acceptor(cfg)
     eos = _eos_ids(model)
     cap = stats_order_cap(cfg, model.n_future, table, drafter is joint_drafts)
@@ -141,9 +141,9 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     clock = clock_for(device, profile)
     batch = list(rows)  # the rows in the caches and in ``out``, in batch order
 
-    def forward(new: torch.Tensor, read_from: int, lengths: list[int] | None):
+    def forward(batch: list[Row], new: torch.Tensor, read_from: int, lengths: list[int] | None, **tree):
         start = clock()
-        result = model.step(new, caches, heads_upto=heads_read, read_from=read_from, lengths=lengths)
+        result = model.step(new, caches, heads_upto=heads_read, read_from=read_from, lengths=lengths, **tree)
         result.clock, result.unembed_rows = clock, unembed_rows
         spent = clock() - start
         for row in batch:
@@ -156,15 +156,19 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
 
     if cfg.mode == "dynamic" or drafter is joint_drafts:
         prepare_kernel(cfg, table, order)
+    # trees: one shape / budget for every row (auto times the verify step here, off the clock)
+    trees = None if chain else BatchTrees(TreeSteps(model, cfg, rows[0].run, order, rows[0].trace, tree_accuracies), rows, order)
     t0 = clock()
     caches = model.new_caches()
     width = max(len(p) for p in prompts)
     lengths = [len(p) for p in prompts]
     ids = _left_pad([torch.tensor(p) for p in prompts], width, "cpu").to(device)
-    out = forward(ids, width - 1, lengths if min(lengths) < width else None)
+    out = forward(batch, ids, width - 1, lengths if min(lengths) < width else None)
     for row in rows:
         row.trace.prefill_s, row.anchor = row.trace.model_s, width - 1
-    while True:
+    if trees is not None:  # one tree per row, all verified in one pass per step (batch_tree.py)
+        tree_loop(trees, out, batch, caches, forward, finish, eos, on_tokens, device)
+    while chain:
         live = [j for j, row in enumerate(batch) if not row.done]
         if not live:  # the last verification finished every row
             break
@@ -226,6 +230,6 @@ def _step(forward, batch, device):
         new = _left_pad(seqs, width, device)
     for row, n in zip(batch, lengths):
         row.anchor = width - n + len(row.commit) - 1
-    return forward(new, min(row.anchor for row in batch), lengths if min(lengths) < width else None), new
+    return forward(batch, new, min(row.anchor for row in batch), lengths if min(lengths) < width else None), new
 
 

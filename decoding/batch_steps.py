@@ -136,7 +136,7 @@ def propose_speculative(out, batch, live, anchors, order, speculative, drafter, 
     read in one transfer), then each row's drafts."""
     need = [j for j in live if batch[j].forced is None]
     if need:
-        for j, token in zip(need, _next_tokens(out, batch, need, anchors)):
+        for j, token in zip(need, next_tokens(out, batch, need, anchors)):
             batch[j].forced = token
     gs = {j: min(order - 1, batch[j].run.cfg.max_new_tokens - len(batch[j].out_ids) - 1) if speculative else 0 for j in live}
     if drafter is joint_drafts:
@@ -175,7 +175,7 @@ def _joint_candidates(out, batch, rows: list[int], anchors, gs: dict[int, int]) 
         batch[j].run.candidates = cands[slot * g:slot * g + gs[j]]
 
 
-def _next_tokens(out, batch, need: list[int], anchors) -> list[int]:
+def next_tokens(out, batch, need: list[int], anchors) -> list[int]:
     """A token from the base's target after each row's anchor: greedy takes every row's argmax
     in one call; sampling draws per row from its own generator. One host read either way."""
     logits = out.base_logits()  # [B, T - first, V]

@@ -22,6 +22,10 @@ class Caches(Protocol):
     def keep(self, start: int, rows: list[int]) -> None:
         """Keep positions [0, start) and ``start + rows`` (an accepted tree path), in order."""
 
+    def keep_paths(self, start: int, paths: list[list[int]]) -> None:
+        """Batched trees: row b keeps the step's slots ``start + paths[b]`` (its accepted path),
+        in order; its other slots of the step are forgotten."""
+
     def crop_rows(self, remove: list[int]) -> None:
         """Batched rows: forget row b's last ``remove[b]`` positions (right after the step)."""
 
@@ -83,4 +87,5 @@ class DecodingModel(Protocol):
              attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepResult:
         """Feed ``new_ids`` # [B, T_new] (row b's last ``lengths[b]`` are its tokens, the rest
         pads; None: all); extend ``caches``; return the pass's outputs. ``attend`` [T_new, T_new]
-        bool / ``offsets`` [T_new]: tree mask and depths (None: causal; batch size 1)."""
+        bool / ``offsets`` [T_new]: tree mask and depths (None: causal); [B, T_new, T_new] /
+        [B, T_new]: one tree per row, its nodes its last ``lengths[b]`` slots."""

@@ -9,6 +9,8 @@ starts from the token the verification decided, exactly as the chain loop does.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -18,7 +20,8 @@ from .tree_accept import TreeVerdict, greedy_tree, sampled_tree, tree_seen, typi
 
 
 class TreeSteps:
-    """Tree decoding state of one run: the shape (static) or the budget (dynamic)."""
+    """Tree decoding state of one run: the shape (static) or the budget (dynamic). A batch
+    shares one (``for_row`` gives each row a view with its own run state and trace)."""
 
     def __init__(self, model, cfg, run, order: int, trace, accuracies: Accuracies | None = None):
         self.model, self.cfg, self.run, self.trace = model, cfg, run, trace
@@ -30,39 +33,74 @@ class TreeSteps:
         if cfg.tree == "static":
             self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget)
         self.ranks = min(MAX_RANKS, self.budget, run.vocab_size)
-        trace.tree, trace.tree_nodes = cfg.tree, self.budget
-        trace.tree_accuracies = self.accuracy.source if cfg.tree == "static" else "step probabilities"
+        self._label(trace)
+
+    def _label(self, trace) -> None:
+        trace.tree, trace.tree_nodes = self.cfg.tree, self.budget
+        trace.tree_accuracies = self.accuracy.source if self.cfg.tree == "static" else "step probabilities"
+
+    def for_row(self, run, trace) -> "TreeSteps":
+        """The same shape / budget for another sequence (a batch row): its own run and trace."""
+        row = copy.copy(self)
+        row.run, row.trace = run, trace
+        self._label(trace)
+        return row
 
     # propose -------------------------------------------------------------------------------
+    def ranks_for(self, depth: int) -> int:
+        """Guesses per head a tree of ``depth`` levels takes."""
+        if self.shape is None:
+            return self.ranks
+        shape = self.shape.within(depth)
+        return max(shape.max_rank(d) for d in range(1, depth + 1))
+
+    def guesses(self, logp: torch.Tensor, seen: torch.Tensor, ranks: int) -> torch.Tensor:
+        """The heads' top ``ranks`` guesses, on the device, packed for one read: ``logp``
+        [..., depth, V] (``seen`` [..., 1, V] or [V]) -> ids [..., depth, R] (static) or ids and
+        scores [..., 2, depth, R] as float64 (dynamic: this step's probabilities score the paths)."""
+        if self.cfg.penalty != 1:  # rank as the verification will judge: seen tokens penalised
+            logp = penalised_logits(logp, seen, self.cfg.penalty)
+        vals, ids = torch.topk(logp.float(), ranks, dim=-1)  # [..., depth, R]
+        if self.shape is not None:
+            return ids
+        return torch.stack([ids.double(), vals.double()], dim=-3)
+
+    def tree(self, host, root: int, depth: int) -> Tree:
+        """The tree from ``guesses`` read on the host (a nested list; its first ``depth`` levels)."""
+        if self.shape is not None:
+            return self.shape.within(depth).fill(root, host[:depth])
+        ids, scores = (np.asarray(part[:depth]) for part in host)
+        return best_first(list(scores), self.budget).fill(root, ids.astype(np.int64).tolist())
+
     def propose(self, out, anchor: int, root: int, depth: int) -> Tree:
         """The tree for this step: heads 1..depth's top guesses at ``anchor`` under ``root``."""
         if depth <= 0:
             return Tree([root], [-1], [0], [0])
-        shape = self.shape.within(depth) if self.shape is not None else None
-        ranks = self.ranks if shape is None else max(shape.max_rank(d) for d in range(1, depth + 1))
         logp = torch.stack([out.head_log_probs(i, anchor)[0] for i in range(1, depth + 1)])  # [depth, V]
-        if self.cfg.penalty != 1:  # rank as the verification will judge: seen tokens penalised
-            logp = penalised_logits(logp, self.run.seen, self.cfg.penalty)
-        vals, ids = torch.topk(logp.float(), ranks, dim=-1)  # [depth, R]
-        if shape is not None:
-            guesses = ids.tolist()
-        else:  # dynamic: this step's own probabilities score the paths; ids and scores in one read
-            host = torch.stack([ids.double(), vals.double()]).cpu().numpy()  # [2, depth, R]
-            guesses, shape = host[0].astype(np.int64).tolist(), best_first(list(host[1]), self.budget)
-        return shape.fill(root, guesses)
+        return self.tree(self.guesses(logp, self.run.seen, self.ranks_for(depth)).tolist(), root, depth)  # one read
 
     # verify --------------------------------------------------------------------------------
     def verify(self, out, tree: Tree, attend: torch.Tensor) -> TreeVerdict:
+        return self.judge(out.base_logits()[0], tree, attend)
+
+    def judge(self, logits: torch.Tensor, tree: Tree, attend: torch.Tensor) -> TreeVerdict:
+        """The verdict on ``tree`` from the base's logits after each node # [N, V] (``attend``
+        [N, N]: the paths, for the repetition penalty's contexts)."""
         run, cfg = self.run, self.cfg
-        logits = out.base_logits()[0]  # [N, V]
-        tokens = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
-        seen = tree_seen(run.seen, tokens, attend) if cfg.penalty != 1 else run.seen
+        seen = self.node_seen(tree, attend)
         if cfg.mode == "speculative" and cfg.greedy:
             return greedy_tree(tree, penalised_logits(logits, seen, cfg.penalty).argmax(-1).tolist())
         target = run.sampler.target(logits, seen)  # [N, V]
         if cfg.mode == "typical":
             return typical_tree(tree, target, run.sampler.full(logits, seen), run.sampler, cfg.typical_eps, cfg.typical_delta)
         return sampled_tree(tree, target, run.sampler)
+
+    def node_seen(self, tree: Tree, attend: torch.Tensor) -> torch.Tensor:
+        """The context of the row judging each node's children # [N, V] (or [V]: no penalty)."""
+        if self.cfg.penalty == 1:
+            return self.run.seen
+        tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.run.seen.device)
+        return tree_seen(self.run.seen, tokens, attend)
 
     # the step ------------------------------------------------------------------------------
     def step(self, out, anchor: int, root: int, depth: int, caches, forward, emit):
@@ -77,7 +115,10 @@ class TreeSteps:
         out = forward(ids, 0, attend=attend, offsets=tree.offsets(device))
         verdict = self.verify(out, tree, attend)
         caches.keep(start, verdict.path)  # the accepted path's slots, compacted; the rest forgotten
-        self.trace.accepted_lengths[len(verdict.path) - 1] += 1
-        self.trace.tree_sibling_ranks.update(verdict.sibling_ranks)
+        self.record(verdict)
         done = emit([tree.tokens[i] for i in verdict.path[1:]])
         return out, verdict.path[-1], verdict.next_token, done
+
+    def record(self, verdict: TreeVerdict) -> None:
+        self.trace.accepted_lengths[len(verdict.path) - 1] += 1
+        self.trace.tree_sibling_ranks.update(verdict.sibling_ranks)

@@ -1,6 +1,7 @@
 """The batch bench of ``bench_decode.py --batch-sizes`` (issue 14): the same work at every batch
 size B (max(B) prompts of different lengths, each seeded by its index), decoded B rows at a time
-by transformers' batched greedy ``generate`` (left-padded) and by every mode of ours,
+by transformers' batched greedy ``generate`` (left-padded) and by every mode of ours (greedy
+static / dynamic trees too),
 interleaved per repetition; tokens/s, tokens per forward per row (the same rows at every B),
 peak memory and whether every row equals its B = 1 output."""
 
@@ -66,6 +67,9 @@ def bench_batch_model(name, model, heads_label, table, texts, args) -> dict:
             "speculative_sample": DecodeConfig(mode="speculative", **base, **sample),
             "typical_greedy": DecodeConfig(mode="typical", greedy=True, **base),
             f"dynamic_eps{args.batch_eps}": DecodeConfig(mode="dynamic", eps_b=args.batch_eps, **base, **sample)}
+    nodes = getattr(args, "batch_tree_nodes", 0)
+    for tree in ("static", "dynamic") if nodes else ():  # every row's tree verified in one pass per step
+        cfgs[f"{tree}_tree{nodes}_greedy"] = DecodeConfig(mode="speculative", greedy=True, tree=tree, tree_nodes=str(nodes), **base)
     tok = model.backbone.tokenizer
     pool = batch_prompts(texts, max(args.batch_sizes))  # the same work at every B: all of it, B rows at a time
     pool_ids = [tok(t)["input_ids"] for t in pool]

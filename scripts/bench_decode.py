@@ -16,7 +16,8 @@ repetition counts (the machine may be shared). Prints a table and writes JSON.
 
 ``--batch-sizes 1 2 4 8 16``: only the batch bench (issue 14): for each batch size B, B prompts of
 different lengths decoded together by transformers' batched greedy ``generate`` (left-padded),
-our batched ``ar``, ``speculative`` greedy and sampled, ``typical`` and ``dynamic`` (``--batch-eps``):
+our batched ``ar``, ``speculative`` greedy and sampled, ``typical``, ``dynamic`` (``--batch-eps``) and
+greedy static / dynamic trees (``--batch-tree-nodes``):
 tokens/s, tokens per forward (batching must not lower it), whether every row equals its B = 1
 output, and peak memory; on the embedded default and on pythia-mini (``--heads DIR``: trained heads).
 
@@ -71,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="only the batch bench at these batch sizes")
     p.add_argument("--batch-eps", type=float, default=0.5, help="eps_b of the batch bench's dynamic row (the same-quality point)")
+    p.add_argument("--batch-tree-nodes", type=int, default=16,
+                   help="node budget of the batch bench's greedy static / dynamic tree rows (0: no tree rows)")
     p.add_argument("--pythia-heads", "--heads", dest="pythia_heads", default=None, help="heads trained for pythia-mini by scripts/build_heads.py (default: untrained copies)")
     p.add_argument("--pythia-stats", default=None, help="stats dir with the pythia tokenizer (dynamic masking on pythia-mini)")
     p.add_argument("--logic-stats", default=None,

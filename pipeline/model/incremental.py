@@ -9,6 +9,8 @@ Everything goes through ``Backbone.run_layer`` / ``layer_context``: no patched t
 Batches (``decoding.batch``): rows of different lengths share the slot axis; ``DecodeCaches.valid``
 marks per row which slots hold its tokens (None: every slot, every row: the batch-1 fast path).
 ``pipeline/model/ragged.py`` explains the layout and why holes are masked, not compacted per step.
+Batched trees: ``step`` takes a tree per row (``attend`` [B, T, T], ``offsets`` [B, T]) and
+``DecodeCaches.keep_paths`` keeps each row's accepted path, the rest of its step becoming holes.
 """
 
 from __future__ import annotations
@@ -131,6 +133,39 @@ class DecodeCaches:
                 layer.values[..., start:start + m, :] = layer.values.index_select(-2, sel)
                 layer.keys, layer.values = layer.keys[..., :start + m, :], layer.values[..., :start + m, :]
         self.length = start + m
+
+
+    @torch.no_grad()
+    def keep_paths(self, start: int, paths: list[list[int]]) -> None:
+        """Batched trees: row b keeps the step's slots ``start + paths[b]`` (its accepted path,
+        in order) as its first ``len(paths[b])`` slots after ``start``; its other slots there
+        become holes, and the suffix that is a hole in every row is cropped. One gather over
+        the step's slots per cache layer, right after the step that fed them."""
+        if len(paths) == 1 and self.valid is None:
+            return self.keep(start, paths[0])
+        index, kept = ragged.path_index(paths)  # [B, M], [B, M]
+        width = index.shape[1]
+        for cache in (self.backbone, *self.heads):
+            device = next((layer.keys.device for layer in cache.layers if getattr(layer, "keys", None) is not None), None)
+            if device is not None:
+                ragged.map_layers(cache, _gather_step(start, torch.from_numpy(index).to(device)))
+        valid = self._valid_array(len(paths))[:, :start + width]
+        valid[:, start:] = kept
+        self.valid, self.length = valid, start + width
+        self._settle()
+
+
+def _gather_step(start: int, index: torch.Tensor):
+    """``fn`` for ``ragged.map_layers``: keys/values [B, heads, S, d] -> [B, heads, start + M, d],
+    the slots after ``start`` replaced by row b's slots ``start + index[b]`` (gathered first, a
+    copy: overlapping slots are safe)."""
+    gather = ragged.gather_slots(index)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        m = index.shape[1]
+        x[:, :, start:start + m] = gather(x[:, :, start:])
+        return x[:, :, :start + m]
+    return fn
 
 
 def new_caches(model) -> DecodeCaches:
@@ -348,10 +383,15 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
     ``lengths``: tokens per row, right-aligned in ``new_ids`` (the rest are pads; None: all T).
     ``attend`` [T, T] bool and ``offsets`` [T] long (both or neither): which new tokens each new
     token sees and their positions after the cached ones (a candidate tree: ancestors and
-    depth; batch size 1); None = causal, consecutive."""
+    depth; batch size 1); or [B, T, T] and [B, T]: a tree per row, its nodes its last
+    ``lengths[b]`` slots (``ragged.tree_context``); None = causal, consecutive."""
     bb = model.backbone
     hidden = bb.embeddings(new_ids)  # [B, T, H]
-    if attend is not None:
+    if attend is not None and attend.dim() == 3:  # per-row trees (batched), right-aligned after pads
+        ctx = ragged.tree_context(bb, hidden, caches.valid, caches.length,
+                                  ragged.step_valid(lengths or [new_ids.shape[1]] * new_ids.shape[0], new_ids.shape[1]),
+                                  attend, offsets)
+    elif attend is not None:
         ctx = _tree_context(bb, hidden, caches, attend, offsets)
     else:
         ctx = _layer_context(bb, hidden, caches, lengths)

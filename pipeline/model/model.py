@@ -156,10 +156,11 @@ class MultiTokenModel(nn.Module):
         """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
         returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
         ``caches.crop(m)`` drops the last m positions (rejected drafts), ``caches.keep(start,
-        rows)`` keeps an accepted tree path; ``heads_upto`` skips the layers of heads a run never
-        reads; ``read_from`` skips the logits of earlier positions; ``lengths``: real tokens per
-        row, right-aligned in ``new_ids`` (batched rows; None: all); ``attend`` / ``offsets``: an
-        explicit mask among the new tokens and their positions (a candidate tree, batch size 1)."""
+        rows)`` keeps an accepted tree path (``keep_paths``: one per row); ``heads_upto`` skips
+        the layers of heads a run never reads; ``read_from`` skips the logits of earlier
+        positions; ``lengths``: real tokens per row, right-aligned in ``new_ids`` (batched rows;
+        None: all); ``attend`` / ``offsets``: an explicit mask among the new tokens and their
+        positions (a candidate tree: [T, T] / [T] for batch size 1, [B, T, T] / [B, T] per row)."""
         return step(self, new_ids, caches, heads_upto, read_from, lengths, attend, offsets)
 
 

@@ -78,6 +78,42 @@ def ragged_context(bb, hidden: torch.Tensor, past_valid: np.ndarray | None, past
     return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=bb.rotary_emb(hidden, position_ids=position_ids))
 
 
+def tree_context(bb, hidden: torch.Tensor, past_valid: np.ndarray | None, past: int, new_valid: np.ndarray,
+                 attend: torch.Tensor, offsets: torch.Tensor) -> LayerContext:
+    """Mask [B, 1, T, past + T] and positions [B, T] for a step of per-row candidate trees
+    (batched tree verification): row b's nodes are its last ``new_valid[b]`` slots. A node reads
+    the row's valid past slots and, among the new slots, the ones ``attend`` [B, T, T] marks
+    (its ancestors and itself); it sits at the row's logical length + ``offsets`` [B, T] (its
+    depth). Pads read only themselves at position 0 (an all-masked row would be NaN). Boolean
+    for SDPA, additive float for the other kernels, as ``ragged_context``."""
+    b, t = new_valid.shape
+    device = hidden.device
+    if past_valid is None:
+        past_valid = np.ones((b, past), dtype=bool)
+    real = torch.from_numpy(new_valid).to(device)  # [B, T]
+    seen_past = torch.from_numpy(past_valid).to(device)[:, None, :] & real[:, :, None]  # [B, T, past]
+    own = torch.eye(t, dtype=torch.bool, device=device)
+    among = (attend.to(device) & real[:, :, None] & real[:, None, :]) | own  # [B, T, T]
+    mask = torch.cat([seen_past, among], dim=2)[:, None]  # [B, 1, T, past + T]
+    if bb.config._attn_implementation != "sdpa":
+        mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=device).masked_fill_(~mask, torch.finfo(hidden.dtype).min)
+    before = torch.from_numpy(past_valid.sum(1)).to(device)  # [B] the row's logical length
+    position_ids = torch.where(real, before[:, None] + offsets.to(device), 0)  # [B, T]
+    return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=bb.rotary_emb(hidden, position_ids=position_ids))
+
+
+def path_index(paths: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Gather index [B, M] (M = the longest path) moving each row's kept slots ``paths[b]`` (of
+    a step's slots) to the front of the step, in order (the rest: any slot, masked), and the
+    new validity of those M slots [B, M]."""
+    counts = np.array([len(p) for p in paths])
+    width = int(counts.max())
+    index = np.tile(np.arange(width, dtype=np.int64), (len(paths), 1))
+    for row, path in enumerate(paths):
+        index[row, :len(path)] = path
+    return index, np.arange(width)[None, :] < counts[:, None]
+
+
 def compact_index(valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Gather index [B, S'] moving each row's valid slots to the end of a slot axis as long as
     the longest row (order kept), and the new validity [B, S'] (pads first)."""

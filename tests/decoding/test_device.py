@@ -309,3 +309,45 @@ def test_a_tree_step_stays_on_the_device_and_reads_it_boundedly(meta_models, tre
         verdict = steps.verify(tree_out, guesses, attend)
     assert not mode_.bad, mode_.bad
     assert 1 <= len(mode_.reads) <= 2 and verdict.path[0] == 0
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_a_batched_greedy_tree_step_stays_on_the_device_and_reads_it_twice(meta_models, tree, penalty):
+    """Two rows with trees of different depths on meta-device heads: every row's guesses in
+    one read, the forward pass and the kept paths on the device, every row's verdict in one."""
+    from multitoken.decoding.batch_steps import Row
+    from multitoken.decoding.batch_tree import BatchTrees
+
+    model = meta_models["replicated"]
+    vocab = model.backbone.vocab_size
+    cfg = DecodeConfig(mode="speculative", greedy=True, top_k=4, tree=tree, tree_nodes="4", repetition_penalty=penalty).resolved()
+    rows = [Row(b, [1, 2], RunState(model, cfg, Sampler(True, 0.7, 4, seed=b, penalty=penalty, device=META), None,
+                                    torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab), Trace()) for b in range(2)]
+    trees = BatchTrees(TreeSteps(model, cfg, rows[0].run, 3, rows[0].trace, fallback_accuracies(2)), rows, 3)
+    caches = model.new_caches()
+    out = model.step(torch.zeros(2, 4, dtype=torch.long, device=META), caches, read_from=3)
+    for row in rows:
+        row.commit = [5]
+    mode = HostReads(META)
+    with mode:
+        step_trees = trees.propose(out, rows, [0, 1], (3, 3), {0: 2, 1: 1})
+    assert not mode.bad, mode.bad
+    assert len(mode.reads) == 1 and max(step_trees[0].depths) <= 2 and max(step_trees[1].depths) == 1
+
+    def forward(batch, ids, read_from, lengths, **tree_args):
+        return model.step(ids, caches, read_from=read_from, lengths=lengths, **tree_args)
+
+    mode = HostReads(META)  # host-built ids, mask, positions and validity go to the device: no reads back
+    with mode:
+        out, width, attend = trees.forward(forward, rows, step_trees, META)
+    assert not mode.bad and not mode.reads, (mode.bad, mode.reads)
+    mode = HostReads(META)
+    with mode:
+        verdicts = trees.verify(out, rows, step_trees, width, attend)
+    assert not mode.bad, mode.bad
+    assert len(mode.reads) == 1 and all(v.path[0] == 0 for v in verdicts)
+    mode = HostReads(META)
+    with mode:
+        caches.keep_paths(4, [[width - len(t) + i for i in v.path] for t, v in zip(step_trees, verdicts)])
+    assert not mode.bad and not mode.reads, (mode.bad, mode.reads)

@@ -153,6 +153,26 @@ def test_batched_rows_equal_generate_and_their_runs_alone_on_cuda(cuda_backbones
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_batched_tree_rows_equal_generate_and_their_runs_alone_on_cuda(cuda_backbones, arch, tree):
+    """Batched trees on the device: greedy rows == transformers (float32), sampled and typical
+    rows == each row alone with its seed."""
+    from multitoken.decoding.batch import generate_batch
+
+    backbone = cuda_backbones[(arch, "float32")]
+    model = attach(backbone, "replicated")
+    prompts = [backbone.tokenizer(p).input_ids for p in PROMPTS]
+    refs = [hf_greedy(backbone, torch.tensor([p]), 16) for p in prompts]
+    got = generate_batch(model, prompts, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=16,
+                                                      stop_at_eos=False, tree=tree, tree_nodes="8"))
+    assert [r.token_ids for r in got] == refs
+    for mode in ("speculative", "typical"):
+        cfg = DecodeConfig(mode=mode, max_new_tokens=16, stop_at_eos=False, tree=tree, tree_nodes="8")
+        got = generate_batch(model, prompts, cfg, seeds=[5, 6, 7])
+        alone = [generate(model, p, DecodeConfig(**{**cfg.__dict__, "seed": s})).token_ids for p, s in zip(prompts, [5, 6, 7])]
+        assert [r.token_ids for r in got] == alone, mode
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_greedy_tree_equals_generate_and_sampled_tree_is_seeded_on_cuda(cuda_backbones, arch, head_type, tree):
     """Tree verification on the device: greedy == transformers (float32, every head type),
     sampled and typical trees give the same output for the same seed."""

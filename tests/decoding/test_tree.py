@@ -236,8 +236,8 @@ def test_typical_tree_runs_and_chain_stays_the_default(tiny_backbones):
 
 
 def test_a_batch_of_tree_rows_equals_each_row_alone(tiny_backbones):
-    """Trees verify one sequence at a time: a batch decodes its rows one after another, each
-    with its own seed, streaming (row, tokens)."""
+    """The package's entry point with a list of prompts: the rows' trees are verified together
+    (``test_batch_tree.py``), each row with its own seed, streaming (row, tokens)."""
     backbone = tiny_backbones["gpt_neox"]
     model = attach(backbone, "medusa")
     prompts = [backbone.tokenizer(p).input_ids for p in PROMPTS[:2]]

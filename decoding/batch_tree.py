@@ -1,0 +1,162 @@
+"""Batched tree verification (``generate_batch`` with ``--tree static|dynamic``): B rows, each with
+its own candidate tree, verified in one forward pass per step.
+
+Each live row proposes its tree with the batch-1 ``TreeSteps`` (one shape / budget for the run,
+the row's own run state and trace: ``TreeSteps.for_row``) from its heads at its anchor; the
+trees are right-aligned after left pads in one [B, T] step (T = the largest tree), with a mask
+[B, 1, T, past + T] built from every row's valid past slots and its own tree, at positions =
+the row's length + depth (``pipeline/model/ragged.tree_context``). Each row's verdict comes from
+the batch-1 acceptance functions on its node columns; the caches keep each row's accepted path
+as its first slots of the step, the rest holes (``DecodeCaches.keep_paths``); the row's next
+anchor is the column of its path's last node in this pass, and the verdict's next token is its
+next root, exactly as in ``loop.generate``.
+
+Host reads per step, whatever the batch size: every row's guesses in one (ids; and scores for
+dynamic trees), and for greedy verification the argmax after every node of every row in one.
+Sampled and typical verdicts read per row (the walk over siblings draws from the row's own
+generator on what it read: one read for the children's probabilities, uniforms and masses, or
+the rule's passes, plus one for the token drawn after the path).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .batch_steps import Row, next_tokens
+from .sampling import penalised_logits
+from .tree import Tree
+from .tree_accept import TreeVerdict, greedy_tree
+from .tree_step import TreeSteps
+
+
+def attend_rows(trees: list[Tree], width: int) -> np.ndarray:
+    """Each tree's ancestor mask right-aligned in a [B, width, width] bool array (pads: none)."""
+    out = np.zeros((len(trees), width, width), dtype=bool)
+    for row, tree in enumerate(trees):
+        n, off = len(tree), width - len(tree)
+        seen = np.eye(n, dtype=bool)
+        for node, parent in enumerate(tree.parents):
+            if parent >= 0:  # parents precede children: the parent's row is complete
+                seen[node] |= seen[parent]
+        out[row, off:, off:] = seen
+    return out
+
+
+def _right_aligned(rows: list[list[int]], width: int) -> np.ndarray:
+    """Lists right-aligned in a [B, width] int64 array (pads 0)."""
+    out = np.zeros((len(rows), width), dtype=np.int64)
+    for row, values in enumerate(rows):
+        out[row, width - len(values):] = values
+    return out
+
+
+class BatchTrees:
+    """Tree steps for the rows of one batched run."""
+
+    def __init__(self, steps: TreeSteps, rows: list[Row], order: int):
+        self.steps = steps
+        self.order = order
+        self.rows = {id(row): steps.for_row(row.run, row.trace) for row in rows}  # per-row views
+
+    def of(self, row: Row) -> TreeSteps:
+        return self.rows[id(row)]
+
+    def propose(self, out, batch: list[Row], keep: list[int], anchors: tuple[int, ...], depths: dict[int, int]) -> list[Tree]:
+        """The trees of rows ``keep`` (indices into ``out``'s rows): every row's top guesses in
+        one top-k call and one host read, then each row's tree on the host."""
+        deep = max(depths.values())
+        if deep <= 0:
+            return [Tree([batch[j].commit[0]], [-1], [0], [0]) for j in keep]
+        logp = torch.stack([out.anchor_head_log_probs(i, anchors) for i in range(1, deep + 1)], dim=1)  # [B, D, V]
+        index = torch.tensor(keep, dtype=torch.long, device=logp.device)
+        seen = torch.stack([batch[j].run.seen for j in keep])[:, None]  # [R, 1, V]
+        host = self.steps.guesses(logp.index_select(0, index), seen, self.steps.ranks_for(deep)).tolist()
+        trees = []
+        for slot, j in enumerate(keep):
+            root, depth = batch[j].commit[0], depths[j]
+            trees.append(Tree([root], [-1], [0], [0]) if depth <= 0 else self.of(batch[j]).tree(host[slot], root, depth))
+        return trees
+
+    def forward(self, forward, batch: list[Row], trees: list[Tree], device):
+        """One pass over every row's tree, right-aligned # -> (out, width, attend [B, T, T])."""
+        width = max(len(t) for t in trees)
+        ids = torch.from_numpy(_right_aligned([t.tokens for t in trees], width)).to(device)
+        attend = torch.from_numpy(attend_rows(trees, width)).to(device)
+        offsets = torch.from_numpy(_right_aligned([t.depths for t in trees], width)).to(device)
+        lengths = [len(t) for t in trees]
+        out = forward(batch, ids, 0, lengths if min(lengths) < width else None, attend=attend, offsets=offsets)
+        return out, width, attend
+
+    def verify(self, out, batch: list[Row], trees: list[Tree], width: int, attend: torch.Tensor) -> list[TreeVerdict | None]:
+        """Each row's verdict (None for a lone root: nothing to verify); greedy rows all at once."""
+        logits = out.base_logits()  # [B, T, V] (the pass reads from slot 0)
+        judged = [j for j, t in enumerate(trees) if len(t) > 1]
+        verdicts: list[TreeVerdict | None] = [None] * len(trees)
+        if not judged:
+            return verdicts
+        steps = self.steps
+        if steps.cfg.mode == "speculative" and steps.cfg.greedy:
+            if steps.cfg.penalty != 1:  # each node's own context: the row's seen tokens and its path
+                seen = torch.stack([self._seen(batch[j], trees[j], attend[j], width) for j in range(len(trees))])
+                logits = penalised_logits(logits, seen, steps.cfg.penalty)
+            best = logits.argmax(-1).tolist()  # [B, T]: the step's one read of the verdicts
+            for j in judged:
+                verdicts[j] = greedy_tree(trees[j], best[j][width - len(trees[j]):])
+            return verdicts
+        for j in judged:  # sampled / typical: the row's own walk and draws (reads per row)
+            n = len(trees[j])
+            verdicts[j] = self.of(batch[j]).judge(logits[j, width - n:], trees[j], attend[j, width - n:, width - n:])
+        return verdicts
+
+    def _seen(self, row: Row, tree: Tree, attend: torch.Tensor, width: int) -> torch.Tensor:
+        """The row's node contexts right-aligned # [T, V] (pads: the row's context)."""
+        n = len(tree)
+        nodes = self.of(row).node_seen(tree, attend[width - n:, width - n:])  # [N, V]
+        return torch.cat([row.run.seen.expand(width - n, -1), nodes])
+
+
+def tree_loop(trees: BatchTrees, out, batch: list[Row], caches, forward, finish, eos, on_tokens, device) -> None:
+    """Decode every row of ``batch`` to its end with batched tree steps (``out``: the prompts'
+    pass, each row's anchor set). Rows finish and leave the batch as in the chain loop (``batch``,
+    the rows in the caches, is updated in place)."""
+    while True:
+        live = [j for j, row in enumerate(batch) if not row.done]
+        if not live:
+            break
+        anchors = tuple(row.anchor for row in batch)
+        need = [j for j in live if batch[j].forced is None]  # after the prompt or a lone root: the base's next token
+        if need:
+            for j, token in zip(need, next_tokens(out, batch, need, anchors)):
+                batch[j].forced = token
+        depths = {}
+        for j in live:
+            row = batch[j]
+            row.commit, row.forced = [row.forced], None
+            depths[j] = min(trees.order - 1, row.run.cfg.max_new_tokens - len(row.out_ids) - 1)
+            if row.emit(row.commit, eos, on_tokens):
+                finish(row)
+        keep = [j for j in live if not batch[j].done]
+        if not keep:
+            break
+        step_trees = trees.propose(out, batch, keep, anchors, depths)
+        for j in live:
+            batch[j].trace.model_s += out.model_s  # head distributions: model time
+        out.model_s = 0.0
+        if len(keep) < len(batch):
+            caches.keep_rows(keep)  # finished rows leave before the next pass
+            batch[:] = [batch[j] for j in keep]
+        caches.compact_if_sparse()
+        start = caches.length
+        out, width, attend = trees.forward(forward, batch, step_trees, device)
+        verdicts = trees.verify(out, batch, step_trees, width, attend)
+        paths = [[0] if v is None else v.path for v in verdicts]
+        caches.keep_paths(start, [[width - len(t) + i for i in p] for t, p in zip(step_trees, paths)])
+        for row, tree, verdict, path in zip(batch, step_trees, verdicts, paths):
+            row.anchor = width - len(tree) + path[-1]
+            if verdict is None:
+                continue  # a lone root: its next token comes from the base at the next step
+            row.forced = verdict.next_token
+            trees.of(row).record(verdict)
+            if row.emit([tree.tokens[i] for i in path[1:]], eos, on_tokens):
+                finish(row)
