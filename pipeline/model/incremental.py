@@ -134,7 +134,6 @@ class DecodeCaches:
                 layer.keys, layer.values = layer.keys[..., :start + m, :], layer.values[..., :start + m, :]
         self.length = start + m
 
-
     @torch.no_grad()
     def keep_paths(self, start: int, paths: list[list[int]]) -> None:
         """Batched trees: row b keeps the step's slots ``start + paths[b]`` (its accepted path,
