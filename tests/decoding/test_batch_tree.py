@@ -168,17 +168,22 @@ def test_equal_paths_keep_the_unmasked_layout(tiny_backbones):
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
-def test_a_greedy_batched_tree_step_reads_the_device_twice_for_every_row(tiny_backbones, tree, monkeypatch):
+@pytest.mark.parametrize("mode,greedy,verdict_reads", [("speculative", True, 1), ("speculative", False, 2), ("typical", False, 2)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_batched_tree_step_reads_the_device_as_often_for_every_batch_size(tiny_backbones, tree, mode, greedy,
+                                                                            verdict_reads, rows, monkeypatch):
     """Reads of tensor values per step do not grow with the batch: every row's guesses in one
-    read, every row's argmax after every node in one."""
+    read, then greedy: every row's argmax after every node in one; sampled / typical: every
+    row's walk inputs in one and every row's token after its path in one."""
     model = attach(tiny_backbones["llama"], "replicated")
-    prompts = encode(model.backbone)
-    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=12, stop_at_eos=False, tree=tree, tree_nodes="6")
+    prompts = encode(model.backbone)[:rows]
+    cfg = DecodeConfig(mode=mode, greedy=greedy, max_new_tokens=12, stop_at_eos=False, tree=tree, tree_nodes="6")
     reads = []
-    for name in ("tolist", "cpu", "item"):
+    for name in ("tolist", "cpu", "item", "numpy", "__int__", "__float__", "__bool__", "__index__"):
         plain = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, (lambda f, n: lambda self, *a, **k: (reads.append(n), f(self, *a, **k))[1])(plain, name))
-    got = generate_batch(model, prompts, cfg)
+    got = generate_batch(model, prompts, cfg, seeds=list(range(rows)))
     steps = max(r.trace.forward_passes for r in got) - 1  # tree passes after the prompts'
-    # the prompts once each, as lists; the first roots after the prompts' pass; then two per tree step
-    assert len(reads) == len(prompts) + 1 + 2 * steps, reads
+    assert steps >= 3
+    # the prompts once each, as lists; the first roots after the prompts' pass; then per tree step
+    assert len(reads) == len(prompts) + 1 + (1 + verdict_reads) * steps, reads
