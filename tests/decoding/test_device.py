@@ -316,7 +316,8 @@ def test_a_tree_step_stays_on_the_device_and_reads_it_boundedly(meta_models, tre
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
-@pytest.mark.parametrize("rule,greedy,verdict_reads", [("speculative", True, 1), ("speculative", False, 2), ("typical", False, 2)])
+@pytest.mark.parametrize("rule,greedy,verdict_reads", [("speculative", True, 1), ("speculative", False, 2),
+                                                       ("typical", False, 2)])
 def test_a_batched_tree_step_stays_on_the_device_and_reads_it_a_fixed_number_of_times(meta_models, tree, penalty, rule,
                                                                                       greedy, verdict_reads):
     """Two rows with trees of different depths on meta-device heads: every row's guesses in
