@@ -29,9 +29,10 @@ What is shared, what is per row:
 - Host reads stay one per step for the whole batch: the committed ids of every row in one
   transfer (a greedy ``ar`` step takes the argmax of all rows in one call), every row's verdict
   and drafts in one, and DynaMo's top-k of every row's heads in one (``head_candidates`` over
-  [B * n, V]); the grids are then built on the host per row. A tree step reads twice as batch 1
-  does, for all rows together (the guesses; greedy verdicts), except sampled and typical tree
-  verdicts, read per row (``batch_tree.py``).
+  [B * n, V]); the grids are then built on the host per row. A tree step reads as often as
+  batch 1 does, for all rows together: the guesses, then greedy verdicts in one read, or
+  sampled / typical ones in two (every row's walk inputs; every row's token after its path;
+  ``batch_tree.py``).
 - A finished row (end of sequence or budget) leaves the batch before the next forward pass
   (``DecodeCaches.keep_rows``): it costs nothing afterwards.
 """

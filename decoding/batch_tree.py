@@ -13,9 +13,11 @@ next root, exactly as in ``loop.generate``.
 
 Host reads per step, whatever the batch size: every row's guesses in one (ids; and scores for
 dynamic trees), and for greedy verification the argmax after every node of every row in one.
-Sampled and typical verdicts read per row (the walk over siblings draws from the row's own
-generator on what it read: one read for the children's probabilities, uniforms and masses, or
-the rule's passes, plus one for the token drawn after the path).
+Sampled and typical verification read twice for all rows: every row's walk inputs in one (the
+children's probabilities, uniforms and masses; or the rule's passes), then, after each row's
+walk on the host, every row's token drawn after its path in one. Each row draws from its own
+generator, its uniforms before its final token, as batch 1 does (``TreeSteps.judge``, the same
+pieces): rows equal their runs alone, seed for seed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from .batch_steps import Row, next_tokens
 from .sampling import penalised_logits
 from .tree import Tree
-from .tree_accept import TreeVerdict, greedy_tree
+from .tree_accept import TreeVerdict, greedy_tree, read_walks
 from .tree_step import TreeSteps
 
 
@@ -89,7 +91,8 @@ class BatchTrees:
         return out, width, attend
 
     def verify(self, out, batch: list[Row], trees: list[Tree], width: int, attend: torch.Tensor) -> list[TreeVerdict | None]:
-        """Each row's verdict (None for a lone root: nothing to verify); greedy rows all at once."""
+        """Each row's verdict (None for a lone root: nothing to verify): two host reads for all
+        rows (greedy: one)."""
         logits = out.base_logits()  # [B, T, V] (the pass reads from slot 0)
         judged = [j for j, t in enumerate(trees) if len(t) > 1]
         verdicts: list[TreeVerdict | None] = [None] * len(trees)
@@ -104,10 +107,23 @@ class BatchTrees:
             for j in judged:
                 verdicts[j] = greedy_tree(trees[j], best[j][width - len(trees[j]):])
             return verdicts
-        for j in judged:  # sampled / typical: the row's own walk and draws (reads per row)
-            n = len(trees[j])
-            verdicts[j] = self.of(batch[j]).judge(logits[j, width - n:], trees[j], attend[j, width - n:, width - n:])
+        for j, verdict in zip(judged, self._walks(logits, batch, trees, judged, width, attend)):
+            verdicts[j] = verdict
         return verdicts
+
+    def _walks(self, logits, batch: list[Row], trees: list[Tree], judged: list[int], width: int,
+               attend: torch.Tensor) -> list[TreeVerdict]:
+        """Sampled / typical verdicts of rows ``judged``: each row walks its own inputs and draws
+        from its own generator; every row's inputs cross in one read, every row's token after
+        its path in another."""
+        rows, pads = [self.of(batch[j]) for j in judged], [width - len(trees[j]) for j in judged]
+        prepared = [row.walk_inputs(logits[j, pad:], trees[j], attend[j, pad:, pad:])  # [N_j, C], [N_j, V]
+                    for row, j, pad in zip(rows, judged, pads)]
+        hosts = read_walks([inputs for inputs, _ in prepared])  # read 1
+        walks = [row.walk(trees[j], host) for row, j, host in zip(rows, judged, hosts)]
+        tokens = torch.stack([row.draw(trees[j], target, path[-1])
+                              for row, j, (_, target), (path, _) in zip(rows, judged, prepared, walks)]).tolist()  # read 2
+        return [TreeVerdict(path, token, ranks) for (path, ranks), token in zip(walks, tokens)]
 
     def _seen(self, row: Row, tree: Tree, attend: torch.Tensor, width: int) -> torch.Tensor:
         """The row's node contexts right-aligned # [T, V] (pads: the row's context)."""

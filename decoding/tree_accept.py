@@ -58,47 +58,89 @@ def _children_at(tree: Tree, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
     return rows.gather(1, torch.tensor(index, dtype=torch.long, device=rows.device)), width
 
 
-def sampled_tree(tree: Tree, target: torch.Tensor, sampler) -> TreeVerdict:
-    """``target`` [N, V]: the processed distribution after each node; draws from ``sampler``.
-    The walk reads the device once (children's probabilities, row masses, one uniform per
-    sibling) and once more for the token drawn from the last node's residual."""
+# Each rule in three pieces, so that a batch reads every row's walk inputs in one transfer and
+# every row's final token in another: ``*_inputs`` (device: what the walk reads, [N, C] of one
+# dtype per rule, rows concatenable), ``*_walk`` (host: the path) and ``*_draw`` (device: the
+# token after the path, from the row's own generator). A row draws its uniforms in ``*_inputs``
+# and its final token in ``*_draw``, in that order, batched or not: same seed, same tokens.
+
+def read_walks(inputs: list[torch.Tensor]) -> list[list[list]]:
+    """Every row's walk inputs ``inputs`` (each [N_b, C_b], one dtype) in one host read # ->
+    per row, N_b lists of C_b values."""
+    flat = torch.cat([x.reshape(-1) for x in inputs]).tolist()  # the one read
+    out, at = [], 0
+    for x in inputs:
+        n, c = x.shape
+        out.append([flat[at + i * c: at + (i + 1) * c] for i in range(n)])
+        at += n * c
+    return out
+
+
+def sampled_inputs(tree: Tree, target: torch.Tensor, sampler) -> torch.Tensor:
+    """What the rejection walk reads # -> [N, 2W + 1] float64 on the device: per node its
+    children's probabilities [W], one uniform per child slot [W] (drawn here, from ``sampler``),
+    and its row's mass."""
     p = target.double()  # [N, V]
     probs, width = _children_at(tree, p)  # [N, W]
     uniforms = sampler.uniform(len(tree) * width).reshape(len(tree), width).to(p.device)
-    host_p, host_u, mass = torch.cat([probs, uniforms, p.sum(-1, keepdim=True)], dim=1).cpu().split([width, width, 1], 1)
-    host_p, host_u, mass = host_p.tolist(), host_u.tolist(), mass[:, 0].tolist()
+    return torch.cat([probs, uniforms, p.sum(-1, keepdim=True)], dim=1)
+
+
+def sampled_walk(tree: Tree, host: list[list[float]]) -> tuple[list[int], list[int]]:
+    """The kept path and its sibling ranks from ``sampled_inputs`` read on the host; the token
+    after it is drawn from the last node's residual (``sampled_draw``)."""
+    width = (len(host[0]) - 1) // 2
     path, ranks, node = [0], [], 0
     while True:
+        probs, uniforms, mass = host[node][:width], host[node][width:2 * width], host[node][-1]
         kept, rejected = None, 0.0  # mass of the siblings rejected so far: the residual is p minus them
         for i in range(len(tree.children[node])):
-            left = mass[node] - rejected
+            left = mass - rejected
             if not left > 0:  # only rejected tokens had mass: cannot happen (p(x) = 1 keeps x)
                 break
-            if host_u[node][i] < host_p[node][i] / left:
+            if uniforms[i] < probs[i] / left:
                 kept = i
                 break
-            rejected += host_p[node][i]
+            rejected += probs[i]
         if kept is None:  # every sibling rejected (or a leaf): the residual without them
-            residual = p[node].clone()
-            residual[[tree.tokens[c] for c in tree.children[node]]] = 0.0
-            return TreeVerdict(path, int(sampler.draw(residual)), ranks)
+            return path, ranks
         node = tree.children[node][kept]
         path.append(node)
         ranks.append(kept)
 
 
-def typical_tree(tree: Tree, target: torch.Tensor, rule_probs: torch.Tensor, sampler,
-                 eps: float, delta: float) -> TreeVerdict:
-    """``rule_probs`` [N, V]: the whole-vocabulary distribution the rule reads (Medusa's)."""
+def sampled_draw(tree: Tree, target: torch.Tensor, node: int, sampler) -> torch.Tensor:
+    """The token after a path ending at ``node``: drawn from its row of ``target`` [N, V]
+    without its children (all rejected) # -> [] long on the device."""
+    residual = target[node].double().clone()
+    residual[[tree.tokens[c] for c in tree.children[node]]] = 0.0
+    return sampler.draw(residual)
+
+
+def sampled_tree(tree: Tree, target: torch.Tensor, sampler) -> TreeVerdict:
+    """``target`` [N, V]: the processed distribution after each node; draws from ``sampler``.
+    Reads the device twice: the walk's inputs, then the token drawn after the path."""
+    path, ranks = sampled_walk(tree, read_walks([sampled_inputs(tree, target, sampler)])[0])
+    return TreeVerdict(path, sampled_draw(tree, target, path[-1], sampler).tolist(), ranks)
+
+
+def typical_inputs(tree: Tree, rule_probs: torch.Tensor, eps: float, delta: float) -> torch.Tensor:
+    """Whether each node's children pass the rule # -> [N, W] bool on the device (``rule_probs``
+    [N, V]: the whole-vocabulary distribution the rule reads, Medusa's)."""
     p = rule_probs.double()
     entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [N]
     bound = torch.clamp(delta * torch.exp(-entropy), max=eps)  # [N]
     probs, _ = _children_at(tree, p)  # [N, W]
-    passes = (probs > bound[:, None]).cpu().tolist()  # the walk's one read of the device (+ the final draw)
+    return probs > bound[:, None]
+
+
+def typical_walk(tree: Tree, passes: list[list[bool]]) -> tuple[list[int], list[int]]:
+    """The longest path of passing nodes (the first sibling on ties) and its sibling ranks, from
+    ``typical_inputs`` read on the host; the token after it is drawn from the target at its last node."""
     ok = [False] * len(tree)
     for node, kids in enumerate(tree.children):
         for i, c in enumerate(kids):
-            ok[c] = passes[node][i]
+            ok[c] = bool(passes[node][i])
     longest = [0] * len(tree)  # passing nodes on the best path below (and including) each node
     for c in range(len(tree) - 1, 0, -1):  # children follow their parents: reverse order is bottom-up
         if ok[c]:
@@ -107,7 +149,14 @@ def typical_tree(tree: Tree, target: torch.Tensor, rule_probs: torch.Tensor, sam
     while True:
         kids = [(i, c) for i, c in enumerate(tree.children[node]) if ok[c]]
         if not kids:
-            return TreeVerdict(path, int(sampler.draw(target[node])), ranks)
+            return path, ranks
         i, node = max(kids, key=lambda ic: (longest[ic[1]], -ic[0]))
         path.append(node)
         ranks.append(i)
+
+
+def typical_tree(tree: Tree, target: torch.Tensor, rule_probs: torch.Tensor, sampler,
+                 eps: float, delta: float) -> TreeVerdict:
+    """``target`` [N, V] the token after the path is drawn from; ``rule_probs`` [N, V] the rule reads."""
+    path, ranks = typical_walk(tree, read_walks([typical_inputs(tree, rule_probs, eps, delta)])[0])
+    return TreeVerdict(path, sampler.draw(target[path[-1]]).tolist(), ranks)

@@ -16,7 +16,8 @@ import torch
 
 from .sampling import penalised_logits
 from .tree import Accuracies, Tree, Shape, auto_budget, best_first, parse_nodes, read_accuracies, MAX_RANKS
-from .tree_accept import TreeVerdict, greedy_tree, sampled_tree, tree_seen, typical_tree
+from .tree_accept import (TreeVerdict, greedy_tree, read_walks, sampled_draw, sampled_inputs, sampled_walk, tree_seen,
+                          typical_inputs, typical_walk)
 
 
 class TreeSteps:
@@ -85,15 +86,39 @@ class TreeSteps:
 
     def judge(self, logits: torch.Tensor, tree: Tree, attend: torch.Tensor) -> TreeVerdict:
         """The verdict on ``tree`` from the base's logits after each node # [N, V] (``attend``
-        [N, N]: the paths, for the repetition penalty's contexts)."""
+        [N, N]: the paths, for the repetition penalty's contexts). Reads the device once
+        (greedy: the argmax after each node) or twice (the walk's inputs; the token after the
+        path), with the same pieces a batch uses for all its rows at once (``batch_tree.py``)."""
+        if self.cfg.mode == "speculative" and self.cfg.greedy:
+            return greedy_tree(tree, self.best(logits, tree, attend).tolist())
+        inputs, target = self.walk_inputs(logits, tree, attend)
+        path, ranks = self.walk(tree, read_walks([inputs])[0])
+        return TreeVerdict(path, self.draw(tree, target, path[-1]).tolist(), ranks)
+
+    def best(self, logits: torch.Tensor, tree: Tree, attend: torch.Tensor) -> torch.Tensor:
+        """Greedy: the base's (penalised) argmax after each node # [N] on the device."""
+        return penalised_logits(logits, self.node_seen(tree, attend), self.cfg.penalty).argmax(-1)
+
+    def walk_inputs(self, logits: torch.Tensor, tree: Tree, attend: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled / typical: (what the walk reads # [N, C] on the device: ``sampled_inputs``,
+        which draws the row's uniforms, or ``typical_inputs``; the target # [N, V] the token
+        after the path is drawn from)."""
         run, cfg = self.run, self.cfg
         seen = self.node_seen(tree, attend)
-        if cfg.mode == "speculative" and cfg.greedy:
-            return greedy_tree(tree, penalised_logits(logits, seen, cfg.penalty).argmax(-1).tolist())
         target = run.sampler.target(logits, seen)  # [N, V]
         if cfg.mode == "typical":
-            return typical_tree(tree, target, run.sampler.full(logits, seen), run.sampler, cfg.typical_eps, cfg.typical_delta)
-        return sampled_tree(tree, target, run.sampler)
+            return typical_inputs(tree, run.sampler.full(logits, seen), cfg.typical_eps, cfg.typical_delta), target
+        return sampled_inputs(tree, target, run.sampler), target
+
+    def walk(self, tree: Tree, host: list[list]) -> tuple[list[int], list[int]]:
+        """The kept path and its sibling ranks from ``walk_inputs`` read on the host."""
+        return (typical_walk if self.cfg.mode == "typical" else sampled_walk)(tree, host)
+
+    def draw(self, tree: Tree, target: torch.Tensor, node: int) -> torch.Tensor:
+        """The token after a path ending at ``node``, from the row's generator # [] long on the device."""
+        if self.cfg.mode == "typical":
+            return self.run.sampler.draw(target[node])
+        return sampled_draw(tree, target, node, self.run.sampler)
 
     def node_seen(self, tree: Tree, attend: torch.Tensor) -> torch.Tensor:
         """The context of the row judging each node's children # [N, V] (or [V]: no penalty)."""

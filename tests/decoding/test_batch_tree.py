@@ -14,6 +14,7 @@ from multitoken.decoding.batch_tree import attend_rows
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.decoding.tree import Tree
+from multitoken.decoding.tree_accept import read_walks
 from multitoken.pipeline.base.errors import UsageError
 from multitoken.pipeline.model import ragged
 from multitoken.pipeline.model.assets import load_model
@@ -168,17 +169,34 @@ def test_equal_paths_keep_the_unmasked_layout(tiny_backbones):
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
-def test_a_greedy_batched_tree_step_reads_the_device_twice_for_every_row(tiny_backbones, tree, monkeypatch):
+@pytest.mark.parametrize("mode,greedy,verdict_reads", [("speculative", True, 1), ("speculative", False, 2),
+                                                       ("typical", False, 2)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_batched_tree_step_reads_the_device_as_often_for_every_batch_size(tiny_backbones, tree, mode, greedy,
+                                                                            verdict_reads, rows, monkeypatch):
     """Reads of tensor values per step do not grow with the batch: every row's guesses in one
-    read, every row's argmax after every node in one."""
+    read, then greedy: every row's argmax after every node in one; sampled / typical: every
+    row's walk inputs in one and every row's token after its path in one."""
     model = attach(tiny_backbones["llama"], "replicated")
-    prompts = encode(model.backbone)
-    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=12, stop_at_eos=False, tree=tree, tree_nodes="6")
+    prompts = encode(model.backbone)[:rows]
+    cfg = DecodeConfig(mode=mode, greedy=greedy, max_new_tokens=12, stop_at_eos=False, tree=tree, tree_nodes="6")
     reads = []
-    for name in ("tolist", "cpu", "item"):
-        plain = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, (lambda f, n: lambda self, *a, **k: (reads.append(n), f(self, *a, **k))[1])(plain, name))
-    got = generate_batch(model, prompts, cfg)
+    for name in ("tolist", "cpu", "item", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+        counted = (lambda f, n: lambda self, *a, **k: (reads.append(n), f(self, *a, **k))[1])(getattr(torch.Tensor, name), name)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    got = generate_batch(model, prompts, cfg, seeds=list(range(rows)))
     steps = max(r.trace.forward_passes for r in got) - 1  # tree passes after the prompts'
-    # the prompts once each, as lists; the first roots after the prompts' pass; then two per tree step
-    assert len(reads) == len(prompts) + 1 + 2 * steps, reads
+    assert steps >= 3
+    # the prompts once each, as lists; the first roots after the prompts' pass; then per tree step
+    assert len(reads) == len(prompts) + 1 + (1 + verdict_reads) * steps, reads
+
+
+def test_walk_inputs_of_rows_of_different_shapes_cross_in_one_read(monkeypatch):
+    """``read_walks``: rows [N_b, C_b] of one dtype flattened into one transfer, split back exactly."""
+    rows = [torch.arange(6, dtype=torch.float64).reshape(2, 3), torch.arange(10, 15, dtype=torch.float64).reshape(1, 5),
+            torch.zeros(0, 4, dtype=torch.float64)]
+    reads = []
+    plain = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (reads.append(self.shape), plain(self))[1])
+    assert read_walks(rows) == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[10.0, 11.0, 12.0, 13.0, 14.0]], []]
+    assert reads == [(11,)]

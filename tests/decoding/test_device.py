@@ -20,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from multitoken.decoding.accept import greedy_accept, speculative_accept, typical_accept, typical_rule
+from multitoken.decoding.batch_steps import Row
+from multitoken.decoding.batch_tree import BatchTrees
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import RunState
 from multitoken.decoding.dynamic import dynamic_propose, head_candidates
@@ -287,7 +289,8 @@ def test_joint_drafts_read_the_device_once(meta_models, greedy):
 def test_a_tree_step_stays_on_the_device_and_reads_it_boundedly(meta_models, tree, mode, greedy):
     """A tree step on meta-device heads: the guesses in one read (ids, and scores for the
     dynamic tree), the verdict in one read (argmax per node; or children's probabilities,
-    masses and uniforms; or which nodes pass the rule), plus the token drawn after the path."""
+    masses and uniforms; or which nodes pass the rule) plus, sampled or typical, one for the
+    token drawn after the path."""
     model = meta_models["replicated"]
     vocab = model.backbone.vocab_size
     cfg = DecodeConfig(mode=mode, greedy=greedy, top_k=4, tree=tree, tree_nodes="4").resolved()
@@ -308,21 +311,22 @@ def test_a_tree_step_stays_on_the_device_and_reads_it_boundedly(meta_models, tre
     with mode_:
         verdict = steps.verify(tree_out, guesses, attend)
     assert not mode_.bad, mode_.bad
-    assert 1 <= len(mode_.reads) <= 2 and verdict.path[0] == 0
+    assert len(mode_.reads) == (1 if greedy else 2) and verdict.path[0] == 0
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_a_batched_greedy_tree_step_stays_on_the_device_and_reads_it_twice(meta_models, tree, penalty):
+@pytest.mark.parametrize("rule,greedy,verdict_reads", [("speculative", True, 1), ("speculative", False, 2),
+                                                       ("typical", False, 2)])
+def test_a_batched_tree_step_stays_on_the_device_and_reads_it_a_fixed_number_of_times(meta_models, tree, penalty, rule,
+                                                                                      greedy, verdict_reads):
     """Two rows with trees of different depths on meta-device heads: every row's guesses in
-    one read, the forward pass and the kept paths on the device, every row's verdict in one."""
-    from multitoken.decoding.batch_steps import Row
-    from multitoken.decoding.batch_tree import BatchTrees
-
+    one read, the forward pass and the kept paths on the device, every row's verdict in one
+    (greedy) or two (sampled / typical: every row's walk inputs, then every row's final token)."""
     model = meta_models["replicated"]
     vocab = model.backbone.vocab_size
-    cfg = DecodeConfig(mode="speculative", greedy=True, top_k=4, tree=tree, tree_nodes="4", repetition_penalty=penalty).resolved()
-    rows = [Row(b, [1, 2], RunState(model, cfg, Sampler(True, 0.7, 4, seed=b, penalty=penalty, device=META), None,
+    cfg = DecodeConfig(mode=rule, greedy=greedy, top_k=4, tree=tree, tree_nodes="4", repetition_penalty=penalty).resolved()
+    rows = [Row(b, [1, 2], RunState(model, cfg, Sampler(greedy, 0.7, 4, seed=b, penalty=penalty, device=META), None,
                                     torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab), Trace()) for b in range(2)]
     trees = BatchTrees(TreeSteps(model, cfg, rows[0].run, 3, rows[0].trace, fallback_accuracies(2)), rows, 3)
     caches = model.new_caches()
@@ -346,7 +350,7 @@ def test_a_batched_greedy_tree_step_stays_on_the_device_and_reads_it_twice(meta_
     with mode:
         verdicts = trees.verify(out, rows, step_trees, width, attend)
     assert not mode.bad, mode.bad
-    assert len(mode.reads) == 1 and all(v.path[0] == 0 for v in verdicts)
+    assert len(mode.reads) == verdict_reads and all(v.path[0] == 0 for v in verdicts)
     mode = HostReads(META)
     with mode:
         caches.keep_paths(4, [[width - len(t) + i for i in v.path] for t, v in zip(step_trees, verdicts)])
