@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .unembed import target_log_probs
-from multitoken.pipeline.base.dtypes import resolve_dtype
+from multitoken.base.dtypes import resolve_dtype
 
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # tokens per unembedding chunk: bounds the [chunk, V] logits alive at once

@@ -23,7 +23,7 @@ from torch import nn
 from .base import IGNORE, Features, HeadAdapter, LossOutput, head_dtype, shifted_targets
 from .registry import register_head
 from .unembed import target_log_probs
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 
 @dataclass

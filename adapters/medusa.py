@@ -13,7 +13,7 @@ from torch import nn
 
 from .base import Features, HeadAdapter, head_dtype
 from .registry import register_head
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 
 @dataclass

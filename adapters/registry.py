@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from multitoken.pipeline.base.errors import CheckpointError, UsageError
+from multitoken.base.errors import CheckpointError, UsageError
 
 
 @dataclass(frozen=True)

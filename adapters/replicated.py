@@ -16,7 +16,7 @@ from .base import Features
 from .layer_heads import LayerHeads
 from .layers import INITS
 from .registry import register_head
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 
 @dataclass

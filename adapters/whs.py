@@ -18,7 +18,7 @@ from .base import Features, head_dtype
 from .layers import INITS
 from .registry import register_head
 from .layer_heads import LayerHeads
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 from .accept import typical_rule
 from .sparse import KERNELS, numba_available

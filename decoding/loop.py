@@ -23,7 +23,7 @@ from .sparse_step import prepare_kernel
 from .timing import clock_for
 from .trace import Trace
 from .tree_step import TreeSteps
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 from .dynamic import Candidates, head_candidates, joint_cells, sample_index
 from .sampling import with_tokens
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 
 @dataclass

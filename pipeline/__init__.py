@@ -1,6 +1,6 @@
 """Load a backbone, attach heads, train, save/load, evaluate; and the ``multitoken`` CLI.
 
-Names are imported lazily so that ``import multitoken.pipeline.base.errors`` stays cheap.
+Names are imported lazily, so that importing the package loads nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ _EXPORTS = {
     "BackboneConfig": "model.backbone",
     "LoraSpec": "model.backbone",
     "load_backbone": "model.backbone",
-    "load_tokenizer": "base.tokenizer",
-    "tokenizer_fingerprint": "base.tokenizer",
-    "DataConfig": "base.data",
-    "iter_documents": "base.data",
+    "load_tokenizer": "multitoken.base.tokenizer",
+    "tokenizer_fingerprint": "multitoken.base.tokenizer",
+    "DataConfig": "multitoken.base.data",
+    "iter_documents": "multitoken.base.data",
     "ARCHITECTURES": "model.backbone",
     "convert_llama2c": "model.llama2c",
     "MultiTokenModel": "model.model",
     "load_model": "model.assets",
-    "default_base": "embedded",
+    "default_base": "multitoken.embedded",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -28,5 +28,6 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        module = _EXPORTS[name]  # multitoken.base / .embedded: the bottom floor's own packages
+        return getattr(importlib.import_module(module if module.startswith("multitoken.") else f".{module}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ import torch
 from bench_common import PROMPTS, load, open_table
 from multitoken.decoding.batch import generate_batch
 from multitoken.decoding.config import DecodeConfig
-from multitoken.pipeline.embedded import DEFAULT_BASE
+from multitoken.embedded import DEFAULT_BASE
 
 def batch_prompts(texts: list[str], count: int) -> list[str]:
     """``count`` prompts of different lengths: the texts, then each extended by the next ones."""

@@ -21,7 +21,7 @@ import torch
 
 from multitoken.decoding.batch import generate_batch
 from multitoken.decoding.config import DecodeConfig
-from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model import model as model_module
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel

@@ -50,8 +50,8 @@ import torch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
-from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
-from multitoken.pipeline.embedded import DEFAULT_BASE
+from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.embedded import DEFAULT_BASE
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.model.unembed_plan import plan_for
 

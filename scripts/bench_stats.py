@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.base.data import DataConfig
+from multitoken.base.data import DataConfig
 from multitoken.stats.executors import LocalExecutor, RayExecutor
 from multitoken.stats.job import write_stats
 from multitoken.stats.shard import Job, count_shard, shard_dir
@@ -64,8 +64,8 @@ def zipf_docs(tokens: int, seed: int) -> list[np.ndarray]:
 
 def text_docs(tokens: int) -> list[np.ndarray]:
     """tinyshakespeare tokenized with the Pythia tokenizer, repeated up to ``tokens``."""
-    from multitoken.pipeline.base.tokenizer import load_tokenizer
-    from multitoken.pipeline.base.data import iter_documents
+    from multitoken.base.tokenizer import load_tokenizer
+    from multitoken.base.data import iter_documents
 
     repo = Path(__file__).resolve().parents[1]
     text = repo.parent / "shared" / "fixtures" / "tinyshakespeare" / "input.txt"

@@ -28,9 +28,9 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.pipeline.model.assets import load_stats
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model.model import MultiTokenModel
-from multitoken.pipeline.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
+from multitoken.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))

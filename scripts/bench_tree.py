@@ -26,7 +26,7 @@ import torch
 
 from bench_decode import FIXTURES, PROMPTS, hf_runner, load, open_table, our_runner
 from multitoken.decoding.config import DecodeConfig
-from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 
 BUDGETS = (4, 8, 16, 32, 64)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from multitoken.pipeline.base.tokenizer import load_tokenizer
-from multitoken.pipeline.base.atomic import atomic_write_text
-from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_DIR
+from multitoken.base.tokenizer import load_tokenizer
+from multitoken.base.atomic import atomic_write_text
+from multitoken.base.data import DataConfig
+from multitoken.embedded import DEFAULT_BASE, EMBEDDED_DIR
 from multitoken.stats.job import BuildConfig, build
 
 

@@ -70,7 +70,7 @@ def interleave(sources: list[Path], out: Path) -> Path:
     if not out.is_file():
         import itertools
 
-        from multitoken.pipeline.base.atomic import atomic_write_text
+        from multitoken.base.atomic import atomic_write_text
 
         lines = [p.read_text().splitlines() for p in sources if p.is_file()]
         mixed = [line for group in itertools.zip_longest(*lines) for line in group if line is not None]
@@ -82,9 +82,9 @@ def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[s
     """Per-head metrics of the heads in ``heads_dir`` on each held-out corpus (model loaded once)."""
     import numpy as np
 
-    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.base.data import DataConfig
     from multitoken.pipeline.model.model import MultiTokenModel
-    from multitoken.pipeline.base.packing import PackedStream
+    from multitoken.base.packing import PackedStream
     from multitoken.pipeline.train.train import evaluate
 
     model = MultiTokenModel.from_pretrained(None, heads_dir)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     import torch
 
     from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
-    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.base.data import DataConfig
     from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.pipeline.train.train import train
     from multitoken.pipeline.train.trainer_config import TrainConfig

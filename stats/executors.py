@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 from .merge import RangeTask, map_local
 from .ray_executor import RayExecutor, import_ray

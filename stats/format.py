@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.base.atomic import atomic_dir
-from multitoken.pipeline.base.errors import CheckpointError, UsageError
+from multitoken.base.atomic import atomic_dir
+from multitoken.base.errors import CheckpointError, UsageError
 
 FORMAT_VERSION = 1
 MAX_ORDER = 3

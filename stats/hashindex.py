@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from multitoken.pipeline.base.errors import DataError
+from multitoken.base.errors import DataError
 
 EMPTY64 = np.uint64(2**64 - 1)          # never a key: keys are < V^order < 2^64 - 1
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier

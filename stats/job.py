@@ -14,12 +14,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multitoken.pipeline.base.atomic import atomic_dir, lock_file
-from multitoken.pipeline.base.atomic import atomic_write_text
-from multitoken.pipeline.base.config_io import save_resolved_config
-from multitoken.pipeline.base.data import DataConfig, describe_files
-from multitoken.pipeline.embedded import default_base, portable_base
-from multitoken.pipeline.base.errors import CheckpointError, DataError, UsageError
+from multitoken.base.atomic import atomic_dir, lock_file
+from multitoken.base.atomic import atomic_write_text
+from multitoken.base.config_io import save_resolved_config
+from multitoken.base.data import DataConfig, describe_files
+from multitoken.embedded import default_base, portable_base
+from multitoken.base.errors import CheckpointError, DataError, UsageError
 
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
 from .executors import EXECUTORS, Executor, check_executor, make_executor, work_path
@@ -29,7 +29,7 @@ from .store import fetch_parts as store_fetch_parts
 from .store import join, mirror_shards, remove, shard_names, staging_root
 from .shard import JOB_NAME, Job, Shard, check_runs, list_runs, read_job, shard_dir
 from .table import _read_meta
-from multitoken.pipeline.base.tokenizer import load_tokenizer, tokenizer_fingerprint
+from multitoken.base.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 LOCK_NAME = ".lock"
 MERGE_WORK = "merge-parts"

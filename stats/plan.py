@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from multitoken.pipeline.base.data import DataConfig, count_files
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.data import DataConfig, count_files
+from multitoken.base.errors import UsageError
 
 from .shard import Shard
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from multitoken.pipeline.base.errors import MultitokenError, UsageError
+from multitoken.base.errors import MultitokenError, UsageError
 
 from .merge import RangeTask, run_range
 from .shard import Job, Shard

@@ -24,14 +24,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from multitoken.pipeline.base.atomic import lock_file
-from multitoken.pipeline.base.atomic import atomic_write_text
-from multitoken.pipeline.base.data import DataConfig, iter_documents
-from multitoken.pipeline.base.errors import CheckpointError, UsageError
+from multitoken.base.atomic import lock_file
+from multitoken.base.atomic import atomic_write_text
+from multitoken.base.data import DataConfig, iter_documents
+from multitoken.base.errors import CheckpointError, UsageError
 
 from .counting import ChunkBuilder, count_chunk
 from .format import MAX_ORDER, load_array, read_info, write_array_dir
-from multitoken.pipeline.base.tokenizer import load_tokenizer
+from multitoken.base.tokenizer import load_tokenizer
 
 BYTES_PER_CHUNK_TOKEN = 1000   # chunk buffers take ~150 B/token; a chunk gets ~15% of the bound
 HELD_FRACTION = 0.3            # spilling concatenates held runs: peaks at ~2x their size

@@ -29,7 +29,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from multitoken.pipeline.base.errors import CheckpointError, UsageError
+from multitoken.base.errors import CheckpointError, UsageError
 
 from .format import INFO_NAME
 from .merge import RangeTask, run_range

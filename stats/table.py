@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.base.errors import CheckpointError, DataError, MismatchError, UsageError
+from multitoken.base.errors import CheckpointError, DataError, MismatchError, UsageError
 
 from .format import MAX_ORDER, META_NAME, NPY_ERRORS, check_meta, encode
 from .hashindex import PrefixBlockIndex
-from multitoken.pipeline.base.tokenizer import tokenizer_fingerprint
+from multitoken.base.tokenizer import tokenizer_fingerprint
 
 class CooccurrenceTable:
     """Open a stats dir; ``mask(cands, alpha)`` gives the co-occurrence grid."""

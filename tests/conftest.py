@@ -46,7 +46,7 @@ def build_tiny_llama(out: Path, *, layers: int = 3, hidden: int = 32, seed: int 
     """A random Llama (GQA) with the stories260K tokenizer (vocab 512)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from multitoken.pipeline.embedded import DEFAULT_BASE
+    from multitoken.embedded import DEFAULT_BASE
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
@@ -108,7 +108,7 @@ def tiny_model(tiny_llama_dir):
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    from multitoken.pipeline.embedded import DEFAULT_BASE
+    from multitoken.embedded import DEFAULT_BASE
 
     return DEFAULT_BASE
 

@@ -85,7 +85,7 @@ def test_bad_value_lists_are_usage_errors(token, capsys):
 
 
 def test_threads_on_every_command_that_runs_a_model():
-    from multitoken.pipeline.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE
+    from multitoken.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE
 
     want = {"generate": THREADS_ONE_SEQUENCE, "sweep": THREADS_ONE_SEQUENCE,
             "train": THREADS_BATCHES, "eval": THREADS_BATCHES, "distill": THREADS_BATCHES}

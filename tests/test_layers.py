@@ -11,6 +11,8 @@ has them, so that a command's heavy modules (torch) load when that command is ch
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,8 @@ FOLDERS = ("adapters", "stats", "decoding", "pipeline")
 
 # Module-name prefix -> floor, bottom up (longest prefix wins).
 FLOORS = {
-    "multitoken.pipeline.base": 0,
-    "multitoken.pipeline.embedded": 0,  # data package: paths of the shipped model, heads, stats
+    "multitoken.base": 0,
+    "multitoken.embedded": 0,  # data package: paths of the shipped model, heads, stats
     "multitoken.adapters": 1,
     "multitoken.stats": 1,
     "multitoken.decoding": 2,
@@ -31,6 +33,11 @@ FLOORS = {
     "multitoken.pipeline.cli": 5,
     "multitoken.pipeline": 5,  # the package __init__: lazy re-exports of every floor
 }
+
+
+# Folders that install under another module name: the bottom floor is not reached through
+# multitoken.pipeline (importing it would run a higher floor's package first).
+RENAMED = {("pipeline", "base"): "base", ("pipeline", "embedded"): "embedded"}
 
 
 def floor(module: str) -> int:
@@ -45,6 +52,8 @@ def modules() -> dict[str, Path]:
             parts = path.relative_to(REPO).with_suffix("").parts
             if "embedded" in parts and path.name != "__init__.py":
                 continue
+            if parts[:2] in RENAMED:  # installed under its own name (pyproject's package-dir)
+                parts = (RENAMED[parts[:2]],) + parts[2:]
             name = ".".join(("multitoken",) + parts).removesuffix(".__init__")
             found[name] = path
     return found
@@ -82,7 +91,7 @@ GRAPH = {name: imports(name, path, set(MODULES)) for name, path in MODULES.items
 
 
 def test_the_walk_sees_every_package():
-    assert {"multitoken.pipeline.base.errors", "multitoken.adapters.registry", "multitoken.stats.table",
+    assert {"multitoken.base.errors", "multitoken.adapters.registry", "multitoken.stats.table",
             "multitoken.decoding.loop", "multitoken.pipeline.model.model", "multitoken.pipeline.cli"} <= set(MODULES)
     assert sum(len(edges) for edges in GRAPH.values()) > 100  # the walk finds imports at all
 
@@ -139,5 +148,14 @@ def test_no_import_cycle():
 
 def test_the_checker_catches_an_upward_import():
     assert floor("multitoken.pipeline.model.backbone") > floor("multitoken.decoding.loop")
-    assert floor("multitoken.pipeline.base.errors") < floor("multitoken.adapters.registry")
+    assert floor("multitoken.base.errors") < floor("multitoken.adapters.registry")
     assert floor("multitoken.pipeline") == floor("multitoken.pipeline.cli")
+
+
+def test_the_bottom_floor_loads_no_floor_above():
+    """Importing the base (and the data package) runs no higher floor's package: they install
+    under their own names (pyproject's package-dir), not under multitoken.pipeline."""
+    code = ("import sys, multitoken.base.errors, multitoken.base.atomic, multitoken.embedded; "
+            "print(sorted(m for m in sys.modules if m.startswith('multitoken.') and m.split('.')[1] not in ('base', 'embedded')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out

@@ -89,7 +89,7 @@ def test_public_names_where_users_look(tmp_path):
     floor and the pipeline package import without torch (lazy exports)."""
     probe = (
         "import sys\n"
-        "import multitoken.pipeline, multitoken.pipeline.base.errors, multitoken.pipeline.base.config_io\n"
+        "import multitoken.pipeline, multitoken.base.errors, multitoken.base.config_io\n"
         "print('torch' in sys.modules)\n"
         "import multitoken.adapters as a\n"
         "from multitoken.stats import CooccurrenceTable\n"

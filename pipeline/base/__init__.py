@@ -1,7 +1,8 @@
 """The floor every other module stands on: errors, atomic files and directories, output guards,
 resolved-config saving, data reading and packing, tokenizer loading, threads.
 
-It imports nothing of ours outside itself (``multitoken.pipeline.embedded``, a data package,
-aside), and this ``__init__`` imports nothing at all, so ``import multitoken.pipeline.base.errors``
-stays cheap.
+It imports nothing of ours outside itself (``multitoken.embedded``, a data package on the same
+floor, aside), and this ``__init__`` imports nothing at all, so ``import multitoken.base.errors``
+stays cheap. It lives in pipeline/base but installs as ``multitoken.base`` (pyproject's
+package-dir), so importing it never runs a higher floor's package (``multitoken.pipeline``).
 """

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from multitoken.pipeline.base.atomic import atomic_write_text
+from multitoken.base.atomic import atomic_write_text
 
 
 MAX_RANGE_VALUES = 1001  # a start:stop:step option (e.g. --eps-b) gives at most this many values

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.base.errors import DataError, UsageError
-from multitoken.pipeline.base.hub import looks_like_path, offline_reason  # shared with --base
+from multitoken.base.errors import DataError, UsageError
+from multitoken.base.hub import looks_like_path, offline_reason  # shared with --base
 
 ID_COLUMNS = ("input_ids", "token_ids", "tokens", "ids")
 TEXT_COLUMNS = ("text", "content")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from multitoken.pipeline.base.errors import CheckpointError
+from multitoken.base.errors import CheckpointError
 
 # A Hub repo id: "name" or "owner/name" (letters, digits, '-', '_', '.'), never a path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 PROBE_BYTES = 4096
 MIN_FREE_BYTES = 1 << 20

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from multitoken.pipeline.base.data import DataConfig, iter_documents
-from multitoken.pipeline.base.errors import DataError
+from multitoken.base.data import DataConfig, iter_documents
+from multitoken.base.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import field
 
 import torch
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 THREADS_ONE_SEQUENCE = 1
 THREADS_BATCHES = 0

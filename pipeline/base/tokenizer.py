@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from multitoken.pipeline.base.errors import CheckpointError
-from multitoken.pipeline.base.hub import locate
-from multitoken.pipeline.embedded import resolve_base
+from multitoken.base.errors import CheckpointError
+from multitoken.base.hub import locate
+from multitoken.embedded import resolve_base
 
 
 def load_tokenizer(path: str):

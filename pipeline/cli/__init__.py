@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from multitoken.pipeline.base.errors import MultitokenError
+from multitoken.base.errors import MultitokenError
 from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
@@ -78,7 +78,7 @@ def base_from_heads(parser: argparse.ArgumentParser) -> None:
 
 def threads_for_batches(parser: argparse.ArgumentParser) -> None:
     """``--threads`` of a command that runs batches (``BackboneConfig``'s is one sequence's)."""
-    from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field  # lazy: torch
+    from multitoken.base.threads import THREADS_BATCHES, threads_field  # lazy: torch
 
     set_default(parser, "threads", THREADS_BATCHES, threads_field(THREADS_BATCHES).metadata)
 

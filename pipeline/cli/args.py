@@ -18,7 +18,7 @@ import dataclasses
 import types
 import typing
 
-from multitoken.pipeline.base.config_io import expand_range, finite
+from multitoken.base.config_io import expand_range, finite
 
 
 # --help group title of each config class (class name -> plain words)

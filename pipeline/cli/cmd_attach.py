@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from multitoken.pipeline.model.backbone import BackboneConfig
-from multitoken.pipeline.base.config_io import resolved_config_text
-from multitoken.pipeline.base.outputs import prepare_output
+from multitoken.base.config_io import resolved_config_text
+from multitoken.base.outputs import prepare_output
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import add_flag, dataclass_from_args, plain
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.base.errors import UsageError
+from multitoken.base.outputs import add_overwrite_flag, prepare_output
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import dataclass_from_args
 from multitoken.pipeline.model.llama2c import convert_llama2c

@@ -6,8 +6,8 @@ import json
 
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.train.distill import DistillConfig
-from multitoken.pipeline.base.config_io import save_resolved_config
-from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output_file
+from multitoken.base.config_io import save_resolved_config
+from multitoken.base.outputs import add_overwrite_flag, prepare_output_file
 from multitoken.pipeline.cli import add_command, threads_for_batches
 from multitoken.pipeline.cli.args import dataclass_from_args
 

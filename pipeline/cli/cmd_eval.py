@@ -12,10 +12,10 @@ import math
 import sys
 from pathlib import Path
 
-from multitoken.pipeline.base.atomic import atomic_dir, atomic_write_text
-from multitoken.pipeline.base.config_io import save_resolved_config
-from multitoken.pipeline.base.data import DataConfig, describe_files
-from multitoken.pipeline.base.outputs import EVAL, add_overwrite_flag, prepare_output
+from multitoken.base.atomic import atomic_dir, atomic_write_text
+from multitoken.base.config_io import save_resolved_config
+from multitoken.base.data import DataConfig, describe_files
+from multitoken.base.outputs import EVAL, add_overwrite_flag, prepare_output
 from multitoken.pipeline.cli import add_command, base_from_heads, threads_for_batches
 from multitoken.pipeline.cli.args import dataclass_from_args
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from multitoken.pipeline.model.backbone import BackboneConfig
-from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
-from multitoken.pipeline.base.atomic import atomic_write_text
-from multitoken.pipeline.base.config_io import config_dict, save_resolved_config
-from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output_file
+from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
+from multitoken.base.atomic import atomic_write_text
+from multitoken.base.config_io import config_dict, save_resolved_config
+from multitoken.base.errors import UsageError
+from multitoken.base.outputs import add_overwrite_flag, prepare_output_file
 from multitoken.pipeline.cli import add_command, base_from_heads
 from multitoken.pipeline.cli.args import dataclass_from_args
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from multitoken.pipeline.base.config_io import save_resolved_config
-from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.base.errors import CheckpointError, UsageError
-from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output
-from multitoken.pipeline.base.tokenizer import load_tokenizer
+from multitoken.base.config_io import save_resolved_config
+from multitoken.base.data import DataConfig
+from multitoken.base.errors import CheckpointError, UsageError
+from multitoken.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.base.tokenizer import load_tokenizer
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import add_dataclass_args, dataclass_from_args
 from multitoken.stats.info import summary

@@ -19,9 +19,9 @@ import json
 import sys
 from pathlib import Path
 
-from multitoken.pipeline.base.atomic import atomic_dir, atomic_write_text
-from multitoken.pipeline.base.config_io import save_resolved_config
-from multitoken.pipeline.base.outputs import SWEEP, add_overwrite_flag, prepare_output
+from multitoken.base.atomic import atomic_dir, atomic_write_text
+from multitoken.base.config_io import save_resolved_config
+from multitoken.base.outputs import SWEEP, add_overwrite_flag, prepare_output
 from multitoken.pipeline.cli import add_command, base_from_heads
 from multitoken.pipeline.cli.args import dataclass_from_args
 

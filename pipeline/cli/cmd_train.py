@@ -6,10 +6,10 @@ training; the flags are the same.
 
 from __future__ import annotations
 
-from multitoken.pipeline.base.data import DataConfig
+from multitoken.base.data import DataConfig
 from multitoken.pipeline.train.trainer_config import TrainConfig
-from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.base.errors import UsageError
+from multitoken.base.outputs import add_overwrite_flag, prepare_output
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import dataclass_from_args
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from multitoken.pipeline.eval import metrics as M
-from multitoken.pipeline.base.errors import DataError, UsageError
-from multitoken.pipeline.base.packing import PackedStream
+from multitoken.base.errors import DataError, UsageError
+from multitoken.base.packing import PackedStream
 from multitoken.pipeline.eval.dynamic_ppl import DynamicPPL
 from multitoken.pipeline.eval.headscores import logp_at, score_head
 from multitoken.pipeline.eval.lens import lens_kl_sums

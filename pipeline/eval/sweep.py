@@ -43,9 +43,9 @@ from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_
 from multitoken.decoding.batch import generate_batch
 from multitoken.decoding.config import DYNAMO_PENALTY, DecodeConfig
 from multitoken.decoding.loop import generate
-from multitoken.pipeline.base.config_io import expand_range, nested
-from multitoken.pipeline.base.data import json_kind
-from multitoken.pipeline.base.errors import DataError, UsageError
+from multitoken.base.config_io import expand_range, nested
+from multitoken.base.data import json_kind
+from multitoken.base.errors import DataError, UsageError
 from multitoken.pipeline.model.assets import NO_STATS
 
 # DynaMo's Table 7: the sentence-completion benchmark.

@@ -3,8 +3,8 @@ defaults (trained heads and stats), and co-occurrence stats. One loader for ever
 
 from __future__ import annotations
 
-from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, default_base, is_default_base
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, default_base, is_default_base
+from multitoken.base.errors import UsageError
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.heads_io import read_heads_config
 from multitoken.pipeline.model.model import MultiTokenModel

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from multitoken.pipeline.embedded import default_base, resolve_base
-from multitoken.pipeline.base.errors import CheckpointError, UnsupportedModelError, UsageError
-from multitoken.pipeline.base.hub import locate
-from multitoken.pipeline.base.dtypes import DTYPES, resolve_dtype
-from multitoken.pipeline.base.threads import set_threads, threads_field
-from multitoken.pipeline.base.tokenizer import load_tokenizer
+from multitoken.embedded import default_base, resolve_base
+from multitoken.base.errors import CheckpointError, UnsupportedModelError, UsageError
+from multitoken.base.hub import locate
+from multitoken.base.dtypes import DTYPES, resolve_dtype
+from multitoken.base.threads import set_threads, threads_field
+from multitoken.base.tokenizer import load_tokenizer
 from multitoken.pipeline.model.quantization import checked_plan
 
 

@@ -24,10 +24,10 @@ import torch
 from multitoken.adapters.registry import build_head, config_from_dict
 
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
-from multitoken.pipeline.base.atomic import atomic_dir
-from multitoken.pipeline.embedded import portable_base
-from multitoken.pipeline.base.errors import CheckpointError, MismatchError, UsageError
-from multitoken.pipeline.base.outputs import HEADS
+from multitoken.base.atomic import atomic_dir
+from multitoken.embedded import portable_base
+from multitoken.base.errors import CheckpointError, MismatchError, UsageError
+from multitoken.base.outputs import HEADS
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "heads_config.json"

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.base.atomic import atomic_dir
-from multitoken.pipeline.base.errors import CheckpointError
-from multitoken.pipeline.base.outputs import CONVERTED
+from multitoken.base.atomic import atomic_dir
+from multitoken.base.errors import CheckpointError
+from multitoken.base.outputs import CONVERTED
 
 HEADER_INTS = 7
 HEADER_BYTES = HEADER_INTS * 4

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 PACKED_BLOCK_N = 32  # bitsandbytes functional._convert_weight_packed_for_cpu(block_n=32)
 BLOCKSIZE_4BIT = 64  # bitsandbytes Params4bit default blocksize (transformers keeps it)

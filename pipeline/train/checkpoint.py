@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from multitoken.pipeline.base.atomic import atomic_dir
-from multitoken.pipeline.base.errors import CheckpointError
+from multitoken.base.atomic import atomic_dir
+from multitoken.base.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 

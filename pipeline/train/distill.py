@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from multitoken.pipeline.base.atomic import atomic_open
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.atomic import atomic_open
+from multitoken.base.errors import UsageError
 
 FORMATS = ("both", "ids", "text")
 

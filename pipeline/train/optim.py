@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 from multitoken.pipeline.train.trainer_config import TrainConfig
 
 

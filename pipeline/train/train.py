@@ -22,11 +22,11 @@ import torch
 
 from multitoken.pipeline.train import optim
 from multitoken.pipeline.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from multitoken.pipeline.base.data import DataConfig, describe_files
-from multitoken.pipeline.base.errors import DataError, UsageError
-from multitoken.pipeline.base.packing import PackedStream, PackPosition, take_sequences
+from multitoken.base.data import DataConfig, describe_files
+from multitoken.base.errors import DataError, UsageError
+from multitoken.base.packing import PackedStream, PackPosition, take_sequences
 from multitoken.pipeline.train.trainer_config import TrainConfig, validate
-from multitoken.pipeline.base.config_io import resolved_config_text
+from multitoken.base.config_io import resolved_config_text
 from multitoken.pipeline.model.backbone import LoraSpec, load_backbone
 from multitoken.pipeline.model.heads_io import read_heads_config
 from multitoken.pipeline.model.model import MultiTokenModel

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multitoken.pipeline.base.config_io import nested
-from multitoken.pipeline.base.dtypes import DTYPES
-from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.base.threads import THREADS_BATCHES, threads_field
+from multitoken.base.config_io import nested
+from multitoken.base.dtypes import DTYPES
+from multitoken.base.errors import UsageError
+from multitoken.base.threads import THREADS_BATCHES, threads_field
 from multitoken.pipeline.model.backbone import BackboneConfig
 
 MODES = ("heads", "joint", "warmup")

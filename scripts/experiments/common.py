@@ -101,7 +101,7 @@ class Run:
                              "cpu_s": round(time.process_time() - self.cpu0, 1), "parts": self.parts},
                   "machine": {**self.machine, "load_after": _load()},
                   "command": "python " + " ".join([_rel(sys.argv[0])] + sys.argv[1:])}
-        from multitoken.pipeline.base.atomic import atomic_write_text
+        from multitoken.base.atomic import atomic_write_text
         from multitoken.pipeline.eval.plotting import save_figure
 
         save_figure(fig, self.out / f"{self.name}.png")
@@ -234,7 +234,7 @@ def train_heads(run: Run, name: str, backbone, head_config: dict, data: str, hel
     run's step budget, scored at the end on ``heldout`` by the trainer's own evaluation.
     ``train_fields``: other ``TrainConfig`` fields (mode, head_lr_mult, loss_balance, ...).
     Returns {"heads": trained dir, "train_eval": final held-out metrics, "seconds": ...}."""
-    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.base.data import DataConfig
     from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.pipeline.train.train import train
     from multitoken.pipeline.train.trainer_config import TrainConfig
@@ -269,7 +269,7 @@ def load_heads(heads_dir: str):
 
 def evaluate_on(run: Run, label: str, model, data: str, parts=("ppl",), **eval_fields) -> dict:
     """``pipeline.eval.evaluate`` of ``model`` on the first ``eval_tokens`` tokens of ``data``."""
-    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.base.data import DataConfig
     from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate
 
     b = run.budget

@@ -62,8 +62,8 @@ def sequential_vs_independent(model, heldout_ids: torch.Tensor) -> float:
 
 
 def heldout_batch(model, path: str, budget) -> torch.Tensor:
-    from multitoken.pipeline.base.data import DataConfig
-    from multitoken.pipeline.base.packing import PackedStream
+    from multitoken.base.data import DataConfig
+    from multitoken.base.packing import PackedStream
 
     tok = model.backbone.tokenizer
     stream = PackedStream(DataConfig(data=path), tok, budget.seq_len, tok.bos_token_id, loop=False)

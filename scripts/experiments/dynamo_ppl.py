@@ -29,7 +29,7 @@ SWEEP_EPS = {"FULL": (0.0, 0.5, 0.75), "QUICK": (0.5,)}
 
 
 def main(argv=None) -> dict:
-    from multitoken.pipeline.embedded import EMBEDDED_STATS
+    from multitoken.embedded import EMBEDDED_STATS
     from multitoken.pipeline.eval.sweep import SAME_QUALITY_RULE, TABLE7_PROMPTS, SweepConfig, same_quality, sweep
     from multitoken.pipeline.model.assets import load_model, load_stats
 

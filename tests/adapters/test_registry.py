@@ -10,7 +10,7 @@ import pytest
 
 from multitoken.adapters import registry
 from multitoken.adapters.registry import config_from_dict, get_head, make_config, register_head, registered_heads
-from multitoken.pipeline.base.errors import CheckpointError, UsageError
+from multitoken.base.errors import CheckpointError, UsageError
 
 
 def test_builtin_types_are_registered():

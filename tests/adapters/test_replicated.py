@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from multitoken.adapters.registry import make_config
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 from multitoken.pipeline.model.model import MultiTokenModel
 
 from .conftest import random_ids

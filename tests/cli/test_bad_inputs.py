@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from multitoken.pipeline.cli import main
-from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 
 from ..conftest import fixture_path
 from .bad_input_cases import CASES

@@ -14,8 +14,8 @@ hypothesis = pytest.importorskip("hypothesis", reason="the damage property test 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from multitoken.pipeline.embedded import EMBEDDED_HEADS, EMBEDDED_STATS  # noqa: E402
-from multitoken.pipeline.base.errors import MultitokenError  # noqa: E402
+from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS  # noqa: E402
+from multitoken.base.errors import MultitokenError  # noqa: E402
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -79,7 +79,7 @@ def _damage(root: Path, data) -> None:
 @pytest.fixture(scope="module")
 def backbone():
     from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
-    from multitoken.pipeline.embedded import DEFAULT_BASE
+    from multitoken.embedded import DEFAULT_BASE
 
     return load_backbone(BackboneConfig(base=str(DEFAULT_BASE)))
 

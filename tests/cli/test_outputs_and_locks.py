@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from multitoken.pipeline.base.atomic import atomic_dir, lock_file
-from multitoken.pipeline.embedded import EMBEDDED_STATS
-from multitoken.pipeline.base.errors import UsageError
-from multitoken.pipeline.base.outputs import prepare_output
+from multitoken.base.atomic import atomic_dir, lock_file
+from multitoken.embedded import EMBEDDED_STATS
+from multitoken.base.errors import UsageError
+from multitoken.base.outputs import prepare_output
 
 from .cli_helpers import phrase_corpus, run_cli
 
@@ -69,7 +69,7 @@ def test_new_output_dirs_follow_the_umask(tmp_path):
 
 
 def test_a_full_or_read_only_disk_fails_before_any_work(tmp_path, monkeypatch):
-    import multitoken.pipeline.base.outputs as outputs
+    import multitoken.base.outputs as outputs
 
     class Full:
         f_bavail, f_frsize = 3, 4096
@@ -132,7 +132,7 @@ def test_merge_overwrite_replaces_only_our_arrays(corpus, tmp_path):
 
 
 def test_an_interrupted_assembly_leaves_no_temp_file_and_reruns(corpus, tmp_path, monkeypatch):
-    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.base.data import DataConfig
     from multitoken.stats import merge
     from multitoken.stats.job import BuildConfig, build
 
@@ -202,7 +202,7 @@ def test_killing_the_parent_takes_its_workers_with_it(tmp_path):
 
 
 def test_a_rerun_after_a_finished_train_changes_nothing(tmp_path):
-    from multitoken.pipeline.embedded import EMBEDDED_HEADS
+    from multitoken.embedded import EMBEDDED_HEADS
 
     corpus = phrase_corpus(tmp_path / "c.jsonl")
     args = ["train", "--heads", EMBEDDED_HEADS, "--data", corpus, "--out", tmp_path / "t", "--max-steps", "2",
@@ -217,7 +217,7 @@ def test_a_rerun_after_a_finished_train_changes_nothing(tmp_path):
 
 
 def test_train_overwrite_replaces_our_heads_and_keeps_the_users_files(tmp_path):
-    from multitoken.pipeline.embedded import EMBEDDED_HEADS
+    from multitoken.embedded import EMBEDDED_HEADS
 
     out = Path(shutil.copytree(EMBEDDED_HEADS, tmp_path / "h"))
     (out / "notes.txt").write_text("mine")

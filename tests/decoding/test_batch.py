@@ -181,7 +181,7 @@ def test_sampled_rows_match_the_base_distribution_per_row(small_vocab_backbone, 
 
 
 def test_bad_batches_are_refused(tiny_backbones):
-    from multitoken.pipeline.base.errors import UsageError
+    from multitoken.base.errors import UsageError
 
     model = attach(tiny_backbones["llama"], "medusa")
     with pytest.raises(UsageError, match="empty"):

@@ -15,7 +15,7 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.decoding.tree import Tree
 from multitoken.decoding.tree_accept import read_walks
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 from multitoken.pipeline.model import ragged
 from multitoken.pipeline.model.assets import load_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multitoken.pipeline.cli import main
-from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_STATS
+from multitoken.embedded import DEFAULT_BASE, EMBEDDED_STATS
 
 from .conftest import attach
 
@@ -72,7 +72,7 @@ def test_no_cap_without_a_mask(capsys, four_heads):
 
 
 def test_threads_default_and_flag(capsys):
-    from multitoken.pipeline.base.threads import THREADS_ONE_SEQUENCE
+    from multitoken.base.threads import THREADS_ONE_SEQUENCE
 
     torch.set_num_threads(2)
     out, _ = _json(capsys, "--greedy")

@@ -10,8 +10,8 @@ from scipy.ndimage import correlate1d
 
 from multitoken.decoding.config import MAX_GRID_CELLS, DecodeConfig, check_grid
 from multitoken.decoding.dynamic import gaussian_blur
-from multitoken.pipeline.base.config_io import MAX_RANGE_VALUES, expand_range
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.config_io import MAX_RANGE_VALUES, expand_range
+from multitoken.base.errors import UsageError
 
 
 @pytest.mark.parametrize("channels", [127, 128, 129, 256, 512])

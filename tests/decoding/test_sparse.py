@@ -15,7 +15,7 @@ from multitoken.decoding import dynamic, sparse
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.dynamic import Candidates, dynamic_propose, gaussian_blur, joint_cells, otsu_keep
 from multitoken.decoding.loop import generate
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 KERNELS = ["numpy", "numba"] if sparse.numba_available() else ["numpy"]
 
@@ -131,7 +131,7 @@ def test_kernel_setting_is_checked(monkeypatch):
 @pytest.fixture(scope="module")
 def embedded():
     from multitoken.pipeline.model.backbone import BackboneConfig
-    from multitoken.pipeline.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
+    from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
     from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.stats.table import CooccurrenceTable
 
@@ -202,7 +202,7 @@ def markov_table(tmp_path_factory):
     import json
     from pathlib import Path
 
-    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.base.data import DataConfig
     from multitoken.stats.job import BuildConfig, build
     from multitoken.stats.table import CooccurrenceTable
 

@@ -17,7 +17,7 @@ from multitoken.decoding.loop import generate
 from multitoken.decoding.tree import (ACCURACY_FILE, Accuracies, Tree, best_first, expected_accepted,
                                       fallback_accuracies, read_accuracies)
 from multitoken.decoding.tree_accept import greedy_tree, sampled_tree
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 from multitoken.pipeline.model.assets import load_model
 from multitoken.pipeline.model.incremental import _tree_context
 

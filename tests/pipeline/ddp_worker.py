@@ -13,7 +13,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from multitoken.pipeline.base.data import DataConfig
+from multitoken.base.data import DataConfig
 from multitoken.pipeline.train.train import Dist, init_distributed, load_trainable_model, train
 from multitoken.pipeline.train.trainer_config import TrainConfig
 

@@ -10,8 +10,8 @@ import torch
 from multitoken.pipeline.model.backbone import (
     ARCHITECTURES, BackboneConfig, LoraSpec, fingerprints_match, load_backbone,
 )
-from multitoken.pipeline.base.tokenizer import tokenizer_fingerprint
-from multitoken.pipeline.base.errors import CheckpointError, UnsupportedModelError, UsageError
+from multitoken.base.tokenizer import tokenizer_fingerprint
+from multitoken.base.errors import CheckpointError, UnsupportedModelError, UsageError
 
 
 def test_generic_access_reproduces_the_model(tiny_model_dir):
@@ -32,7 +32,7 @@ def test_generic_access_reproduces_the_model(tiny_model_dir):
 
 
 def test_embedded_default_is_used_without_arguments(stories_dir, tmp_path):
-    from multitoken.pipeline.embedded import portable_base
+    from multitoken.embedded import portable_base
 
     bb = load_backbone()
     assert bb.name == str(stories_dir) and bb.model_type == "llama" and bb.vocab_size == 512
@@ -81,7 +81,7 @@ def test_dtype_and_fingerprint(tiny_neox_dir, tiny_llama_dir):
 
 
 def test_tokenizer_fingerprint_tells_tokenizers_apart(tiny_neox_dir, pythia_mini_dir, stories_dir):
-    from multitoken.pipeline.base.tokenizer import load_tokenizer
+    from multitoken.base.tokenizer import load_tokenizer
 
     neox = tokenizer_fingerprint(load_tokenizer(str(tiny_neox_dir)))
     assert neox == tokenizer_fingerprint(load_tokenizer(str(pythia_mini_dir)))

@@ -7,8 +7,8 @@ import json
 import pytest
 import zstandard
 
-from multitoken.pipeline.base.data import DataConfig, iter_documents, iter_rows
-from multitoken.pipeline.base.errors import DataError
+from multitoken.base.data import DataConfig, iter_documents, iter_rows
+from multitoken.base.errors import DataError
 
 ROWS = [{"input_ids": list(range(i, i + 5))} for i in range(300)]
 RAW = "".join(json.dumps(r) + "\n" for r in ROWS).encode()

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from ..conftest import PYTHIA_TOKENIZER, fixture_path
-from multitoken.pipeline.base.tokenizer import load_tokenizer
-from multitoken.pipeline.base.data import DataConfig, iter_documents
-from multitoken.pipeline.base.errors import DataError, UsageError
+from multitoken.base.tokenizer import load_tokenizer
+from multitoken.base.data import DataConfig, iter_documents
+from multitoken.base.errors import DataError, UsageError
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ PILE_SPLITS = {"train": "train_00.jsonl.zst", "validation": "val.jsonl", "test":
 
 @pytest.mark.parametrize("split", ["train", "validation", "val", "test"])
 def test_split_selects_the_files_named_so(split, tok):
-    from multitoken.pipeline.base.data import canonical_split, describe_files
+    from multitoken.base.data import canonical_split, describe_files
 
     cfg = DataConfig(str(fixture_path("pile_dummy")), split=split)
     files, lines = describe_files(cfg)
@@ -93,7 +93,7 @@ def test_split_selects_the_files_named_so(split, tok):
 
 
 def test_a_jsonl_beside_its_zst_is_read_once(tmp_path, tok):
-    from multitoken.pipeline.base.data import describe_files
+    from multitoken.base.data import describe_files
 
     (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
     import zstandard
@@ -109,7 +109,7 @@ def test_a_jsonl_beside_its_zst_is_read_once(tmp_path, tok):
 
 
 def test_folders_named_by_split_win_over_file_names(tmp_path, tok):
-    from multitoken.pipeline.base.data import describe_files
+    from multitoken.base.data import describe_files
 
     for folder, name, text in (("train", "test_a.jsonl", "t1"), ("validation", "x.jsonl", "v1"), ("dev-2", "y.jsonl", "v2")):
         (tmp_path / folder).mkdir()

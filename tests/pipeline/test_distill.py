@@ -8,9 +8,9 @@ import pytest
 
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.cli import main
-from multitoken.pipeline.base.data import DataConfig, iter_documents
+from multitoken.base.data import DataConfig, iter_documents
 from multitoken.pipeline.train.distill import DistillConfig, distill
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 
 
 @pytest.fixture(scope="module")

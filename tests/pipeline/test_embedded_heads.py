@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from multitoken.pipeline.embedded import EMBEDDED_DIR
+from multitoken.embedded import EMBEDDED_DIR
 
 HEADS = EMBEDDED_DIR / "stories260K-heads"
 

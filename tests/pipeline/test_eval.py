@@ -9,7 +9,7 @@ import pytest
 import torch
 from .eval_reference import target_logprobs, topk_hits
 
-from multitoken.pipeline.base.data import DataConfig
+from multitoken.base.data import DataConfig
 from multitoken.pipeline.eval.evaluate import EvalConfig, HeadAccumulator, evaluate
 from multitoken.pipeline.eval.headscores import score_head
 from multitoken.pipeline.eval.lens import lens_kl_sums

@@ -8,7 +8,7 @@ import torch
 
 from ..conftest import fixture_path
 from multitoken.pipeline.cli import main
-from multitoken.pipeline.base.errors import CheckpointError
+from multitoken.base.errors import CheckpointError
 from multitoken.pipeline.model.llama2c import HEADER_BYTES, convert_llama2c, read_llama2c
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from multitoken.adapters.registry import make_config, registered_heads
 from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
-from multitoken.pipeline.base.errors import CheckpointError, MismatchError, UsageError
+from multitoken.base.errors import CheckpointError, MismatchError, UsageError
 from multitoken.pipeline.model.model import MultiTokenModel
 
 SMALL = {"cp": {"rank": 2}}

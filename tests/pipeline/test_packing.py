@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.base.errors import DataError
-from multitoken.pipeline.base.packing import PackedStream, PackPosition
+from multitoken.base.data import DataConfig
+from multitoken.base.errors import DataError
+from multitoken.base.packing import PackedStream, PackPosition
 
 EOS = 0
 

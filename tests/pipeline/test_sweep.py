@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 from multitoken.pipeline.eval.sweep import (
     TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, decode_configs, parse_grid, quality_vs_ar, read_prompts,
     run_hf_sample, same_quality, sweep,

@@ -10,8 +10,8 @@ from .train_helpers import head_state, load_trained, make_heads_dir, train_cfg
 
 from multitoken.pipeline.train import train as train_mod
 from multitoken.adapters.registry import registered_heads
-from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.base.errors import DataError
+from multitoken.base.data import DataConfig
+from multitoken.base.errors import DataError
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.train.train import train
 
@@ -164,7 +164,7 @@ def test_no_time_based_checkpoint_when_off(heads_dir, corpus, tmp_path):
 
 
 def test_existing_checkpoints_need_resume(heads_dir, corpus, tmp_path):
-    from multitoken.pipeline.base.errors import UsageError
+    from multitoken.base.errors import UsageError
 
     data = DataConfig(data=str(corpus))
     train(train_cfg(heads_dir, tmp_path / "o", max_steps=1), data)
@@ -235,7 +235,7 @@ def test_every_head_type_trains(tiny_llama_dir, corpus, tmp_path, head_type, mon
 def test_dynamo_run_trains_head1_and_keeps_it(tiny_llama_dir, heads_dir, corpus, tmp_path):
     """DynaMo rates with head 1's final layer trained at LR_B: the trained layer is saved, and
     continuing without --train-base-head is refused rather than silently dropping it."""
-    from multitoken.pipeline.base.errors import UsageError
+    from multitoken.base.errors import UsageError
 
     data = DataConfig(data=str(corpus))
     dynamo = dict(mode="joint", lr_b=1e-3, lr_m=1e-2, lr_mb=1e-4, train_base_head=True, max_steps=2)

@@ -10,7 +10,7 @@ from .train_helpers import make_heads_dir, train_cfg
 
 from multitoken.adapters.base import LossOutput
 from multitoken.pipeline.train import optim
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.errors import UsageError
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.train.trainer_config import validate
 

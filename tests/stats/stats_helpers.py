@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.pipeline.base.data import DataConfig, iter_documents
+from multitoken.base.data import DataConfig, iter_documents
 from multitoken.stats.format import decode
 from multitoken.stats.job import BuildConfig, build
 

@@ -10,7 +10,7 @@ from .stats_helpers import (
     write_parquet_ids, zipf_docs,
 )
 
-from multitoken.pipeline.base.data import DataConfig
+from multitoken.base.data import DataConfig
 from multitoken.stats.counting import ChunkBuilder, count_chunk, merge_runs, sorted_unique_counts
 from multitoken.stats.job import BuildConfig, build
 
@@ -61,7 +61,7 @@ def test_id_corpus_counts_equal_brute_force(tmp_path, fmt):
 
 @pytest.mark.parametrize("name", ["pile_dummy/train_00.jsonl.zst", "pile_dummy"])
 def test_text_corpus_counts_equal_brute_force(tmp_path, name):
-    from multitoken.pipeline.base.tokenizer import load_tokenizer
+    from multitoken.base.tokenizer import load_tokenizer
 
     data = DataConfig(data=str(fixture_path(*name.split("/"))))
     tok = load_tokenizer(PYTHIA_TOKENIZER)
@@ -80,7 +80,7 @@ def test_token_budget_and_order_two(tmp_path):
     data = DataConfig(data=str(text), max_tokens=5000)
     out = tmp_path / "s"
     build(BuildConfig(out=str(out), tokenizer=PYTHIA_TOKENIZER, order=2), data, log=lambda *_: None)
-    from multitoken.pipeline.base.tokenizer import load_tokenizer
+    from multitoken.base.tokenizer import load_tokenizer
 
     docs = corpus_docs(data, load_tokenizer(PYTHIA_TOKENIZER))
     assert sum(len(d) for d in docs) == 5000

@@ -10,7 +10,7 @@ import sys
 from .stats_helpers import PYTHIA_TOKENIZER
 
 from ..conftest import fixture_path
-from multitoken.pipeline.base.tokenizer import load_tokenizer
+from multitoken.base.tokenizer import load_tokenizer
 from multitoken.pipeline.cli import main
 
 

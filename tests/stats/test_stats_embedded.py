@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from multitoken.pipeline.base.tokenizer import load_tokenizer
-from multitoken.pipeline.base.errors import MismatchError
-from multitoken.pipeline.embedded import EMBEDDED_STATS
+from multitoken.base.tokenizer import load_tokenizer
+from multitoken.base.errors import MismatchError
+from multitoken.embedded import EMBEDDED_STATS
 from multitoken.stats.table import CooccurrenceTable
 from multitoken.stats.info import summary
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from .stats_helpers import PYTHIA_TOKENIZER, build_ids, write_jsonl_ids, write_parquet_ids, zipf_docs
 
-from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.base.errors import DataError, UsageError
+from multitoken.base.data import DataConfig
+from multitoken.base.errors import DataError, UsageError
 from multitoken.stats.job import BuildConfig, make_job, merge
 from multitoken.stats.plan import check_tiling, file_shard, plan_shards
 from multitoken.stats.shard import Shard, count_shard, list_runs, shard_dir

@@ -8,8 +8,8 @@ import tracemalloc
 
 import pytest
 
-from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.base.errors import UsageError
+from multitoken.base.data import DataConfig
+from multitoken.base.errors import UsageError
 from multitoken.stats.job import BuildConfig, make_job, merge, write_stats
 from multitoken.stats.plan import check_coverage
 from multitoken.stats.shard import count_shard, list_runs, shard_dir
@@ -90,7 +90,7 @@ def test_cli_build_info_and_errors(tmp_path, corpus, capsys):
 
 
 def test_empty_corpus_is_a_clear_error(tmp_path):
-    from multitoken.pipeline.base.errors import DataError
+    from multitoken.base.errors import DataError
 
     data = write_jsonl_ids(tmp_path / "empty.jsonl", [[], []])
     with pytest.raises(DataError, match="no tokens"):

@@ -21,9 +21,9 @@ from . import objstore
 import pytest
 from .stats_helpers import write_jsonl_ids, zipf_docs
 
-from multitoken.pipeline.base.data import DataConfig
-from multitoken.pipeline.base.tokenizer import load_tokenizer
-from multitoken.pipeline.embedded import default_base
+from multitoken.base.data import DataConfig
+from multitoken.base.tokenizer import load_tokenizer
+from multitoken.embedded import default_base
 from multitoken.stats.job import BuildConfig, build
 
 HERE = Path(__file__).resolve().parent
@@ -134,7 +134,7 @@ def test_worker_killed_mid_task_is_retried(cluster, control, corpus, reference, 
 
 DRIVER = """
 import sys, ray
-from multitoken.pipeline.base.data import DataConfig
+from multitoken.base.data import DataConfig
 from multitoken.stats.job import BuildConfig, build
 ray.init(address=sys.argv[1], logging_level="ERROR", runtime_env={"worker_process_setup_hook": "ray_hooks.install"})
 build(BuildConfig(out=sys.argv[2], executor="ray", keep_partials=True, num_proc=2, memory_mb=4, min_count=(2,), order=3),
@@ -234,7 +234,7 @@ def test_object_store_work_dir_gives_the_same_bytes(cluster, corpus, reference, 
 
 
 def test_a_map_task_waits_only_for_a_live_shard_lock(tmp_path):
-    from multitoken.pipeline.base.atomic import lock_file
+    from multitoken.base.atomic import lock_file
     from multitoken.stats.ray_executor import _lock_held
 
     lock = tmp_path / ".lock"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from .stats_helpers import PYTHIA_TOKENIZER, arrays_equal, build_ids, write_jsonl_ids, zipf_docs
 
-from multitoken.pipeline.base.errors import CheckpointError, UsageError
+from multitoken.base.errors import CheckpointError, UsageError
 
 VOCAB = 5000
 
@@ -95,7 +95,7 @@ def test_rerun_with_other_options_is_refused(tmp_path, corpus):
 
 def test_unfinished_runs_are_resumed_not_recounted(tmp_path, corpus, reference):
     """Delete the final runs of a finished shard: the rerun recounts only what they held."""
-    from multitoken.pipeline.base.data import DataConfig
+    from multitoken.base.data import DataConfig
     from multitoken.stats.job import BuildConfig, make_job
     from multitoken.stats.shard import count_shard
 

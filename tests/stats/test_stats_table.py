@@ -7,7 +7,7 @@ import pytest
 import torch
 from .stats_helpers import PYTHIA_TOKENIZER, brute_counts, build_ids, write_jsonl_ids, zipf_docs
 
-from multitoken.pipeline.base.errors import CheckpointError, DataError, MismatchError, UsageError
+from multitoken.base.errors import CheckpointError, DataError, MismatchError, UsageError
 from multitoken.stats.hashindex import HashIndex, PrefixBlockIndex, _fib
 from multitoken.stats.table import CooccurrenceTable
 
@@ -58,7 +58,7 @@ def test_torch_in_torch_out(stats):
 
 
 def test_fingerprint_mismatch_and_match(stats, stories_dir):
-    from multitoken.pipeline.base.tokenizer import load_tokenizer
+    from multitoken.base.tokenizer import load_tokenizer
 
     CooccurrenceTable.for_tokenizer(stats, load_tokenizer(PYTHIA_TOKENIZER))
     with pytest.raises(MismatchError, match="tokenizer"):
