@@ -36,12 +36,8 @@ def attend_rows(trees: list[Tree], width: int) -> np.ndarray:
     """Each tree's ancestor mask right-aligned in a [B, width, width] bool array (pads: none)."""
     out = np.zeros((len(trees), width, width), dtype=bool)
     for row, tree in enumerate(trees):
-        n, off = len(tree), width - len(tree)
-        seen = np.eye(n, dtype=bool)
-        for node, parent in enumerate(tree.parents):
-            if parent >= 0:  # parents precede children: the parent's row is complete
-                seen[node] |= seen[parent]
-        out[row, off:, off:] = seen
+        off = width - len(tree)
+        out[row, off:, off:] = tree.ancestors()
     return out
 
 
@@ -72,7 +68,8 @@ class BatchTrees:
             return [Tree([batch[j].commit[0]], [-1], [0], [0]) for j in keep]
         logp = torch.stack([out.anchor_head_log_probs(i, anchors) for i in range(1, deep + 1)], dim=1)  # [B, D, V]
         index = torch.tensor(keep, dtype=torch.long, device=logp.device)
-        seen = torch.stack([batch[j].run.seen for j in keep])[:, None]  # [R, 1, V]
+        penalised = self.steps.cfg.penalty != 1  # only then do the guesses read the rows' contexts
+        seen = torch.stack([batch[j].run.seen for j in keep])[:, None] if penalised else None  # [R, 1, V]
         host = self.steps.guesses(logp.index_select(0, index), seen, self.steps.ranks_for(deep)).tolist()
         trees = []
         for slot, j in enumerate(keep):

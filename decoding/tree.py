@@ -64,14 +64,17 @@ class Tree:
             node = self.parents[node]
         return out[::-1]
 
+    def ancestors(self) -> np.ndarray:
+        """[N, N] bool on the host: row i marks node i and its ancestors."""
+        seen = np.eye(len(self), dtype=bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:  # parents precede children: the parent's row is complete
+                seen[node] |= seen[parent]
+        return seen
+
     def attend(self, device=None) -> torch.Tensor:
         """[N, N] bool: row i sees node j when j is i or one of its ancestors."""
-        n = len(self)
-        rows = [[False] * n for _ in range(n)]
-        for i in range(n):
-            for j in self.path(i):
-                rows[i][j] = True
-        return torch.tensor(rows, dtype=torch.bool, device=device)  # one host-to-device copy, not N index ops
+        return torch.from_numpy(self.ancestors()).to(device)  # one host-to-device copy, not N index ops
 
     def offsets(self, device=None) -> torch.Tensor:
         """[N] long: each node's depth (its position after the root's)."""

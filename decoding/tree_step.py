@@ -55,10 +55,11 @@ class TreeSteps:
         shape = self.shape.within(depth)
         return max(shape.max_rank(d) for d in range(1, depth + 1))
 
-    def guesses(self, logp: torch.Tensor, seen: torch.Tensor, ranks: int) -> torch.Tensor:
+    def guesses(self, logp: torch.Tensor, seen: torch.Tensor | None, ranks: int) -> torch.Tensor:
         """The heads' top ``ranks`` guesses, on the device, packed for one read: ``logp``
-        [..., depth, V] (``seen`` [..., 1, V] or [V]) -> ids [..., depth, R] (static) or ids and
-        scores [..., 2, depth, R] as float64 (dynamic: this step's probabilities score the paths)."""
+        [..., depth, V] (``seen`` [..., 1, V] or [V], read only with a penalty) -> ids
+        [..., depth, R] (static) or ids and scores [..., 2, depth, R] as float64 (dynamic: this
+        step's probabilities score the paths)."""
         if self.cfg.penalty != 1:  # rank as the verification will judge: seen tokens penalised
             logp = penalised_logits(logp, seen, self.cfg.penalty)
         vals, ids = torch.topk(logp.float(), ranks, dim=-1)  # [..., depth, R]

@@ -67,7 +67,7 @@ def bench_batch_model(name, model, heads_label, table, texts, args) -> dict:
             "speculative_sample": DecodeConfig(mode="speculative", **base, **sample),
             "typical_greedy": DecodeConfig(mode="typical", greedy=True, **base),
             f"dynamic_eps{args.batch_eps}": DecodeConfig(mode="dynamic", eps_b=args.batch_eps, **base, **sample)}
-    nodes = getattr(args, "batch_tree_nodes", 0)
+    nodes = args.batch_tree_nodes
     for tree in ("static", "dynamic") if nodes else ():  # every row's tree verified in one pass per step
         cfgs[f"{tree}_tree{nodes}_greedy"] = DecodeConfig(mode="speculative", greedy=True, tree=tree, tree_nodes=str(nodes), **base)
     tok = model.backbone.tokenizer
