@@ -2,9 +2,17 @@
 three ways -- F.linear over all R rows, F.linear in calls of at most 3 rows, and (W @ x^T)^T --
 on pythia-160m / 410m shapes (random fp32 weights: cost only). Decoding no longer relies on a
 fixed rule: pipeline/model/unembed_plan.py measures the same forms per backbone, dtype and thread
-count when a row count is first needed (bench_decode.py records that plan). Run on a quiet machine:
+count when a row count is first needed (bench_decode.py records that plan).
 
-    python scripts/bench_unembed.py --threads 1 --out bench_unembed.json
+As a reference for what the machine can do, ``compiled_loop`` times a plain numba loop (one dot
+product per row and token, fastmath; needs the ``[fast]`` extra): where it is far below
+``linear``, the BLAS's skinny GEMM, not the memory, sets the cost. ``--pythia-mini-heads DIR``
+then asks what that does to a speed-up: transformers' greedy ``generate``, our ``ar`` and greedy
+speculative decoding on pythia-mini, first with the stock unembedding, then with the compiled
+loop put in as the model's output embeddings (``set_output_embeddings``, so that both sides use
+it). Benchmark only: the library keeps torch's unembedding. Run on a quiet machine:
+
+    python scripts/bench_unembed.py --threads 1 --out bench_unembed.json [--pythia-mini-heads DIR]
 """
 
 from __future__ import annotations
@@ -16,10 +24,79 @@ import platform
 import statistics
 import time
 
+import numpy
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"pythia-160m": (50304, 768), "pythia-410m": (50304, 1024)}
+SHAPES = {"pythia-160m": (50304, 768), "pythia-410m": (50304, 1024), "pythia-mini": (50304, 128)}
+
+
+def compiled_loop():
+    """logits(x [R, H], w [V, H]) -> [R, V] by a numba loop, or None without numba."""
+    try:
+        import numba
+    except ImportError:
+        return None
+
+    @numba.njit(fastmath=True, cache=True)
+    def rows_dot(x, w, out):  # per token, every row's dot product while its weight row is in L1
+        for v in range(w.shape[0]):
+            for r in range(x.shape[0]):
+                acc = numpy.float32(0.0)
+                for h in range(x.shape[1]):
+                    acc += x[r, h] * w[v, h]
+                out[r, v] = acc
+
+    def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], w.shape[0])
+        rows_dot(x.contiguous().numpy(), w.numpy(), out.numpy())
+        return out
+    return logits
+
+
+class LoopUnembedding(torch.nn.Module):
+    """The compiled loop as a model's output embeddings (inference, fp32 CPU rows)."""
+
+    def __init__(self, head: torch.nn.Linear, logits):
+        super().__init__()
+        self.weight, self.logits = head.weight, logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        return self.logits(rows, self.weight.detach()).reshape(*x.shape[:-1], -1)
+
+
+def decode_rows(heads: str, max_new: int, reps: int) -> dict:
+    """tok/s of transformers' greedy generate, ``ar`` and speculative greedy on pythia-mini,
+    with the stock and then the compiled unembedding on both sides."""
+    from bench_common import FIXTURES, PROMPTS, load
+    from bench_decode import hf_runner, our_runner
+    from multitoken.decoding.config import DecodeConfig
+
+    model, _ = load(str(FIXTURES / "pythia-mini"), heads)
+    ids = [model.backbone.tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS["pile"]]
+    runners = {"hf_greedy": hf_runner(model, False, max_new),
+               "ar": our_runner(model, DecodeConfig(mode="ar", greedy=True, max_new_tokens=max_new), None),
+               "speculative_greedy": our_runner(model, DecodeConfig(mode="speculative", greedy=True, drafter="independent",
+                                                                    max_new_tokens=max_new), None)}
+    out, reference = {}, None
+    lm = model.backbone.causal_lm
+    stock = lm.get_output_embeddings()
+    for label, head in (("stock", stock), ("compiled_loop", LoopUnembedding(stock, compiled_loop()))):
+        lm.set_output_embeddings(head)
+        best, texts = {}, {}
+        for _ in range(reps):
+            for name, run in runners.items():
+                start = time.perf_counter()
+                texts[name] = [run(x)[0] for x in ids]
+                best[name] = max(best.get(name, 0.0), sum(map(len, texts[name])) / (time.perf_counter() - start))
+        reference = reference or texts["hf_greedy"]  # the stock transformers output
+        out[label] = {name: {"tokens_per_s": round(v, 1), "x_hf_greedy": round(v / best["hf_greedy"], 3),
+                             "identical_to_stock_hf": texts[name] == reference} for name, v in best.items()}
+        print(f"pythia-mini, {label} unembedding: " + "  ".join(f"{n} {r['tokens_per_s']} tok/s (x{r['x_hf_greedy']}{'' if r['identical_to_stock_hf'] else ', differs'})"
+                                                              for n, r in out[label].items()), flush=True)
+    lm.set_output_embeddings(stock)
+    return out
 
 
 def per_call_ms(fn, reps: int) -> float:
@@ -39,10 +116,13 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", default="1,2,3,4,5,6,9")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out", default=None)
+    p.add_argument("--pythia-mini-heads", default=None, help="trained pythia-mini heads: also time decoding with either unembedding")
+    p.add_argument("--max-new-tokens", type=int, default=64)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = {"machine": {"platform": platform.platform(), "threads": args.threads, "loadavg_start": list(os.getloadavg()),
                           "torch": torch.__version__}, "results": {}}
+    loop = compiled_loop()
     for shape in args.shapes.split(","):
         v, h = SHAPES[shape]
         w = torch.randn(v, h) * 0.02
@@ -54,8 +134,12 @@ def main(argv=None) -> dict:
                 "linear_3row_calls": per_call_ms(lambda: [F.linear(c, w) for c in x.split(3)], args.reps),
                 "transposed": per_call_ms(lambda: (w @ x.T).T, args.reps),
             }
+            if loop is not None:
+                rows_out[r]["compiled_loop"] = per_call_ms(lambda: loop(x, w), args.reps)
             print(f"{shape:12s} rows {r}: " + "  ".join(f"{k} {ms:7.2f} ms" for k, ms in rows_out[r].items()), flush=True)
         record["results"][shape] = rows_out
+    if args.pythia_mini_heads:
+        record["pythia_mini_decode"] = decode_rows(args.pythia_mini_heads, args.max_new_tokens, 3)
     record["machine"]["loadavg_end"] = list(os.getloadavg())
     if args.out:
         with open(args.out, "w") as f:
