@@ -10,7 +10,11 @@ Steps (each skipped when its output already exists in --work-dir):
 3. train them with the backbone frozen (``multitoken train --mode heads``), documents joined
    by BOS, the way stories260K saw its training stories;
 4. evaluate per-head loss and top-1/top-5 accuracy on both held-out corpora;
-5. copy the heads (heads.safetensors + heads_config.json) to --dest with the JSON report.
+5. copy the heads (heads.safetensors + heads_config.json) to --dest with the JSON report;
+6. measure each head's accuracy per rank of its guesses on the greedy held-out corpus
+   (``multitoken eval --parts ppl``) and write it beside the heads as ``rank_accuracy.json``:
+   the static trees of ``generate --tree static`` are shaped by it (without it they fall back
+   to a generic prior).
 
     python scripts/build_heads.py --work-dir /tmp/embedded_build
     python scripts/build_heads.py --base ../shared/fixtures/pythia-mini --dest out/pythia-mini-heads \\
@@ -151,7 +155,20 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     (dest / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({kind: {k: v for k, v in m.items() if "/" in k} for kind, m in after.items()}, indent=2))
+    if "greedy" in heldouts:
+        rank_accuracy(dest, heldouts["greedy"], work, args)
     return 0
+
+
+def rank_accuracy(dest: Path, corpus: Path, work: Path, args) -> None:
+    """``multitoken eval --parts ppl`` on ``corpus``: its report goes to WORK_DIR/rank_eval and
+    rank_accuracy.json beside the heads in ``dest`` (what ``--tree static`` reads)."""
+    from multitoken.pipeline.cli import main as cli
+
+    code = cli(["eval", "--heads", str(dest), "--data", str(corpus), "--parts", "ppl", "--seq-len", str(args.seq_len),
+                "--out", str(work / "rank_eval"), "--overwrite", "--quiet"])
+    if code:
+        raise SystemExit(f"multitoken eval exited with {code}: no rank_accuracy.json beside {dest}")
 
 
 if __name__ == "__main__":

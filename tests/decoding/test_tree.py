@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,6 +207,18 @@ def test_static_tree_reads_the_accuracies_beside_the_heads(tmp_path, tiny_backbo
     assert read_accuracies(tmp_path, 2).source.startswith("fallback prior (")
     fixed = Accuracies([[0.9, 0.05], [0.9, 0.05]], "given")
     assert generate(model, ids, cfg, tree_accuracies=fixed).trace.tree_accuracies == "given"
+
+
+def test_the_shipped_heads_shape_static_trees_by_their_measured_accuracies():
+    # scripts/build_heads.py measures them on its greedy held-out text (multitoken eval)
+    model, _ = load_model(None)  # the embedded default
+    acc = read_accuracies(model.heads_dir, model.n_future - 1)
+    assert acc.source == str(Path(model.heads_dir) / ACCURACY_FILE)
+    assert all(len(row) == 32 and all(0 <= x <= 1 for x in row) and row[0] > 2 * row[1] for row in acc.table)
+    assert acc.table != fallback_accuracies(model.n_future - 1).table
+    ids = model.backbone.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=4, tree="static", tree_nodes="4")
+    assert generate(model, ids, cfg).trace.tree_accuracies == acc.source
 
 
 def test_auto_budget_picks_one_of_the_timed_budgets(tiny_backbones):
