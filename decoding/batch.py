@@ -125,10 +125,11 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     device = model.backbone.device
     speculative = cfg.mode in ("speculative", "typical")
     chain = cfg.tree == "chain"
-    drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative and chain else None)
+    # a dynamic tree ranks its paths by the joint where the drafter would draft from it
+    drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative and cfg.tree != "static" else None)
     acceptor = acceptor or _acceptor(cfg)
     eos = _eos_ids(model)
-    cap = stats_order_cap(cfg, model.n_future, table, drafter is joint_drafts)
+    cap = stats_order_cap(cfg, model.n_future, table, drafter is joint_drafts and chain)
     order = cap or cfg.order(model.n_future)
     heads_read = 1 if cfg.mode == "dynamic" and always_backs_off(cfg) else order
     argmax_only = cfg.greedy and acceptor in (greedy_accept, speculative_accept)

@@ -47,7 +47,8 @@ class DecodeConfig:
     tree: str = field(default="chain", metadata={"help": (
         "speculative / typical: verify one chain of drafts (chain), or a tree of several guesses per head in one "
         "forward pass: static (Medusa: a fixed shape from the heads' measured per-rank accuracies, written beside "
-        "the heads by `multitoken eval`) or dynamic (EAGLE-2: the step's own head probabilities)"), "choices": TREES})
+        "the heads by `multitoken eval`) or dynamic (EAGLE-2: the step's own head probabilities; with the joint "
+        "drafter, e.g. auto with stats, their co-occurrence-masked joint over --draft-k candidates per head)"), "choices": TREES})
     tree_nodes: str = field(default="auto", metadata={"help": (
         "tree candidates per step besides the committed token (1..256), or auto: the budget with the most "
         "expected tokens per second, timing the verify step on this machine once per process")})

@@ -10,14 +10,24 @@ starts from the token the verification decided, exactly as the chain loop does.
 from __future__ import annotations
 
 import copy
+import heapq
 
 import numpy as np
 import torch
 
+from .dynamic import Candidates, joint_cells
+from .proposal import joint_drafts, pick_drafter
 from .sampling import penalised_logits
 from .tree import Accuracies, Tree, Shape, auto_budget, best_first, parse_nodes, read_accuracies, MAX_RANKS
 from .tree_accept import (TreeVerdict, greedy_tree, read_walks, sampled_draw, sampled_inputs, sampled_walk, tree_seen,
                           typical_inputs, typical_walk)
+
+
+def joint_scored(cfg, heads, table) -> bool:
+    """Whether a dynamic tree ranks its paths by DynaMo's co-occurrence-masked joint: where the
+    drafter (``--drafter``, ``auto``: with stats) would draft a chain from it."""
+    return (cfg.tree == "dynamic" and table is not None and cfg.mode in ("speculative", "typical")
+            and pick_drafter(cfg.drafter, heads, table) is joint_drafts)
 
 
 class TreeSteps:
@@ -33,12 +43,15 @@ class TreeSteps:
         self.shape: Shape | None = None
         if cfg.tree == "static":
             self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget)
-        self.ranks = min(MAX_RANKS, self.budget, run.vocab_size)
+        self.joint = joint_scored(cfg, model.heads, run.table) and getattr(run.table, "max_order", 2) >= 2
+        # the joint ranks paths over the joint drafter's candidates (draft_k per head)
+        self.ranks = min(cfg.draft_k, cfg.top_k, run.vocab_size) if self.joint else min(MAX_RANKS, self.budget, run.vocab_size)
         self._label(trace)
 
     def _label(self, trace) -> None:
         trace.tree, trace.tree_nodes = self.cfg.tree, self.budget
-        trace.tree_accuracies = self.accuracy.source if self.cfg.tree == "static" else "step probabilities"
+        scores = "step probabilities x co-occurrence mask" if self.joint else "step probabilities"
+        trace.tree_accuracies = self.accuracy.source if self.cfg.tree == "static" else scores
 
     def for_row(self, run, trace) -> "TreeSteps":
         """The same shape / budget for another sequence (a batch row): its own run and trace."""
@@ -72,7 +85,52 @@ class TreeSteps:
         if self.shape is not None:
             return self.shape.within(depth).fill(root, host[:depth])
         ids, scores = (np.asarray(part[:depth]) for part in host)
+        if self.joint:
+            return self.joint_tree(ids.astype(np.int64), scores, root)
         return best_first(list(scores), self.budget).fill(root, ids.astype(np.int64).tolist())
+
+    def joint_tree(self, ids: np.ndarray, scores: np.ndarray, root: int) -> Tree:
+        """EAGLE-2's rerank under DynaMo's joint: the ``budget`` nodes of highest mass, from the
+        heads' top-k (``ids``, ``scores`` [depth, k], best first). The heads the stats cover
+        take the co-occurrence-masked joint given ``root`` (eq. 6, the joint drafter's grid: no
+        thresholds, the penalty already in the scores): a node's mass is its path's, the grid
+        summed over the deeper covered heads. A deeper head multiplies its parent's mass by its
+        own probability, as in the plain dynamic tree. A parent never has less mass than its
+        children and ties put the shallower first, so the best nodes always hold their parents."""
+        t = self.cfg.temperature if self.cfg.temperature > 0 else 1.0
+        p = np.exp((scores - scores.max(axis=1, keepdims=True)) / t)
+        probs = p / p.sum(axis=1, keepdims=True)  # [depth, k] the top-k at the temperature (float64)
+        depth, k = ids.shape
+        covered = min(depth, getattr(self.run.table, "max_order", depth + 1) - 1)
+        cands = [Candidates(np.array([root]), np.ones(1, dtype=np.float32))]
+        cands += [Candidates(i, q.astype(np.float32)) for i, q in zip(ids[:covered], probs[:covered])]
+        cells = joint_cells(cands, self.run.draft_cfg, self.run.table, None)
+        self.run.kernels[cells.kernel] += 1
+        grid = cells.dense()[0].astype(np.float64)  # [k]*covered
+        # frontier: (-mass, depth, a, b): covered nodes (a = 0, b = flat index in their level),
+        # deeper ones (a = parent node, b = rank), each entering when its parent or previous sibling is taken
+        frontier = []
+        for d in range(1, covered + 1):
+            mass = grid.sum(axis=tuple(range(d, covered))) if d < covered else grid
+            frontier += [(-m, d, 0, f) for f, m in enumerate(mass.ravel()) if m > 0]
+        heapq.heapify(frontier)
+        index = {(0, 0): 0}
+        tokens, parents, depths, ranks, masses = [root], [-1], [0], [0], [1.0]
+        while frontier and len(tokens) <= self.budget:
+            neg, d, a, b = heapq.heappop(frontier)
+            node, rank = len(tokens), b % k if a == 0 else b
+            parents.append(index[d - 1, b // k if d > 1 else 0] if a == 0 else a)
+            if a == 0:
+                index[d, b] = node
+            tokens.append(int(ids[d - 1, rank]))
+            depths.append(d)
+            ranks.append(rank)
+            masses.append(-neg)
+            if a > 0 and rank + 1 < k:  # its next sibling
+                heapq.heappush(frontier, (-masses[a] * probs[d - 1, rank + 1], d, a, rank + 1))
+            if covered <= d < depth:  # its first child, from the next head
+                heapq.heappush(frontier, (neg * probs[d, 0], d + 1, node, 0))
+        return Tree(tokens, parents, depths, ranks)
 
     def propose(self, out, anchor: int, root: int, depth: int) -> Tree:
         """The tree for this step: heads 1..depth's top guesses at ``anchor`` under ``root``."""

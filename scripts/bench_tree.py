@@ -3,7 +3,8 @@ against static and dynamic candidate trees at node budgets 4 / 8 / 16 / 32 / 64 
 beside transformers' greedy and prompt-lookup ``generate``; on the embedded stories260K model
 with its shipped heads (bench_decode.py's story prompts) and, with ``--pythia-heads DIR``, on
 pythia-mini with trained heads (its pile prompts). Every row must reproduce transformers'
-greedy output (``identical``).
+greedy output (``identical``). With stats (the embedded model's), ``dynamic_joint_N`` rows rank
+the dynamic tree's paths by DynaMo's co-occurrence-masked joint (the joint drafter's scores).
 
 Each repetition runs the methods interleaved and the best repetition counts (the machine may be
 shared); tokens per forward do not depend on the load, ``--tpf-only`` measures only them (one
@@ -60,9 +61,12 @@ def methods(model, args, table=None) -> dict:
         rows["chain_joint"] = our_runner(model, DecodeConfig(**cfg), table)
     for tree in ("static", "dynamic"):
         for b in args.budgets:
-            rows[f"{tree}_{b}"] = our_runner(model, DecodeConfig(**cfg, tree=tree, tree_nodes=str(b)), None)
+            rows[f"{tree}_{b}"] = our_runner(model, DecodeConfig(**cfg, tree=tree, tree_nodes=str(b), drafter="independent"), None)
         if not args.tpf_only:
-            rows[f"{tree}_auto"] = our_runner(model, DecodeConfig(**cfg, tree=tree, tree_nodes="auto"), None)
+            rows[f"{tree}_auto"] = our_runner(model, DecodeConfig(**cfg, tree=tree, tree_nodes="auto", drafter="independent"), None)
+    if table is not None:  # dynamic trees ranked by the co-occurrence-masked joint (the joint drafter's scores)
+        for b in args.budgets:
+            rows[f"dynamic_joint_{b}"] = our_runner(model, DecodeConfig(**cfg, tree="dynamic", tree_nodes=str(b)), table)
     return rows
 
 

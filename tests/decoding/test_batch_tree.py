@@ -19,7 +19,7 @@ from multitoken.base.errors import UsageError
 from multitoken.pipeline.model import ragged
 from multitoken.pipeline.model.assets import load_model
 
-from .conftest import attach
+from .conftest import RatioTable, attach
 from .test_batch import alone, encode
 from .test_exactness import hf_greedy
 from .test_tree import TREE
@@ -51,6 +51,17 @@ def test_sampled_typical_and_penalised_tree_rows_equal_their_runs_alone(tiny_bac
                        tree=tree, tree_nodes="6")
     got = generate_batch(model, prompts, cfg, seeds=seeds)
     assert [r.token_ids for r in got] == alone(model, prompts, cfg, seeds)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_joint_tree_rows_equal_their_runs_alone(tiny_backbones, arch, greedy):
+    model = attach(tiny_backbones[arch], "replicated")
+    prompts = encode(model.backbone)
+    cfg = DecodeConfig(mode="speculative", greedy=greedy, max_new_tokens=14, stop_at_eos=False, tree="dynamic",
+                       tree_nodes="6", draft_k=5)
+    got = generate_batch(model, prompts, cfg, seeds=[3, 1, 4, 1], table=RatioTable())
+    assert [r.token_ids for r in got] == alone(model, prompts, cfg, [3, 1, 4, 1], table=RatioTable())
+    assert all("co-occurrence" in r.trace.tree_accuracies for r in got)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -19,13 +23,18 @@ from multitoken.decoding.tree import (ACCURACY_FILE, Accuracies, Tree, best_firs
                                       fallback_accuracies, read_accuracies)
 from multitoken.decoding.tree_accept import greedy_tree, sampled_tree
 from multitoken.base.errors import UsageError
+from multitoken.decoding.trace import Trace
+from multitoken.decoding.tree_step import TreeSteps
+from multitoken.embedded import EMBEDDED_STATS
 from multitoken.pipeline.model.assets import load_model
+from multitoken.stats.table import CooccurrenceTable
 from multitoken.pipeline.model.incremental import _tree_context
 
-from .conftest import attach
+from .conftest import RatioTable, attach
 from .test_exactness import PROMPTS, hf_greedy, merge_small_cells
 
 # root 5; 7 and 9 its children (head 1's ranks 0, 1); 11 under 7, 13 under 9 (head 2); 17 under 13
+STORIES = ["Once upon a time", "The little dog ran to the park and", "Lily and Ben were playing with a ball. Then"]
 TREE = Tree(tokens=[5, 7, 9, 11, 13, 17], parents=[-1, 0, 0, 1, 2, 4], depths=[0, 1, 1, 2, 2, 3], ranks=[0, 0, 1, 0, 0, 0])
 
 
@@ -92,15 +101,19 @@ def test_kv_compaction_equals_a_fresh_forward_over_the_accepted_text(tiny_backbo
         torch.testing.assert_close(nxt.head_log_probs(i, 0), full[i][:, 0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tree,nodes", [("static", "5"), ("dynamic", "8")])
-def test_greedy_tree_equals_transformers_generate(tiny_backbones, arch, head_type, tree, nodes):
+@pytest.mark.parametrize("tree,nodes,joint", [("static", "5", False), ("dynamic", "8", False), ("dynamic", "8", True)])
+def test_greedy_tree_equals_transformers_generate(tiny_backbones, arch, head_type, tree, nodes, joint):
     backbone = tiny_backbones[arch]
     model = attach(backbone, head_type)
+    table = RatioTable() if joint else None  # joint: the dynamic tree ranks its paths under the mask
     for prompt in PROMPTS[:2]:
         ids = backbone.tokenizer(prompt, return_tensors="pt").input_ids
-        res = generate(model, ids, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=20, tree=tree, tree_nodes=nodes))
+        cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=20, tree=tree, tree_nodes=nodes, draft_k=6,
+                           drafter="joint" if joint else "auto")  # auto: CP heads draft sequentially, no joint
+        res = generate(model, ids, cfg, table=table)
         assert res.token_ids == hf_greedy(backbone, ids, 20), prompt
         assert res.trace.tree == tree and res.trace.tree_nodes == int(nodes)
+        assert ("co-occurrence" in res.trace.tree_accuracies) == joint
 
 
 def test_greedy_tree_with_heads_that_guess_well(tiny_backbones, arch):
@@ -147,16 +160,18 @@ def exact_pairs_penalised(backbone, prompt: list[int], penalty: float) -> torch.
         return torch.stack([p1[a] * dist(prompt + [a]) for a in range(v)])
 
 
-@pytest.mark.parametrize("tree", ["static", "dynamic"])
+@pytest.mark.parametrize("tree", ["static", "dynamic", "joint"])
 def test_sampled_tree_matches_the_base_distribution(small_vocab_backbone, tree):
     model = attach(small_vocab_backbone, "medusa", n_future=2)
     with torch.no_grad():  # head 2 clearly different from the base: its first guess is often wrong
         model.heads.blocks[0][0].linear.weight.normal_(0, 1.0)
     prompt, v, runs = [0, 3, 1], small_vocab_backbone.vocab_size, 400
     counts, ranks = torch.zeros(v, v), {}
+    table = RatioTable() if tree == "joint" else None  # the mask reorders the candidates: still exact
     for seed in range(runs):
         res = generate(model, prompt, DecodeConfig(mode="speculative", temperature=1.0, top_k=v, max_new_tokens=2, seed=seed,
-                                                   stop_at_eos=False, tree=tree, tree_nodes="3"))
+                                                   stop_at_eos=False, tree="dynamic" if tree == "joint" else tree, tree_nodes="3"),
+                       table=table)
         a, b = res.token_ids
         counts[a, b] += 1
         for r, c in res.trace.tree_sibling_ranks.items():
@@ -165,6 +180,52 @@ def test_sampled_tree_matches_the_base_distribution(small_vocab_backbone, tree):
     stat = chisquare(*merge_small_cells(counts.flatten(), expected.flatten()))
     assert stat.pvalue > 1e-3, (counts, expected)
     assert ranks.get(0, 0) > 20 and ranks.get(1, 0) + ranks.get(2, 0) > 20  # siblings past the first were kept
+
+
+def test_joint_tree_takes_the_nodes_of_most_masked_joint_mass():
+    # head 2 guesses ids 4, 5 (0.6, 0.4), head 3 ids 6, 7 (0.7, 0.3); after root 1 the corpus never
+    # saw (1, 4, 6): the joint cells are (4, 7) 0.18, (5, 6) 0.28, (5, 7) 0.12 (/ 0.58), so
+    # node 5 (0.40) comes first, then its child 6 (0.28), then node 4 (0.18: tied with its own child
+    # (4, 7), the shallower first)
+    v = 8
+    ratio = np.ones((v, v, v))
+    ratio[1, 4, 6] = 0.0
+    cfg = DecodeConfig(mode="speculative", greedy=True, temperature=1.0, tree="dynamic", tree_nodes="3", draft_k=2,
+                       drafter="joint").resolved()  # the top-k probabilities as given
+    run = SimpleNamespace(table=RatioTable(ratio), vocab_size=v, kernels=Counter(),
+                          draft_cfg=replace(cfg, static_threshold=False, adaptive_threshold=False))
+    model = SimpleNamespace(heads=SimpleNamespace(), heads_dir=None)
+    steps = TreeSteps(model, cfg, run, 3, Trace())
+    assert steps.joint and steps.ranks == 2
+    scores = np.log([[0.6, 0.4], [0.7, 0.3]])
+    tree = steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2)
+    assert (tree.tokens, tree.parents, tree.depths, tree.ranks) == ([1, 5, 6, 4], [-1, 0, 1, 0], [0, 1, 2, 1], [0, 1, 0, 0])
+    steps.budget = 10  # every node of positive mass, the unseen (4, 6) never
+    assert sorted(steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2).tokens[1:]) == [4, 5, 6, 7, 7]
+    # stats of order 2 cover head 2 only: (1, 4) seen a quarter as often, so 4 has 0.15 / 0.55 and
+    # 5 0.40 / 0.55 of the mass; head 3 multiplies its parent's by its own probability
+    pairs = np.ones((v, v))
+    pairs[1, 4] = 0.25
+    run.table = RatioTable(pairs)
+    run.table.max_order = 2
+    steps = TreeSteps(model, cfg, run, 3, Trace())
+    steps.budget = 4
+    tree = steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2)  # 5 (.73), 5-6 (.51), 4 (.27), 5-7 (.22)
+    assert (tree.tokens, tree.parents, tree.depths, tree.ranks) == ([1, 5, 6, 4, 7], [-1, 0, 1, 0, 1], [0, 1, 2, 1, 2], [0, 1, 0, 0, 1])
+
+
+def test_embedded_joint_trees_accept_more_per_forward_than_the_heads_alone():
+    model, _ = load_model(None)
+    table = CooccurrenceTable.for_tokenizer(EMBEDDED_STATS, model.backbone.tokenizer)
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=48, tree="dynamic", tree_nodes="4")
+    tokens, passes = {}, {}
+    for label, tab in (("heads", None), ("joint", table)):
+        runs = [generate(model, model.backbone.tokenizer.encode(p), cfg, table=tab) for p in STORIES]
+        tokens[label] = [r.token_ids for r in runs]
+        passes[label] = sum(r.trace.forward_passes for r in runs)
+        assert ("co-occurrence" in runs[0].trace.tree_accuracies) == (tab is not None)
+    assert tokens["joint"] == tokens["heads"]  # greedy: the same text
+    assert passes["joint"] < passes["heads"]
 
 
 def test_sibling_rejection_sampling_is_exact_on_one_step():
