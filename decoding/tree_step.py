@@ -5,6 +5,11 @@ from the heads' top guesses at the anchor, run it in one forward pass (tree mask
 positions), keep the path the acceptance rule picks, compact the caches to that path and emit
 its tokens. The next step reads the heads at the path's last node (its row in this pass) and
 starts from the token the verification decided, exactly as the chain loop does.
+
+Host reads per step: a static tree under greedy verification one (its shape is fixed, so its
+tokens are gathered and its path judged on the device); a dynamic tree two (the guesses, which
+shape it, then the argmax per node); sampled and typical trees three (the guesses, the walk's
+inputs, the token drawn after the path).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class TreeSteps:
         if cfg.tree == "static":
             self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget)
         self.joint = joint_scored(cfg, model.heads, run.table) and getattr(run.table, "max_order", 2) >= 2
+        self._shapes: dict = {}  # static greedy: each shape's index tensors on the device
+        self._root: tuple[int, torch.Tensor] | None = None  # the last verdict's token, host value and device copy
         # the joint ranks paths over the joint drafter's candidates (draft_k per head)
         self.ranks = min(cfg.draft_k, cfg.top_k, run.vocab_size) if self.joint else min(MAX_RANKS, self.budget, run.vocab_size)
         self._label(trace)
@@ -56,7 +63,7 @@ class TreeSteps:
     def for_row(self, run, trace) -> "TreeSteps":
         """The same shape / budget for another sequence (a batch row): its own run and trace."""
         row = copy.copy(self)
-        row.run, row.trace = run, trace
+        row.run, row.trace, row._root = run, trace, None
         self._label(trace)
         return row
 
@@ -111,8 +118,10 @@ class TreeSteps:
         # deeper ones (a = parent node, b = rank), each entering when its parent or previous sibling is taken
         frontier = []
         for d in range(1, covered + 1):
-            mass = grid.sum(axis=tuple(range(d, covered))) if d < covered else grid
-            frontier += [(-m, d, 0, f) for f, m in enumerate(mass.ravel()) if m > 0]
+            mass = (grid.sum(axis=tuple(range(d, covered))) if d < covered else grid).ravel()
+            # a node behind ``budget`` others of its level is never taken: only the level's best enter
+            best = np.lexsort((np.arange(mass.size), -mass))[:self.budget]
+            frontier += [(-float(mass[f]), d, 0, int(f)) for f in best if mass[f] > 0]
         heapq.heapify(frontier)
         index = {(0, 0): 0}
         tokens, parents, depths, ranks, masses = [root], [-1], [0], [0], [1.0]
@@ -189,6 +198,8 @@ class TreeSteps:
     # the step ------------------------------------------------------------------------------
     def step(self, out, anchor: int, root: int, depth: int, caches, forward, emit):
         """-> (out, anchor, forced, done), the loop's state after this step."""
+        if self.shape is not None and depth > 0 and self.cfg.mode == "speculative" and self.cfg.greedy:
+            return self.static_greedy_step(out, anchor, root, depth, caches, forward, emit)
         tree = self.propose(out, anchor, root, depth)
         self.trace.model_s, out.model_s = self.trace.model_s + out.model_s, 0.0  # head distributions: model time
         device = self.run.seen.device
@@ -202,6 +213,52 @@ class TreeSteps:
         self.record(verdict)
         done = emit([tree.tokens[i] for i in verdict.path[1:]])
         return out, verdict.path[-1], verdict.next_token, done
+
+    def static_greedy_step(self, out, anchor: int, root: int, depth: int, caches, forward, emit):
+        """``step`` for a static tree under greedy verification, reading the device once: the
+        shape is fixed, so the tokens are gathered from the guesses and the path is judged where
+        they are; the one read brings the tokens, the token after the path and its last node."""
+        shape = self.shape.within(depth)
+        logp = torch.stack([out.head_log_probs(i, anchor)[0] for i in range(1, depth + 1)])  # [depth, V]
+        self.trace.model_s, out.model_s = self.trace.model_s + out.model_s, 0.0  # head distributions: model time
+        guesses = self.guesses(logp, self.run.seen, self.ranks_for(depth))  # [depth, R] on the device
+        at = self._on_device(shape, guesses.device)
+        first = self._root if self._root is not None and self._root[0] == root else (root, torch.tensor([root], device=guesses.device))
+        tokens = torch.cat([first[1], guesses[at["heads"], at["ranks"]]])  # [N]
+        start = caches.length
+        out = forward(tokens, 0, attend=at["attend"], offsets=at["offsets"])
+        seen = self.run.seen if self.cfg.penalty == 1 else tree_seen(self.run.seen, tokens, at["attend"])
+        best = penalised_logits(out.base_logits()[0], seen, self.cfg.penalty).argmax(-1)  # [N]
+        hit = (tokens == best[at["parents"]]) | at["root"]  # [N] a node matches its parent's argmax; the root holds
+        kept = hit
+        for _ in range(depth):  # a node is kept when it and its parent are: one path (siblings differ)
+            kept = hit & kept[at["parents"]]
+        last = (kept * at["level"]).argmax().reshape(1)  # [1] the deepest kept node (a 0-d index would be read)
+        after = best[last]  # [1] the token after the path
+        host = torch.cat([tokens, after, last]).tolist()  # the step's one read
+        self._root = (host[-2], after)  # the next step's root, already on the device
+        tree = Tree(host[:-2], list(shape.parents), list(shape.depths), list(shape.ranks))
+        path = tree.path(host[-1])
+        verdict = TreeVerdict(path, host[-2], [tree.children[tree.parents[n]].index(n) for n in path[1:]])
+        caches.keep(start, verdict.path)  # the accepted path's slots, compacted; the rest forgotten
+        self.record(verdict)
+        done = emit([tree.tokens[i] for i in verdict.path[1:]])
+        return out, verdict.path[-1], verdict.next_token, done
+
+    def _on_device(self, shape: Shape, device) -> dict[str, torch.Tensor]:
+        """The shape's index tensors on ``device``, built once per shape (the last levels of a
+        run's end give smaller ones): the guesses each non-root node takes (head, rank), its
+        parent (the root's is itself), depth + 1, the ancestor mask and the positions."""
+        key = (shape, str(device))
+        if key not in self._shapes:
+            tree = Tree([0] * len(shape), list(shape.parents), list(shape.depths), list(shape.ranks))
+            as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+            self._shapes[key] = {"heads": as_long([d - 1 for d in shape.depths[1:]]), "ranks": as_long(list(shape.ranks[1:])),
+                                 "parents": as_long([max(p, 0) for p in shape.parents]),
+                                 "level": as_long([d + 1 for d in shape.depths]), "root": as_long([1] + [0] * (len(shape) - 1)) > 0,
+                                 "attend": tree.attend(device),
+                                 "offsets": tree.offsets(device)}
+        return self._shapes[key]
 
     def record(self, verdict: TreeVerdict) -> None:
         self.trace.accepted_lengths[len(verdict.path) - 1] += 1

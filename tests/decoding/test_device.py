@@ -314,6 +314,33 @@ def test_a_tree_step_stays_on_the_device_and_reads_it_boundedly(meta_models, tre
     assert len(mode_.reads) == (1 if greedy else 2) and verdict.path[0] == 0
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_a_static_greedy_tree_step_reads_the_device_once(meta_models, penalty):
+    """The whole step of a static tree under greedy verification: tokens gathered from the
+    guesses on the device, the path judged there, one read (tokens, the token after the path,
+    its last node); the next step's root is that verdict's device copy."""
+    model = meta_models["replicated"]
+    vocab = model.backbone.vocab_size
+    cfg = DecodeConfig(mode="speculative", greedy=True, top_k=4, tree="static", tree_nodes="4",
+                       repetition_penalty=penalty).resolved()
+    run = RunState(model, cfg, Sampler(True, 0.7, 4, seed=0, penalty=cfg.penalty, device=META), None,
+                   torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab)
+    steps = TreeSteps(model, cfg, run, 3, Trace(), fallback_accuracies(2))
+    caches = model.new_caches()
+    out = model.step(torch.zeros(1, 4, dtype=torch.long, device=META), caches, read_from=3)
+
+    def forward(new, read_from, **tree):
+        return model.step(new.reshape(1, -1), caches, read_from=read_from, **tree)
+
+    anchor, root = 3, 5
+    for step in range(2):
+        mode = HostReads(META)
+        with mode:
+            out, anchor, root, done = steps.step(out, anchor, root, 2, caches, forward, lambda tokens: False)
+        assert not mode.bad, mode.bad
+        assert mode.reads == [(len(steps.shape) + 2,)] and not done
+
+
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 @pytest.mark.parametrize("rule,greedy,verdict_reads", [("speculative", True, 1), ("speculative", False, 2),
