@@ -172,18 +172,22 @@ def test_batched_tree_rows_equal_generate_and_their_runs_alone_on_cuda(cuda_back
         assert [r.token_ids for r in got] == alone, mode
 
 
-@pytest.mark.parametrize("tree", ["static", "dynamic"])
+@pytest.mark.parametrize("tree", ["static", "dynamic", "joint"])
 def test_greedy_tree_equals_generate_and_sampled_tree_is_seeded_on_cuda(cuda_backbones, arch, head_type, tree):
     """Tree verification on the device: greedy == transformers (float32, every head type),
-    sampled and typical trees give the same output for the same seed."""
+    sampled and typical trees give the same output for the same seed (joint: a dynamic tree
+    ranked under a co-occurrence mask)."""
     backbone = cuda_backbones[(arch, "float32")]
     model = attach(backbone, head_type)
+    table = RatioTable() if tree == "joint" else None
+    opts = dict(tree="dynamic", drafter="joint") if tree == "joint" else dict(tree=tree)
     for prompt in PROMPTS:
         ids = backbone.tokenizer(prompt, return_tensors="pt").input_ids
-        got = generate(model, ids, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=20, tree=tree, tree_nodes="8"))
+        got = generate(model, ids, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=20, tree_nodes="8", **opts),
+                       table=table)
         assert got.token_ids == hf_greedy(backbone, ids, 20), prompt
-        assert got.trace.device.startswith("cuda") and got.trace.tree == tree
+        assert got.trace.device.startswith("cuda") and got.trace.tree == opts["tree"]
     for mode in ("speculative", "typical"):
-        cfg = DecodeConfig(mode=mode, max_new_tokens=20, seed=3, stop_at_eos=False, tree=tree, tree_nodes="8")
-        runs = [generate(model, [1, 5, 9, 4], cfg).token_ids for _ in range(2)]
+        cfg = DecodeConfig(mode=mode, max_new_tokens=20, seed=3, stop_at_eos=False, tree_nodes="8", **opts)
+        runs = [generate(model, [1, 5, 9, 4], cfg, table=table).token_ids for _ in range(2)]
         assert runs[0] == runs[1] and len(runs[0]) == 20, mode
