@@ -2,9 +2,22 @@
 
 The grid is seen as 3-D (order 2: a leading axis of 1). Only the cells above ``sparse.CUT``
 times the largest ("big" cells: ~1k of ~25k on an 18.4M-trigram table at k = 50) can make a
-non-zero pixel, so their coordinates are gathered once; every other per-cell pass walks ``flat``
-in ascending order and divides once per row of the last axis. No per-cell coordinate array is
+non-zero pixel, so their coordinates are gathered once. Two paths compute the same image:
+
+* sparse (``sparse_rows``): each pass only on the row spans it must evaluate, walking back from
+  D, the union of the big cells' 3^n neighbourhoods (median ~5k cells where the box holds the
+  whole 125k-cell grid), over a full-grid input kept zero between calls;
+* box: zero, fill and blur the whole box around the big cells with dense passes.
+
+Both compute opencv's whole-grid value at every cell they report, with the same float32
+operations in the same order, and every cell either leaves out scales to 0 (the CUT argument),
+so they agree bit for bit; ``otsu_keep`` takes the box only when the sparse spans' work (cells
+plus a per-row overhead) exceeds the box's cells. Per-cell passes over ``flat`` walk it in
+ascending order and divide once per row of the last axis. No per-cell coordinate array is
 written (on ~25k cells it cost more than the blur).
+
+numba's disk cache keys a function by its own file only: after editing ``sparse_rows``, delete
+``__pycache__/sparse_otsu*.nb*`` or the cached ``otsu_keep`` keeps the old code.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """The sparse blur of ``sparse_otsu``: each pass evaluated only on the rows (of the last axis) it must.
 
 The 8-bit image can be non-zero only on D, the union of the big cells' 3^n neighbourhoods (see
-``sparse.CUT``). Walking the passes backwards, pass p must be evaluated on S_p: S_last = D, and
-S_{p-1} = S_p grown by one cell along pass p's axis (a 3-tap pass reads its two neighbours;
-reflect-101 only re-reads a cell already in that growth, as index -1 mirrors to 1 and n to n - 2).
-Each S_p is kept as one span [lo, hi) per row (i, j) of the last axis, the hull of its cells in the
-row: on an 18.4M-trigram table at k = 50 the hulls hold ~1.3x the cells of D, where the image's
-box holds ~25x. Rows are indexed inside the blur's box (box row (i, j) at (i - ilo0) * n1 + j - ilo1).
+``sparse.CUT``). Walking the P passes backwards, pass p must be evaluated on stage S_p: S_P = D,
+and S_{p-1} = S_p grown by one cell along pass p's axis (a 3-tap pass reads its two neighbours;
+reflect-101 only re-reads a cell already in that growth, as index -1 mirrors to 1 and n to
+n - 2); S_0 is what pass 1 reads of the input grid, into which only S_0's rows of seen cells are
+scattered (and zeroed again after). Each stage is kept as one span [lo, hi) per row (i, j) of
+the last axis, the hull of its cells in the row: on an 18.4M-trigram table at k = 50 the hulls
+hold ~1.3x the cells of D, where the image's box holds ~25x. Stage arrays are indexed by box row
+(i - ilo0) * n1 + j - ilo1; every stage lies in the box (each axis grows by at most 2 cells).
 
 Exactness: every value a pass computes is opencv's value on the whole grid at that cell (its
 reads are the previous pass's whole-grid values, at the mirrored index on the grid's borders),
@@ -15,6 +17,9 @@ with the same float32 operations ``x * 0.5 + (left + right) * 0.25`` in the same
 inner (out) box, and every cell either path leaves out (box cells outside the hulls, hull cells
 outside D) scales to 0 in the image by the CUT argument. So the histogram, the top and the kept
 cells are the dense path's, bit for bit.
+
+Hot loops are written out in one function each: a numba call taking arrays pays their reference
+counts (~15 ns a call), more than a span's work.
 """
 
 from __future__ import annotations
@@ -44,8 +49,7 @@ def stages(coords, shape, axes, r, ilo, ihi):
     """Stage p = 1..P (P passes) holds pass p's cells, stage 0 the input cells pass 1 reads
     (with no pass, D itself): per stage the spans lo, hi [P + 2, R] over the R box rows (hi 0:
     none), and the listed rows' grid coordinates ri, rj and box rows [P + 2, R], count [P + 2]
-    (stage P + 1: the big cells' own spans, a step towards D). One loop nest, no helper call:
-    a numba call taking arrays pays their reference counts (~15 ns), more than the work."""
+    (stage P + 1: the big cells' own spans, a step towards D)."""
     n1 = ihi[1] - ilo[1]
     R, last = (ihi[0] - ilo[0]) * n1, axes.size
     lo, hi = np.empty((last + 2, R), np.int32), np.zeros((last + 2, R), np.int32)
