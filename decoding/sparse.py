@@ -20,7 +20,8 @@ in their hash block), then reproduces ``dynamic.joint_cells`` on them bit for bi
 Where this is not exact (no table or a stand-in without the layout, alpha_c 0, absent != 0, a
 blur kernel other than 0 / 1 / 3, an axis shorter than 2 under the blur, more than 512 candidates,
 no seen cell), ``joint_cells`` takes the dense path. Kernels: ``sparse_numba`` (its lookup and
-values in ``sparse_lookup``, its blur and Otsu in ``sparse_otsu``) when numba is installed
+values in ``sparse_lookup``, its blur and Otsu in ``sparse_otsu``: there the blur runs only on the
+row spans around the big cells, ``sparse_rows``) when numba is installed
 (``pip install multitoken[fast]``), else the numpy code here.
 """
 

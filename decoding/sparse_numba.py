@@ -17,7 +17,7 @@ import numpy as np
 from . import sparse
 from . import sparse_lookup as lookup
 from .sparse import blur_order, layout
-from .sparse_otsu import otsu_keep
+from .sparse_otsu import AUTO, otsu_keep
 
 
 def scan_arrays(lay) -> tuple[np.ndarray, np.ndarray]:
@@ -76,12 +76,13 @@ def masked_cells(lay, cands, alpha: float) -> tuple[np.ndarray, np.ndarray]:
 _SCRATCH: list[np.ndarray] = []
 
 
-def _scratch(size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two float32 buffers of >= ``size`` cells for the blur, kept between calls: fresh ones of
-    ~0.5 MB each (k = 50, n = 3) cost more in page faults than the whole blur."""
+def _scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two float32 buffers of >= ``size`` cells for the blur and a third of zeros (the sparse
+    path's input grid; ``otsu_keep`` leaves it zero), kept between calls: fresh ones of ~0.5 MB
+    each (k = 50, n = 3) cost more in page faults than the whole blur."""
     if not _SCRATCH or _SCRATCH[0].size < size:
-        _SCRATCH[:] = [np.empty(size, np.float32), np.empty(size, np.float32)]
-    return _SCRATCH[0], _SCRATCH[1]
+        _SCRATCH[:] = [np.empty(size, np.float32), np.empty(size, np.float32), np.zeros(size, np.float32)]
+    return _SCRATCH[0], _SCRATCH[1], _SCRATCH[2]
 
 
 def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
@@ -94,7 +95,8 @@ def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32
         shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
         # opencv's axis order, in the 3-D view's numbering (order 2's axes are 1 and 2 there)
         axes = np.array([a + 3 - len(shape) for a in blur_order(len(shape))] if blur else [], np.int64)
-        kept = otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)), *_scratch(int(np.prod(shape3 + 2))))
+        scratch = _scratch(int(np.prod(shape3 + 2)))
+        kept = otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)), *scratch, AUTO)
         if kept.any():
             return flat[kept], values[kept]
     return flat, values

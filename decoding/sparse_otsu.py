@@ -2,9 +2,22 @@
 
 The grid is seen as 3-D (order 2: a leading axis of 1). Only the cells above ``sparse.CUT``
 times the largest ("big" cells: ~1k of ~25k on an 18.4M-trigram table at k = 50) can make a
-non-zero pixel, so their coordinates are gathered once; every other per-cell pass walks ``flat``
-in ascending order and divides once per row of the last axis. No per-cell coordinate array is
+non-zero pixel, so their coordinates are gathered once. Two paths compute the same image:
+
+* sparse (``sparse_rows``): each pass only on the row spans it must evaluate, walking back from
+  D, the union of the big cells' 3^n neighbourhoods (median ~5k cells where the box holds the
+  whole 125k-cell grid), over a full-grid input kept zero between calls;
+* box: zero, fill and blur the whole box around the big cells with dense passes.
+
+Both compute opencv's whole-grid value at every cell they report, with the same float32
+operations in the same order, and every cell either leaves out scales to 0 (the CUT argument),
+so they agree bit for bit; ``otsu_keep`` takes the box only when the sparse spans' work (cells
+plus a per-row overhead) exceeds the box's cells. Per-cell passes over ``flat`` walk it in
+ascending order and divide once per row of the last axis. No per-cell coordinate array is
 written (on ~25k cells it cost more than the blur).
+
+numba's disk cache keys a function by its own file only: after editing ``sparse_rows``, delete
+``__pycache__/sparse_otsu*.nb*`` or the cached ``otsu_keep`` keeps the old code.
 """
 
 from __future__ import annotations
@@ -12,7 +25,9 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from . import sparse_rows as rows_
 from .sparse import CUT, TINY, otsu_threshold
+from .sparse_rows import next_row
 
 _otsu = nb.njit(cache=True)(otsu_threshold)
 
@@ -64,20 +79,6 @@ def _blur_pass(x, out, axis, lo, full):
 
 
 @nb.njit(cache=True)
-def _next_row(f, row_hi, i, j, shape):
-    """Advance (row end, i, j) to the row of the last axis holding flat index ``f`` (>= the
-    current row's start): cells come in ascending order, so a step per row replaces the two
-    64-bit divisions per row (~40 cycles each), which cost more than all the per-cell work."""
-    while f >= row_hi:
-        row_hi += shape[2]
-        j += 1
-        if j == shape[1]:
-            j = 0
-            i += 1
-    return row_hi, i, j
-
-
-@nb.njit(cache=True)
 def _big_cells(flat, values, shape, cut):
     """Grid coordinates [b, 3] and values [b] of the cells > ``cut``, and their bounds lo, hi [3]."""
     b = 0
@@ -92,7 +93,7 @@ def _big_cells(flat, values, shape, cut):
     u = 0
     for t in range(flat.size):
         if values[t] > cut:
-            row_hi, i, j = _next_row(flat[t], row_hi, i, j, shape)
+            row_hi, i, j = next_row(flat[t], row_hi, i, j, shape)
             l = flat[t] - (row_hi - shape[2])
             coords[u, 0], coords[u, 1], coords[u, 2] = i, j, l
             vals[u] = values[t]
@@ -114,7 +115,7 @@ def _fill(x, flat, values, shape, ilo):
     for t in range(flat.size):
         f = flat[t]
         if f >= row_hi or t == 0:  # a new row (the first cell's may be row 0)
-            row_hi, i, j = _next_row(f, row_hi, i, j, shape)
+            row_hi, i, j = next_row(f, row_hi, i, j, shape)
             c0, c1 = i - ilo[0], j - ilo[1]
             inrow = (np.uint64(c0) < n0) & (np.uint64(c1) < n1)  # unsigned: 0 <= c < n in one compare
             base = ((c0 + 1) * d1 + c1 + 1) * d2 + 1 - ilo[2] - (row_hi - shape[2])
@@ -134,7 +135,7 @@ def _keep(x, flat, shape, ilo, olo, ohi, s, th):
     for t in range(flat.size):
         f = flat[t]
         if f >= row_hi or t == 0:
-            row_hi, i, j = _next_row(f, row_hi, i, j, shape)
+            row_hi, i, j = next_row(f, row_hi, i, j, shape)
             inrow = (np.uint64(i - olo[0]) < w0) & (np.uint64(j - olo[1]) < w1)
             lo2 = row_hi - shape[2]
             base = ((i - ilo[0] + 1) * d1 + j - ilo[1] + 1) * d2 + 1 - ilo[2] - lo2
@@ -143,10 +144,45 @@ def _keep(x, flat, shape, ilo, olo, ohi, s, th):
     return keep
 
 
+AUTO, SPARSE, BOX = 0, 1, 2  # otsu_keep's ``path``: by the size rule, or forced (tests)
+
+
 @nb.njit(cache=True)
-def otsu_keep(flat, values, shape, blur, axes, total, xs, ys):
+def _top(y, coords, big, near, r, shape):
+    """The blurred grid's (flat ``y``) largest cell: it lies next to a cell >= xmax / 8 (see
+    sparse.CUT), so only the neighbourhoods of the big cells >= ``near`` are searched."""
+    top = np.float32(0.0)
+    for u in range(big.size):
+        if big[u] >= near:
+            i0, j0, l0 = coords[u, 0], coords[u, 1], coords[u, 2]
+            for i in range(max(i0 - r, 0), min(i0 + r + 1, shape[0])):
+                for j in range(max(j0 - r, 0), min(j0 + r + 1, shape[1])):
+                    base = (i * shape[1] + j) * shape[2]
+                    for l in range(max(l0 - r, 0), min(l0 + r + 1, shape[2])):
+                        top = max(top, y[base + l])
+    return top
+
+
+@nb.njit(cache=True)
+def _sparse(flat, values, shape, axes, total, xs, ys, zs, coords, big, near, r, ilo, ihi, st):
+    """The image on the stages' spans only (``sparse_rows``); ``zs``: a zero grid, left zero."""
+    start = rows_.row_starts(flat, shape)
+    rows_.scatter(zs, flat, values, start, st, shape, False)
+    y = rows_.blur(zs, xs, ys, axes, shape, st)
+    s = np.float32(255.0 / np.float64(_top(y, coords, big, near, r, shape)))
+    hist, shown = rows_.histogram(y, s, shape, st, axes.size)
+    hist[0] += total - shown
+    kept = rows_.keep(y, flat, start, shape, st, axes.size, s, _otsu(hist, total))
+    rows_.scatter(zs, flat, values, start, st, shape, True)  # zs back to zero
+    return kept
+
+
+@nb.njit(cache=True)
+def otsu_keep(flat, values, shape, blur, axes, total, xs, ys, zs, path):
     """``sparse.otsu_survivors`` on a 3-D view of the grid (order 2: a leading axis of 1);
-    ``xs``, ``ys``: float32 scratch of (k0 + 2)(k1 + 2)(k2 + 2) cells or more."""
+    ``xs``, ``ys``: float32 scratch of (k0 + 2)(k1 + 2)(k2 + 2) cells or more; ``zs``: float32
+    zeros of k0 k1 k2 cells or more, left zero. ``path``: AUTO (the cheaper by a count of cells),
+    SPARSE (each pass on its needed rows' spans) or BOX (dense passes over the box)."""
     xmax = np.float32(0.0)
     for t in range(values.size):
         xmax = max(xmax, values[t])
@@ -160,8 +196,16 @@ def otsu_keep(flat, values, shape, blur, axes, total, xs, ys):
     for a in range(3):
         ilo[a], ihi[a] = max(lo[a] - 2 * r, 0), min(hi[a] + 2 * r, shape[a])
         olo[a], ohi[a] = max(lo[a] - r, 0), min(hi[a] + r, shape[a])
+    # the image's top lies next to a cell >= xmax / 8 (see sparse.CUT): search only there
+    near = xmax * np.float32(0.125) if xmax > TINY else np.float32(0.0)
     # the blur's box, padded by one cell per side (box cell c sits at c + 1)
     d0, d1, d2 = ihi[0] - ilo[0] + 2, ihi[1] - ilo[1] + 2, ihi[2] - ilo[2] + 2
+    if path != BOX:
+        st = rows_.stages(coords, shape, axes, r, ilo, ihi)
+        # measured (k = 50, n = 3): the box path costs ~2 ns per box cell (zeroing, fill, passes,
+        # histogram), the sparse path ~2.2 ns per unit of ``work`` (spans plus per-row overhead)
+        if path == SPARSE or rows_.work(st) < (d0 - 2) * (d1 - 2) * (d2 - 2):
+            return _sparse(flat, values, shape, axes, total, xs, ys, zs, coords, big, near, r, ilo, ihi, st)
     xf, yf = xs[:d0 * d1 * d2], ys[:d0 * d1 * d2]  # ping-pong: each pass writes the other's interior
     xf[:] = 0
     _fill(xf.reshape((d0, d1, d2)), flat, values, shape, ilo)
@@ -171,8 +215,6 @@ def otsu_keep(flat, values, shape, blur, axes, total, xs, ys):
     x = xf.reshape((d0, d1, d2))
     b0, b1, b2 = olo[0] - ilo[0] + 1, olo[1] - ilo[1] + 1, olo[2] - ilo[2] + 1
     e0, e1, e2 = ohi[0] - ilo[0] + 1, ohi[1] - ilo[1] + 1, ohi[2] - ilo[2] + 1
-    # the image's top lies next to a cell >= xmax / 8 (see sparse.CUT): search only there
-    near = xmax * np.float32(0.125) if xmax > TINY else np.float32(0.0)
     top = np.float32(0.0)
     for u in range(big.size):
         if big[u] >= near:

@@ -116,6 +116,64 @@ def test_otsu_on_the_pruned_box_equals_otsu_on_the_whole_grid(shape):
                 np.testing.assert_array_equal(otsu_numba(flat, values, shape, blur), ref)
 
 
+def otsu_kernel(flat, values, shape, blur, path):
+    """The compiled blur + Otsu on a forced path (sparse_otsu.SPARSE or BOX) # -> [m] bool."""
+    from multitoken.decoding import sparse_otsu
+
+    shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
+    axes = np.array([a + 3 - len(shape) for a in sparse.blur_order(len(shape))] if blur else [], np.int64)
+    size = int(np.prod(shape3 + 2))
+    zeros = np.zeros(size, np.float32)
+    scratch = np.full(size, np.nan, np.float32), np.full(size, np.nan, np.float32)  # no read of an unwritten cell
+    keep = sparse_otsu.otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)), *scratch, zeros, path)
+    assert not zeros.any(), "the sparse path must leave its input grid zero"
+    return keep
+
+
+def sparse_grid(rng, shape, kind):
+    """Cells of a sparse grid # -> flat [m] ascending, values [m] > 0: ``scattered`` (big cells on
+    every border and corner: reflect-101), ``cluster`` (a block of big cells at a corner among tiny
+    ones: D small in a large box), ``full`` (every cell within 2x: D fills the box)."""
+    size = int(np.prod(shape))
+    if kind == "full":
+        flat = np.arange(size)
+        return flat, (1 + rng.random(size)).astype(np.float32)
+    m = max(2, size // 6)
+    flat = rng.choice(size, m, replace=False)
+    values = (rng.random(m) * 2.0 ** -rng.integers(12, 40, m)).astype(np.float32)  # below the cut
+    if kind == "scattered":
+        corners = [np.ravel_multi_index(tuple(rng.integers(0, 2, len(shape)) * (np.array(shape) - 1)), shape) for _ in range(4)]
+        edges = [np.ravel_multi_index(tuple(rng.integers(0, n) if rng.random() < 0.5 else n - 1 for n in shape), shape) for _ in range(6)]
+        big = np.array(corners + edges + list(rng.choice(size, 6)))
+    else:
+        block = np.stack(np.meshgrid(*[np.arange(min(3, n)) for n in shape], indexing="ij"), -1).reshape(-1, len(shape))
+        big = np.concatenate([np.ravel_multi_index(block.T, shape), rng.choice(size, 2)])  # the corner block and two outliers
+    flat = np.concatenate([flat, big])
+    values = np.concatenate([values, (rng.random(big.size) * 2.0 ** -rng.integers(0, 6, big.size)).astype(np.float32)])
+    flat, first = np.unique(flat, return_index=True)
+    return flat, values[first]
+
+
+@pytest.mark.skipif("numba" not in KERNELS, reason="needs numba (pip install multitoken[fast])")
+@pytest.mark.parametrize("shape", [(50, 50), (2, 9), (37, 3), (50, 50, 50), (2, 7, 3), (9, 2, 11), (13, 17, 19)])
+@pytest.mark.parametrize("kind", ["scattered", "cluster", "full"])
+def test_sparse_and_box_paths_keep_opencvs_cells(shape, kind):
+    """Both paths of the compiled kernel, each forced, keep the cells opencv keeps on the whole
+    grid (and that the numpy reference keeps), for 2-D and 3-D grids, blur on and off."""
+    from multitoken.decoding import sparse_otsu
+
+    rng = np.random.default_rng(sum(shape) + len(kind))
+    for _ in range(4):
+        flat, values = sparse_grid(rng, shape, kind)
+        grid = np.zeros(shape, np.float32)
+        grid.flat[flat] = values
+        for blur in (True, False):
+            ref = otsu_keep(gaussian_blur(grid, 3) if blur else grid).ravel()[flat]
+            np.testing.assert_array_equal(sparse.otsu_survivors(flat, values, shape, blur), ref)
+            for path in (sparse_otsu.SPARSE, sparse_otsu.BOX, sparse_otsu.AUTO):
+                np.testing.assert_array_equal(otsu_kernel(flat, values, shape, blur, path), ref)
+
+
 def test_kernel_setting_is_checked(monkeypatch):
     with pytest.raises(UsageError, match="unknown dynamic kernel"):
         DecodeConfig(dynamic_kernel="fast").validate(vocab_size=100, n_heads=3)
