@@ -53,11 +53,11 @@ def test_sampled_typical_and_penalised_tree_rows_equal_their_runs_alone(tiny_bac
     assert [r.token_ids for r in got] == alone(model, prompts, cfg, seeds)
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-def test_joint_tree_rows_equal_their_runs_alone(tiny_backbones, arch, greedy):
+@pytest.mark.parametrize("mode,greedy", [("speculative", True), ("speculative", False), ("typical", False)])
+def test_joint_tree_rows_equal_their_runs_alone(tiny_backbones, arch, mode, greedy):
     model = attach(tiny_backbones[arch], "replicated")
     prompts = encode(model.backbone)
-    cfg = DecodeConfig(mode="speculative", greedy=greedy, max_new_tokens=14, stop_at_eos=False, tree="dynamic",
+    cfg = DecodeConfig(mode=mode, greedy=greedy, max_new_tokens=14, stop_at_eos=False, tree="dynamic",
                        tree_nodes="6", draft_k=5)
     got = generate_batch(model, prompts, cfg, seeds=[3, 1, 4, 1], table=RatioTable())
     assert [r.token_ids for r in got] == alone(model, prompts, cfg, [3, 1, 4, 1], table=RatioTable())
