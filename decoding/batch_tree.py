@@ -11,8 +11,11 @@ as its first slots of the step, the rest holes (``DecodeCaches.keep_paths``); th
 anchor is the column of its path's last node in this pass, and the verdict's next token is its
 next root, exactly as in ``loop.generate``.
 
-Host reads per step, whatever the batch size: every row's guesses in one (ids; and scores for
-dynamic trees), and for greedy verification the argmax after every node of every row in one.
+Host reads per step, whatever the batch size: a static tree under greedy verification, every
+row at full depth, one (``static_step``: one shape, so every row's tokens are gathered and its
+path judged on the device; the read brings every row's tokens, last kept node and next token);
+otherwise every row's guesses in one (ids; and scores for dynamic trees), and for greedy
+verification the argmax after every node of every row in one.
 Sampled and typical verification read twice for all rows: every row's walk inputs in one (the
 children's probabilities, uniforms and masses; or the rule's passes), then, after each row's
 walk on the host, every row's token drawn after its path in one. Each row draws from its own
@@ -28,7 +31,7 @@ import torch
 from .batch_steps import Row, next_tokens
 from .sampling import penalised_logits
 from .tree import Tree
-from .tree_accept import TreeVerdict, greedy_tree, read_walks
+from .tree_accept import TreeVerdict, greedy_kept, greedy_tree, read_walks, tree_seen
 from .tree_step import TreeSteps
 
 
@@ -76,6 +79,40 @@ class BatchTrees:
             root, depth = batch[j].commit[0], depths[j]
             trees.append(Tree([root], [-1], [0], [0]) if depth <= 0 else self.of(batch[j]).tree(host[slot], root, depth))
         return trees
+
+    def on_device(self, keep: list[int], depths: dict[int, int]) -> bool:
+        """Whether this step is a static tree under greedy verification at full depth in every
+        row: one shape, so tokens and verdicts stay on the device (``static_step``)."""
+        steps = self.steps
+        return (steps.shape is not None and steps.cfg.mode == "speculative" and steps.cfg.greedy
+                and all(depths[j] == self.order - 1 for j in keep))
+
+    def static_tokens(self, out, batch: list[Row], keep: list[int], anchors: tuple[int, ...]) -> torch.Tensor:
+        """Rows ``keep``'s static trees, their tokens gathered on the device from their heads'
+        guesses # -> [R, N] (no read: the roots are host ids going to the device)."""
+        steps, depth = self.steps, self.order - 1
+        logp = torch.stack([out.anchor_head_log_probs(i, anchors) for i in range(1, depth + 1)], dim=1)  # [B, D, V]
+        index = torch.tensor(keep, dtype=torch.long, device=logp.device)
+        seen = torch.stack([batch[j].run.seen for j in keep])[:, None] if steps.cfg.penalty != 1 else None  # [R, 1, V]
+        guesses = steps.guesses(logp.index_select(0, index), seen, steps.ranks_for(depth))  # [R, D, ranks]
+        roots = torch.tensor([[batch[j].commit[0]] for j in keep], dtype=torch.long, device=logp.device)  # [R, 1]
+        return steps.static_tokens(guesses, roots, steps._on_device(steps.shape, logp.device))
+
+    def static_step(self, forward, batch: list[Row], tokens: torch.Tensor):
+        """One pass over every row's static tree (no pads: one shape) and every row's greedy
+        verdict, in one read for all rows # tokens [B, N] -> (out, N, trees, verdicts)."""
+        steps = self.steps
+        at = steps._on_device(steps.shape, tokens.device)
+        b, n = tokens.shape
+        out = forward(batch, tokens, 0, None, attend=at["attend"].expand(b, n, n), offsets=at["offsets"].expand(b, n))
+        logits = out.base_logits()  # [B, N, V]
+        if steps.cfg.penalty != 1:  # each node's own context: the row's seen tokens and its path
+            seen = torch.stack([tree_seen(row.run.seen, tokens[j], at["attend"]) for j, row in enumerate(batch)])
+            logits = penalised_logits(logits, seen, steps.cfg.penalty)
+        kept = greedy_kept(tokens, logits.argmax(-1), at["parents"], at["level"], at["root"], self.order - 1)  # [B, 2]
+        host = torch.cat([tokens, kept], 1).tolist()  # the step's one read, for every row
+        trees, verdicts = zip(*(steps.static_verdict(steps.shape, row) for row in host))
+        return out, n, list(trees), list(verdicts)
 
     def forward(self, forward, batch: list[Row], trees: list[Tree], device):
         """One pass over every row's tree, right-aligned # -> (out, width, attend [B, T, T])."""
@@ -152,7 +189,8 @@ def tree_loop(trees: BatchTrees, out, batch: list[Row], caches, forward, finish,
         keep = [j for j in live if not batch[j].done]
         if not keep:
             break
-        step_trees = trees.propose(out, batch, keep, anchors, depths)
+        on_device = trees.on_device(keep, depths)  # static greedy at full depth: one read per step
+        step = trees.static_tokens(out, batch, keep, anchors) if on_device else trees.propose(out, batch, keep, anchors, depths)
         for j in live:
             batch[j].trace.model_s += out.model_s  # head distributions: model time
         out.model_s = 0.0
@@ -161,8 +199,12 @@ def tree_loop(trees: BatchTrees, out, batch: list[Row], caches, forward, finish,
             batch[:] = [batch[j] for j in keep]
         caches.compact_if_sparse()
         start = caches.length
-        out, width, attend = trees.forward(forward, batch, step_trees, device)
-        verdicts = trees.verify(out, batch, step_trees, width, attend)
+        if on_device:
+            out, width, step_trees, verdicts = trees.static_step(forward, batch, step)
+        else:
+            step_trees = step
+            out, width, attend = trees.forward(forward, batch, step_trees, device)
+            verdicts = trees.verify(out, batch, step_trees, width, attend)
         paths = [[0] if v is None else v.path for v in verdicts]
         caches.keep_paths(start, [[width - len(t) + i for i in p] for t, p in zip(step_trees, paths)])
         for row, tree, verdict, path in zip(batch, step_trees, verdicts, paths):

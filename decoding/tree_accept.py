@@ -50,6 +50,20 @@ def greedy_tree(tree: Tree, best: list[int]) -> TreeVerdict:
         ranks.append(hit)
 
 
+def greedy_kept(tokens: torch.Tensor, best: torch.Tensor, parents: torch.Tensor, level: torch.Tensor,
+                root: torch.Tensor, depth: int) -> torch.Tensor:
+    """``greedy_tree`` on the device for trees of one shape # tokens, best [..., N] (the base's
+    argmax after each node), the shape's parents (the root's: itself), depth + 1 and root flag
+    [N] -> [..., 2]: the deepest kept node and the token after it. A node is kept when its token
+    is its parent's argmax and its parent is kept: one path, as siblings differ."""
+    hit = (tokens == best[..., parents]) | root  # [..., N]
+    kept = hit
+    for _ in range(depth):
+        kept = hit & kept[..., parents]
+    last = (kept * level).argmax(-1, keepdim=True)  # [..., 1] (a 0-d index would be read)
+    return torch.cat([last, best.gather(-1, last)], -1)
+
+
 def _children_at(tree: Tree, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Each node's row of ``rows`` [N, V] read at its children's tokens # -> [N, W] (W = the most
     children of a node; missing children read column 0 and are never looked at), and W."""

@@ -24,8 +24,8 @@ from .dynamic import Candidates, joint_cells
 from .proposal import joint_drafts, pick_drafter
 from .sampling import penalised_logits
 from .tree import Accuracies, Tree, Shape, auto_budget, best_first, parse_nodes, read_accuracies, MAX_RANKS
-from .tree_accept import (TreeVerdict, greedy_tree, read_walks, sampled_draw, sampled_inputs, sampled_walk, tree_seen,
-                          typical_inputs, typical_walk)
+from .tree_accept import (TreeVerdict, greedy_kept, greedy_tree, read_walks, sampled_draw, sampled_inputs, sampled_walk,
+                          tree_seen, typical_inputs, typical_walk)
 
 
 def joint_scored(cfg, heads, table) -> bool:
@@ -217,33 +217,40 @@ class TreeSteps:
     def static_greedy_step(self, out, anchor: int, root: int, depth: int, caches, forward, emit):
         """``step`` for a static tree under greedy verification, reading the device once: the
         shape is fixed, so the tokens are gathered from the guesses and the path is judged where
-        they are; the one read brings the tokens, the token after the path and its last node."""
+        they are; the one read brings the tokens, the kept path's last node and the token after it."""
         shape = self.shape.within(depth)
         logp = torch.stack([out.head_log_probs(i, anchor)[0] for i in range(1, depth + 1)])  # [depth, V]
         self.trace.model_s, out.model_s = self.trace.model_s + out.model_s, 0.0  # head distributions: model time
         guesses = self.guesses(logp, self.run.seen, self.ranks_for(depth))  # [depth, R] on the device
         at = self._on_device(shape, guesses.device)
         first = self._root if self._root is not None and self._root[0] == root else (root, torch.tensor([root], device=guesses.device))
-        tokens = torch.cat([first[1], guesses[at["heads"], at["ranks"]]])  # [N]
+        tokens = self.static_tokens(guesses, first[1], at)  # [N]
         start = caches.length
         out = forward(tokens, 0, attend=at["attend"], offsets=at["offsets"])
         seen = self.run.seen if self.cfg.penalty == 1 else tree_seen(self.run.seen, tokens, at["attend"])
         best = penalised_logits(out.base_logits()[0], seen, self.cfg.penalty).argmax(-1)  # [N]
-        hit = (tokens == best[at["parents"]]) | at["root"]  # [N] a node matches its parent's argmax; the root holds
-        kept = hit
-        for _ in range(depth):  # a node is kept when it and its parent are: one path (siblings differ)
-            kept = hit & kept[at["parents"]]
-        last = (kept * at["level"]).argmax().reshape(1)  # [1] the deepest kept node (a 0-d index would be read)
-        after = best[last]  # [1] the token after the path
-        host = torch.cat([tokens, after, last]).tolist()  # the step's one read
-        self._root = (host[-2], after)  # the next step's root, already on the device
-        tree = Tree(host[:-2], list(shape.parents), list(shape.depths), list(shape.ranks))
-        path = tree.path(host[-1])
-        verdict = TreeVerdict(path, host[-2], [tree.children[tree.parents[n]].index(n) for n in path[1:]])
+        verdict = greedy_kept(tokens, best, at["parents"], at["level"], at["root"], depth)  # [2]
+        host = torch.cat([tokens, verdict]).tolist()  # the step's one read
+        self._root = (host[-1], verdict[1:])  # the next step's root, already on the device
+        tree, verdict = self.static_verdict(shape, host)
         caches.keep(start, verdict.path)  # the accepted path's slots, compacted; the rest forgotten
         self.record(verdict)
         done = emit([tree.tokens[i] for i in verdict.path[1:]])
         return out, verdict.path[-1], verdict.next_token, done
+
+    @staticmethod
+    def static_tokens(guesses: torch.Tensor, roots: torch.Tensor, at: dict) -> torch.Tensor:
+        """A static tree's tokens from the heads' guesses, on the device # [..., depth, R] and
+        roots [..., 1] -> [..., N]."""
+        return torch.cat([roots, guesses[..., at["heads"], at["ranks"]]], -1)
+
+    @staticmethod
+    def static_verdict(shape: Shape, host: list[int]) -> tuple[Tree, TreeVerdict]:
+        """The tree and verdict from a static greedy step's read: its N tokens, the kept path's
+        last node, the token after it."""
+        tree = Tree(host[:-2], list(shape.parents), list(shape.depths), list(shape.ranks))
+        path = tree.path(host[-2])
+        return tree, TreeVerdict(path, host[-1], [tree.children[tree.parents[n]].index(n) for n in path[1:]])
 
     def _on_device(self, shape: Shape, device) -> dict[str, torch.Tensor]:
         """The shape's index tensors on ``device``, built once per shape (the last levels of a

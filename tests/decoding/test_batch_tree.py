@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from multitoken.decoding.batch import _left_pad, generate_batch
-from multitoken.decoding.batch_tree import attend_rows
+from multitoken.decoding.batch_tree import BatchTrees, attend_rows
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.decoding.tree import Tree
@@ -187,19 +187,24 @@ def test_a_batched_tree_step_reads_the_device_as_often_for_every_batch_size(tiny
                                                                             verdict_reads, rows, monkeypatch):
     """Reads of tensor values per step do not grow with the batch: every row's guesses in one
     read, then greedy: every row's argmax after every node in one; sampled / typical: every
-    row's walk inputs in one and every row's token after its path in one."""
+    row's walk inputs in one and every row's token after its path in one. A static tree under
+    greedy verification at full depth in every row reads once: tokens and verdicts together."""
     model = attach(tiny_backbones["llama"], "replicated")
     prompts = encode(model.backbone)[:rows]
     cfg = DecodeConfig(mode=mode, greedy=greedy, max_new_tokens=12, stop_at_eos=False, tree=tree, tree_nodes="6")
-    reads = []
+    reads, on_device = [], []
+    judged = BatchTrees.on_device
+    monkeypatch.setattr(BatchTrees, "on_device", lambda self, *a: (on_device.append(judged(self, *a)), on_device[-1])[1])
     for name in ("tolist", "cpu", "item", "numpy", "__int__", "__float__", "__bool__", "__index__"):
         counted = (lambda f, n: lambda self, *a, **k: (reads.append(n), f(self, *a, **k))[1])(getattr(torch.Tensor, name), name)
         monkeypatch.setattr(torch.Tensor, name, counted)
     got = generate_batch(model, prompts, cfg, seeds=list(range(rows)))
     steps = max(r.trace.forward_passes for r in got) - 1  # tree passes after the prompts'
-    assert steps >= 3
+    assert steps >= 3 and len(on_device) == steps
+    # static greedy: every step but those where a row's last tokens make its tree shallower
+    assert sum(on_device) >= steps - rows if tree == "static" and greedy else not any(on_device)
     # the prompts once each, as lists; the first roots after the prompts' pass; then per tree step
-    assert len(reads) == len(prompts) + 1 + (1 + verdict_reads) * steps, reads
+    assert len(reads) == len(prompts) + 1 + (1 + verdict_reads) * steps - sum(on_device), reads
 
 
 def test_walk_inputs_of_rows_of_different_shapes_cross_in_one_read(monkeypatch):

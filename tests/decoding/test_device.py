@@ -382,3 +382,32 @@ def test_a_batched_tree_step_stays_on_the_device_and_reads_it_a_fixed_number_of_
     with mode:
         caches.keep_paths(4, [[width - len(t) + i for i in v.path] for t, v in zip(step_trees, verdicts)])
     assert not mode.bad and not mode.reads, (mode.bad, mode.reads)
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_a_batched_static_greedy_step_reads_the_device_once(meta_models, penalty):
+    """Two rows' static trees at full depth: tokens gathered on the device (no read), one pass,
+    every row's kept path and next token judged there, one read for both rows."""
+    model = meta_models["replicated"]
+    vocab = model.backbone.vocab_size
+    cfg = DecodeConfig(mode="speculative", greedy=True, top_k=4, tree="static", tree_nodes="4",
+                       repetition_penalty=penalty).resolved()
+    rows = [Row(b, [1, 2], RunState(model, cfg, Sampler(True, 0.7, 4, seed=b, penalty=cfg.penalty, device=META), None,
+                                    torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab), Trace()) for b in range(2)]
+    trees = BatchTrees(TreeSteps(model, cfg, rows[0].run, 3, rows[0].trace, fallback_accuracies(2)), rows, 3)
+    caches = model.new_caches()
+    out = model.step(torch.zeros(2, 4, dtype=torch.long, device=META), caches, read_from=3)
+    for row in rows:
+        row.commit = [5]
+    assert trees.on_device([0, 1], {0: 2, 1: 2}) and not trees.on_device([0, 1], {0: 2, 1: 1})
+
+    def forward(batch, ids, read_from, lengths, **tree_args):
+        return model.step(ids, caches, read_from=read_from, lengths=lengths, **tree_args)
+
+    mode = HostReads(META)
+    with mode:
+        tokens = trees.static_tokens(out, rows, [0, 1], (3, 3))
+        out, width, step_trees, verdicts = trees.static_step(forward, rows, tokens)
+    assert not mode.bad, mode.bad
+    assert mode.reads == [(2, len(trees.steps.shape) + 2)] and width == len(trees.steps.shape) == len(step_trees[1])
+    assert all(v.path[0] == 0 for v in verdicts)
