@@ -31,7 +31,7 @@ import torch
 from .batch_steps import Row, next_tokens
 from .sampling import penalised_logits
 from .tree import Tree
-from .tree_accept import TreeVerdict, greedy_kept, greedy_tree, read_walks, tree_seen
+from .tree_accept import TreeVerdict, greedy_kept, read_walks, tree_seen, verdict_of
 from .tree_step import TreeSteps
 
 
@@ -63,17 +63,23 @@ class BatchTrees:
     def of(self, row: Row) -> TreeSteps:
         return self.rows[id(row)]
 
+    def guesses(self, out, batch: list[Row], keep: list[int], anchors: tuple[int, ...], depth: int) -> torch.Tensor:
+        """Rows ``keep``'s heads' top guesses at their anchors, on the device (``TreeSteps.guesses``
+        of the first ``depth`` heads, one top-k call for all rows) # -> [R, ...]."""
+        steps = self.steps
+        logp = torch.stack([out.anchor_head_log_probs(i, anchors) for i in range(1, depth + 1)], dim=1)  # [B, D, V]
+        index = torch.tensor(keep, dtype=torch.long, device=logp.device)
+        penalised = steps.cfg.penalty != 1  # only then do the guesses read the rows' contexts
+        seen = torch.stack([batch[j].run.seen for j in keep])[:, None] if penalised else None  # [R, 1, V]
+        return steps.guesses(logp.index_select(0, index), seen, steps.ranks_for(depth))
+
     def propose(self, out, batch: list[Row], keep: list[int], anchors: tuple[int, ...], depths: dict[int, int]) -> list[Tree]:
         """The trees of rows ``keep`` (indices into ``out``'s rows): every row's top guesses in
         one top-k call and one host read, then each row's tree on the host."""
         deep = max(depths.values())
         if deep <= 0:
             return [Tree([batch[j].commit[0]], [-1], [0], [0]) for j in keep]
-        logp = torch.stack([out.anchor_head_log_probs(i, anchors) for i in range(1, deep + 1)], dim=1)  # [B, D, V]
-        index = torch.tensor(keep, dtype=torch.long, device=logp.device)
-        penalised = self.steps.cfg.penalty != 1  # only then do the guesses read the rows' contexts
-        seen = torch.stack([batch[j].run.seen for j in keep])[:, None] if penalised else None  # [R, 1, V]
-        host = self.steps.guesses(logp.index_select(0, index), seen, self.steps.ranks_for(deep)).tolist()
+        host = self.guesses(out, batch, keep, anchors, deep).tolist()
         trees = []
         for slot, j in enumerate(keep):
             root, depth = batch[j].commit[0], depths[j]
@@ -83,20 +89,14 @@ class BatchTrees:
     def on_device(self, keep: list[int], depths: dict[int, int]) -> bool:
         """Whether this step is a static tree under greedy verification at full depth in every
         row: one shape, so tokens and verdicts stay on the device (``static_step``)."""
-        steps = self.steps
-        return (steps.shape is not None and steps.cfg.mode == "speculative" and steps.cfg.greedy
-                and all(depths[j] == self.order - 1 for j in keep))
+        return self.steps.static_greedy and all(depths[j] == self.order - 1 for j in keep)
 
     def static_tokens(self, out, batch: list[Row], keep: list[int], anchors: tuple[int, ...]) -> torch.Tensor:
         """Rows ``keep``'s static trees, their tokens gathered on the device from their heads'
         guesses # -> [R, N] (no read: the roots are host ids going to the device)."""
-        steps, depth = self.steps, self.order - 1
-        logp = torch.stack([out.anchor_head_log_probs(i, anchors) for i in range(1, depth + 1)], dim=1)  # [B, D, V]
-        index = torch.tensor(keep, dtype=torch.long, device=logp.device)
-        seen = torch.stack([batch[j].run.seen for j in keep])[:, None] if steps.cfg.penalty != 1 else None  # [R, 1, V]
-        guesses = steps.guesses(logp.index_select(0, index), seen, steps.ranks_for(depth))  # [R, D, ranks]
-        roots = torch.tensor([[batch[j].commit[0]] for j in keep], dtype=torch.long, device=logp.device)  # [R, 1]
-        return steps.static_tokens(guesses, roots, steps._on_device(steps.shape, logp.device))
+        guesses = self.guesses(out, batch, keep, anchors, self.order - 1)  # [R, D, ranks]
+        roots = torch.tensor([[batch[j].commit[0]] for j in keep], dtype=torch.long, device=guesses.device)  # [R, 1]
+        return self.steps.static_tokens(guesses, roots, self.steps._on_device(self.steps.shape, guesses.device))
 
     def static_step(self, forward, batch: list[Row], tokens: torch.Tensor):
         """One pass over every row's static tree (no pads: one shape) and every row's greedy
@@ -137,9 +137,11 @@ class BatchTrees:
             if steps.cfg.penalty != 1:  # each node's own context: the row's seen tokens and its path
                 seen = torch.stack([self._seen(batch[j], trees[j], attend[j], width) for j in range(len(trees))])
                 logits = penalised_logits(logits, seen, steps.cfg.penalty)
-            best = logits.argmax(-1).tolist()  # [B, T]: the step's one read of the verdicts
+            judging = torch.from_numpy(np.stack([t.judging(width) for t in trees], 1)).to(logits.device)  # [4, B, T]
+            tokens, parents, level, root = judging
+            kept = greedy_kept(tokens, logits.argmax(-1), parents, level, root > 0, self.order - 1).tolist()  # the one read
             for j in judged:
-                verdicts[j] = greedy_tree(trees[j], best[j][width - len(trees[j]):])
+                verdicts[j] = verdict_of(trees[j], *kept[j])
             return verdicts
         for j, verdict in zip(judged, self._walks(logits, batch, trees, judged, width, attend)):
             verdicts[j] = verdict

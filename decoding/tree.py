@@ -80,6 +80,21 @@ class Tree:
         """[N] long: each node's depth (its position after the root's)."""
         return torch.tensor(self.depths, dtype=torch.long, device=device)
 
+    def judging(self, width: int | None = None) -> np.ndarray:
+        """What ``tree_accept.greedy_kept`` reads, right-aligned in ``width`` slots (pads first:
+        their own parents, depth -1, never kept) # -> [4, width] int64: tokens, parents (the
+        root's: itself), depth + 1, root flag."""
+        n = len(self)
+        width = n if width is None else width
+        out = np.zeros((4, width), dtype=np.int64)
+        off = width - n
+        out[1] = np.arange(width)  # pads point at themselves
+        out[0, off:] = self.tokens
+        out[1, off:] = [off + max(p, 0) for p in self.parents]
+        out[2, off:] = [d + 1 for d in self.depths]
+        out[3, off] = 1
+        return out
+
 
 @dataclass(frozen=True)
 class Shape:

@@ -1,8 +1,9 @@
 """Verification of a candidate tree by the base model: which path to keep and the token after it.
 
-Each function walks the tree from the root, reading the base's rows at the nodes
+Each rule keeps a path from the root, reading the base's rows at the nodes
 (``target`` [N, V]: row u is the base's processed distribution after node u's path):
-- greedy: follow the child equal to the base's argmax; stop where none is;
+- greedy (``greedy_kept``, on the device for one tree or a batch of them): follow the child equal
+  to the base's argmax; stop where none is;
 - sampled: recursive rejection sampling over the siblings (SpecInfer / SpecTr). The tree's
   candidates are the heads' top guesses, a deterministic function of the context, so each
   sibling is a draft from a point mass: it is kept with probability p(x) under the current
@@ -38,30 +39,26 @@ def tree_seen(seen: torch.Tensor, tokens: torch.Tensor, attend: torch.Tensor) ->
     return seen | (hits.scatter_add_(1, index, attend.to(seen.device).long()) > 0)
 
 
-def greedy_tree(tree: Tree, best: list[int]) -> TreeVerdict:
-    """``best`` [N]: the base's (penalised) argmax after each node."""
-    path, ranks, node = [0], [], 0
-    while True:
-        hit = next((i for i, c in enumerate(tree.children[node]) if tree.tokens[c] == best[node]), None)
-        if hit is None:
-            return TreeVerdict(path, best[node], ranks)
-        node = tree.children[node][hit]
-        path.append(node)
-        ranks.append(hit)
-
-
 def greedy_kept(tokens: torch.Tensor, best: torch.Tensor, parents: torch.Tensor, level: torch.Tensor,
                 root: torch.Tensor, depth: int) -> torch.Tensor:
-    """``greedy_tree`` on the device for trees of one shape # tokens, best [..., N] (the base's
-    argmax after each node), the shape's parents (the root's: itself), depth + 1 and root flag
-    [N] -> [..., 2]: the deepest kept node and the token after it. A node is kept when its token
-    is its parent's argmax and its parent is kept: one path, as siblings differ."""
-    hit = (tokens == best[..., parents]) | root  # [..., N]
+    """Greedy verification on the device # tokens, best [..., N] (the base's argmax after each
+    node), parents [..., N] or [N] (the root's: itself), depth + 1 and root flag (as
+    ``Tree.judging``) -> [..., 2]: the deepest kept node (its index in its tree: pads, depth + 1
+    = 0, not counted) and the token after it. A node is kept when its token is its parent's
+    argmax and its parent is kept: the longest matching path, one at most, as siblings differ."""
+    parents = parents.expand(best.shape)
+    hit = (tokens == best.gather(-1, parents)) | root  # [..., N]
     kept = hit
     for _ in range(depth):
-        kept = hit & kept[..., parents]
-    last = (kept * level).argmax(-1, keepdim=True)  # [..., 1] (a 0-d index would be read)
-    return torch.cat([last, best.gather(-1, last)], -1)
+        kept = hit & kept.gather(-1, parents)
+    last = (kept * level).argmax(-1, keepdim=True)  # [..., 1] its slot (a 0-d index would be read)
+    return torch.cat([last - (level == 0).sum(-1, keepdim=True), best.gather(-1, last)], -1)
+
+
+def verdict_of(tree: Tree, last: int, after: int) -> TreeVerdict:
+    """The verdict of a path ending at node ``last``, ``after`` the token that follows it."""
+    path = tree.path(last)
+    return TreeVerdict(path, after, [tree.children[tree.parents[n]].index(n) for n in path[1:]])
 
 
 def _children_at(tree: Tree, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -131,13 +128,6 @@ def sampled_draw(tree: Tree, target: torch.Tensor, node: int, sampler) -> torch.
     return sampler.draw(residual)
 
 
-def sampled_tree(tree: Tree, target: torch.Tensor, sampler) -> TreeVerdict:
-    """``target`` [N, V]: the processed distribution after each node; draws from ``sampler``.
-    Reads the device twice: the walk's inputs, then the token drawn after the path."""
-    path, ranks = sampled_walk(tree, read_walks([sampled_inputs(tree, target, sampler)])[0])
-    return TreeVerdict(path, sampled_draw(tree, target, path[-1], sampler).tolist(), ranks)
-
-
 def typical_inputs(tree: Tree, rule_probs: torch.Tensor, eps: float, delta: float) -> torch.Tensor:
     """Whether each node's children pass the rule # -> [N, W] bool on the device (``rule_probs``
     [N, V]: the whole-vocabulary distribution the rule reads, Medusa's)."""
@@ -167,10 +157,3 @@ def typical_walk(tree: Tree, passes: list[list[bool]]) -> tuple[list[int], list[
         i, node = max(kids, key=lambda ic: (longest[ic[1]], -ic[0]))
         path.append(node)
         ranks.append(i)
-
-
-def typical_tree(tree: Tree, target: torch.Tensor, rule_probs: torch.Tensor, sampler,
-                 eps: float, delta: float) -> TreeVerdict:
-    """``target`` [N, V] the token after the path is drawn from; ``rule_probs`` [N, V] the rule reads."""
-    path, ranks = typical_walk(tree, read_walks([typical_inputs(tree, rule_probs, eps, delta)])[0])
-    return TreeVerdict(path, sampler.draw(target[path[-1]]).tolist(), ranks)

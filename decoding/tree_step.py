@@ -24,8 +24,8 @@ from .dynamic import Candidates, joint_cells
 from .proposal import joint_drafts, pick_drafter
 from .sampling import penalised_logits
 from .tree import Accuracies, Tree, Shape, auto_budget, best_first, parse_nodes, read_accuracies, MAX_RANKS
-from .tree_accept import (TreeVerdict, greedy_kept, greedy_tree, read_walks, sampled_draw, sampled_inputs, sampled_walk,
-                          tree_seen, typical_inputs, typical_walk)
+from .tree_accept import (TreeVerdict, greedy_kept, read_walks, sampled_draw, sampled_inputs, sampled_walk, tree_seen,
+                          typical_inputs, typical_walk, verdict_of)
 
 
 def joint_scored(cfg, heads, table) -> bool:
@@ -54,6 +54,11 @@ class TreeSteps:
         # the joint ranks paths over the joint drafter's candidates (draft_k per head)
         self.ranks = min(cfg.draft_k, cfg.top_k, run.vocab_size) if self.joint else min(MAX_RANKS, self.budget, run.vocab_size)
         self._label(trace)
+
+    @property
+    def static_greedy(self) -> bool:
+        """A static tree under greedy verification: its steps stay on the device but for one read."""
+        return self.shape is not None and self.cfg.mode == "speculative" and self.cfg.greedy
 
     def _label(self, trace) -> None:
         trace.tree, trace.tree_nodes = self.cfg.tree, self.budget
@@ -158,7 +163,9 @@ class TreeSteps:
         (greedy: the argmax after each node) or twice (the walk's inputs; the token after the
         path), with the same pieces a batch uses for all its rows at once (``batch_tree.py``)."""
         if self.cfg.mode == "speculative" and self.cfg.greedy:
-            return greedy_tree(tree, self.best(logits, tree, attend).tolist())
+            tokens, parents, level, root = torch.from_numpy(tree.judging()).to(logits.device)
+            kept = greedy_kept(tokens, self.best(logits, tree, attend), parents, level, root > 0, max(tree.depths))
+            return verdict_of(tree, *kept.tolist())
         inputs, target = self.walk_inputs(logits, tree, attend)
         path, ranks = self.walk(tree, read_walks([inputs])[0])
         return TreeVerdict(path, self.draw(tree, target, path[-1]).tolist(), ranks)
@@ -198,7 +205,7 @@ class TreeSteps:
     # the step ------------------------------------------------------------------------------
     def step(self, out, anchor: int, root: int, depth: int, caches, forward, emit):
         """-> (out, anchor, forced, done), the loop's state after this step."""
-        if self.shape is not None and depth > 0 and self.cfg.mode == "speculative" and self.cfg.greedy:
+        if self.static_greedy and depth > 0:
             return self.static_greedy_step(out, anchor, root, depth, caches, forward, emit)
         tree = self.propose(out, anchor, root, depth)
         self.trace.model_s, out.model_s = self.trace.model_s + out.model_s, 0.0  # head distributions: model time
@@ -229,9 +236,9 @@ class TreeSteps:
         out = forward(tokens, 0, attend=at["attend"], offsets=at["offsets"])
         seen = self.run.seen if self.cfg.penalty == 1 else tree_seen(self.run.seen, tokens, at["attend"])
         best = penalised_logits(out.base_logits()[0], seen, self.cfg.penalty).argmax(-1)  # [N]
-        verdict = greedy_kept(tokens, best, at["parents"], at["level"], at["root"], depth)  # [2]
-        host = torch.cat([tokens, verdict]).tolist()  # the step's one read
-        self._root = (host[-1], verdict[1:])  # the next step's root, already on the device
+        kept = greedy_kept(tokens, best, at["parents"], at["level"], at["root"], depth)  # [2]
+        host = torch.cat([tokens, kept]).tolist()  # the step's one read
+        self._root = (host[-1], kept[1:])  # the next step's root, already on the device
         tree, verdict = self.static_verdict(shape, host)
         caches.keep(start, verdict.path)  # the accepted path's slots, compacted; the rest forgotten
         self.record(verdict)
@@ -249,22 +256,20 @@ class TreeSteps:
         """The tree and verdict from a static greedy step's read: its N tokens, the kept path's
         last node, the token after it."""
         tree = Tree(host[:-2], list(shape.parents), list(shape.depths), list(shape.ranks))
-        path = tree.path(host[-2])
-        return tree, TreeVerdict(path, host[-1], [tree.children[tree.parents[n]].index(n) for n in path[1:]])
+        return tree, verdict_of(tree, host[-2], host[-1])
 
     def _on_device(self, shape: Shape, device) -> dict[str, torch.Tensor]:
         """The shape's index tensors on ``device``, built once per shape (the last levels of a
-        run's end give smaller ones): the guesses each non-root node takes (head, rank), its
-        parent (the root's is itself), depth + 1, the ancestor mask and the positions."""
+        run's end give smaller ones): the guesses each non-root node takes (head, rank),
+        ``Tree.judging``'s parents, depth + 1 and root flag, the ancestor mask and positions."""
         key = (shape, str(device))
         if key not in self._shapes:
             tree = Tree([0] * len(shape), list(shape.parents), list(shape.depths), list(shape.ranks))
-            as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-            self._shapes[key] = {"heads": as_long([d - 1 for d in shape.depths[1:]]), "ranks": as_long(list(shape.ranks[1:])),
-                                 "parents": as_long([max(p, 0) for p in shape.parents]),
-                                 "level": as_long([d + 1 for d in shape.depths]), "root": as_long([1] + [0] * (len(shape) - 1)) > 0,
-                                 "attend": tree.attend(device),
-                                 "offsets": tree.offsets(device)}
+            _, parents, level, root = torch.from_numpy(tree.judging()).to(device)
+            self._shapes[key] = {"heads": torch.tensor([d - 1 for d in shape.depths[1:]], device=device),
+                                 "ranks": torch.tensor(list(shape.ranks[1:]), device=device),
+                                 "parents": parents, "level": level, "root": root > 0,
+                                 "attend": tree.attend(device), "offsets": tree.offsets(device)}
         return self._shapes[key]
 
     def record(self, verdict: TreeVerdict) -> None:

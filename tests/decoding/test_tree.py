@@ -21,7 +21,8 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.decoding.tree import (ACCURACY_FILE, Accuracies, Tree, best_first, expected_accepted,
                                       fallback_accuracies, read_accuracies)
-from multitoken.decoding.tree_accept import greedy_tree, sampled_tree
+from multitoken.decoding.tree_accept import (greedy_kept, read_walks, sampled_draw, sampled_inputs, sampled_walk,
+                                             verdict_of)
 from multitoken.base.errors import UsageError
 from multitoken.decoding.trace import Trace
 from multitoken.decoding.tree_step import TreeSteps
@@ -246,10 +247,16 @@ def test_sibling_rejection_sampling_is_exact_on_one_step():
     tree = Tree([0, 1, 3, 2], [-1, 0, 0, 0], [0, 1, 1, 1], [0, 0, 1, 2])
     sampler, counts = Fixed(), torch.zeros(4)
     for _ in range(4000):
-        v = sampled_tree(tree, p.expand(4, 4), sampler)
-        counts[tree.tokens[v.path[-1]] if len(v.path) > 1 else v.next_token] += 1
+        path, _ = sampled_walk(tree, read_walks([sampled_inputs(tree, p.expand(4, 4), sampler)])[0])
+        after = int(sampled_draw(tree, p.expand(4, 4), path[-1], sampler))
+        counts[tree.tokens[path[-1]] if len(path) > 1 else after] += 1
     assert chisquare(counts.numpy(), (p[0] * 4000).numpy()).pvalue > 1e-3
-    assert greedy_tree(tree, [1, 0, 0, 0]).path == [0, 1] and greedy_tree(tree, [2, 0, 0, 0]).path == [0, 3]
+
+    def greedy(best):
+        tokens, parents, level, root = torch.from_numpy(tree.judging())
+        return verdict_of(tree, *greedy_kept(tokens, torch.tensor(best), parents, level, root > 0, 1).tolist())
+
+    assert greedy([1, 0, 0, 0]).path == [0, 1] and greedy([2, 0, 0, 0]).path == [0, 3]
 
 
 # accuracies, options, trace -------------------------------------------------------------------
