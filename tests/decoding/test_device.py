@@ -341,6 +341,20 @@ def test_a_static_greedy_tree_step_reads_the_device_once(meta_models, penalty):
         assert mode.reads == [(len(steps.shape) + 2,)] and not done
 
 
+def meta_tree_batch(model, cfg):
+    """Two rows of a batched tree run on meta-device heads after a 4-token pass, each with the
+    committed token 5 # -> rows, BatchTrees, caches, the pass's output."""
+    vocab = model.backbone.vocab_size
+    rows = [Row(b, [1, 2], RunState(model, cfg, Sampler(cfg.greedy, 0.7, 4, seed=b, penalty=cfg.penalty, device=META), None,
+                                    torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab), Trace()) for b in range(2)]
+    trees = BatchTrees(TreeSteps(model, cfg, rows[0].run, 3, rows[0].trace, fallback_accuracies(2)), rows, 3)
+    caches = model.new_caches()
+    out = model.step(torch.zeros(2, 4, dtype=torch.long, device=META), caches, read_from=3)
+    for row in rows:
+        row.commit = [5]
+    return rows, trees, caches, out
+
+
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 @pytest.mark.parametrize("rule,greedy,verdict_reads", [("speculative", True, 1), ("speculative", False, 2),
@@ -351,15 +365,8 @@ def test_a_batched_tree_step_stays_on_the_device_and_reads_it_a_fixed_number_of_
     one read, the forward pass and the kept paths on the device, every row's verdict in one
     (greedy) or two (sampled / typical: every row's walk inputs, then every row's final token)."""
     model = meta_models["replicated"]
-    vocab = model.backbone.vocab_size
     cfg = DecodeConfig(mode=rule, greedy=greedy, top_k=4, tree=tree, tree_nodes="4", repetition_penalty=penalty).resolved()
-    rows = [Row(b, [1, 2], RunState(model, cfg, Sampler(greedy, 0.7, 4, seed=b, penalty=penalty, device=META), None,
-                                    torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab), Trace()) for b in range(2)]
-    trees = BatchTrees(TreeSteps(model, cfg, rows[0].run, 3, rows[0].trace, fallback_accuracies(2)), rows, 3)
-    caches = model.new_caches()
-    out = model.step(torch.zeros(2, 4, dtype=torch.long, device=META), caches, read_from=3)
-    for row in rows:
-        row.commit = [5]
+    rows, trees, caches, out = meta_tree_batch(model, cfg)
     mode = HostReads(META)
     with mode:
         step_trees = trees.propose(out, rows, [0, 1], (3, 3), {0: 2, 1: 1})
@@ -389,16 +396,9 @@ def test_a_batched_static_greedy_step_reads_the_device_once(meta_models, penalty
     """Two rows' static trees at full depth: tokens gathered on the device (no read), one pass,
     every row's kept path and next token judged there, one read for both rows."""
     model = meta_models["replicated"]
-    vocab = model.backbone.vocab_size
     cfg = DecodeConfig(mode="speculative", greedy=True, top_k=4, tree="static", tree_nodes="4",
                        repetition_penalty=penalty).resolved()
-    rows = [Row(b, [1, 2], RunState(model, cfg, Sampler(True, 0.7, 4, seed=b, penalty=cfg.penalty, device=META), None,
-                                    torch.zeros(vocab, dtype=torch.bool, device=META), None, vocab), Trace()) for b in range(2)]
-    trees = BatchTrees(TreeSteps(model, cfg, rows[0].run, 3, rows[0].trace, fallback_accuracies(2)), rows, 3)
-    caches = model.new_caches()
-    out = model.step(torch.zeros(2, 4, dtype=torch.long, device=META), caches, read_from=3)
-    for row in rows:
-        row.commit = [5]
+    rows, trees, caches, out = meta_tree_batch(model, cfg)
     assert trees.on_device([0, 1], {0: 2, 1: 2}) and not trees.on_device([0, 1], {0: 2, 1: 1})
 
     def forward(batch, ids, read_from, lengths, **tree_args):
