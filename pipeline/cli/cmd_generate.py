@@ -15,10 +15,9 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from multitoken.pipeline.model.backbone import BackboneConfig
-from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, is_default_base
+from multitoken.embedded import shipped_assets
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import config_dict, save_resolved_config
 from multitoken.base.errors import UsageError
@@ -46,9 +45,11 @@ def register(sub) -> None:
     base_from_heads(parser)
 
 
-def _embedded(base: str, shipped: Path) -> str | None:
-    """The shipped asset when decoding the embedded base (it fits no other)."""
-    return str(shipped) if is_default_base(base) and shipped.is_dir() else None
+def _shipped(base: str, which: int) -> str | None:
+    """The heads (0) or stats (1) shipped for ``base`` (the embedded default, the fetched
+    SmolLM2), when present: they fit no other base."""
+    assets = shipped_assets(base)
+    return str(assets[which]) if assets and assets[which].is_dir() else None
 
 
 def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
@@ -56,7 +57,7 @@ def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
     without ``--heads``, the embedded heads on the embedded base, else the base alone."""
     from multitoken.pipeline.model.assets import load_base_only, load_model  # lazy: torch
 
-    heads = cfg.heads or _embedded(base_cfg.base, EMBEDDED_HEADS)
+    heads = cfg.heads or _shipped(base_cfg.base, 0)
     if heads is None:
         return load_base_only(base_cfg), None
     return load_model(heads, **dataclasses.asdict(base_cfg))
@@ -119,7 +120,7 @@ def run(args) -> None:
     fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
     base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
     model, heads = _load(cfg, base_cfg)
-    stats = cfg.stats or _embedded(base_cfg.base, EMBEDDED_STATS)
+    stats = cfg.stats or _shipped(base_cfg.base, 1)
     table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
                     max_order=stats_order_cap(decode, model.n_future, table, False))
@@ -169,7 +170,7 @@ def run_file(args, cfg: GenerateConfig, decode, base_cfg: BackboneConfig) -> Non
     prepare_output_file(cfg.out, overwrite=args.overwrite, inputs=(cfg.prompts, base_cfg.base), sidecars=(".config.json",),
                         command="generate")
     model, heads = _load(cfg, base_cfg)
-    stats = cfg.stats or _embedded(base_cfg.base, EMBEDDED_STATS)
+    stats = cfg.stats or _shipped(base_cfg.base, 1)
     table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
                     max_order=stats_order_cap(decode, model.n_future, table, False))

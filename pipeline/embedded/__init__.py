@@ -12,6 +12,11 @@ EMBEDDED_DIR = Path(__file__).resolve().parent
 DEFAULT_BASE = EMBEDDED_DIR / "stories260K"
 EMBEDDED_HEADS = EMBEDDED_DIR / "stories260K-heads"  # trained heads for DEFAULT_BASE
 EMBEDDED_STATS = EMBEDDED_DIR / "stories260K-stats"  # co-occurrence stats of its tokenizer
+# The real model (``multitoken fetch smollm2``): heads and stats trained for it ship here too.
+SMOLLM2 = "SmolLM2-135M-Instruct"
+SMOLLM2_HEADS = EMBEDDED_DIR / f"{SMOLLM2}-heads"  # 3 replicated heads (bf16)
+SMOLLM2_MEDUSA = EMBEDDED_DIR / f"{SMOLLM2}-medusa"  # 3 Medusa heads (bf16)
+SMOLLM2_STATS = EMBEDDED_DIR / f"{SMOLLM2}-stats"  # co-occurrence stats of its tokenizer
 
 
 def default_base() -> str:
@@ -22,17 +27,32 @@ def default_base() -> str:
 EMBEDDED_PREFIX = "embedded:"
 
 
+FETCHED_PREFIX = "fetched:"
+
+
+def cache_dir() -> Path:
+    """Where ``multitoken fetch`` keeps converted models: ``$MULTITOKEN_CACHE``, else
+    ``$XDG_CACHE_HOME/multitoken``, else ``~/.cache/multitoken``."""
+    import os
+
+    root = os.environ.get("MULTITOKEN_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multitoken"
+    return Path(root).expanduser()
+
+
+def fetched_dir(name: str) -> Path:
+    """The checkpoint directory ``multitoken fetch NAME`` writes (it may not exist yet)."""
+    return cache_dir() / "models" / name
+
+
 def resolve_base(name: str) -> str:
-    """``embedded:NAME`` -> the packaged model's directory. Heads shipped in the package name
-    their base this way, since the install path differs between machines."""
+    """``embedded:NAME`` -> the packaged model's directory; ``fetched:NAME`` -> the checkpoint
+    ``multitoken fetch NAME`` converted into the cache. Heads shipped in the package name their
+    base this way, since the install and cache paths differ between machines."""
     if name.startswith(EMBEDDED_PREFIX):
         return str(EMBEDDED_DIR / name[len(EMBEDDED_PREFIX):])
+    if name.startswith(FETCHED_PREFIX):
+        return str(fetched_dir(name[len(FETCHED_PREFIX):]))
     return name
-
-
-def is_default_base(name: str) -> bool:
-    """True when ``name`` (a path or ``embedded:NAME``) is the embedded default base."""
-    return Path(resolve_base(str(name))).resolve() == DEFAULT_BASE
 
 
 def portable_base(name: str) -> str:
@@ -41,4 +61,20 @@ def portable_base(name: str) -> str:
     path = Path(name).expanduser()
     if path.exists() and path.resolve().parent == EMBEDDED_DIR:
         return EMBEDDED_PREFIX + path.resolve().name
+    if path.exists() and path.resolve().parent == fetched_dir("x").resolve().parent:
+        return FETCHED_PREFIX + path.resolve().name
     return name
+
+
+def shipped_assets(name: str) -> tuple[Path, Path] | None:
+    """``(heads, stats)`` the package ships for the base ``name`` (the embedded default, or the
+    fetched SmolLM2 checkpoint), None for any other base: they fit no other."""
+    path = Path(resolve_base(str(name))).expanduser()
+    if not path.exists():
+        return None
+    if path.resolve() == DEFAULT_BASE:
+        return EMBEDDED_HEADS, EMBEDDED_STATS
+    if path.resolve() == fetched_dir(SMOLLM2).resolve():
+        return SMOLLM2_HEADS, SMOLLM2_STATS
+    return None
+

@@ -3,7 +3,7 @@ defaults (trained heads and stats), and co-occurrence stats. One loader for ever
 
 from __future__ import annotations
 
-from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS, default_base, is_default_base
+from multitoken.embedded import EMBEDDED_HEADS, default_base, shipped_assets
 from multitoken.base.errors import UsageError
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.heads_io import read_heads_config
@@ -22,8 +22,10 @@ def default_heads() -> str | None:
 
 
 def default_stats(backbone) -> str | None:
-    """The embedded stats, but only for the embedded base (another tokenizer would not match)."""
-    return str(EMBEDDED_STATS) if is_default_base(backbone.name) and EMBEDDED_STATS.is_dir() else None
+    """The stats shipped for this base (the embedded default, the fetched SmolLM2), else None:
+    another tokenizer would not match."""
+    assets = shipped_assets(backbone.name)
+    return str(assets[1]) if assets and assets[1].is_dir() else None
 
 
 def backbone_config(heads: str | None, base: str | None = None, **fields):

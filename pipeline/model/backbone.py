@@ -205,6 +205,9 @@ class Backbone:
         # Linear layers a quantized load kept in float: no kernel of the device takes their
         # shape (name -> (out_features, in_features)); see pipeline/model/quantization.py.
         self.float_layers: dict[str, tuple[int, int]] = {}
+        # sha256 of the GGUF file the weights came from (loaded directly, or converted by
+        # `multitoken fetch`): the base's identity beyond what the embedding probe shows.
+        self.source_sha256: str | None = None
 
     # Generic access ---------------------------------------------------------------------
     @property
@@ -347,6 +350,7 @@ class Backbone:
             "hidden_size": int(self.hidden_size),
             "num_layers": int(self.num_layers),
             "embedding_probe": [round(float(x), 6) for x in probe],
+            **({"source_sha256": self.source_sha256} if self.source_sha256 else {}),
         }
 
 
@@ -355,6 +359,8 @@ def fingerprints_match(a: dict, b: dict, rtol: float = 2e-2) -> bool:
     keys = ("model_type", "vocab_size", "hidden_size", "num_layers")
     if any(a.get(k) != b.get(k) for k in keys):
         return False
+    if a.get("source_sha256") and b.get("source_sha256") and a["source_sha256"] != b["source_sha256"]:
+        return False  # two different GGUF files (say two quantizations of one model)
     pa, pb = torch.tensor(a["embedding_probe"]), torch.tensor(b["embedding_probe"])
     if pa.shape != pb.shape:
         return False
@@ -400,10 +406,32 @@ def load_backbone(
         model = model.to(config.device)
     model = _attach_lora(model, spec, lora, lora_adapter, trainable_lora)
     model.eval()
-    backbone = Backbone(model, load_tokenizer(base), base, config)
+    name = str(Path(base) / hub_kwargs["gguf_file"]) if "gguf_file" in hub_kwargs else base
+    backbone = Backbone(model, load_tokenizer(name), name, config)
+    backbone.source_sha256 = source_sha256(base, hub_kwargs)
     if qplan is not None:
         backbone.float_layers = dict(qplan.left_float)
     return backbone
+
+
+def source_sha256(base: str, hub_kwargs: dict) -> str | None:
+    """sha256 of the GGUF file behind ``base``: the file itself, or the one a converted
+    checkpoint's ``conversion.json`` names (written by ``multitoken fetch``)."""
+    from multitoken.base.hub import file_sha256
+
+    if "gguf_file" in hub_kwargs:
+        path = Path(base) / hub_kwargs["gguf_file"]
+        st = path.stat()
+        return file_sha256(str(path), st.st_size, st.st_mtime_ns)
+    record = Path(base) / "conversion.json"
+    if record.is_file():
+        import json
+
+        try:
+            return json.loads(record.read_text()).get("gguf_sha256")
+        except (ValueError, AttributeError):
+            return None
+    return None
 
 
 def _attach_lora(model, spec: ArchSpec, lora: LoraSpec | None, adapter: str | None, trainable: bool):
