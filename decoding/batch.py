@@ -105,7 +105,8 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     ``tree_accuracies`` as for ``loop.generate``."""
     cfg = cfg or DecodeConfig()
     vocab = model.backbone.vocab_size
-    cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False))
+    cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False),
+                 table=table)
     cfg = cfg.resolved()
     prompts = prompt_rows(prompts, attention_mask)
     if not prompts:

@@ -104,7 +104,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     """
     cfg = cfg or DecodeConfig()
     vocab = model.backbone.vocab_size
-    cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False))
+    cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False),
+                 table=table)
     cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1).to(model.backbone.device)
     if ids.shape[1] == 0:
