@@ -20,6 +20,7 @@ from .dynamic import always_backs_off, dynamic_propose
 from .proposal import Drafts, HeadScores, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
 from .sparse_step import prepare_kernel
+from .text import continuation_text
 from .timing import clock_for
 from .trace import Trace
 from .tree_step import TreeSteps
@@ -228,5 +229,5 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     trace.dynamic_kernel = run.kernels
     trace.new_tokens = len(out_ids)
     tok = model.backbone.tokenizer
-    text = tok.decode(out_ids, skip_special_tokens=True) if tok is not None else ""
+    text = continuation_text(tok, ids[0].tolist(), out_ids) if tok is not None else ""
     return DecodeResult(out_ids, text, trace, ids[0].tolist())
