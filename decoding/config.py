@@ -100,7 +100,7 @@ class DecodeConfig:
             raise UsageError(f"--draft-k must be >= 1, got {self.draft_k}")
         if not 0 <= self.alpha_c <= MAX_ALPHA_C:
             raise UsageError(f"--alpha-c must be in [0, {MAX_ALPHA_C}], got {self.alpha_c:g}",
-                             "DynaMo uses 1 (0 turns the mask off); past 64 even a ratio of 4 overflows float32")
+                             "DynaMo uses 1 (0 turns the mask off); 4 ** 64 already overflows float32")
         check_alpha(self.alpha_c, table)
         if not self.penalty >= 1:
             raise UsageError(f"--repetition-penalty must be >= 1, got {self.repetition_penalty}", "1 turns it off")
@@ -161,7 +161,7 @@ def check_context(n_prompt: int, max_new: int, context: int) -> None:
         )
 
 
-# The mask is ratio ** alpha_c in float32 (max 3.4e38): 4 ** 64 reaches it, so no larger exponent
+# The mask is ratio ** alpha_c in float32 (max 3.4e38): 4 ** 64 passes it, so no larger exponent
 # is meaningful. With stats at hand the bound is their own largest ratio: a cell, and the sum of a
 # whole grid of MAX_GRID_CELLS cells, must stay finite (log(3.4e38) - log(2**24) = 72).
 MAX_ALPHA_C = 64
