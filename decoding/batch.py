@@ -53,6 +53,7 @@ from .loop import DecodeResult, RunState, _acceptor, _eos_ids, generate as gener
 from .proposal import joint_drafts, pick_drafter
 from .sampling import Sampler
 from .sparse_step import prepare_kernel
+from .text import continuation_text
 from .timing import clock_for
 from .trace import Trace
 from .tree_step import TreeSteps
@@ -105,7 +106,8 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     ``tree_accuracies`` as for ``loop.generate``."""
     cfg = cfg or DecodeConfig()
     vocab = model.backbone.vocab_size
-    cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False))
+    cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False),
+                 table=table)
     cfg = cfg.resolved()
     prompts = prompt_rows(prompts, attention_mask)
     if not prompts:
@@ -202,7 +204,7 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     for row in rows:
         row.trace.new_tokens = len(row.out_ids)
         row.trace.dynamic_kernel = row.run.kernels
-        text = tok.decode(row.out_ids, skip_special_tokens=True) if tok is not None else ""
+        text = continuation_text(tok, row.prompt, row.out_ids) if tok is not None else ""
         results.append(DecodeResult(row.out_ids, text, row.trace, row.prompt))
     return results
 

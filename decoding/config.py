@@ -55,11 +55,13 @@ class DecodeConfig:
     stop_at_eos: bool = field(default=True, metadata={"help": "stop after the tokenizer's end-of-sequence token"})
     seed: int = field(default=0, metadata={"help": "random seed"})
 
-    def validate(self, *, vocab_size: int | None = None, n_heads: int | None = None, max_order: int | None = None) -> None:
+    def validate(self, *, vocab_size: int | None = None, n_heads: int | None = None, max_order: int | None = None,
+                 table=None) -> None:
         """Reject settings that cannot work (clear message + fix). Without ``vocab_size`` and
         ``n_heads`` only the flags themselves are checked (before a model loads); with them, the
         model-dependent bounds too. ``max_order``: the highest order the stats let dynamic
-        decoding build (None: every head), which bounds its k^n grid."""
+        decoding build (None: every head), which bounds its k^n grid. ``table``: the stats, whose
+        largest ratio bounds --alpha-c."""
         import math
 
         if self.mode not in MODES:
@@ -96,8 +98,10 @@ class DecodeConfig:
                              "pip install 'multitoken[fast]', or use --dynamic-kernel auto")
         if self.draft_k < 1:
             raise UsageError(f"--draft-k must be >= 1, got {self.draft_k}")
-        if self.alpha_c < 0:
-            raise UsageError(f"--alpha-c must be >= 0, got {self.alpha_c}")
+        if not 0 <= self.alpha_c <= MAX_ALPHA_C:
+            raise UsageError(f"--alpha-c must be in [0, {MAX_ALPHA_C}], got {self.alpha_c:g}",
+                             "DynaMo uses 1 (0 turns the mask off); 4 ** 64 already overflows float32")
+        check_alpha(self.alpha_c, table)
         if not self.penalty >= 1:
             raise UsageError(f"--repetition-penalty must be >= 1, got {self.repetition_penalty}", "1 turns it off")
         if self.blur_kernel < 0 or (self.blur_kernel > 1 and self.blur_kernel % 2 == 0):
@@ -155,6 +159,40 @@ def check_context(n_prompt: int, max_new: int, context: int) -> None:
             f"prompt ({n_prompt} tokens) + --max-new-tokens ({max_new}) exceeds the model's context of {context}",
             "shorten the prompt or lower --max-new-tokens",
         )
+
+
+# The mask is ratio ** alpha_c in float32 (max 3.4e38): 4 ** 64 passes it, so no larger exponent
+# is meaningful. With stats at hand the bound is their own largest ratio: a cell, and the sum of a
+# whole grid of MAX_GRID_CELLS cells, must stay finite (log(3.4e38) - log(2**24) = 72).
+MAX_ALPHA_C = 64
+FLOAT32_LOG_ROOM = 72.0
+
+
+def check_alpha(alpha: float, table) -> None:
+    """Refuse an --alpha-c under which the stats' largest co-occurrence ratio overflows float32
+    (every grid turns NaN and each step backs off to one token)."""
+    import math
+
+    top = max_ratio(table) if table is not None and alpha > 0 else None
+    if top is None or top <= 1:
+        return
+    limit = FLOAT32_LOG_ROOM / math.log(top)
+    if alpha > limit:
+        raise UsageError(f"--alpha-c {alpha:g} overflows float32 with these stats: their co-occurrence ratios reach "
+                         f"{top:.3g}, and ratio ** alpha_c must stay below e^{FLOAT32_LOG_ROOM:g}",
+                         f"pass --alpha-c {math.floor(limit * 100) / 100:g} or less (DynaMo uses 1)")
+
+
+def max_ratio(table) -> float | None:
+    """An upper bound of the table's ratios p(x_1..x_n) / prod p(x_i) = c * N1^n / N_n / prod u_i:
+    an n-gram's count c is at most each of its unigram counts u_i, so a ratio is at most
+    N1^n / N_n / u_min^(n-1). None for a stand-in table without totals."""
+    totals, inv = getattr(table, "totals", None), getattr(table, "inv_unigrams", None)
+    if not totals or inv is None or not len(inv):
+        return None
+    inv_max = float(max(inv.max(), 0))  # 1 / the smallest seen unigram count
+    bounds = [totals[1] ** n / totals[n] * inv_max ** (n - 1) for n in totals if n >= 2 and totals[n] > 0]
+    return max(bounds + [float(getattr(table, "absent", 0.0))])
 
 
 MAX_SEED = 2**63 - 1  # torch.Generator takes any 64-bit value; numpy and our records take non-negative ones

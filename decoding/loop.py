@@ -20,6 +20,7 @@ from .dynamic import always_backs_off, dynamic_propose
 from .proposal import Drafts, HeadScores, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
 from .sparse_step import prepare_kernel
+from .text import continuation_text
 from .timing import clock_for
 from .trace import Trace
 from .tree_step import TreeSteps
@@ -104,7 +105,8 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     """
     cfg = cfg or DecodeConfig()
     vocab = model.backbone.vocab_size
-    cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False))
+    cfg.validate(vocab_size=vocab, n_heads=model.n_future, max_order=stats_order_cap(cfg, model.n_future, table, False),
+                 table=table)
     cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1).to(model.backbone.device)
     if ids.shape[1] == 0:
@@ -227,5 +229,5 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     trace.dynamic_kernel = run.kernels
     trace.new_tokens = len(out_ids)
     tok = model.backbone.tokenizer
-    text = tok.decode(out_ids, skip_special_tokens=True) if tok is not None else ""
+    text = continuation_text(tok, ids[0].tolist(), out_ids) if tok is not None else ""
     return DecodeResult(out_ids, text, trace, ids[0].tolist())

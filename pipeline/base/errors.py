@@ -38,3 +38,7 @@ class MismatchError(MultitokenError):
 
 class DataError(MultitokenError):
     """Unreadable or unsuitable input data (missing column, empty input, bad token ids)."""
+
+
+class DivergedError(MultitokenError):
+    """Training reached a non-finite loss or weight (it stops there; nothing more is written)."""

@@ -63,8 +63,20 @@ class PackedStream:
     def _epoch_pieces(self, pos: PackPosition) -> Iterator[tuple[int, np.ndarray, int]]:
         """``(doc index, ids with EOS # [len+1], start offset)`` for the rest of one epoch."""
         consumed = pos.consumed
-        for doc, ids in iter_documents(self.cfg, self.tokenizer, vocab_size=self.vocab_size, start=pos.doc):
+        if self.budget is not None and consumed > self.budget:
+            raise self._beyond(pos, f"{consumed:,} tokens consumed, the epoch holds {self.budget:,} (--max-tokens)")
+        # Read from the document before the position: its presence proves the position lies
+        # within the data (at most just past its last document) rather than silently wrapping.
+        first = max(pos.doc - 1, 0)
+        reached = pos.doc == 0 and pos.offset == 0
+        for doc, ids in iter_documents(self.cfg, self.tokenizer, vocab_size=self.vocab_size, start=first):
             piece = np.concatenate([ids, np.array([self.eos_id], dtype=np.int64)])
+            if doc < pos.doc:
+                reached = pos.offset == 0  # the position is the start of the next document
+                continue
+            if doc == pos.doc and pos.offset > len(piece):
+                raise self._beyond(pos, f"document {doc} holds {len(piece)} tokens with its separator")
+            reached = True
             start = pos.offset if doc == pos.doc else 0
             if self.budget is not None:
                 room = self.budget - consumed
@@ -74,6 +86,13 @@ class PackedStream:
             if start < len(piece):
                 consumed += len(piece) - start
                 yield doc, piece, start
+        if not reached:
+            raise self._beyond(pos, "the data ends before that document")
+
+    @staticmethod
+    def _beyond(pos: PackPosition, why: str) -> DataError:
+        return DataError(f"the data position (document {pos.doc:,}, token {pos.offset:,}) lies beyond the data read: {why}",
+                         "resume with the --data the checkpoint was made with, or start over with another --checkpoint-dir")
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, PackPosition]]:
         pos = self.position

@@ -86,20 +86,20 @@ def _note_order_cap(decode, model, table) -> None:
 
 
 class _Streamer:
-    """Prints the text of the tokens generated so far, as it grows (whole-sequence decoding,
-    so multi-token characters and sentencepiece spaces come out right)."""
+    """Prints the prompt, then the continuation's text as it becomes stable (``TextStream``: the
+    prompt's boundary, multi-byte characters and word-start spaces come out as decoded whole)."""
 
-    def __init__(self, tokenizer, prompt: str):
-        self.tok, self.ids, self.shown = tokenizer, [], 0
+    def __init__(self, tokenizer, prompt: str, prompt_ids: list[int]):
+        from multitoken.decoding.text import TextStream  # lazy: the decoding package imports torch
+
+        self.stream = TextStream(tokenizer, prompt_ids)
         print(prompt, end="", flush=True)
 
     def __call__(self, tokens: list[int]) -> None:
-        self.ids.extend(tokens)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            return
-        print(text[self.shown:], end="", flush=True)
-        self.shown = len(text)
+        print(self.stream.push(tokens), end="", flush=True)
+
+    def finish(self) -> None:
+        print(self.stream.finish(), flush=True)
 
 
 def run(args) -> None:
@@ -130,14 +130,14 @@ def run(args) -> None:
     check_context(ids.shape[1], decode.max_new_tokens, model.backbone.config.max_position_embeddings)
     if heads is None and not cfg.json:
         print("note: no heads (pass --heads DIR): decoding one token per forward pass", file=sys.stderr)
-    streamer = None if cfg.json else _Streamer(tok, cfg.prompt)
+    streamer = None if cfg.json else _Streamer(tok, cfg.prompt, ids[0].tolist())
     result = generate(model, ids, decode, table=table, on_tokens=streamer)
     if cfg.json:
         record = result.as_dict()
         record.update(heads=heads, stats=stats, config=config_dict(cfg, decode, base_cfg))
         print(json.dumps(record))
     else:
-        print(flush=True)
+        streamer.finish()
         print(result.trace.summary(), file=sys.stderr)
 
 

@@ -35,11 +35,17 @@ def _check_out(cfg, data, overwrite: bool) -> None:
     run's own output, which is not an overwrite."""
     from pathlib import Path
 
+    from multitoken.pipeline.model.heads_io import CONFIG_FILE as HEADS_CONFIG  # lazy: torch
     from multitoken.pipeline.train.checkpoint import list_checkpoints  # lazy: torch
 
-    if cfg.out and Path(cfg.out).name and not cfg.resume and list_checkpoints(cfg.ckpt_dir()):
+    checkpoints = bool(cfg.out and Path(cfg.out).name and list_checkpoints(cfg.ckpt_dir()))
+    if checkpoints and not cfg.resume:
         raise UsageError(f"{cfg.ckpt_dir()} already holds checkpoints of a run",
                          "pass --resume to continue it (a finished run then changes nothing), or another --checkpoint-dir")
+    resume = cfg.resume and checkpoints  # resuming means a checkpoint: without one --out is written anew
+    if cfg.resume and not checkpoints and (Path(cfg.out) / HEADS_CONFIG).is_file() and not overwrite:
+        raise UsageError(f"--resume: {cfg.ckpt_dir()} holds no checkpoint to continue from, and --out {cfg.out} already holds heads",
+                         "pass --checkpoint-dir where this run's checkpoints are, another --out, or --overwrite to train new heads over these")
     inputs = (cfg.heads, data.data, cfg.eval_data, cfg.backbone.base)
-    prepare_output(cfg.out, "heads", overwrite=overwrite, inputs=inputs, resume=cfg.resume)
+    prepare_output(cfg.out, "heads", overwrite=overwrite, inputs=inputs, resume=resume)
     prepare_output(str(cfg.ckpt_dir()), "checkpoints", inputs=inputs, resume=True)  # train checks --resume itself

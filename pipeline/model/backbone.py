@@ -20,6 +20,7 @@ from multitoken.base.errors import CheckpointError, UnsupportedModelError, Usage
 from multitoken.base.hub import locate
 from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.threads import set_threads, threads_field
+from multitoken.base.weight_files import check_base_dir, check_lora_dir
 from multitoken.base.tokenizer import load_tokenizer
 from multitoken.pipeline.model.quantization import checked_plan
 
@@ -391,6 +392,8 @@ def load_backbone(
     base, hub_kwargs = locate(resolve_base(str(config.base)))
     from transformers import AutoModelForCausalLM
 
+    if Path(base).is_dir():
+        check_base_dir(Path(base))  # pickles refused, safetensors headers checked, before transformers reads
     model_config = read_config(base, hub_kwargs)
     spec = check_supported(model_config.model_type)
     qplan = _quantization_plan(model_config, config)
@@ -444,9 +447,12 @@ def _attach_lora(model, spec: ArchSpec, lora: LoraSpec | None, adapter: str | No
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter is not None:
-        if not (Path(adapter) / "adapter_config.json").is_file():
-            raise CheckpointError(f"no peft adapter in {adapter!r}", "pass the directory holding adapter_config.json")
-        model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+        check_lora_dir(Path(adapter))  # config schema, safetensors only, header and values
+        try:
+            model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as err:  # shapes or modules that do not fit
+            raise CheckpointError(f"could not load the LoRA adapter in {adapter!r}: {str(err).splitlines()[0][:200]}",
+                                  "the heads' LoRA does not fit this base: load them onto the base they were trained on") from err
     else:
         targets = list(lora.target_modules or spec.lora_targets)
         cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)

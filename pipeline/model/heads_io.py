@@ -27,6 +27,7 @@ from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerp
 from multitoken.base.atomic import atomic_dir
 from multitoken.embedded import portable_base
 from multitoken.base.errors import CheckpointError, MismatchError, UsageError
+from multitoken.base.finite import check_finite
 from multitoken.base.outputs import HEADS
 
 FORMAT_VERSION = 1
@@ -79,6 +80,7 @@ def write_heads(model, out: Path) -> None:
 
     tensors = {**model.heads.state_dict(), **_base_head_tensors(model)}
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    check_finite(tensors, "the heads to write", "the weights diverged (a NaN or inf update): train again with a lower --lr")
     blob = save(tensors, metadata={"format": "pt"})
     backbone = model.backbone
     record = {
@@ -185,6 +187,7 @@ def read_head_tensors(heads_dir: str | Path, record: dict) -> dict[str, torch.Te
     shapes = {k: list(v.shape) for k, v in tensors.items()}
     if shapes != record["shapes"]:
         raise CheckpointError(f"{path} holds other tensors than {CONFIG_FILE} lists", "re-create the heads dir")
+    check_finite(tensors, str(path), "these heads are unusable (training diverged): train them again with a lower --lr")
     return tensors
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from multitoken.base.atomic import atomic_dir
 from multitoken.base.errors import CheckpointError
+from multitoken.base.finite import check_finite
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -42,8 +43,10 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: int) -> Path:
     final = root / f"step-{step:08d}"
+    weights = trainable_state(model, optimizer.param_groups)
+    check_finite(weights, f"checkpoint {final.name}", "the weights diverged: resume from the previous checkpoint with a lower --lr")
     with atomic_dir(final, marker="state.json") as tmp:  # re-saving the same step (the final save after a periodic one) replaces it
-        save_file(trainable_state(model, optimizer.param_groups), str(tmp / "trainable.safetensors"))
+        save_file(weights, str(tmp / "trainable.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2, default=str))
@@ -57,6 +60,7 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     fix = f"delete {path} to resume from an older checkpoint (or start over with another --checkpoint-dir)"
     state = _read_state(path / "state.json", fix)
     weights = _read_safetensors(path / "trainable.safetensors", fix)
+    check_finite(weights, str(path / "trainable.safetensors"), fix)
     rng = _read_safetensors(path / "rng.safetensors", fix).get("torch_cpu")
     if rng is None or rng.dtype != torch.uint8 or rng.ndim != 1:
         raise CheckpointError(f"{path / 'rng.safetensors'}: no torch_cpu RNG state (a uint8 vector)", fix)
@@ -99,13 +103,26 @@ def _read_state(file: Path, fix: str) -> dict:
         raise CheckpointError(f"{file} is missing or not valid JSON ({err})", fix) from err
     if not isinstance(state, dict):
         raise CheckpointError(f"{file} holds a JSON {type(state).__name__}, not an object", fix)
-    step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{file}: step must be an integer >= 0, got {step!r}", fix)
+    if not _is_count(state.get("step")):
+        raise CheckpointError(f"{file}: step must be an integer >= 0, got {state.get('step')!r:.60}", fix)
     for key, kind in (("position", dict), ("epoch_start", dict), ("history", list), ("stream", dict)):
         if key in state and not isinstance(state[key], kind):
             raise CheckpointError(f"{file}: {key} must be a JSON {kind.__name__.replace('dict', 'object')}, got {state[key]!r:.60}", fix)
+    for key in ("position", "epoch_start"):  # read by PackPosition.from_dict
+        bad = [f for f in POSITION_FIELDS if key in state and not _is_count(state[key].get(f))]
+        if bad:
+            raise CheckpointError(f"{file}: {key}.{bad[0]} must be an integer >= 0, got {state[key].get(bad[0])!r:.60}", fix)
+    if not all(isinstance(h, dict) for h in state.get("history", [])):
+        raise CheckpointError(f"{file}: history must be a list of objects", fix)
     return state
+
+
+POSITION_FIELDS = ("epoch", "doc", "offset", "consumed")
+
+
+def _is_count(v) -> bool:
+    """A JSON integer >= 0 (not a bool, not 1e9 written as a float, not text)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _read_safetensors(file: Path, fix: str) -> dict[str, torch.Tensor]:

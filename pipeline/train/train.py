@@ -23,7 +23,8 @@ import torch
 from multitoken.pipeline.train import optim
 from multitoken.pipeline.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from multitoken.base.data import DataConfig, describe_files
-from multitoken.base.errors import DataError, UsageError
+from multitoken.base.errors import CheckpointError, DataError, DivergedError, UsageError
+from multitoken.base.finite import describe, non_finite
 from multitoken.base.packing import PackedStream, PackPosition, take_sequences
 from multitoken.pipeline.train.trainer_config import TrainConfig, validate
 from multitoken.base.config_io import resolved_config_text
@@ -225,6 +226,9 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
             raise UsageError(f"{existing[-1]} was made with other data settings: {state['stream']}",
                              "resume with the same --data, --seq-len, --batch-size, --grad-accum, --separator and process count")
     step = int(state.get("step", 0))
+    if step > cfg.max_steps:  # a finished run stops at max_steps: more is a damaged state or a lowered --max-steps
+        raise CheckpointError(f"{existing[-1] / 'state.json'}: step {step} is past --max-steps {cfg.max_steps}",
+                              f"resume with --max-steps {step} or more, or delete {existing[-1]} if it is damaged")
     set_backbone_trainable(model, cfg.joint_at(step))
     stream, eval_batches, epoch_start = make_streams(cfg, data, model, state.get("position"))
     runner = Runner(model, dist)
@@ -242,6 +246,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
         rows, pos = take_sequences(stream, cfg.batch_size * cfg.grad_accum * dist.world, cfg.seq_len)
         metrics = train_step(runner, optimizer, _rank_rows(rows, cfg, dist), cfg, step)
         step, position = step + 1, pos.to_dict()
+        _stop_if_diverged(cfg, step, metrics, model, optimizer, ckpt_root)
         bar.update(1)
         bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k.endswith("/loss")})
         if dist.main and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
@@ -260,6 +265,23 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
         _write_output(cfg, data, model, history, files)
     _barrier(dist)
     return {"step": step, "eval": final, "checkpoint_dir": str(ckpt_root), "out": cfg.out}
+
+
+def _stop_if_diverged(cfg: TrainConfig, step: int, metrics: dict[str, float], model, optimizer, ckpt_root: Path) -> None:
+    """Stop at the first non-finite loss or weight: every later step would be NaN too, and
+    neither a checkpoint nor the heads get written from it (the last good checkpoint stays)."""
+    import math
+
+    bad_loss = next((k for k, v in metrics.items() if k.endswith("loss") and not math.isfinite(v)), None)
+    trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    found = None if bad_loss else non_finite((n, p.detach()) for n, p in model.named_parameters() if id(p) in trained)
+    if bad_loss is None and found is None:
+        return
+    what = f"{bad_loss} is {metrics[bad_loss]}" if bad_loss else describe(found)
+    kept = list_checkpoints(ckpt_root)
+    last = f"the last good checkpoint is kept: {kept[-1]}" if kept else "no checkpoint was written"
+    fix = f"train again with a lower --lr (now {cfg.lr:g})" + (", from the start: resuming keeps the checkpoint's rates" if kept else "")
+    raise DivergedError(f"training diverged at step {step}: {what}; stopped, {last}", fix)
 
 
 def _list_data(cfg: TrainConfig, data: DataConfig, dist: Dist) -> dict:

@@ -26,6 +26,11 @@ SCHEDULES = ("cosine", "constant")
 BALANCES = ("none", "rms")
 SEPARATORS = ("eos", "bos")
 SAVE_EVERY_MINUTES = 5.0  # a killed run with the defaults loses at most this much work
+# Learning rates where float32 training arithmetic stays meaningful: AdamW moves each weight by
+# about the rate per step, so past MAX_LR a few steps overflow the products (all-NaN heads), and
+# below MIN_LR an update is under float32's resolution of a typical weight (it changes nothing).
+MIN_LR, MAX_LR = 1e-10, 10.0
+MAX_AUX_WEIGHT = 1e3  # the aux loss is O(1): a larger weight only drowns the heads' own loss
 
 
 # The base-model flags as training reads them: base and dtype default to the heads dir's record.
@@ -149,5 +154,23 @@ def _validate_rates(cfg: TrainConfig) -> None:
         raise UsageError(f"--lr and --head-lr-mult must be > 0, got {cfg.lr} and {cfg.head_lr_mult}")
     if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.aux_weight < 0:
         raise UsageError("--weight-decay, --grad-clip and --aux-weight must be >= 0")
+    _check_rate_range(cfg)
+    if cfg.aux_weight > MAX_AUX_WEIGHT:
+        raise UsageError(f"--aux-weight must be <= {MAX_AUX_WEIGHT:g}, got {cfg.aux_weight:g}", "the CP papers use 0.01 to 1")
+
+
+def _check_rate_range(cfg: TrainConfig) -> None:
+    """Every rate AdamW applies within [MIN_LR, MAX_LR], and the decay factor 1 - rate x decay
+    positive (at 1 or more it flips or grows every weight each step)."""
+    rates = ({"--lr-b": cfg.lr_b, "--lr-m": cfg.lr_m, "--lr-mb": cfg.lr_mb} if cfg.dynamo
+             else {"--lr": cfg.lr, "--lr x --head-lr-mult": cfg.lr * cfg.head_lr_mult})
+    for name, rate in rates.items():
+        if not MIN_LR <= rate <= MAX_LR:
+            raise UsageError(f"{name} must be in [{MIN_LR:g}, {MAX_LR:g}] (where float32 training stays finite and moves), got {rate:g}",
+                             "AdamW rates are typically 1e-5 to 1e-3")
+    top = max(v for k, v in rates.items() if k != "--lr-mb")  # lr-mb scales a gradient, not a weight update
+    if top * cfg.weight_decay >= 1:
+        raise UsageError(f"the learning rate {top:g} x --weight-decay {cfg.weight_decay:g} must be < 1 "
+                         "(AdamW multiplies every weight by 1 - rate x decay each step)", "lower --weight-decay, e.g. 0.01")
     if not 0 <= cfg.lora_dropout < 1:
         raise UsageError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")

@@ -6,7 +6,6 @@ print, its exit code and the user's files that must stay byte-identical (``Case`
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 from multitoken.pipeline.cli import main
 
 from .bad_output_cases import OUTPUT_CASES, Case, _del, _edit_json, _note, _set, _train
+from .bad_weight_cases import WEIGHT_CASES, _Planted, _position, _state
 
 
 def _stats(w, d, damage) -> Path:
@@ -77,14 +77,6 @@ def _resume_case(damage, message):
         damage(ckpt / "step-00000001", d)
         return Case(_train(w, out, "--resume"), 1, message, [out / "heads_config.json", out / "train_metrics.json"])
     return case
-
-
-class _Planted:
-    def __init__(self, flag: str):
-        self.flag = flag
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.flag}",))
 
 
 def _truncate(step, d):
@@ -271,7 +263,7 @@ def generate_five_heads_grid_too_large(w, d):  # 50^5 cells: was 30 s and 4.1 GB
 CASES = {f.__name__: f for f in [
     *OUTPUT_CASES,
     meta_not_utf8, stats_keys_file_empty, stats_counts_are_nan_floats, stats_keys_unsorted,
-    merge_corrupt_job_json, convert_empty_tokenizer,
+    *WEIGHT_CASES, merge_corrupt_job_json, convert_empty_tokenizer,
     stats_build_txt_not_utf8, stats_build_jsonl_not_utf8, train_txt_not_utf8, train_jsonl_not_utf8,
     stats_build_jsonl_line_is_a_number, stats_build_text_is_a_number, stats_build_text_is_a_list_of_strings,
     train_text_is_a_list_of_strings, stats_build_ragged_input_ids, train_ragged_input_ids, stats_build_truncated_zst,
@@ -297,6 +289,11 @@ CASES.update({
     "resume_truncated_weights": _resume_case(_truncate, "trainable.safetensors is missing, truncated"),
     "resume_state_is_a_list": _resume_case(_state_list, "state.json holds a JSON list, not an object"),
     "resume_pickle_payload": _resume_case(_pickle_payload, "refused to load it"),
+    "resume_position_text": _resume_case(_position(doc="12"), "position.doc must be an integer >= 0, got '12'"),
+    "resume_position_float": _resume_case(_position(offset=3.5), "position.offset must be an integer >= 0"),
+    "resume_position_beyond_the_corpus": _resume_case(_position(doc=10**9, offset=10**12), "lies beyond the data read"),
+    "resume_offset_beyond_its_document": _resume_case(_position(offset=10**12), "lies beyond the data read"),
+    "resume_step_beyond_max_steps": _resume_case(_state(_set("step", 10**18)), "is past --max-steps 2"),
     # option ranges (nan / inf are refused by every float option's parser)
     "generate_seed_negative": _option_case(_gen("--seed", "-1"), "--seed must be in [0, 2**63 - 1], got -1"),
     "generate_seed_huge": _option_case(_gen("--seed", str(2**64)), "--seed must be in [0, 2**63 - 1]"),
@@ -331,6 +328,15 @@ CASES.update({
                                             "argument --init-std: 'nan' is not a finite number"),
     "generate_dynamic_top_k_512": _option_case(_gen("--mode", "dynamic", "--top-k", "512"),
                                                "--top-k 512 and n = 3 tokens per step builds a 512^3 grid"),
+    "train_lr_huge": _option_case(["train", "--heads", "@heads", "--data", "@corpus", "--out", "@out", "--lr", "1e30"],
+                                  "--lr must be in [1e-10, 10]"),
+    "train_lr_times_decay": _option_case(["train", "--heads", "@heads", "--data", "@corpus", "--out", "@out", "--lr", "5",
+                                          "--weight-decay", "0.5"], "x --weight-decay 0.5 must be < 1"),
+    "train_dynamo_rate_tiny": _option_case(["train", "--heads", "@heads", "--data", "@corpus", "--out", "@out", "--lr-b", "1e-300",
+                                            "--lr-m", "1e-3", "--lr-mb", "1e-3"], "--lr-b must be in [1e-10, 10]"),
+    "generate_alpha_c_huge": _option_case(_gen("--mode", "dynamic", "--alpha-c", "1e300"), "--alpha-c must be in [0, 64]"),
+    "generate_alpha_c_past_the_stats": _option_case(_gen("--mode", "dynamic", "--alpha-c", "20"), "--alpha-c 20 overflows float32 with these stats"),
+    "generate_threads_past_the_cores": _option_case(_gen("--threads", "10000"), "warning: --threads 10000 is more than the", code=0),
     "distill_temperature_inf": _option_case(["distill", "--num-tokens", "10", "--out", "@out.jsonl", "--temperature", "inf"],
                                             "'inf' is not a finite number"),
 })

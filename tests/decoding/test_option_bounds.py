@@ -60,3 +60,42 @@ def test_ranges_are_counted_before_they_are_built():
     for bad in ("nan", "inf", "0:inf:0.1", "nan:1:0.1"):
         with pytest.raises(ValueError, match="finite|not a number"):
             expand_range(bad)
+
+
+def test_alpha_c_is_bounded_by_float32_and_by_the_stats_largest_ratio():
+    from multitoken.decoding.config import FLOAT32_LOG_ROOM, MAX_ALPHA_C, max_ratio
+    from multitoken.embedded import EMBEDDED_STATS
+    from multitoken.stats.table import CooccurrenceTable
+
+    with pytest.raises(UsageError, match=r"--alpha-c must be in \[0, 64\], got 1e\+300"):
+        DecodeConfig(alpha_c=1e300).validate()
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float32(4.0) ** np.float32(MAX_ALPHA_C))  # no larger exponent is meaningful
+    table = CooccurrenceTable(EMBEDDED_STATS)
+    top = max_ratio(table)
+    limit = FLOAT32_LOG_ROOM / np.log(top)
+    DecodeConfig(mode="dynamic", alpha_c=1.0).validate(table=table)  # DynaMo's own setting
+    with pytest.raises(UsageError, match="overflows float32 with these stats") as err:
+        DecodeConfig(mode="dynamic", alpha_c=float(limit) + 0.1).validate(table=table)
+    assert err.value.fix.startswith(f"pass --alpha-c {np.floor(limit * 100) / 100:g} or less")
+    # the bound is real: the largest ratio to the refused power overflows float32, to the allowed one it does not
+    f32_max = float(np.finfo(np.float32).max)
+    assert float(top) ** (limit + 0.1) * (1 << 24) > f32_max  # a full grid of such cells overflows
+    assert float(top) ** limit * (1 << 24) < f32_max
+
+
+def test_threads_past_the_cores_are_capped_with_a_warning(monkeypatch, capsys):
+    import torch
+
+    from multitoken.base import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        threads.set_threads(10000)
+        assert torch.get_num_threads() == 2
+        assert "warning: --threads 10000 is more than the 2 cores this process may use: using 2" in capsys.readouterr().err
+        threads.set_threads(1)
+        assert torch.get_num_threads() == 1 and capsys.readouterr().err == ""
+    finally:
+        torch.set_num_threads(before)

@@ -71,3 +71,28 @@ def test_too_little_data_is_a_clear_error(tmp_path):
     path.write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
     with pytest.raises(DataError, match="fewer than 8 tokens"):
         next(iter(_stream(path)))
+
+
+@pytest.mark.parametrize("doc, offset, valid", [
+    (12, 0, True),  # just past the last document: the epoch ends there (a resume then starts the next)
+    (11, "len+1", True),  # the end of the last document, its separator included
+    (11, "len+2", False), (12, 1, False), (13, 0, False), (10**9, 10**12, False),
+])
+def test_a_resume_position_must_lie_within_the_data(ids_corpus, doc, offset, valid):
+    path, docs = ids_corpus
+    if isinstance(offset, str):
+        offset = len(docs[doc]) + int(offset.removeprefix("len+"))
+    stream = iter(_stream(path, position=PackPosition(0, doc, offset, 0)))
+    if valid:
+        next(stream)  # wraps to the next epoch and goes on
+        return
+    with pytest.raises(DataError, match=rf"the data position \(document {doc:,}, token {offset:,}\) lies beyond the data read"):
+        next(stream)
+
+
+def test_a_resume_position_past_the_token_budget_is_refused(ids_corpus):
+    path, _ = ids_corpus
+    cfg = DataConfig(data=str(path), max_tokens=40)
+    stream = PackedStream(cfg, None, 8, EOS, vocab_size=100, position=PackPosition(0, 1, 0, 41))
+    with pytest.raises(DataError, match="41 tokens consumed, the epoch holds 40"):
+        next(iter(stream))

@@ -248,3 +248,41 @@ def test_dynamo_run_trains_head1_and_keeps_it(tiny_llama_dir, heads_dir, corpus,
     with pytest.raises(UsageError, match="--train-base-head"):
         train(train_cfg(tmp_path / "d", tmp_path / "e", max_steps=1), data)
     train(train_cfg(tmp_path / "d", tmp_path / "e", max_steps=1, train_base_head=True), data)
+
+
+def test_training_stops_at_the_first_non_finite_weight_and_keeps_the_last_good_checkpoint(
+        tiny_llama_dir, heads_dir, corpus, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from multitoken.base.errors import DivergedError
+    from multitoken.pipeline.train.checkpoint import list_checkpoints
+
+    real, calls = train_mod.train_step, []
+
+    def poisons_step_three(runner, optimizer, *a, **k):
+        metrics = real(runner, optimizer, *a, **k)
+        calls.append(1)
+        if len(calls) == 3:  # what an overflowing update does: the weights turn NaN, the loss is still finite
+            with torch.no_grad():
+                optimizer.param_groups[-1]["params"][0].fill_(float("nan"))
+        return metrics
+
+    monkeypatch.setattr(train_mod, "train_step", poisons_step_three)
+    with pytest.raises(DivergedError, match=r"training diverged at step 3: heads\..* holds \d[\d,]* non-finite values") as err:
+        train(train_cfg(heads_dir, tmp_path / "o", max_steps=5, save_every=1, save_every_minutes=0), DataConfig(data=str(corpus)))
+    assert "the last good checkpoint is kept" in str(err.value) and "lower --lr" in err.value.fix
+    assert len(calls) == 3 and not (tmp_path / "o").exists()  # no heads written from NaN weights
+    kept = list_checkpoints(tmp_path / "o.checkpoints")
+    assert [p.name for p in kept] == ["step-00000001", "step-00000002"]
+    assert all(torch.isfinite(v).all() for v in load_file(str(kept[-1] / "trainable.safetensors")).values())
+
+
+def test_non_finite_heads_are_never_written(tiny_llama_dir, heads_dir, tmp_path):
+    from multitoken.base.errors import CheckpointError
+
+    model = load_trained(tiny_llama_dir, heads_dir)
+    with torch.no_grad():
+        next(model.heads.parameters()).fill_(float("inf"))
+    with pytest.raises(CheckpointError, match="the heads to write: .* non-finite values"):
+        model.save_heads(tmp_path / "h")
+    assert not (tmp_path / "h").exists()

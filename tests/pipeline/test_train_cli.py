@@ -47,6 +47,23 @@ def test_attach_then_train_from_the_cli(tiny_llama_dir, corpus, tmp_path, capsys
     assert "--resume" in capsys.readouterr().err
 
 
+def test_resume_needs_a_checkpoint_to_continue_finished_heads(heads_dir, corpus, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "t"
+    args = ["--heads", str(heads_dir), "--data", str(corpus), "--out", str(out), "--max-steps", "1"]
+    assert _train(*args) == 0
+    shutil.rmtree(tmp_path / "t.checkpoints")
+    before = (out / "heads.safetensors").read_bytes()
+    capsys.readouterr()
+    assert _train(*args, "--resume", "--lr", "1e-2") == 2  # nothing to resume: the finished heads stay
+    err = capsys.readouterr().err
+    assert "holds no checkpoint to continue from" in err and "--overwrite" in err and "Traceback" not in err
+    assert (out / "heads.safetensors").read_bytes() == before
+    assert _train(*args, "--resume", "--lr", "1e-2", "--overwrite") == 0  # asked for: trained anew over them
+    assert (out / "heads.safetensors").read_bytes() != before
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["--heads", "NOPE", "--data", "CORPUS", "--out", "OUT"], 2, "does not exist"),
     (["--heads", "HEADS", "--out", "OUT"], 2, "no training data"),

@@ -1,0 +1,105 @@
+"""Folders of weights we hand to transformers and peft, checked before they read them.
+
+Their loaders answer a damaged file with a traceback (JSONDecodeError, SafetensorError,
+UnpicklingError), and a folder holding only pickles (``pytorch_model.bin``,
+``adapter_model.bin``) with an unpickling attempt. Weights are read only from safetensors here, so
+such folders are refused with one line, and every safetensors file's header is checked against
+its size (a truncated file is named) before the slow load starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from multitoken.base.errors import CheckpointError
+from multitoken.base.finite import check_finite
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
+LORA_CONFIG, LORA_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def check_safetensors(path: Path, fix: str) -> dict:
+    """The header of the safetensors file ``path`` (``{name: {dtype, shape, data_offsets}}``),
+    refused with one line when it is unreadable, malformed or lists more bytes than the file has."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(f"{path} is truncated or not a safetensors file (its {size:,} bytes hold no complete header)", fix)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise CheckpointError(f"{path} is not a safetensors file (its header is not JSON: {err})", fix) from err
+    entries = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+    if entries is None or not all(_is_entry(v) for v in entries.values()):
+        raise CheckpointError(f"{path} is not a safetensors file (its header does not list tensors)", fix)
+    needed = 8 + n + max((v["data_offsets"][1] for v in entries.values()), default=0)
+    if needed > size:
+        raise CheckpointError(f"{path} is truncated: it holds {size:,} bytes, its header lists {needed:,}", fix)
+    return entries
+
+
+def _is_entry(v) -> bool:
+    ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
+    return (isinstance(v, dict) and isinstance(v.get("dtype"), str) and ints(v.get("shape"))
+            and ints(v.get("data_offsets")) and len(v["data_offsets"]) == 2 and v["data_offsets"][0] <= v["data_offsets"][1])
+
+
+def _pickles(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+
+
+def check_base_dir(folder: Path) -> None:
+    """A local base model folder: weights as safetensors (checked), never only pickles."""
+    fix = "convert the weights to safetensors (transformers' save_pretrained writes them) and pass that folder"
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights and _pickles(folder):
+        raise CheckpointError(f"{folder} holds only pickled weights ({', '.join(_pickles(folder)[:3])}): refused, "
+                              "unpickling can run code; multitoken reads safetensors", fix)
+    for path in weights:
+        check_safetensors(path, f"the base folder {folder} is damaged: restore or re-download it")
+
+
+def check_lora_dir(folder: Path) -> None:
+    """A heads dir's LoRA folder as peft wrote it: ``adapter_config.json`` (a LoRA config) and
+    ``adapter_model.safetensors`` (checked); a pickled ``adapter_model.bin`` is refused."""
+    fix = "the LoRA adapter of the heads dir is damaged: re-create the heads (train them again)"
+    config = folder / LORA_CONFIG
+    if not config.is_file():
+        raise CheckpointError(f"no peft adapter in {str(folder)!r} (no {LORA_CONFIG})", fix)
+    try:
+        record = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{config} is not valid JSON ({err})", fix) from err
+    _check_lora_config(record, config, fix)
+    weights = folder / LORA_WEIGHTS
+    if not weights.is_file():
+        found = _pickles(folder)
+        what = f"only pickled weights ({', '.join(found[:3])}): refused, unpickling can run code" if found else f"no {LORA_WEIGHTS}"
+        raise CheckpointError(f"{folder} holds {what}", fix)
+    check_safetensors(weights, fix)
+    from safetensors.torch import load_file  # the adapter is small: its values are checked too
+
+    check_finite(load_file(str(weights)), str(weights), fix)
+
+
+def _check_lora_config(record, path: Path, fix: str) -> None:
+    """The fields peft's LoraConfig reads to build the adapter, with their types."""
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(record).__name__}, not an object", fix)
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    targets = record.get("target_modules")
+    checks = {
+        "peft_type": (record.get("peft_type") == "LORA", "'LORA'"),
+        "r": (isinstance(record.get("r"), int) and not isinstance(record.get("r"), bool) and record["r"] >= 1, "an integer >= 1"),
+        "lora_alpha": (number(record.get("lora_alpha")), "a finite number"),
+        "target_modules": (isinstance(targets, str) or (isinstance(targets, list) and bool(targets)
+                                                         and all(isinstance(t, str) for t in targets)), "module names"),
+    }
+    for key, (ok, what) in checks.items():
+        if not ok:
+            raise CheckpointError(f"{path}: {key} must be {what}, got {record.get(key)!r:.60}", fix)
