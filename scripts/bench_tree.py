@@ -1,8 +1,9 @@
-"""Tree verification benchmark (issue 17): greedy tokens per forward and tokens/s of the chain
+"""Tree verification benchmark: greedy tokens per forward and tokens/s of the chain
 against static and dynamic candidate trees at node budgets 4 / 8 / 16 / 32 / 64 (and ``auto``),
 beside transformers' greedy and prompt-lookup ``generate``; on the embedded stories260K model
 with its shipped heads (bench_decode.py's story prompts) and, with ``--pythia-heads DIR``, on
-pythia-mini with trained heads (its pile prompts). Every row must reproduce transformers'
+pythia-mini with trained heads (its pile prompts); with ``--smollm2``, on the real SmolLM2-135M
+with its shipped heads and stats (DynaMo's Table 7 prompts). Every row must reproduce transformers'
 greedy output (``identical``). With stats (the embedded model's), ``dynamic_joint_N`` rows rank
 the dynamic tree's paths by DynaMo's co-occurrence-masked joint (the joint drafter's scores).
 
@@ -27,7 +28,8 @@ import torch
 
 from bench_decode import FIXTURES, PROMPTS, hf_runner, load, open_table, our_runner
 from multitoken.decoding.config import DecodeConfig
-from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS, SMOLLM2, SMOLLM2_HEADS, SMOLLM2_STATS
+from multitoken.pipeline.eval.sweep import TABLE7_PROMPTS
 
 BUDGETS = (4, 8, 16, 32, 64)
 
@@ -46,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
     p.add_argument("--pythia-heads", default=None, help="trained pythia-mini heads (scripts/build_heads.py); without it pythia-mini is skipped")
     p.add_argument("--tpf-only", action="store_true", help="tokens per forward only: one repetition, no transformers rows")
+    p.add_argument("--smollm2", action="store_true", help="also the real model, SmolLM2-135M-Instruct (`multitoken fetch smollm2`), "
+                   "with its shipped heads and stats, on DynaMo's Table 7 prompts (none in the heads' training text)")
+    p.add_argument("--smollm2-heads", default=str(SMOLLM2_HEADS))
+    p.add_argument("--no-embedded", action="store_true", help="skip the embedded stories260K rows")
     return p.parse_args(argv)
 
 
@@ -118,15 +124,22 @@ def main(argv=None) -> dict:
     record = {"machine": {"platform": platform.platform(), "threads": args.threads, "device": args.device, "dtype": args.dtype,
                           "torch": torch.__version__, "loadavg_start": list(os.getloadavg())},
               "max_new_tokens": args.max_new_tokens, "reps": 1 if args.tpf_only else args.reps}
-    emb, label = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
-    table = open_table(args.embedded_stats, emb.backbone.tokenizer)
-    record["embedded"] = bench("stories260K (embedded)", emb, label, PROMPTS["stories"], args, table)
+    if not args.no_embedded:
+        emb, label = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
+        table = open_table(args.embedded_stats, emb.backbone.tokenizer)
+        record["embedded"] = bench("stories260K (embedded)", emb, label, PROMPTS["stories"], args, table)
+    if args.smollm2:
+        from multitoken.pipeline.model.fetch import fetch
+
+        smol, label = load(str(fetch("smollm2")), args.smollm2_heads, args.device, args.dtype)
+        table = open_table(str(SMOLLM2_STATS), smol.backbone.tokenizer)
+        record["smollm2"] = bench(SMOLLM2, smol, label, list(TABLE7_PROMPTS), args, table)
     if args.pythia_heads:
         pm, label = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype)
         record["pythia_mini"] = bench("pythia-mini", pm, label, PROMPTS["pile"], args)
     record["machine"]["loadavg_end"] = list(os.getloadavg())
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    for key in ("embedded", "pythia_mini"):
+    for key in ("embedded", "pythia_mini", "smollm2"):
         if key in record:
             print_table(record[key])
     return record

@@ -1,4 +1,5 @@
-"""Train ``replicated`` heads (n = 3, or ``--n``) for a base model from its own text: by default the heads
+"""Train ``replicated`` heads (n = 3, or ``--n``) for a base model from its own text (``--model smollm2``:
+the real model's replicated and Medusa heads and its stats, see build_real_heads.py): by default the heads
 shipped beside the embedded stories260K model; ``--base DIR --dest DIR`` for another base (the
 decoding benchmark's pythia-mini heads, say).
 
@@ -31,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import build_real_heads
+
 REPO = Path(__file__).resolve().parents[1]
 DEST = REPO / "pipeline" / "embedded" / "stories260K-heads"
 
@@ -51,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=4, help="batches per in-training evaluation")
     p.add_argument("--dest", default=None, help="where the heads go (default: the package, for the embedded base only)")
     p.add_argument("--json", default=None, help="report path (default: WORK_DIR/heads_report.json)")
+    p.add_argument("--model", choices=("smollm2",), default=None,
+                   help="build the real model's heads and stats instead (scripts/build_real_heads.py)")
+    build_real_heads.add_args(p)
     return p.parse_args(argv)
 
 
@@ -113,6 +119,8 @@ def main(argv=None) -> int:
     from multitoken.pipeline.train.trainer_config import TrainConfig
 
     args = parse_args(argv)
+    if args.model == "smollm2":
+        return build_real_heads.main(args, REPO)
     if args.dest is None:
         if args.base is not None or args.n != 3:
             raise SystemExit("--base or --n given without --dest: only the embedded model's 3-token heads go into the package")

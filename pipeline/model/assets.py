@@ -16,9 +16,11 @@ from multitoken.stats.table import CooccurrenceTable
 NO_STATS = "none"
 
 
-def default_heads() -> str | None:
-    """The embedded trained heads, when the package ships them (None otherwise)."""
-    return str(EMBEDDED_HEADS) if (EMBEDDED_HEADS / "heads_config.json").is_file() else None
+def default_heads(base: str | None = None) -> str | None:
+    """The trained heads the package ships for ``base`` (None: the embedded default), else None."""
+    assets = shipped_assets(base) if base else (EMBEDDED_HEADS, None)
+    heads = assets[0] if assets else None
+    return str(heads) if heads is not None and (heads / "heads_config.json").is_file() else None
 
 
 def default_stats(backbone) -> str | None:
@@ -41,9 +43,9 @@ def load_model(heads: str | None, base: str | None = None, dtype: str = "float32
     """``(MultiTokenModel, heads dir)``: the heads on ``base`` (None: the base recorded in the
     heads dir); ``heads`` None means the embedded trained heads. ``fields``: other
     ``BackboneConfig`` fields (quantization, threads)."""
-    heads = default_heads() if heads is None else heads
+    heads = default_heads(base) if heads is None else heads
     if heads is None:
-        raise UsageError("no heads dir given and no embedded heads found",
+        raise UsageError(f"no heads dir given and the package ships none for {base or 'the embedded base'}",
                          "pass --heads DIR (made by `multitoken attach` or `multitoken train`)")
     config = backbone_config(heads, base, dtype=dtype, device=device, **fields)
     return MultiTokenModel.from_pretrained(config, heads), heads

