@@ -38,3 +38,7 @@ class MismatchError(MultitokenError):
 
 class DataError(MultitokenError):
     """Unreadable or unsuitable input data (missing column, empty input, bad token ids)."""
+
+
+class OutputError(MultitokenError):
+    """An output could not be written or replaced (what was there before is kept)."""
