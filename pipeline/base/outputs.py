@@ -72,7 +72,7 @@ CONFIG_SUFFIX = ".config.json"  # the resolved config beside a single-file outpu
 def add_overwrite_flag(parser) -> None:
     """``--overwrite``: the same flag with the same meaning on every command that writes."""
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing output of this command in --out (only its own files; others stay)")
+                        help="replace an existing output of this command in --out (only the files its record lists; others stay)")
 
 
 def _resolve(path: str) -> Path:

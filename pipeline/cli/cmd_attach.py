@@ -28,7 +28,7 @@ class AttachConfig:
     head: str = field(default="replicated", metadata={"help": "head type"})
     n: int = field(default=3, metadata={"help": "tokens predicted per forward pass (head 1 = the base model)"})
     out: str | None = field(default=None, metadata={"help": "heads directory to create"})
-    overwrite: bool = field(default=False, metadata={"help": "replace an existing output of this command in --out (only its own files; others stay)"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing output of this command in --out (only the files its record lists; others stay)"})
 
 
 def register(sub) -> None:
