@@ -70,7 +70,7 @@ def decode(keys: np.ndarray, order: int, vocab_size: int) -> np.ndarray:
 def write_array_dir(path: Path, arrays: dict[str, np.ndarray], info: dict) -> None:
     """Atomically create directory ``path`` holding ``arrays`` and ``info.json`` (a rerun
     redoing a finished step replaces the old copy)."""
-    with atomic_dir(Path(path), marker=INFO_NAME, owned=("*.npy", INFO_NAME)) as tmp:
+    with atomic_dir(Path(path)) as tmp:
         lengths = {}
         for name, arr in arrays.items():
             with open(tmp / f"{name}.npy", "wb") as fh:

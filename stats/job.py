@@ -10,13 +10,15 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multitoken.base.atomic import atomic_dir, lock_file
-from multitoken.base.atomic import atomic_write_text
-from multitoken.base.config_io import save_resolved_config
+from multitoken.base.atomic import atomic_write_text, output_lock
+from multitoken.base.config_io import resolved_config_text
+from multitoken.base.outputs import STATS, STATS_WORK, prepare_output
+from multitoken.base.manifest import MANIFEST, read_record, work_dir_ours
+from multitoken.base.publish import claim_work, drop_work, remove_work, staged_output
 from multitoken.base.data import DataConfig, describe_files
 from multitoken.embedded import default_base, portable_base
 from multitoken.base.errors import CheckpointError, DataError, UsageError
@@ -31,10 +33,9 @@ from .shard import JOB_NAME, Job, Shard, check_runs, list_runs, read_job, shard_
 from .table import _read_meta
 from multitoken.base.tokenizer import load_tokenizer, tokenizer_fingerprint
 
-LOCK_NAME = ".lock"
+CONFIG_NAME = "config.json"
 MERGE_WORK = "merge-parts"
 SHARD_KEYS = ("shard", "files", "tokenizer")  # job.json fields that may differ between shards of one job
-STATS_ARRAYS = (META_NAME, "counts[0-9].npy", "keys[0-9].npy")  # what a merge writes (and replaces)
 
 
 @dataclass
@@ -84,18 +85,12 @@ def make_job(cfg: BuildConfig, data: DataConfig) -> Job:
 
 
 @contextmanager
-def job_lock(out: Path):
-    """One lock over a whole job on ``out`` (counting, merge, clean-up): a second job on the
-    same dir fails at once. ``out`` is created if missing and removed again if the job leaves it
-    empty; the lock file goes with the lock."""
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        with lock_file(out / LOCK_NAME, f"the stats dir {out} (a stats build or merge)"):
-            yield
-    finally:
-        if created and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
+def job_lock(out: Path, what: str = "the stats dir"):
+    """One lock over a whole job on ``out`` (counting, merge, clean-up): the output's own lock
+    (``atomic.output_lock``; the command has taken it already), so a second job on the same dir
+    fails at once."""
+    with output_lock(out, f"{what} {out} (a stats build or merge)"):
+        yield
 
 
 def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False) -> Path | None:
@@ -109,24 +104,23 @@ def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False
     out = Path(cfg.out)
     root = work_path(cfg.work_dir) if cfg.work_dir else out
     check_executor(cfg.executor, cfg.address)
-    if cfg.work_dir and isinstance(root, Path) and root.resolve() != out.resolve():
-        check_work_dir(root)
-    with job_lock(out):
+    with ExitStack() as stack:
+        stack.enter_context(job_lock(out))
+        if _separate_work_dir(out, root):  # a local --work-dir is an output of its own: recorded, locked
+            stack.enter_context(job_lock(root, "the stats work dir"))
+            prepare_output(str(root), STATS_WORK.kind, inputs=(data.data, cfg.tokenizer), resume=True, flag="--work-dir")
         return _build_locked(cfg, data, out, root, log, overwrite)
 
 
-WORK_ENTRIES = {"partials", MERGE_WORK, LOCK_NAME}  # all that a job writes into --work-dir
+WORK_DIRS = ("partials", MERGE_WORK)  # what a job writes into its work root (OUT, or --work-dir)
 
 
-def check_work_dir(root: Path) -> None:
-    """A local --work-dir is new, empty or holds only a job's own entries: its clean-up removes
-    ``partials/`` shards and ``merge-parts/``, so a folder of the user's is refused up front."""
-    if root.exists() and not root.is_dir():
-        raise UsageError(f"--work-dir {root} is a file", "pass a new or empty directory")
-    foreign = sorted(p.name for p in root.iterdir() if p.name not in WORK_ENTRIES) if root.is_dir() else []
-    if foreign:
-        raise UsageError(f"--work-dir {root} holds files of its own ({', '.join(foreign[:3])})",
-                         "pass a new or empty directory (a job's partials there are reused)")
+def _separate_work_dir(out: Path, root: Path | str) -> bool:
+    return isinstance(root, Path) and root.resolve() != out.resolve()
+
+
+def _work_kind(out: Path, root: Path) -> str:
+    return STATS_WORK.kind if _separate_work_dir(out, root) else STATS.kind
 
 
 def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path | str, log, overwrite: bool) -> Path | None:
@@ -142,9 +136,8 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path | st
         meta = _existing_meta(out, overwrite)
         if overwrite:
             log(f"{out}: --overwrite: recounting (the old stats stay until the new ones replace them)")
-            (out / META_NAME).unlink()
-            _remove_partials(root)
-            _rmtree(_sub(root, MERGE_WORK))
+            _remove_partials(root, kind=_work_kind(out, root) if isinstance(root, Path) else None)
+            _rmtree(_sub(root, MERGE_WORK), out)
         elif meta.get("job") != job.identity():
             raise UsageError(f"{out} already holds stats of another job", "pass --overwrite to recount it, or another --out")
         elif not _same_min_counts(meta, mins):
@@ -153,20 +146,25 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path | st
         else:
             log(f"{out} is complete already (pass --overwrite to recount)")
             if not cfg.keep_partials:  # a kill between writing meta.json and the clean-up
-                _remove_partials(root, shards)
+                _remove_partials(root, shards, kind=_work_kind(out, root) if isinstance(root, Path) else None)
             return out
     _check_no_foreign_shards(root, shards)
     plan = {"shard_by": shard_by, "shards": [shard_dir("", s).name for s in shards]}
-    save_resolved_config(out / "config.json", "stats build", cfg, data, extra={"data_files": files, "plan": plan})
+    config = resolved_config_text("stats build", cfg, data, extra={"data_files": files, "plan": plan})
+    if isinstance(root, Path):  # recorded before the job makes them: only then are they ever removed
+        claim_work(root, _work_kind(out, root), "stats build", WORK_DIRS)
+    if cfg.shard is not None:  # no merge here: the shard's config is published now, beside its partials
+        with staged_output(out, STATS.kind, "stats build", keep=lambda rel: rel != CONFIG_NAME) as stage:
+            atomic_write_text(stage / CONFIG_NAME, config)
     executor = make_executor(cfg.executor, cfg.num_proc, cfg.address)
     try:
-        return _count_and_merge(cfg, job, executor, shards, mins, files, out, root, log)
+        return _count_and_merge(cfg, job, executor, shards, mins, files, out, root, log, config)
     finally:
         executor.close()
 
 
 def _count_and_merge(cfg: BuildConfig, job: Job, executor: Executor, shards: list[Shard], mins: list[int],
-                     files: list[str] | None, out: Path, root: Path | str, log) -> Path | None:
+                     files: list[str] | None, out: Path, root: Path | str, log, config: str) -> Path | None:
     t0 = time.perf_counter()
     tokens = executor.count(job, shards)
     seconds = time.perf_counter() - t0
@@ -178,12 +176,12 @@ def _count_and_merge(cfg: BuildConfig, job: Job, executor: Executor, shards: lis
         with tempfile.TemporaryDirectory(prefix="multitoken-mirror-") as tmp:
             sdirs, urls = mirror_shards(root, shards, Path(tmp))
             write_stats(out, sdirs, mins, cfg.num_proc, job.memory_bytes, log, files=files, executor=executor,
-                        work=_sub(root, MERGE_WORK), remote_runs=urls)
+                        work=_sub(root, MERGE_WORK), remote_runs=urls, config=config)
     else:
         write_stats(out, [shard_dir(root, s) for s in shards], mins, cfg.num_proc, job.memory_bytes, log, files=files,
-                    executor=executor, work=root / MERGE_WORK)
+                    executor=executor, work=root / MERGE_WORK, config=config, work_kind=_work_kind(out, root))
     if not cfg.keep_partials:
-        _remove_partials(root, shards)
+        _remove_partials(root, shards, kind=_work_kind(out, root) if isinstance(root, Path) else None)
     return out
 
 
@@ -201,27 +199,40 @@ def _sub(root: Path | str, name: str) -> Path | str:
     return join(root, name) if isinstance(root, str) else root / name
 
 
-def _rmtree(path: Path | str) -> None:
-    remove(path) if isinstance(path, str) else shutil.rmtree(path, ignore_errors=True)
+def _rmtree(path: Path | str, root: Path, kind: str | None = None) -> None:
+    """Remove a work dir: a URL's objects, or a local one its record in ``root`` lists (never
+    through a symlink)."""
+    if isinstance(path, str):
+        remove(path)
+    else:
+        remove_work(path.parent, kind or _work_kind(root, path.parent), path.name)
 
 
-def _remove_partials(out: Path | str, shards: list[Shard] | None = None) -> None:
+def _remove_partials(out: Path | str, shards: list[Shard] | None = None, kind: str | None = None) -> None:
     """Remove our shard dirs (those of ``shards``, or every ``shard-*`` holding a job.json) and
-    ``partials/`` itself once empty: nothing else in it is touched."""
+    ``partials/`` itself once empty: nothing else in it is touched, nothing is reached through a
+    symlink, and a local ``partials/`` its record does not list is left alone."""
     if isinstance(out, str):  # and this node's staged copies (a killed task's, or an old job's)
         for name in [shard_dir("", s).name for s in shards] if shards is not None else sorted(shard_names(out)):
             remove(join(out, "partials", name))
         _remove_partials(staging_root(out), shards)
         return
     root = out / "partials"
-    if not root.is_dir():
+    if kind is None or not root.is_dir() or not _listed_work(out, kind, "partials"):
         return
     dirs = [shard_dir(out, s) for s in shards] if shards is not None else \
         [d for d in root.glob("shard-*") if (d / JOB_NAME).is_file()]
     for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+        if not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
     if not any(root.iterdir()):
         root.rmdir()
+        drop_work(out, kind, "partials")
+
+
+def _listed_work(root: Path, kind: str, name: str) -> bool:
+    record = read_record(root / MANIFEST, str(root))
+    return record is not None and name in record["work"] and work_dir_ours(root, name)
 
 
 def _same_min_counts(meta: dict, mins: list[int]) -> bool:
@@ -232,8 +243,8 @@ def _prepare_reprune(out: Path, root: Path | str, meta: dict, mins: list[int], s
     """A finished dir asked for other min counts: re-merge from its partials, or say why not.
 
     Pruning drops counts for good, so only the kept partials (``--keep-partials``) can give a
-    lower or a different threshold. meta.json goes first: a kill mid re-merge must leave a dir
-    that reads as unfinished (and reruns), never old meta over half-rewritten arrays.
+    lower or a different threshold. The re-merge is published all or nothing: a kill mid re-merge
+    leaves the old stats, and a rerun re-prunes again.
     """
     was = ",".join(str(v) for _, v in sorted(meta.get("min_counts", {}).items(), key=lambda kv: int(kv[0])))
     if sharded or not (shard_names(root) if isinstance(root, str) else (root / "partials").is_dir()):
@@ -242,8 +253,7 @@ def _prepare_reprune(out: Path, root: Path | str, meta: dict, mins: list[int], s
             "counts, which were removed after the merge",
             f"rerun with --min-count {was} to reuse it, or delete {out} and rebuild with the new --min-count "
             "(add --keep-partials to be able to re-prune later)",
-        )
-    (out / META_NAME).unlink()
+        )  # the old stats stay complete until the re-merged ones replace them
 
 
 def _check_no_foreign_shards(out: Path | str, shards: list[Shard]) -> None:
@@ -276,10 +286,12 @@ def find_shard_dirs(inputs: list[str]) -> list[Path]:
 
 def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, memory_bytes: int, log=print,
                 files: list[str] | None = None, executor: Executor | None = None, work: Path | str | None = None,
-                remote_runs: dict[str, str] | None = None) -> dict:
+                remote_runs: dict[str, str] | None = None, config: str | None = None, command: str = "stats build",
+                work_kind: str = STATS.kind) -> dict:
     """Merge the finished shards ``sdirs`` into the stats dir ``out`` and write its meta.json
-    (staged, then published: the arrays of an older stats dir there are replaced, stale ones of
-    other orders removed, files we did not write kept). ``files``: the local data files counted,
+    (staged, then published all or nothing with the record of its files: the files an older
+    stats dir's record lists are replaced or removed, other files kept). ``config``: the
+    resolved config text, published with it as config.json. ``files``: the local data files counted,
     when known; a merge of shards counted elsewhere records None, each shard's config.json lists
     its own. ``executor`` runs the key-range merges (default: ``num_proc`` local processes);
     ``work`` holds their parts (default ``out/merge-parts``; every worker must reach it).
@@ -309,13 +321,17 @@ def write_stats(out: Path, sdirs: list[Path], mins: list[int], num_proc: int, me
                         f"pass longer documents, or --order {short[0] - 1}")
     t0 = time.perf_counter()
     work = work if work is not None else out / MERGE_WORK
-    with atomic_dir(out, marker=META_NAME, owned=STATS_ARRAYS) as stage:
+    if isinstance(work, Path):  # recorded before the merge makes it: only then is it ever removed
+        claim_work(work.parent, work_kind, command, (work.name,))
+    with staged_output(out, STATS.kind, command, marker=META_NAME) as stage:
         kept = merge_orders(runs, stage, order, mins, ident["vocab_size"], memory_bytes, num_proc, log, work=work,
                             map_ranges=executor.map_ranges if executor is not None else None,
                            names=remote_runs, fetch_parts=store_fetch_parts if remote_runs is not None else None)
         meta = _meta(jobs, ident, order, totals, kept, mins, files)
         atomic_write_text(stage / META_NAME, json.dumps(meta, indent=1) + "\n")  # published last: marks the dir complete
-    _rmtree(work)
+        if config is not None:
+            atomic_write_text(stage / CONFIG_NAME, config)
+    _rmtree(work, out, work_kind)
     log(f"merged {len(runs)} runs in {time.perf_counter() - t0:.1f}s")
     return meta
 
@@ -342,9 +358,10 @@ def _meta(jobs: list[dict], ident: dict, order: int, totals: list[int], kept: di
     return meta
 
 
-def merge(inputs: list[str], out: str, min_count: tuple[int, ...], num_proc: int, memory_mb: int, log=print) -> dict:
+def merge(inputs: list[str], out: str, min_count: tuple[int, ...], num_proc: int, memory_mb: int, log=print,
+          config: str | None = None) -> dict:
     sdirs = find_shard_dirs(inputs)
     mins = min_counts_per_order(min_count, read_job(sdirs[0])["order"])
     with job_lock(Path(out)):
-        return write_stats(Path(out), sdirs, mins, num_proc, memory_mb << 20, log)
+        return write_stats(Path(out), sdirs, mins, num_proc, memory_mb << 20, log, config=config, command="stats merge")
 

@@ -1,14 +1,14 @@
-"""Atomic file and directory output: readers see the old file or the whole new one, never a
-partial write; replacing a directory touches only the entries we write. Also the lock file
-every writer of a shared directory takes."""
+"""Atomic files and directories: readers see the old file or the whole new one, never a
+partial write. ``swap_entries`` is the one all-or-nothing move of an output's files (the
+transaction ``publish`` builds on); ``output_lock`` the one lock every writing command takes."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import fnmatch
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from multitoken.base.errors import UsageError
@@ -74,31 +74,25 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_staging(parent: Path, name: str) -> None:
-    """Remove staging dirs ``.NAME.tmp-PID-*`` left in ``parent`` by killed processes."""
-    for tmp in parent.glob(f".{name}.tmp-*"):
+    """Remove the staging (``.NAME.tmp-PID-*``) and backup (``.NAME.old-PID-*``) dirs left in
+    ``parent`` by killed processes."""
+    for tmp in [*parent.glob(f".{name}.tmp-*"), *parent.glob(f".{name}.old-*")]:
         pid = tmp.name[len(name) + 6:].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not _pid_alive(int(pid)) and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _owned(name: str, owned) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in owned)
+def new_staging(parent: Path, name: str) -> Path:
+    """An empty staging dir ``.NAME.tmp-PID-*`` in ``parent`` (made if missing), following the
+    umask (``mkdtemp`` would make it 0700); stale ones of killed processes are removed first."""
+    parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(parent, name)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent))
+    os.chmod(staging, dir_mode())
+    return staging
 
 
-def _replace_entry(src: Path, dst: Path) -> None:
-    """``src`` takes the place of ``dst`` (a file: one rename; a directory: the old one is
-    renamed aside first, since a rename cannot replace a non-empty directory)."""
-    if dst.is_dir() and not dst.is_symlink():
-        aside = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(dst, aside)
-        os.replace(src, dst)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(src, dst)
-
-
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for f in files:
             with open(os.path.join(dirpath, f), "rb") as fh:
@@ -106,74 +100,139 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(dirpath)
 
 
-def publish_staging(staging: Path, path: Path, marker: str | None = None, owned: tuple[str, ...] = ()) -> None:
-    """Move the complete ``staging`` dir to ``path``.
+def empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
-    A missing or empty ``path`` is replaced by one rename (atomic). An existing ``path`` keeps
-    every entry we did not write: its ``marker`` (the file that says the output is complete) is
-    removed first, each staged entry replaces its namesake, entries matching ``owned`` that the
-    new output lacks (stale outputs of ours) are removed, and the new marker lands last. A reader
-    therefore sees the old output, an unfinished one (no marker), or the new one; never a mix
-    that claims to be complete.
-    """
-    _fsync_tree(staging)
-    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+
+def swap_dir(staging: Path, path: Path) -> None:
+    """``staging`` takes the place of ``path`` whole: a missing or empty ``path`` by one rename;
+    else the old dir is renamed aside, the new one in, and the old one removed (renamed back if
+    the new one cannot go in)."""
+    if not path.exists() and not path.is_symlink() or empty_dir(path):
         os.replace(staging, path)
-        fsync_dir(path.parent)
-        return
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} exists and is not a directory")
-    new = {p.name for p in staging.iterdir()}
-    if marker is not None:
-        (path / marker).unlink(missing_ok=True)
-    for entry in path.iterdir():
-        if entry.name not in new and entry.name != marker and _owned(entry.name, owned):
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    for name in sorted(new - {marker}):
-        _replace_entry(staging / name, path / name)
-    if marker in new:
-        os.replace(staging / marker, path / marker)
-    staging.rmdir()
-    fsync_dir(path)
+    else:
+        if path.is_symlink() or not path.is_dir():
+            raise NotADirectoryError(f"{path} exists and is not a directory")
+        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-{os.getpid()}-", dir=path.parent))
+        os.replace(path, aside)
+        try:
+            os.replace(staging, path)
+        except BaseException:
+            os.replace(aside, path)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+    fsync_dir(path.parent)
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | Path, marker: str | None = None, owned: tuple[str, ...] = ()):
-    """Yield an empty staging dir beside ``path``; when the block ends without error its content
-    is published to ``path`` (see ``publish_staging``: only our entries are replaced or
-    removed), on any error or interrupt the staging dir is removed and ``path`` is untouched.
-
-    The staging dir follows the umask (``mkdtemp`` would make it 0700) and is named
-    ``.NAME.tmp-PID-*``: one left by a killed process is removed by the next call.
-    """
+def atomic_dir(path: str | Path):
+    """Yield an empty staging dir beside ``path``; when the block ends without error it takes
+    the place of ``path`` whole (``swap_dir``), on any error or interrupt it is removed and
+    ``path`` is untouched. For directories inside an output we own (a checkpoint's step dir, a
+    shard's run); an output beside the user's files is published by ``publish.staged_output``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(path.parent, path.name)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
+    staging = new_staging(path.parent, path.name)
     try:
-        os.chmod(staging, dir_mode())
         yield staging
-        publish_staging(staging, path, marker, owned)
+        fsync_tree(staging)
+        swap_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+def _move(src: Path, dst: Path, done: list, made: list) -> None:
+    """Rename ``src`` to ``dst`` (never over an existing entry), making ``dst``'s parents."""
+    missing = [p for p in reversed(dst.parents) if not p.exists()]
+    for parent in missing:
+        parent.mkdir(mode=dir_mode())
+        made.append(parent)
+    if os.path.lexists(dst):
+        raise FileExistsError(f"{dst} exists")
+    os.rename(src, dst)
+    done.append((src, dst))
+
+
+def _undo(done: list, made: list) -> list[Path]:
+    """Reverse the renames and directory creations; returns the entries it could not put back."""
+    stuck = []
+    for src, dst in reversed(done):
+        try:
+            os.rename(dst, src)
+        except OSError:
+            stuck.append(src)
+    for path in reversed(made):
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    return stuck
+
+
+class UnfinishedSwap(OSError):
+    """A failed swap whose undo failed too: the backup dir holds what could not be put back."""
+
+
+def swap_entries(staging: Path, dest: Path, old: list[str], new: list[str], backup_parent: Path, name: str) -> None:
+    """All or nothing: the files ``old`` (paths relative to ``dest``) leave ``dest`` and the files
+    ``new`` (relative to ``staging``) take their places. ``old`` is moved aside into a backup dir
+    in the order given, then ``new`` is moved in in the order given (callers put the record that
+    marks the output complete first in ``old`` and last in ``new``); if any move fails, every
+    move so far is undone and the error raised, so ``dest`` is exactly as it was. Only then is
+    the backup removed, with the directories the old files leave empty. ``backup_parent`` must
+    be on ``dest``'s filesystem."""
+    backup = Path(tempfile.mkdtemp(prefix=f".{name}.old-{os.getpid()}-", dir=backup_parent))
+    done: list[tuple[Path, Path]] = []
+    made: list[Path] = []
+    try:
+        for rel in old:
+            _move(dest / rel, backup / rel, done, made)
+        for rel in new:
+            _move(staging / rel, dest / rel, done, made)
+    except BaseException:
+        stuck = _undo(done, made)
+        if stuck:  # keep the backup: it holds what could not be put back
+            raise UnfinishedSwap(f"could not restore {stuck[0]}: its old content is in {backup}") from None
+        shutil.rmtree(backup, ignore_errors=True)
+        raise
+    for rel in old:  # the directories our old files leave empty (never ``dest`` itself)
+        for parent in (dest / rel).parents:
+            if parent == dest or dest not in parent.parents:
+                break
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+    shutil.rmtree(backup, ignore_errors=True)
+    fsync_dir(dest)
+
+
 # Locks -------------------------------------------------------------------------------------
+def _holder_text() -> str:
+    """What a lock file says about its holder: the pid and the command line."""
+    argv = [Path(sys.argv[0]).name if sys.argv else "python", *sys.argv[1:]]
+    if argv[0] in ("__main__.py", "multitoken"):
+        argv[0] = "multitoken"
+    command = " ".join(argv)
+    return f"{os.getpid()}\n{command[:200]}\n"
+
+
+def _holder(fd: int) -> str:
+    lines = os.read(fd, 512).decode(errors="replace").splitlines()
+    pid = lines[0].strip() if lines and lines[0].strip() else "?"
+    return f"pid {pid}: {lines[1].strip()}" if len(lines) > 1 and lines[1].strip() else f"pid {pid}"
+
+
 @contextlib.contextmanager
 def lock_file(path: str | Path, what: str):
     """Hold an exclusive lock on ``path`` for the block; the file is created now and removed on
     release (the OS drops the lock itself if the process dies). A held lock raises UsageError
-    naming the holder's pid."""
+    naming the holder (pid and command line)."""
     path = Path(path)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            holder = _holder(fd)
             os.close(fd)
-            raise UsageError(f"another process (pid {holder}) is writing {what}",
+            raise UsageError(f"another process ({holder}) is writing {what}",
                              "wait for it to finish (or stop it), then rerun") from None
         try:  # the previous holder may have removed the file between our open and our lock
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -184,8 +243,48 @@ def lock_file(path: str | Path, what: str):
         os.close(fd)
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.write(fd, _holder_text().encode())
         yield path
     finally:
         path.unlink(missing_ok=True)  # while still holding the lock: no one else can be using it
         os.close(fd)
+
+
+_HELD: dict[Path, int] = {}  # output locks this process holds, and how many blocks hold each
+
+
+def output_lock_path(path: str | Path) -> Path:
+    """The lock of an output (a directory or a file): ``.NAME.lock`` beside it, so it exists
+    before the output does and never lands among its files."""
+    real = Path(os.path.abspath(Path(path).expanduser()))
+    real = real.parent.resolve() / real.name
+    return real.parent / f".{real.name}.lock"
+
+
+@contextlib.contextmanager
+def output_lock(path: str | Path, what: str):
+    """The one lock of an output, held for a whole command (checks, work, publishing). It is
+    re-entrant within a process (a command and the library function it calls may both take
+    it); a second process is refused at once, naming the first. Parents of the output made for
+    the lock are removed again if nothing else was put in them."""
+    lock = output_lock_path(path)
+    if lock in _HELD:
+        _HELD[lock] += 1
+        try:
+            yield lock
+        finally:
+            _HELD[lock] -= 1
+        return
+    made = [p for p in reversed(lock.parents) if not p.exists()]
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with lock_file(lock, what):
+            _HELD[lock] = 1
+            try:
+                yield lock
+            finally:
+                del _HELD[lock]
+    finally:
+        for parent in reversed(made):
+            with contextlib.suppress(OSError):
+                parent.rmdir()

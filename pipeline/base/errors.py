@@ -42,3 +42,7 @@ class DataError(MultitokenError):
 
 class DivergedError(MultitokenError):
     """Training reached a non-finite loss or weight (it stops there; nothing more is written)."""
+
+
+class OutputError(MultitokenError):
+    """An output could not be written or replaced (what was there before is kept)."""

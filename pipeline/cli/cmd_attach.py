@@ -12,11 +12,10 @@ import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.base.config_io import resolved_config_text
-from multitoken.base.outputs import prepare_output
+from multitoken.base.outputs import claim_output
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import add_flag, dataclass_from_args, plain
 
@@ -29,7 +28,7 @@ class AttachConfig:
     head: str = field(default="replicated", metadata={"help": "head type"})
     n: int = field(default=3, metadata={"help": "tokens predicted per forward pass (head 1 = the base model)"})
     out: str | None = field(default=None, metadata={"help": "heads directory to create"})
-    overwrite: bool = field(default=False, metadata={"help": "replace an existing output of this command in --out (only its own files; others stay)"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing output of this command in --out (only the files its record lists; others stay)"})
 
 
 def register(sub) -> None:
@@ -66,10 +65,6 @@ def head_options(args) -> dict:
     return {k[len("head_"):]: v for k, v in vars(args).items() if k.startswith("head_")}
 
 
-def _check_out(cfg: AttachConfig, base: str) -> Path:
-    return prepare_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(base,))
-
-
 def run(args) -> None:
     from multitoken.adapters.registry import make_config  # lazy: torch
 
@@ -78,9 +73,10 @@ def run(args) -> None:
 
     cfg = dataclass_from_args(AttachConfig, args)
     backbone_config = dataclass_from_args(BackboneConfig, args)
-    out = _check_out(cfg, backbone_config.base)
-    head_config = make_config(cfg.head, n_future=cfg.n, **head_options(args))
-    model = MultiTokenModel.attach(load_backbone(backbone_config), head_config)
-    model.save_heads(out, extra={RESOLVED_CONFIG: resolved_config_text("attach", cfg, backbone_config, head_config)})
+    with claim_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(backbone_config.base,)) as out:
+        head_config = make_config(cfg.head, n_future=cfg.n, **head_options(args))
+        model = MultiTokenModel.attach(load_backbone(backbone_config), head_config)
+        extra = {RESOLVED_CONFIG: resolved_config_text("attach", cfg, backbone_config, head_config)}
+        model.save_heads(out, extra=extra, command="attach")
     n_params = sum(p.numel() for p in model.head_parameters())
     print(f"attached {cfg.head} heads (n={cfg.n}, {n_params:,} trainable parameters) to {backbone_config.base} -> {out}")

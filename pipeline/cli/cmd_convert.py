@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from multitoken.base.errors import UsageError
-from multitoken.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.base.outputs import add_overwrite_flag, claim_output
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import dataclass_from_args
 from multitoken.pipeline.model.llama2c import convert_llama2c
@@ -24,8 +24,8 @@ def register(sub) -> None:
 
 def run(args) -> None:
     cfg = dataclass_from_args(ConvertLlama2cConfig, args)
-    prepare_output(cfg.out, "convert", overwrite=args.overwrite, inputs=(cfg.model, cfg.tokenizer))
-    if cfg.tokenizer is None:
-        raise UsageError("convert-llama2c needs --tokenizer", "e.g. --tokenizer tok512.model --out my-model/")
-    out = convert_llama2c(cfg.model, cfg.tokenizer, cfg.out, overwrite=args.overwrite)
+    with claim_output(cfg.out, "convert", overwrite=args.overwrite, inputs=(cfg.model, cfg.tokenizer)):
+        if cfg.tokenizer is None:
+            raise UsageError("convert-llama2c needs --tokenizer", "e.g. --tokenizer tok512.model --out my-model/")
+        out = convert_llama2c(cfg.model, cfg.tokenizer, cfg.out, overwrite=args.overwrite)
     print(f"wrote Hugging Face Llama checkpoint to {out}")

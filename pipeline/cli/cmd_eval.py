@@ -12,10 +12,12 @@ import math
 import sys
 from pathlib import Path
 
-from multitoken.base.atomic import atomic_dir, atomic_write_text
+from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import save_resolved_config
 from multitoken.base.data import DataConfig, describe_files
-from multitoken.base.outputs import EVAL, add_overwrite_flag, prepare_output
+from multitoken.base.errors import MultitokenError
+from multitoken.base.outputs import EVAL, HEADS, add_overwrite_flag, claim_output
+from multitoken.base.publish import staged_output
 from multitoken.pipeline.cli import add_command, base_from_heads, threads_for_batches
 from multitoken.pipeline.cli.args import dataclass_from_args
 
@@ -35,15 +37,21 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.model.assets import default_stats, load_model  # lazy: torch
-    from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate  # lazy: torch
-    from multitoken.decoding.tree import ACCURACY_FILE  # lazy: torch
+    from multitoken.pipeline.eval.evaluate import EvalConfig  # lazy: torch
     from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
 
     cfg = dataclass_from_args(EvalConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
-    prepare_output(cfg.out, "eval", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, bb_cfg.base, data_cfg.data))
+    with claim_output(cfg.out, "eval", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, bb_cfg.base, data_cfg.data)):
+        _run(cfg, bb_cfg, data_cfg)
+
+
+def _run(cfg, bb_cfg, data_cfg) -> None:
+    from multitoken.decoding.tree import ACCURACY_FILE  # lazy: torch
+    from multitoken.pipeline.eval.evaluate import evaluate  # lazy: torch
+    from multitoken.pipeline.model.assets import default_stats, load_model  # lazy: torch
+
     cfg.validate()
     files, lines = describe_files(data_cfg)  # also refuses a --split the data does not have
     model, cfg.heads = load_model(cfg.heads, **dataclasses.asdict(bb_cfg))
@@ -54,7 +62,7 @@ def run(args) -> None:
     report = evaluate(model, cfg, data_cfg)
     report = {"heads_dir": cfg.heads, "base": model.backbone.name, "head_type": model.config.head_type, **report}
     out = Path(cfg.out)
-    with atomic_dir(out, marker=EVAL.marker, owned=EVAL.owned) as stage:
+    with staged_output(out, EVAL.kind, "eval", marker=EVAL.marker) as stage:
         if "logit_lens" in report:
             from multitoken.pipeline.eval.lens import plot_lens  # lazy: torch
 
@@ -71,15 +79,20 @@ def run(args) -> None:
 
 
 def _write_beside_heads(heads: str, record: dict) -> None:
-    """rank_accuracy.json into the heads dir (atomic; a previous one is replaced: it is derived
-    data), or one line saying why not (a read-only install of the embedded heads)."""
+    """rank_accuracy.json into the heads dir, added to its record (a previous one its record
+    lists is replaced: it is derived data; the heads dir's other files stay listed), or one line
+    saying why not (a read-only install of the embedded heads, a file multitoken did not write)."""
     from multitoken.decoding.tree import ACCURACY_FILE  # lazy: torch
 
     path = Path(heads) / ACCURACY_FILE
     try:
-        atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+        with staged_output(heads, HEADS.kind, "eval", keep=lambda rel: rel != ACCURACY_FILE) as stage:
+            atomic_write_text(stage / ACCURACY_FILE, json.dumps(record, indent=2) + "\n")
     except OSError as err:
         print(f"note: could not write {path} ({err.strerror}); copy it from --out to use it with --tree static", file=sys.stderr)
+        return
+    except MultitokenError as err:
+        print(f"note: did not write {path} ({err.problem}); copy it from --out to use it with --tree static", file=sys.stderr)
         return
     print(f"tree accuracies: {path} (read by generate --tree static)")
 

@@ -21,7 +21,8 @@ from multitoken.embedded import shipped_assets
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import config_dict, save_resolved_config
 from multitoken.base.errors import UsageError
-from multitoken.base.outputs import add_overwrite_flag, prepare_output_file
+from multitoken.base.outputs import CONFIG_SUFFIX, GENERATIONS, add_overwrite_flag, claim_file
+from multitoken.base.publish import staged_file
 from multitoken.pipeline.cli import add_command, base_from_heads
 from multitoken.pipeline.cli.args import dataclass_from_args
 
@@ -156,19 +157,24 @@ def _check_file_flags(cfg: GenerateConfig) -> None:
 
 def run_file(args, cfg: GenerateConfig, decode, base_cfg: BackboneConfig) -> None:
     """Every prompt of ``--prompts``, ``--batch-size`` at a time, to ``--out`` (jsonl)."""
-    from multitoken.decoding.batch import generate_batch  # lazy: torch
-    from multitoken.decoding.config import check_context  # lazy: torch
-    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
     from multitoken.pipeline.eval.sweep import read_prompts  # lazy: the eval package imports torch
-    from multitoken.pipeline.model.assets import backbone_config, load_stats  # lazy: torch
+    from multitoken.pipeline.model.assets import backbone_config  # lazy: torch
 
     _check_file_flags(cfg)
     decode.validate()
     texts = read_prompts(cfg.prompts)
     fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
     base_cfg = backbone_config(cfg.heads, args.base, **fields)
-    prepare_output_file(cfg.out, overwrite=args.overwrite, inputs=(cfg.prompts, base_cfg.base), sidecars=(".config.json",),
-                        command="generate")
+    with claim_file(cfg.out, "generate", overwrite=args.overwrite, inputs=(cfg.prompts, base_cfg.base)):
+        _generate_file(cfg, decode, base_cfg, texts)
+
+
+def _generate_file(cfg: GenerateConfig, decode, base_cfg: BackboneConfig, texts: list[str]) -> None:
+    from multitoken.decoding.batch import generate_batch  # lazy: torch
+    from multitoken.decoding.config import check_context  # lazy: torch
+    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
+    from multitoken.pipeline.model.assets import load_stats  # lazy: torch
+
     model, heads = _load(cfg, base_cfg)
     stats = cfg.stats or _shipped(base_cfg.base, 1)
     table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None
@@ -187,5 +193,8 @@ def run_file(args, cfg: GenerateConfig, decode, base_cfg: BackboneConfig) -> Non
         for k, result in enumerate(generate_batch(model, chunk, decode, table=table)):
             lines.append(json.dumps({"prompt": texts[start + k], **result.as_dict()}))
         print(f"{min(start + cfg.batch_size, len(ids))}/{len(ids)} prompts", file=sys.stderr)
-    atomic_write_text(cfg.out, "\n".join(lines) + "\n")
-    save_resolved_config(cfg.out + ".config.json", "generate", cfg, decode, base_cfg, extra={"heads": heads, "stats": stats})
+    name = Path(cfg.out).name
+    with staged_file(cfg.out, GENERATIONS.kind, "generate") as stage:  # all or nothing, recorded
+        atomic_write_text(stage / name, "\n".join(lines) + "\n")
+        save_resolved_config(stage / (name + CONFIG_SUFFIX), "generate", cfg, decode, base_cfg, extra={"heads": heads, "stats": stats})
+

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from multitoken.base.config_io import save_resolved_config
+from multitoken.base.config_io import resolved_config_text
 from multitoken.base.data import DataConfig
 from multitoken.base.errors import CheckpointError, UsageError
-from multitoken.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.base.outputs import add_overwrite_flag, claim_output
 from multitoken.base.tokenizer import load_tokenizer
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import add_dataclass_args, dataclass_from_args
@@ -67,17 +67,17 @@ def register(sub) -> None:
 
 def run_build(args) -> None:
     cfg, data = dataclass_from_args(BuildConfig, args), dataclass_from_args(DataConfig, args)
-    prepare_output(cfg.out, "stats", overwrite=args.overwrite, inputs=(data.data, cfg.tokenizer), resume=True)
-    out = build(cfg, data, overwrite=args.overwrite)
+    with claim_output(cfg.out, "stats", overwrite=args.overwrite, inputs=(data.data, cfg.tokenizer), resume=True):
+        out = build(cfg, data, overwrite=args.overwrite)  # a local --work-dir is claimed there, once it is resolved
     if out is not None:
         print(f"wrote {out}")
 
 
 def run_merge(args) -> None:
     cfg = dataclass_from_args(MergeConfig, args)
-    prepare_output(cfg.out, "stats", overwrite=args.overwrite, inputs=cfg.inputs)
-    merge(list(cfg.inputs), cfg.out, cfg.min_count, cfg.num_proc, cfg.memory_mb)
-    save_resolved_config(f"{cfg.out}/config.json", "stats merge", cfg)
+    with claim_output(cfg.out, "stats", overwrite=args.overwrite, inputs=cfg.inputs):
+        merge(list(cfg.inputs), cfg.out, cfg.min_count, cfg.num_proc, cfg.memory_mb,
+              config=resolved_config_text("stats merge", cfg))
     print(f"wrote {cfg.out}")
 
 

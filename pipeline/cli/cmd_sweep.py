@@ -19,9 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from multitoken.base.atomic import atomic_dir, atomic_write_text
+from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import save_resolved_config
-from multitoken.base.outputs import SWEEP, add_overwrite_flag, prepare_output
+from multitoken.base.outputs import SWEEP, add_overwrite_flag, claim_output
+from multitoken.base.publish import staged_output
 from multitoken.pipeline.cli import add_command, base_from_heads
 from multitoken.pipeline.cli.args import dataclass_from_args
 
@@ -39,13 +40,19 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.model.assets import NO_STATS, default_stats, load_model, load_stats  # lazy: torch
-    from multitoken.pipeline.eval.sweep import SweepConfig, parse_grid, read_prompts, sweep  # lazy: torch
+    from multitoken.pipeline.eval.sweep import SweepConfig  # lazy: torch
     from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
 
     cfg = dataclass_from_args(SweepConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)
-    prepare_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, bb_cfg.base, cfg.prompts))
+    with claim_output(cfg.out, "sweep", overwrite=args.overwrite, inputs=(cfg.heads, cfg.stats, bb_cfg.base, cfg.prompts)):
+        _run(cfg, bb_cfg)
+
+
+def _run(cfg, bb_cfg) -> None:
+    from multitoken.pipeline.eval.sweep import parse_grid, read_prompts, sweep  # lazy: torch
+    from multitoken.pipeline.model.assets import NO_STATS, default_stats, load_model, load_stats  # lazy: torch
+
     cfg.validate()
     grid, prompts = parse_grid(cfg.eps_b), read_prompts(cfg.prompts)
     model, heads = load_model(cfg.heads, **dataclasses.asdict(bb_cfg))
@@ -59,7 +66,7 @@ def run(args) -> None:
     result = sweep(model, cfg, prompts, grid, table, log)
     result = {"heads": heads, "base": model.backbone.name, "stats": cfg.stats, **result}
     out = Path(cfg.out)
-    with atomic_dir(out, marker=SWEEP.marker, owned=SWEEP.owned) as stage:  # sweep.png too: all or nothing
+    with staged_output(out, SWEEP.kind, "sweep", marker=SWEEP.marker) as stage:  # sweep.png too: all or nothing
         atomic_write_text(stage / "sweep.json", json.dumps(result, indent=2) + "\n")
         atomic_write_text(stage / "sweep.csv", to_csv(result))
         plot_sweep(result, stage / "sweep.png")

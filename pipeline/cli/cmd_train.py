@@ -6,10 +6,14 @@ training; the flags are the same.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
 from multitoken.base.data import DataConfig
 from multitoken.pipeline.train.trainer_config import TrainConfig
 from multitoken.base.errors import UsageError
-from multitoken.base.outputs import add_overwrite_flag, prepare_output
+from multitoken.base.outputs import add_overwrite_flag, claim_output, prepare_output
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import dataclass_from_args
 
@@ -23,18 +27,20 @@ def run(args) -> None:
 
     cfg = dataclass_from_args(TrainConfig, args)
     data = dataclass_from_args(DataConfig, args)
-    _check_out(cfg, data, args.overwrite)
-    if not data.data:
-        raise UsageError("no training data given", "pass --data FILE|DIR|GLOB|HUB_ID")
-    summary = train(cfg, data)
+    with _claim_outputs(cfg, data, args.overwrite):
+        if not data.data:
+            raise UsageError("no training data given", "pass --data FILE|DIR|GLOB|HUB_ID")
+        summary = train(cfg, data)
     if summary["eval"]:  # the main process (the others have no evaluation)
         print(format_summary(summary))
 
-def _check_out(cfg, data, overwrite: bool) -> None:
-    """--out (and the checkpoint dir beside it) before anything loads; --resume continues this
-    run's own output, which is not an overwrite."""
-    from pathlib import Path
 
+@contextlib.contextmanager
+def _claim_outputs(cfg, data, overwrite: bool):
+    """--out and the checkpoint dir beside it, checked and locked before anything loads and
+    held to the end; --resume continues this run's own checkpoint, which is not an overwrite
+    (without one, --out is written anew). Under torchrun only the main process (RANK 0) locks:
+    the others write nothing."""
     from multitoken.pipeline.model.heads_io import CONFIG_FILE as HEADS_CONFIG  # lazy: torch
     from multitoken.pipeline.train.checkpoint import list_checkpoints  # lazy: torch
 
@@ -47,5 +53,13 @@ def _check_out(cfg, data, overwrite: bool) -> None:
         raise UsageError(f"--resume: {cfg.ckpt_dir()} holds no checkpoint to continue from, and --out {cfg.out} already holds heads",
                          "pass --checkpoint-dir where this run's checkpoints are, another --out, or --overwrite to train new heads over these")
     inputs = (cfg.heads, data.data, cfg.eval_data, cfg.backbone.base)
-    prepare_output(cfg.out, "heads", overwrite=overwrite, inputs=inputs, resume=resume)
-    prepare_output(str(cfg.ckpt_dir()), "checkpoints", inputs=inputs, resume=True)  # train checks --resume itself
+    with contextlib.ExitStack() as stack:
+        def claim(path, kind, **flags):
+            if os.environ.get("RANK", "0") == "0":
+                stack.enter_context(claim_output(path, kind, inputs=inputs, **flags))
+            else:
+                prepare_output(path, kind, inputs=inputs, **flags)
+
+        claim(cfg.out, "heads", overwrite=overwrite, resume=resume)
+        claim(str(cfg.ckpt_dir()), "checkpoints", resume=True, flag="--checkpoint-dir")  # train checks --resume itself
+        yield

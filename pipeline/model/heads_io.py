@@ -6,9 +6,10 @@
                         when the trainer unfroze it, stored under ``base_head.``)
     lora/               peft's own adapter files, when the backbone carries LoRA
 
-A save is staged in a hidden directory and published with ``atomic.atomic_dir`` (the config
-last), so an interrupted save leaves the old directory or one without a config, never a
-silently mixed one; files we did not write are never touched. Loading uses safetensors only: nothing is unpickled.
+A save is staged in a hidden directory and published with ``publish.staged_output`` (all or
+nothing, the config last, with ``multitoken_manifest.json`` recording the files), so a failed or
+interrupted save leaves the old directory as it was; files its record does not list are never
+touched. Loading uses safetensors only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import torch
 from multitoken.adapters.registry import build_head, config_from_dict
 
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
-from multitoken.base.atomic import atomic_dir
 from multitoken.embedded import portable_base
 from multitoken.base.errors import CheckpointError, MismatchError, UsageError
 from multitoken.base.finite import check_finite
 from multitoken.base.outputs import HEADS
+from multitoken.base.publish import staged_output
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "heads_config.json"
@@ -58,14 +59,15 @@ def _base_head_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_heads(model, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
-    """Write the heads dir ``out_dir`` atomically (staged, then published: an existing heads dir
-    is replaced file by file, the config last; files we did not write stay). ``extra`` maps
-    more file names to text written with it (resolved configs, metrics)."""
+def save_heads(model, out_dir: str | Path, extra: dict[str, str] | None = None, command: str = "save_heads") -> Path:
+    """Write the heads dir ``out_dir`` all or nothing (staged, then published: the files an
+    existing heads dir's record lists are replaced, the config last; other files stay).
+    ``extra`` maps more file names to text written with it (resolved configs, metrics);
+    ``command`` is what the record says wrote it."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out} exists and is not a directory", "pass a directory path for the heads")
-    with atomic_dir(out, marker=HEADS.marker, owned=HEADS.owned) as stage:
+    with staged_output(out, HEADS.kind, command, marker=HEADS.marker) as stage:
         write_heads(model, stage)
         for name, text in (extra or {}).items():
             (stage / name).write_text(text, encoding="utf-8")

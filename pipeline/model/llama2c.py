@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from multitoken.base.atomic import atomic_dir
 from multitoken.base.errors import CheckpointError
 from multitoken.base.outputs import CONVERTED
+from multitoken.base.publish import staged_output
 
 HEADER_INTS = 7
 HEADER_BYTES = HEADER_INTS * 4
@@ -194,17 +194,18 @@ def _sha256(path: Path) -> str:
 def convert_llama2c(model_bin: str | Path, tokenizer_model: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write a Hugging Face Llama checkpoint (safetensors, config, tokenizer) to ``out``.
 
-    The directory appears atomically: everything is staged first (``atomic.atomic_dir``). An
-    existing ``out`` must be empty, or hold an earlier conversion and ``overwrite`` be set.
+    The directory appears all or nothing: everything is staged first, then published with its
+    record (``publish.staged_output``). An existing ``out`` must be empty, or ``overwrite`` be
+    set (only the files an earlier conversion's record lists are replaced).
     """
     import torch
     from transformers import LlamaForCausalLM
 
     model_bin, tokenizer_model, out = Path(model_bin), Path(tokenizer_model), Path(out)
     header, arrays = read_llama2c(model_bin)
-    if out.exists() and any(out.iterdir()) and not (overwrite and (out / CONVERTED.marker).is_file()):
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise CheckpointError(f"output directory {out} exists and is not empty", "choose a new --out directory")
-    with atomic_dir(out, marker=CONVERTED.marker, owned=CONVERTED.owned) as tmp:
+    with staged_output(out, CONVERTED.kind, "convert-llama2c", marker=CONVERTED.marker) as tmp:
         _convert_tokenizer(tokenizer_model, tmp, header.vocab_size)
         model = LlamaForCausalLM(llama_config(header))
         state = {k: torch.from_numpy(v.copy()) for k, v in hf_state_dict(header, arrays).items()}

@@ -61,10 +61,10 @@ class MultiTokenModel(nn.Module):
         return load_heads(cls, base, heads_dir, quantization=quantization, dtype=dtype, device=device,
                           trainable_lora=trainable_lora, **kwargs)
 
-    def save_heads(self, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
+    def save_heads(self, out_dir: str | Path, extra: dict[str, str] | None = None, command: str = "save_heads") -> Path:
         """Write heads.safetensors + heads_config.json (+ peft's adapter files in ``lora/``, and
-        ``extra`` {file name: text}) atomically."""
-        return save_heads(self, out_dir, extra)
+        ``extra`` {file name: text}) all or nothing, recording them (``command`` wrote them)."""
+        return save_heads(self, out_dir, extra, command)
 
     # Introspection ----------------------------------------------------------------------
     @property

@@ -6,8 +6,10 @@ A checkpoint is a directory ``step-00000123/`` under the checkpoint root holding
   ``torch.load(weights_only=True)``, nothing arbitrary is unpickled);
 - ``rng.safetensors``: torch's CPU RNG state;
 - ``state.json``: step, data position, epoch start, the config it was made with.
-It is written into a hidden staging directory and renamed into place (``atomic.atomic_dir``),
-so a directory named ``step-*`` is always complete; the newest one is the one to resume from.
+It is written into a hidden staging directory and published into the checkpoint root with the
+root's record of files (``publish.staged_output``: all or nothing, ``state.json`` last), which
+also drops the checkpoints beyond ``--keep-checkpoints`` (only files the record lists are ever
+removed); the newest one is the one to resume from.
 Loading validates every file and says which one is damaged.
 """
 
@@ -16,13 +18,13 @@ from __future__ import annotations
 import json
 import pickle
 import re
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from multitoken.base.atomic import atomic_dir
+from multitoken.base.outputs import CHECKPOINTS
+from multitoken.base.publish import staged_output
 from multitoken.base.errors import CheckpointError
 from multitoken.base.finite import check_finite
 
@@ -42,17 +44,20 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: int) -> Path:
-    final = root / f"step-{step:08d}"
+    name = f"step-{step:08d}"
+    kept = set(sorted({p.name for p in list_checkpoints(root)} | {name})[-keep:])
     weights = trainable_state(model, optimizer.param_groups)
-    check_finite(weights, f"checkpoint {final.name}", "the weights diverged: resume from the previous checkpoint with a lower --lr")
-    with atomic_dir(final, marker="state.json") as tmp:  # re-saving the same step (the final save after a periodic one) replaces it
+    check_finite(weights, f"checkpoint {name}", "the weights diverged: resume from the previous checkpoint with a lower --lr")
+    # re-saving the same step (the final save after a periodic one) replaces it
+    with staged_output(root, CHECKPOINTS.kind, "train", keep=lambda rel: Path(rel).parts[0] in kept,
+                       marker=f"{name}/state.json") as stage:
+        tmp = stage / name
+        tmp.mkdir()
         save_file(weights, str(tmp / "trainable.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2, default=str))
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return root / name
 
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:

@@ -358,9 +358,9 @@ def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, 
 
 
 def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict) -> None:
-    """Save heads, resolved config and metrics: staged, then published over ``--out`` (only
-    our files are replaced; see ``heads_io.save_heads``)."""
+    """Save heads, resolved config and metrics: staged, then published over ``--out`` all or
+    nothing (only the files its record lists are replaced; see ``heads_io.save_heads``)."""
     model.save_heads(Path(cfg.out), extra={
         "train_config.json": resolved_config_text("train", cfg, data, extra=files),
         "train_metrics.json": json.dumps(history, indent=2) + "\n",
-    })
+    }, command="train")

@@ -93,19 +93,25 @@ def stats_build_work_dir_with_other_files(w, d):
     mine = _note(d / "W" / "merge-notes.txt")
     parts = _note(d / "W" / "merge-parts" / "mine.txt")
     return Case(["stats", "build", "--data", w["corpus"], "--out", d / "S", "--work-dir", d / "W"], 2,
-                "holds files of its own (merge-notes.txt)", [mine, parts])
+                "--work-dir", [mine, parts])
 
 
 def stats_build_over_a_corrupt_stats_dir(w, d):
     meta = _note(d / "S" / "meta.json", "{not json")
-    return Case(["stats", "build", "--data", w["corpus"], "--out", d / "S"], 2, "holds a damaged stats dir", [meta])
+    return Case(["stats", "build", "--data", w["corpus"], "--out", d / "S"], 2, "holds a stats dir with no record of its files", [meta])
 
 
 def stats_merge_over_a_finished_stats_dir(w, d):
-    s = Path(shutil.copytree(w["stats"], d / "S"))
+    s = Path(shutil.copytree(w["built"], d / "S"))
     notes = _note(s / "notes.txt")
     return Case(["stats", "merge", w["sharded"], "--out", s], 2, "already holds a stats dir",
-                [notes, s / "meta.json", s / "keys3.npy", s / "counts2.npy"])
+                [notes, s / "meta.json", s / "keys2.npy", s / "counts2.npy"])
+
+
+def stats_merge_over_a_stats_dir_of_an_older_multitoken(w, d):
+    s = Path(shutil.copytree(w["stats"], d / "S"))  # the embedded stats: no record of its files
+    return Case(["stats", "merge", w["sharded"], "--out", s, "--overwrite"], 2, "move it away or delete it",
+                [s / "meta.json", s / "keys3.npy", s / "counts2.npy"])
 
 
 def distill_over_an_existing_file(w, d):
@@ -145,7 +151,7 @@ def eval_out_not_writable(w, d):
 def sweep_out_holds_a_sweep(w, d):
     out = d / "sw"
     sweep = _note(out / "sweep.json", "{}\n")
-    return Case(["sweep", "--out", out], 2, "already holds a sweep", [sweep])
+    return Case(["sweep", "--out", out, "--overwrite"], 2, "holds a sweep with no record of its files", [sweep])
 
 
 def stats_build_out_is_a_file(w, d):
@@ -164,6 +170,67 @@ def distill_out_not_writable(w, d):
 def attach_out_is_a_file(w, d):
     f = _note(d / "heads")
     return Case(["attach", "--out", f], 2, "is an existing file", [f])
+
+
+# Names are not ownership: only a record of the files makes a destination ours -----------------
+def attach_over_a_users_train_config(w, d):
+    mine = _note(d / "x" / "train_config.json", '{"my": "settings"}\n')
+    return Case(["attach", "--out", d / "x", "--n", "2", "--overwrite"], 2, "does not hold a heads dir", [mine])
+
+
+def attach_over_a_users_lora_folder(w, d):
+    mine = _note(d / "x" / "lora" / "adapter_config.json", '{"mine": true}\n')
+    return Case(["attach", "--out", d / "x", "--n", "2"], 2, "does not hold a heads dir", [mine])
+
+
+def stats_build_over_arrays_named_like_ours(w, d):
+    keys, counts = _note(d / "S" / "keys9.npy", "user data\n"), _note(d / "S" / "counts4.npy", "user data\n")
+    return Case(["stats", "build", "--data", w["corpus"], "--out", d / "S", "--overwrite"], 2, "does not hold a stats dir",
+                [keys, counts])
+
+
+def stats_build_work_dir_holding_a_users_merge_parts(w, d):
+    parts = _note(d / "W" / "merge-parts" / "o2-part-00000.npy", "user data\n")
+    return Case(["stats", "build", "--data", w["corpus"], "--out", d / "S", "--work-dir", d / "W", "--order", "2"], 2,
+                "--work-dir", [parts])
+
+
+def stats_overwrite_through_a_symlinked_partials(w, d):
+    s = Path(shutil.copytree(w["built"], d / "S"))
+    shard = d / "elsewhere" / "shard-00000-of-00001"
+    job, counts = _note(shard / "job.json", '{"another": "job"}\n'), _note(shard / "run-000000" / "k2.npy", "counts\n")
+    (s / "partials").symlink_to(d / "elsewhere")
+    return Case(["stats", "build", "--data", w["corpus"], "--out", s, "--order", "2", "--overwrite"], 2,
+                "partials, which multitoken has no record of writing", [job, counts, s / "meta.json", s / "keys2.npy"])
+
+
+def eval_over_a_users_logit_lens(w, d):
+    png = _note(d / "E" / "logit_lens.png", "my plot\n")
+    return Case(["eval", "--heads", w["heads"], "--data", w["corpus"], "--out", d / "E", "--overwrite"], 2,
+                "does not hold an eval report", [png])
+
+
+def sweep_over_a_users_csv(w, d):
+    csv = _note(d / "SW" / "sweep.csv", "a,b\n1,2\n")
+    return Case(["sweep", "--out", d / "SW", "--overwrite"], 2, "does not hold a sweep", [csv])
+
+
+def distill_overwrite_a_corpus_it_did_not_write(w, d):
+    corpus = _note(d / "c.jsonl", '{"input_ids": [1, 2, 3]}\n')
+    return Case(["distill", "--num-tokens", "10", "--out", corpus, "--overwrite"], 2,
+                "not a corpus written by multitoken distill", [corpus])
+
+
+def generate_overwrite_generations_it_did_not_write(w, d):
+    prompts, gen = _note(d / "p.txt", "Once\n"), _note(d / "g.jsonl", '{"prompt": "a", "token_ids": [1], "text": "b"}\n')
+    return Case(["generate", "--prompts", prompts, "--out", gen, "--overwrite", "--max-new-tokens", "2"], 2,
+                "not generations written by multitoken generate", [gen])
+
+
+def train_into_a_heads_dir_of_an_older_multitoken(w, d):
+    h = Path(shutil.copytree(w["heads"], d / "h"))  # the embedded heads: no record of their files
+    return Case(_train(w, h, "--overwrite"), 2, "holds a heads dir with no record of its files",
+                [h / "heads.safetensors", h / "heads_config.json"])
 
 
 # Damaged stats dirs ---------------------------------------------------------------------------
@@ -192,4 +259,15 @@ OUTPUT_CASES = [
     stats_merge_out_not_writable,
     distill_out_not_writable,
     attach_out_is_a_file,
+    stats_merge_over_a_stats_dir_of_an_older_multitoken,
+    attach_over_a_users_train_config,
+    attach_over_a_users_lora_folder,
+    stats_build_over_arrays_named_like_ours,
+    stats_build_work_dir_holding_a_users_merge_parts,
+    stats_overwrite_through_a_symlinked_partials,
+    eval_over_a_users_logit_lens,
+    sweep_over_a_users_csv,
+    distill_overwrite_a_corpus_it_did_not_write,
+    generate_overwrite_generations_it_did_not_write,
+    train_into_a_heads_dir_of_an_older_multitoken,
 ]

@@ -52,6 +52,9 @@ def world(tmp_path_factory) -> dict[str, Path]:
     # partial counts of a sharded order-2 build (merged later by `stats merge`)
     assert main(["stats", "build", "--data", str(w["corpus"]), "--out", str(root / "sharded"), "--order", "2", "--shard", "0/1"]) == 0
     w["sharded"] = root / "sharded"
+    # a finished order-2 stats dir, with its record
+    assert main(["stats", "build", "--data", str(w["corpus"]), "--out", str(root / "built"), "--order", "2"]) == 0
+    w["built"] = root / "built"
     # a finished one-step train run and its checkpoint
     assert main(["train", "--heads", str(w["heads"]), "--data", str(w["corpus"]), "--out", str(root / "trained"),
                  "--max-steps", "1", "--seq-len", "16", "--batch-size", "1", "--eval-batches", "1", "--no-progress"]) == 0
@@ -90,5 +93,5 @@ def test_bad_input_ends_in_one_clean_line(outcomes, name):
     assert case.message in err, err
     assert _snapshot(case.sentinels) == before  # nothing of the user's lost or changed
     assert not (d / "PWNED").exists()  # no planted code ran
-    leftovers = [p for p in d.rglob("*") if ".tmp-" in p.name or p.name == ".lock" or ".multitoken-probe" in p.name]
+    leftovers = [p for p in d.rglob("*") if ".tmp-" in p.name or p.name.endswith(".lock") or ".multitoken-probe" in p.name]
     assert leftovers == []

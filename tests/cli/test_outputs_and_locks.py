@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,54 +13,62 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from multitoken.base.atomic import atomic_dir, lock_file
-from multitoken.embedded import EMBEDDED_STATS
+from multitoken.base.atomic import output_lock
+from multitoken.base.manifest import MANIFEST
 from multitoken.base.errors import UsageError
 from multitoken.base.outputs import prepare_output
+from multitoken.base.publish import staged_output
 
 from .cli_helpers import phrase_corpus, run_cli
 
 
 def _leftovers(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name or p.name == ".lock"]
+    return [p for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name or p.name.endswith(".lock")]
 
 
-# atomic_dir / prepare_output ------------------------------------------------------------------
-def test_atomic_dir_replaces_only_our_entries_and_removes_our_stale_ones(tmp_path):
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every entry under ``root`` with its bytes (None for a folder)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+# staged_output / prepare_output -------------------------------------------------------------
+def test_publish_replaces_only_listed_files_and_removes_our_stale_ones(tmp_path):
     out = tmp_path / "out"
-    with atomic_dir(out, marker="meta.json", owned=("meta.json", "keys*.npy", "sub")) as stage:
+    with staged_output(out, "stats", "test", marker="meta.json") as stage:
         (stage / "keys2.npy").write_text("old2")
         (stage / "keys3.npy").write_text("old3")
         (stage / "sub").mkdir()
         (stage / "sub" / "a").write_text("old")
         (stage / "meta.json").write_text("old")
     (out / "notes.txt").write_text("mine")
-    with atomic_dir(out, marker="meta.json", owned=("meta.json", "keys*.npy", "sub")) as stage:
+    (out / "sub" / "mine.txt").write_text("mine too")  # the user's file inside our folder
+    with staged_output(out, "stats", "test", marker="meta.json") as stage:
         (stage / "keys2.npy").write_text("new2")
         (stage / "sub").mkdir()
         (stage / "sub" / "b").write_text("new")
         (stage / "meta.json").write_text("new")
-    assert sorted(p.name for p in out.iterdir()) == ["keys2.npy", "meta.json", "notes.txt", "sub"]
+    assert sorted(p.name for p in out.iterdir()) == ["keys2.npy", "meta.json", MANIFEST, "notes.txt", "sub"]
     assert (out / "keys2.npy").read_text() == "new2" and (out / "notes.txt").read_text() == "mine"
-    assert [p.name for p in (out / "sub").iterdir()] == ["b"]
+    assert sorted(p.name for p in (out / "sub").iterdir()) == ["b", "mine.txt"]
+    assert sorted(json.loads((out / MANIFEST).read_text())["files"]) == ["keys2.npy", "meta.json", "sub/b"]
     assert _leftovers(tmp_path) == []
 
 
-def test_atomic_dir_failure_leaves_the_old_output_and_no_staging(tmp_path):
+def test_a_failed_block_leaves_the_old_output_and_no_staging(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "meta.json").write_text("old")
-    with pytest.raises(KeyboardInterrupt), atomic_dir(out, marker="meta.json") as stage:
+    with staged_output(out, "stats", "test") as stage:
+        (stage / "meta.json").write_text("old")
+    before = _tree(out)
+    with pytest.raises(KeyboardInterrupt), staged_output(out, "stats", "test") as stage:
         (stage / "meta.json").write_text("half")
         raise KeyboardInterrupt
-    assert [p.name for p in out.iterdir()] == ["meta.json"] and (out / "meta.json").read_text() == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_new_output_dirs_follow_the_umask(tmp_path):
     old = os.umask(0o027)
     try:
-        with atomic_dir(tmp_path / "out") as stage:
+        with staged_output(tmp_path / "out", "eval", "test") as stage:
             (stage / "f").write_text("x")
     finally:
         os.umask(old)
@@ -96,12 +103,11 @@ def corpus(tmp_path_factory) -> Path:
 
 def test_a_second_job_on_the_same_out_fails_at_once(corpus, tmp_path):
     out = tmp_path / "S"
-    out.mkdir()
-    with lock_file(out / ".lock", "test"):  # a first job holding the dir
+    with output_lock(out, "test"):  # a first job holding the dir
         result = run_cli("stats", "build", "--data", corpus, "--out", out)
-    assert result.returncode == 2 and f"another process (pid {os.getpid()}) is writing the stats dir" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert list(out.iterdir()) == []  # the lock went with its holder; the second job wrote nothing
+    assert result.returncode == 2 and f"another process (pid {os.getpid()}: " in result.stderr
+    assert f"is writing {out} (a stats dir)" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # the lock went with its holder; the second job wrote nothing
 
 
 def test_a_failed_build_leaves_no_lock_or_temp_file(tmp_path):
@@ -116,16 +122,16 @@ def test_a_failed_build_leaves_no_lock_or_temp_file(tmp_path):
 def test_merge_overwrite_replaces_only_our_arrays(corpus, tmp_path):
     from multitoken.pipeline.cli import main
 
-    sharded = tmp_path / "sharded"
+    sharded, s = tmp_path / "sharded", tmp_path / "S"
     assert main(["stats", "build", "--data", str(corpus), "--out", str(sharded), "--order", "2", "--shard", "0/1"]) == 0
-    s = Path(shutil.copytree(EMBEDDED_STATS, tmp_path / "S"))
+    assert main(["stats", "build", "--data", str(corpus), "--out", str(s), "--order", "3"]) == 0
     (s / "notes.txt").write_text("mine")
     result = run_cli("stats", "merge", sharded, "--out", s, "--overwrite")
     assert result.returncode == 0, result.stderr
     meta = json.loads((s / "meta.json").read_text())
     assert meta["orders"] == [1, 2]
-    assert sorted(p.name for p in s.iterdir()) == ["README.md", "config.json", "counts1.npy", "counts2.npy", "keys2.npy",
-                                                   "meta.json", "notes.txt"]  # keys3/counts3 of the old order gone
+    assert sorted(p.name for p in s.iterdir()) == ["config.json", "counts1.npy", "counts2.npy", "keys2.npy",
+                                                   "meta.json", MANIFEST, "notes.txt"]  # keys3/counts3 of the old order gone
     assert (s / "notes.txt").read_text() == "mine"
     assert run_cli("stats", "info", s).returncode == 0
     assert _leftovers(tmp_path) == []
@@ -149,7 +155,8 @@ def test_an_interrupted_assembly_leaves_no_temp_file_and_reruns(corpus, tmp_path
     assert not (tmp_path / "S" / "meta.json").exists() and _leftovers(tmp_path) == []
     monkeypatch.setattr(merge, "assemble", real)
     assert build(cfg, data, log=lambda _m: None) == tmp_path / "S"
-    assert sorted(p.name for p in (tmp_path / "S").iterdir()) == ["config.json", "counts1.npy", "counts2.npy", "keys2.npy", "meta.json"]
+    assert sorted(p.name for p in (tmp_path / "S").iterdir()) == ["config.json", "counts1.npy", "counts2.npy", "keys2.npy",
+                                                                  "meta.json", MANIFEST]
     assert _leftovers(tmp_path) == []
 
 
@@ -219,16 +226,16 @@ def test_a_rerun_after_a_finished_train_changes_nothing(tmp_path):
 def test_train_overwrite_replaces_our_heads_and_keeps_the_users_files(tmp_path):
     from multitoken.embedded import EMBEDDED_HEADS
 
-    out = Path(shutil.copytree(EMBEDDED_HEADS, tmp_path / "h"))
-    (out / "notes.txt").write_text("mine")
-    (out / "attach_config.json").write_text("{}")  # a stale output of ours: replaced by the new run's files
+    out = tmp_path / "h"
+    assert run_cli("attach", "--out", out, "--n", "2").returncode == 0
+    (out / "notes.txt").write_text("mine")  # attach_config.json: a stale output of ours, gone after the new run
     old = (out / "heads.safetensors").read_bytes()
     args = ["train", "--heads", EMBEDDED_HEADS, "--data", phrase_corpus(tmp_path / "c.jsonl"), "--out", out,
             "--max-steps", "1", "--seq-len", "16", "--batch-size", "1", "--eval-batches", "1", "--no-progress", "--lr", "1e-2"]
     refused = run_cli(*args)
     assert refused.returncode == 2 and "pass --overwrite" in refused.stderr
     assert run_cli(*args, "--overwrite").returncode == 0
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "build_report.json", "heads.safetensors", "heads_config.json",
+    assert sorted(p.name for p in out.iterdir()) == ["heads.safetensors", "heads_config.json", MANIFEST,
                                                      "notes.txt", "train_config.json", "train_metrics.json"]
     assert (out / "notes.txt").read_text() == "mine" and (out / "heads.safetensors").read_bytes() != old
     assert _leftovers(tmp_path) == []

@@ -54,7 +54,7 @@ def test_round_trip_is_exact(backbone, ids, tmp_path, head_type):
 def test_saved_dir_holds_only_head_tensors(backbone, tmp_path, head_type):
     model = _attach(backbone, head_type)
     out = model.save_heads(tmp_path / "heads")
-    assert sorted(p.name for p in out.iterdir()) == ["heads.safetensors", "heads_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["heads.safetensors", "heads_config.json", "multitoken_manifest.json"]
     saved = load_file(out / "heads.safetensors")
     assert set(saved) == set(model.heads.state_dict())
     n_saved = sum(t.numel() for t in saved.values())
@@ -158,4 +158,4 @@ def test_trained_final_layer_is_saved_and_restored(tiny_model_dir, ids, tmp_path
 def test_save_never_leaves_temporaries(backbone, tmp_path):
     out = _attach(backbone, "replicated").save_heads(tmp_path / "heads")
     _attach(backbone, "replicated", seed=1).save_heads(out)  # overwrite in place
-    assert sorted(p.name for p in out.iterdir()) == ["heads.safetensors", "heads_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["heads.safetensors", "heads_config.json", "multitoken_manifest.json"]

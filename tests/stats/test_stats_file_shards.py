@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from .stats_helpers import PYTHIA_TOKENIZER, build_ids, write_jsonl_ids, write_parquet_ids, zipf_docs
 
+from multitoken.base.manifest import MANIFEST
 from multitoken.base.data import DataConfig
 from multitoken.base.errors import DataError, UsageError
 from multitoken.stats.job import BuildConfig, make_job, merge
@@ -36,9 +37,10 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def same_stats(a: Path, b: Path) -> None:
-    """Every file but config.json byte for byte (meta.json included: it records no shard plan)."""
-    names = sorted(p.name for p in a.iterdir() if p.is_file() and p.name not in ("config.json", ".lock"))
-    assert names == sorted(p.name for p in b.iterdir() if p.is_file() and p.name not in ("config.json", ".lock"))
+    """Every file but config.json (and the record, which holds its sha256) byte for byte (meta.json
+    included: it records no shard plan)."""
+    names = sorted(p.name for p in a.iterdir() if p.is_file() and p.name not in ("config.json", ".lock", MANIFEST))
+    assert names == sorted(p.name for p in b.iterdir() if p.is_file() and p.name not in ("config.json", ".lock", MANIFEST))
     assert "meta.json" in names and "keys3.npy" in names
     for name in names:
         assert filecmp.cmp(a / name, b / name, shallow=False), name

