@@ -111,11 +111,14 @@ def test_greedy_equals_transformers_on_smollm2(smol_model, tree):
     bb = smol_model.backbone
     cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=24, tree=tree,
                        tree_nodes="8" if tree != "chain" else "auto")
+    tokens = passes = 0
     for prompt in PROMPTS:
         ids = bb.tokenizer(prompt, return_tensors="pt").input_ids
         res = generate(smol_model, ids, cfg)
         assert res.token_ids == hf_greedy(bb, ids, 24), (tree, prompt)
-        assert res.trace.tokens_per_forward > 1.3  # trained heads: more than one token per pass
+        tokens, passes = tokens + len(res.token_ids), passes + res.trace.forward_passes
+    # trained heads get drafts accepted (untrained copies: ~1.07 tokens per pass)
+    assert tokens / passes > (1.2 if tree == "chain" else 1.4)
 
 
 @pytest.mark.parametrize("tree", ["chain", "static"])
