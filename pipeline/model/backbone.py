@@ -21,6 +21,7 @@ from multitoken.base.hub import locate
 from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.tokenizer import load_tokenizer
+from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, PACKED
 from multitoken.pipeline.model.quantization import checked_plan
 
 
@@ -56,6 +57,10 @@ class BackboneConfig:
         metadata={"help": "load the backbone in 8-bit or 4-bit (bitsandbytes)", "choices": QUANTIZATIONS},
     )
     threads: int | None = threads_field()  # applied by load_backbone, process-wide
+    cpu_linear: str = field(default=PACKED, metadata={
+        "help": "decoding on the CPU: linears on weights prepacked for oneDNN (a step over several tokens "
+                "costs about one token's, the same logits for any count) or torch's stock F.linear",
+        "choices": CPU_LINEARS})
 
 
 @dataclass
