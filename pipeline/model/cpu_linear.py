@@ -165,12 +165,37 @@ def _weight_counts(root: nn.Module) -> dict[int, int]:
     return counts
 
 
+def _file_maps() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed memory maps (Linux; none elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    fields = [line.split() for line in lines]
+    return [tuple(int(a, 16) for a in f[0].split("-")) for f in fields if len(f) >= 6 and f[4] != "0"]
+
+
+def _own_copies(root: nn.Module, maps: list[tuple[int, int]]) -> None:
+    """Copy every parameter and buffer under ``root`` that lives in a file map into memory of
+    its own. transformers may load a checkpoint as one copy-on-write map of its file, which
+    stays (and stays resident once the packing read it) while any tensor points into it: the
+    released dense weights would free nothing."""
+    for t in [*root.parameters(), *root.buffers()]:
+        ptr = t.data_ptr() if t.numel() else 0
+        if any(a <= ptr < b for a, b in maps):
+            t.data = t.data.clone()
+
+
+@torch.inference_mode(False)  # decoding packs inside inference mode; the tensors outlive it (training)
 def pack(root: nn.Module) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear``; returns how
     many were swapped (none where the ops are unusable). Idempotent."""
     found = [(parent, name, child) for parent, name, child in _children(root)
              if type(child) is nn.Linear and _packable(child)]
     counts = _weight_counts(root) if found else {}
+    maps = _file_maps() if found else []
+    mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child in found)
     swapped: dict[int, PackedLinear] = {}  # a module held by two parents is packed once
     for parent, name, child in found:
         if id(child) not in swapped:
@@ -180,9 +205,12 @@ def pack(root: nn.Module) -> int:
                 _say_once(f"a weight {tuple(child.weight.shape)} could not be packed ({err})")
                 continue
         setattr(parent, name, swapped[id(child)])
+    if mapped:
+        _own_copies(root, maps)
     return len(swapped)
 
 
+@torch.inference_mode(False)
 def unpack(root: nn.Module) -> int:
     """Put every ``PackedLinear`` under ``root`` back as its stock ``nn.Linear`` (the same
     module and Parameter objects, the weight values exactly as before); returns how many."""

@@ -182,6 +182,8 @@ def test_a_tied_unembedding_keeps_the_embedding_dense_and_decodes_as_transformer
            for mode in ("ar", "speculative")}
     assert isinstance(bb.unembedding, PackedLinear) and bb.unembedding.shared
     assert torch.equal(bb.embeddings.weight, emb) and bb.embeddings.weight.data_ptr() == bb.unembedding.stock.weight.data_ptr()
+    maps = cpu_linear._file_maps()  # nothing left in a map of the checkpoint file: the packed copies replace it
+    assert not any(a <= p.data_ptr() < b for p in model.parameters() for a, b in maps)
     assert got["ar"] == ref and got["speculative"] == ref and hf() == ref  # transformers on the packed kernels too
     copied = copy.deepcopy(model)
     assert generate(copied, ids, DecodeConfig(mode="ar", greedy=True, max_new_tokens=20)).token_ids == ref
