@@ -28,7 +28,6 @@ import copy
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -178,9 +177,12 @@ def bench_generate(args) -> dict:
 
 
 # Memory ----------------------------------------------------------------------------------
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _rss_mib() -> dict[str, float]:
+    """Current and peak resident memory of this process (Linux: getrusage's peak would carry
+    the parent's over the exec)."""
+    with open("/proc/self/status") as f:
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+    return {"rss_mib": round(kb["VmRSS"] / 1024, 1), "peak_rss_mib": round(kb["VmHWM"] / 1024, 1)}
 
 
 def rss_child(args) -> None:
@@ -190,8 +192,7 @@ def rss_child(args) -> None:
     generate(model, model.backbone.tokenizer(PROMPT, return_tensors="pt").input_ids,
              DecodeConfig(mode="ar", greedy=True, max_new_tokens=16))
     packed = sum(isinstance(m, cpu_linear.PackedLinear) for m in model.modules())
-    print(json.dumps({"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                      "rss_mib": round(_rss_mib(), 1), "packed_linears": packed}))
+    print(json.dumps({**_rss_mib(), "packed_linears": packed}))
 
 
 def bench_memory(args) -> dict:

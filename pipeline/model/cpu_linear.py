@@ -23,6 +23,7 @@ Benchmarks).
 from __future__ import annotations
 
 import copy
+import ctypes
 import sys
 
 import torch
@@ -188,6 +189,15 @@ def _own_copies(root: nn.Module, maps: list[tuple[int, int]]) -> None:
 
 
 @torch.inference_mode(False)  # decoding packs inside inference mode; the tensors outlive it (training)
+def _trim_heap() -> None:
+    """Give the released dense weights' pages back to the OS: glibc keeps freed heap memory
+    mapped (and counted in RSS) below live allocations, such as the packed copies made after."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        return
+
+
 def pack(root: nn.Module) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear``; returns how
     many were swapped (none where the ops are unusable). Idempotent."""
@@ -207,6 +217,8 @@ def pack(root: nn.Module) -> int:
         setattr(parent, name, swapped[id(child)])
     if mapped:
         _own_copies(root, maps)
+    if swapped:
+        _trim_heap()
     return len(swapped)
 
 
