@@ -188,7 +188,6 @@ def _own_copies(root: nn.Module, maps: list[tuple[int, int]]) -> None:
             t.data = t.data.clone()
 
 
-@torch.inference_mode(False)  # decoding packs inside inference mode; the tensors outlive it (training)
 def _trim_heap() -> None:
     """Give the released dense weights' pages back to the OS: glibc keeps freed heap memory
     mapped (and counted in RSS) below live allocations, such as the packed copies made after."""
@@ -198,6 +197,7 @@ def _trim_heap() -> None:
         return
 
 
+@torch.inference_mode(False)  # decoding packs inside inference mode; the tensors outlive it (training)
 def pack(root: nn.Module) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear``; returns how
     many were swapped (none where the ops are unusable). Idempotent."""

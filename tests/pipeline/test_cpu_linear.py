@@ -206,6 +206,7 @@ def test_lora_layers_stay_stock_and_train_after_decoding(tiny_llama_dir):
     assert all(t is nn.Linear for n, t in kinds.items() if "lora_" in n or "base_layer" in n)
     assert any(t is PackedLinear for n, t in kinds.items() if "o_proj" in n)
     model.train(True)
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])  # packing ran outside inference mode
     out = model.compute_loss(torch.tensor([[1, 5, 9, 4, 7, 3]]))
     sum(h for h in out.per_head if h is not None).backward()
     assert all(p.grad is not None for p in model.lora_parameters() if p.requires_grad)
