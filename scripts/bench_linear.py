@@ -147,6 +147,23 @@ def _ours(mode: str):
     return run
 
 
+@torch.inference_mode()
+def divergence(model, ids, ref: list[int], got: list[int]) -> dict | None:
+    """Where ``got`` first departs from ``ref`` (stock transformers'): the position and the gap
+    between the two tokens' logits on the stock kernels, relative to the top logit's size (a
+    near-tie is a gap at the rounding level of the dtype), else None."""
+    pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    if pos is None:
+        return None
+    model.backbone.load_config.cpu_linear = cpu_linear.STOCK
+    model.prepare_linears()
+    context = torch.cat([ids, torch.tensor([ref[:pos]], dtype=ids.dtype)], dim=1)
+    logits = model.backbone.model(context).logits[0, -1].float()  # [V]
+    gap = float(logits[ref[pos]] - logits[got[pos]])  # the prefill's logits: its own rounding too, either sign
+    return {"position": pos, "logit_gap": round(gap, 6), "relative_gap": round(gap / float(logits.abs().max()), 8),
+            "dtype_eps": torch.finfo(model.backbone.embeddings.weight.dtype).eps}
+
+
 def bench_generate(args) -> dict:
     """Each method on stock then packed linears of one model object, interleaved per repetition;
     the switch (``prepare_linears``) happens outside the timed call."""
@@ -170,7 +187,8 @@ def bench_generate(args) -> dict:
             f"{label}_{kind}": {"tokens_per_s": round(len(outputs[label, kind]) / best[label, kind], 2),
                                 "x_hf_stock": round(best["hf_greedy", cpu_linear.STOCK] / best[label, kind]
                                                     * len(outputs[label, kind]) / len(ref), 3),
-                                "identical_to_hf_stock": outputs[label, kind] == ref}
+                                "identical_to_hf_stock": outputs[label, kind] == ref,
+                                "first_difference": divergence(model, ids, ref, outputs[label, kind])}
             for label, kind in best}
         del model
     return out
@@ -217,7 +235,10 @@ def print_report(record: dict) -> None:
     for key, rows in record.get("generate", {}).items():
         print(f"\ngenerate {key} ({record['max_new_tokens']} tokens):")
         for label, m in rows.items():
-            print(f"  {label:26s} {m['tokens_per_s']:8.2f} tok/s  x{m['x_hf_stock']:5.2f}  identical {m['identical_to_hf_stock']}")
+            diff = m["first_difference"]
+            tie = (f"  (from token {diff['position']}: stock logit gap {diff['logit_gap']:.2g}, "
+                   f"{diff['relative_gap']:.1e} of the top logit; eps {diff['dtype_eps']:.1e})") if diff else ""
+            print(f"  {label:26s} {m['tokens_per_s']:8.2f} tok/s  x{m['x_hf_stock']:5.2f}  identical {m['identical_to_hf_stock']}{tie}")
     for key, m in record.get("memory", {}).items():
         print(f"memory {key:18s} peak {m['peak_rss_mib']:8.1f} MiB  final {m['rss_mib']:8.1f} MiB  packed {m['packed_linears']}")
     print("load average start/end:", record["machine"]["loadavg_start"], record["machine"]["loadavg_end"])

@@ -58,8 +58,8 @@ class BackboneConfig:
     )
     threads: int | None = threads_field()  # applied by load_backbone, process-wide
     cpu_linear: str = field(default=PACKED, metadata={
-        "help": "decoding on the CPU: linears on weights prepacked for oneDNN (a step over several tokens "
-                "costs about one token's, the same logits for any count) or torch's stock F.linear",
+        "help": "decoding on the CPU: linears on weights prepacked once for oneDNN (a step over several "
+                "tokens reads each weight once; a row's logits do not depend on how many) or torch's F.linear",
         "choices": CPU_LINEARS})
 
 
