@@ -242,7 +242,8 @@ class Backbone:
 
     @property
     def vocab_size(self) -> int:
-        return self.unembedding.weight.shape[0]
+        head = self.unembedding  # a Linear's rows; a packed one's weight would be unpacked to be read
+        return getattr(head, "out_features", None) or head.weight.shape[0]
 
     @property
     def device(self) -> torch.device:

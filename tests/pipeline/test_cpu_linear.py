@@ -210,3 +210,22 @@ def test_lora_layers_stay_stock_and_train_after_decoding(tiny_llama_dir):
     out = model.compute_loss(torch.tensor([[1, 5, 9, 4, 7, 3]]))
     sum(h for h in out.per_head if h is not None).backward()
     assert all(p.grad is not None for p in model.lora_parameters() if p.requires_grad)
+
+
+def test_heads_loaded_onto_a_decoded_backbone_are_built_stock_then_packed(tiny_llama_dir, tmp_path):
+    """A backbone a decoding run packed: copy-initialised heads still copy its dense weights, and
+    heads loaded from disk get packed by the next decoding run."""
+    first = _model(tiny_llama_dir)
+    first.new_caches()
+    final = {n: m.weight.clone() for n, m in first.backbone.layers[-1].named_modules() if isinstance(m, PackedLinear)}
+    copied = MultiTokenModel.attach(first.backbone, {"head_type": "replicated", "n_future": 2, "init": "copy"})
+    layer = copied.heads.layers[0]
+    assert final and all(type(layer.get_submodule(n)) is nn.Linear and torch.equal(layer.get_submodule(n).weight, w)
+                         for n, w in final.items())
+    medusa = MultiTokenModel.attach(first.backbone, {"head_type": "medusa", "n_future": 3})
+    medusa.save_heads(tmp_path / "heads")
+    loaded = MultiTokenModel.from_pretrained(first.backbone, tmp_path / "heads").eval()
+    assert not any(isinstance(m, PackedLinear) for m in loaded.heads.modules())
+    generate(loaded, [1, 5, 9], DecodeConfig(mode="speculative", greedy=True, max_new_tokens=6))
+    heads = [m for m in loaded.heads.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert heads and all(isinstance(m, PackedLinear) for m in heads)
