@@ -1,23 +1,25 @@
-"""Prepacked CPU linears for decoding: a step over 2-16 tokens at about a one-token step's cost.
+"""Prepacked CPU linears for decoding: a step over 2-16 tokens reads each weight once, as a one-token step does.
 
 torch's fp32 ``F.linear`` on the CPU calls MKL, whose cost grows almost linearly with the rows
 for a few rows; oneDNN on a weight reordered once into its blocked layout reads the weight once
-per call whatever the row count (memory-bound), and computes each row the same way for any
-row count, so a verification step's logits are bit-identical to a one-token step's. The ops are
+per call whatever the row count (memory-bound), and computes each fp32 row the same way for any
+row count, so a verification step's logits are bit-identical to a one-token step's (bf16: equal
+within rounding, as the kernel may block more rows differently). The ops are
 private to torch (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``): a probe
-checks them against ``F.linear`` once per process, and any error falls back to ``F.linear``
-(said once on stderr).
+checks them against ``F.linear`` once per process and dtype, and any error falls back to
+``F.linear`` (said once on stderr); tested with the torch of constraints.txt.
 
 When: packing is a decoding-time state of a model (``MultiTokenModel.new_caches`` packs, once;
 ``train()`` restores the stock modules), so training, LoRA and head building always see plain
 ``nn.Linear`` modules with their own Parameter objects. What: every float32 / bfloat16
-``nn.Linear`` on the CPU (backbone, heads, unembedding; quantized bitsandbytes layers and
-anything inside a peft LoRA layer are other classes and stay as they are). The packed weight
+``nn.Linear`` on the CPU (backbone, heads, unembedding; quantized bitsandbytes layers are other
+classes and peft LoRA layers are not entered: both stay as they are). The packed weight
 replaces the dense one (its storage is released; ``unpack`` restores it exactly from the packed
 copy), except where the weight is shared with another module (a tied embedding keeps its dense
 copy for the lookup). One-token steps use the packed weight too: the same logits whatever the
-row count, one copy of the weights, at a measured cost of a few percent over MKL's GEMV (README,
-Benchmarks).
+row count, one copy of the weights, at a measured 10-15% over MKL's fp32 GEMV (README,
+Benchmarks). A packed layer keeps its device and dtype: move or cast a model before it decodes,
+or after ``train()``.
 """
 
 from __future__ import annotations
