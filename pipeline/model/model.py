@@ -71,7 +71,9 @@ class MultiTokenModel(nn.Module):
 
     def save_heads(self, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
         """Write heads.safetensors + heads_config.json (+ peft's adapter files in ``lora/``, and
-        ``extra`` {file name: text}) atomically."""
+        ``extra`` {file name: text}) atomically. The weights are read from the stock modules
+        (a packed layer's state_dict holds none)."""
+        cpu_linear.unpack(self)
         return save_heads(self, out_dir, extra)
 
     # Introspection ----------------------------------------------------------------------

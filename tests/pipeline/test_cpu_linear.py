@@ -229,3 +229,8 @@ def test_heads_loaded_onto_a_decoded_backbone_are_built_stock_then_packed(tiny_l
     generate(loaded, [1, 5, 9], DecodeConfig(mode="speculative", greedy=True, max_new_tokens=6))
     heads = [m for m in loaded.heads.modules() if isinstance(m, (nn.Linear, PackedLinear))]
     assert heads and all(isinstance(m, PackedLinear) for m in heads)
+    loaded.save_heads(tmp_path / "again")  # from the stock modules: every weight saved
+    again = MultiTokenModel.from_pretrained(first.backbone, tmp_path / "again")
+    saved = medusa.heads.state_dict()
+    assert again.heads.state_dict().keys() == saved.keys()
+    assert all(torch.equal(v, saved[k]) for k, v in again.heads.state_dict().items())
