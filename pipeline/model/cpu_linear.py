@@ -12,12 +12,14 @@ checks them against ``F.linear`` once per process and dtype, and any error falls
 When: packing is a decoding-time state of a model (``MultiTokenModel.new_caches`` packs, once;
 ``train()`` restores the stock modules), so training, LoRA and head building always see plain
 ``nn.Linear`` modules with their own Parameter objects. What: every float32 / bfloat16
-``nn.Linear`` on the CPU (backbone, heads, unembedding; quantized bitsandbytes layers are other
-classes and peft LoRA layers are not entered: both stay as they are). The packed weight
+``nn.Linear`` on the CPU with at least ``MIN_WEIGHTS`` weights (backbone, heads, unembedding;
+a smaller one costs oneDNN's per-call overhead more than its read, so a tiny model such as
+stories260K keeps torch's linears and pythia-mini packs only its unembedding; quantized
+bitsandbytes layers are other classes and peft LoRA layers are not entered). The packed weight
 replaces the dense one (its storage is released; ``unpack`` restores it exactly from the packed
 copy), except where the weight is shared with another module (a tied embedding keeps its dense
-copy for the lookup). One-token steps use the packed weight too: the same logits whatever the
-row count, one copy of the weights, at a measured 10-15% over MKL's fp32 GEMV (README,
+copy for the lookup). One-token steps use the packed weight too: where every linear is packed
+(SmolLM2, pythia-160m and up) the same logits whatever the row count; one copy of the weights; at a measured 10-15% over MKL's fp32 GEMV (README,
 Benchmarks). A packed layer keeps its device and dtype: move or cast a model before it decodes,
 or after ``train()``.
 """
@@ -35,6 +37,10 @@ from torch import nn
 PACKED, STOCK = "packed", "stock"
 CPU_LINEARS = (PACKED, STOCK)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Smallest weight packed (elements). oneDNN spends ~15 us per call (measured on a [64, 64] layer:
+# 17 us against F.linear's 2 us), about what reading 100k fp32 weights from memory takes: below
+# that a layer is call overhead either way (a stories260K step took 1.4-1.9x longer packed).
+MIN_WEIGHTS = 100_000
 # Rows the layout is chosen for: any hint >= 2 gives oneDNN's blocked layout (1 keeps the plain
 # one), and that layout serves every row count without a reorder.
 ROW_HINT = 16
@@ -139,7 +145,7 @@ class PackedLinear(nn.Module):
 def _packable(module: nn.Module) -> bool:
     w = module.weight
     return (type(module) is nn.Linear and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
-            and (module.bias is None or module.bias.dtype == w.dtype) and usable(w.dtype))
+            and w.numel() >= MIN_WEIGHTS and (module.bias is None or module.bias.dtype == w.dtype) and usable(w.dtype))
 
 
 def _packed(stock: nn.Linear, shared: bool) -> PackedLinear:

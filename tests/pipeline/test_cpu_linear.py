@@ -111,6 +111,14 @@ def test_an_unusable_op_packs_nothing(monkeypatch, capsys):
     assert "fall back to F.linear" in capsys.readouterr().err
 
 
+def test_by_default_only_layers_bigger_than_a_call_are_packed(monkeypatch):
+    """oneDNN's per-call overhead outweighs reading a small weight: those stay stock."""
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 100_000)  # the library's default (the suite packs all)
+    small, big = _layers(96, 64, torch.float32), _layers(2048, 64, torch.float32)
+    assert cpu_linear.pack(small) == 0 and type(small[0]) is nn.Linear
+    assert cpu_linear.pack(big) == 1 and type(big[0]) is PackedLinear
+
+
 def test_meta_and_other_dtypes_are_left_alone():
     with torch.device("meta"):
         meta = nn.Sequential(nn.Linear(64, 96))
