@@ -252,12 +252,11 @@ def main(argv=None) -> dict:
                           "torch": torch.__version__, "onednn_usable": cpu_linear.usable(),
                           "loadavg_start": list(os.getloadavg())},
               "context": args.context, "reps": args.reps, "max_new_tokens": args.max_new_tokens}
-    record["step"] = bench_steps(args)
-    if args.base:
-        record["generate"] = bench_generate(args)
-        record["memory"] = bench_memory(args)
-    record["machine"]["loadavg_end"] = list(os.getloadavg())
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    parts = {"step": bench_steps, **({"generate": bench_generate, "memory": bench_memory} if args.base else {})}
+    for key, bench in parts.items():  # the JSON after each part: a long run stopped keeps what it measured
+        record[key] = bench(args)
+        record["machine"]["loadavg_end"] = list(os.getloadavg())
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print_report(record)
     return record
 
