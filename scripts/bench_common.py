@@ -19,12 +19,18 @@ PROMPTS = {
 }
 
 
-def load(base: str, heads: str | None, device: str = "cpu", dtype: str = "float32"):
-    config = BackboneConfig(base=base, device=device, dtype=dtype)
+def load(base: str, heads: str | None, device: str = "cpu", dtype: str = "float32", cpu_linear: str = "packed"):
+    """The model with its linears as ``cpu_linear`` asks from the start, so that transformers'
+    rows (the same model object) run the kernels ours do from the first repetition on."""
+    config = BackboneConfig(base=base, device=device, dtype=dtype, cpu_linear=cpu_linear)
     if heads and Path(heads).is_dir():
-        return MultiTokenModel.from_pretrained(config, heads), heads
-    bb = load_backbone(config)
-    return MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "copy"}), "untrained (copy-initialised replicated, n=3)"
+        model, label = MultiTokenModel.from_pretrained(config, heads), heads
+    else:
+        bb = load_backbone(config)
+        model = MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "copy"})
+        label = "untrained (copy-initialised replicated, n=3)"
+    model.prepare_linears()
+    return model, label
 
 
 def open_table(path: str | None, tokenizer):

@@ -50,6 +50,7 @@ import torch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
+from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, PACKED
 from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.embedded import DEFAULT_BASE
 from multitoken.pipeline.model.model import MultiTokenModel
@@ -67,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads (the same for every method)")
     p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:1 (the logic timing stays on the CPU)")
     p.add_argument("--dtype", default="float32", help="weights dtype of the models (float32, bfloat16, float16)")
+    p.add_argument("--cpu-linear", default=PACKED, choices=CPU_LINEARS,
+                   help="CPU linears of every row, transformers' included (scripts/bench_linear.py compares them)")
     p.add_argument("--embedded-heads", default=str(EMBEDDED_HEADS))
     p.add_argument("--embedded-stats", default=str(EMBEDDED_STATS))
     p.add_argument("--pythia-mini", default=str(FIXTURES / "pythia-mini"))
@@ -192,7 +195,7 @@ SHAPES = {"160m": dict(hidden_size=768, num_hidden_layers=12, num_attention_head
           "410m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16)}
 
 
-def pythia_shaped(shape: str, device: str, dtype: str) -> MultiTokenModel:
+def pythia_shaped(shape: str, device: str, dtype: str, cpu_linear: str = PACKED) -> MultiTokenModel:
     """A random-weight GPT-NeoX of a pythia shape (config only, no download) with 3 random
     replicated heads: cost, not quality."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
@@ -201,9 +204,10 @@ def pythia_shaped(shape: str, device: str, dtype: str) -> MultiTokenModel:
     dims = SHAPES[shape]
     cfg = GPTNeoXConfig(vocab_size=50304, intermediate_size=4 * dims["hidden_size"], max_position_embeddings=2048,
                         rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False, **dims)
-    bb = Backbone(GPTNeoXForCausalLM(cfg).eval(), None, f"pythia-{shape}-shaped (random)", BackboneConfig(base="random"))
+    bb = Backbone(GPTNeoXForCausalLM(cfg).eval(), None, f"pythia-{shape}-shaped (random)",
+                  BackboneConfig(base="random", cpu_linear=cpu_linear))
     model = MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "random"})
-    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()  # packed by the first decode
 
 
 def unembed_plan_ms(model) -> dict:
@@ -238,7 +242,7 @@ def bench_shapes(args) -> dict:
     base = dict(max_new_tokens=args.max_new_tokens, n=3, stop_at_eos=False)
     out = {}
     for shape, dtype in [(shape, dtype) for shape in args.shapes for dtype in args.shape_dtypes or [args.dtype]]:
-        model = pythia_shaped(shape, args.device, dtype)
+        model = pythia_shaped(shape, args.device, dtype, args.cpu_linear)
         prompt = torch.randint(0, 50304, (1, args.shape_prompt), generator=torch.Generator().manual_seed(1))
         table = None
         if args.shape_stats:
@@ -349,6 +353,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     record = {"machine": {"platform": platform.platform(), "threads": args.threads, "cpu_count": os.cpu_count(),
                           "device": args.device, "device_name": device_name(args.device), "dtype": args.dtype,
+                          "cpu_linear": args.cpu_linear,
                           "torch": torch.__version__, "loadavg_start": list(os.getloadavg())},
               "max_new_tokens": args.max_new_tokens, "reps": args.reps}
     # one-part runs: the batch bench, the bigger shapes, or the DynaMo logic alone
@@ -358,10 +363,10 @@ def main(argv=None) -> dict:
         if wanted:
             record[key] = bench(args)
             return _finish(record, args.out, lambda: show(record[key]))
-    emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
+    emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype, args.cpu_linear)
     record["embedded"] = bench_model("stories260K (embedded)", emb, emb_heads, open_table(args.embedded_stats, emb.backbone.tokenizer),
                                      PROMPTS["stories"], args)
-    pm, pm_heads = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype)
+    pm, pm_heads = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype, args.cpu_linear)
     record["pythia_mini"] = bench_model("pythia-mini", pm, pm_heads, open_table(args.pythia_stats, pm.backbone.tokenizer),
                                         PROMPTS["pile"], args)
     record["logic"] = bench_logic(args)

@@ -116,3 +116,15 @@ def stories_dir() -> Path:
 @pytest.fixture(scope="session")
 def pythia_mini_dir() -> Path:
     return fixture_path("pythia-mini")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def packed_tiny_linears():
+    """The suite's tiny models are below the weight count the CPU packs from by default
+    (``cpu_linear.MIN_WEIGHTS``): every layer is packed here, so decoding tests run the packed
+    kernels (subprocesses of the CLI tests keep the default)."""
+    from multitoken.pipeline.model import cpu_linear
+
+    before, cpu_linear.MIN_WEIGHTS = cpu_linear.MIN_WEIGHTS, 0
+    yield
+    cpu_linear.MIN_WEIGHTS = before

@@ -22,6 +22,7 @@ from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
 from multitoken.base.tokenizer import load_tokenizer
+from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, PACKED
 from multitoken.pipeline.model.quantization import checked_plan
 
 
@@ -57,6 +58,10 @@ class BackboneConfig:
         metadata={"help": "load the backbone in 8-bit or 4-bit (bitsandbytes)", "choices": QUANTIZATIONS},
     )
     threads: int | None = threads_field()  # applied by load_backbone, process-wide
+    cpu_linear: str = field(default=PACKED, metadata={
+        "help": "decoding on the CPU: linears on weights prepacked once for oneDNN (a step over several "
+                "tokens reads each weight once; a row's logits do not depend on how many) or torch's F.linear",
+        "choices": CPU_LINEARS})
 
 
 @dataclass
@@ -241,7 +246,8 @@ class Backbone:
 
     @property
     def vocab_size(self) -> int:
-        return self.unembedding.weight.shape[0]
+        head = self.unembedding  # a Linear's rows; a packed one's weight would be unpacked to be read
+        return getattr(head, "out_features", None) or head.weight.shape[0]
 
     @property
     def device(self) -> torch.device:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from multitoken.adapters.registry import build_head, config_from_dict
+from multitoken.adapters.registry import config_from_dict
 
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
 from multitoken.embedded import portable_base
@@ -220,7 +220,7 @@ def load_heads(cls, base, heads_dir, *, quantization=None, dtype=None, device=No
             f"({record['base_fingerprint'].get('model_type')}), not on {backbone.name!r}",
             "load them onto the base model they were trained on",
         )
-    heads = build_head(head_config, backbone)
+    heads = cls.new_heads(head_config, backbone)
     own = {k: v for k, v in tensors.items() if not k.startswith(BASE_HEAD_PREFIX)}
     expected = {k: list(v.shape) for k, v in heads.state_dict().items()}
     if {k: list(v.shape) for k, v in own.items()} != expected:

@@ -16,6 +16,7 @@ from torch import nn
 from multitoken.adapters.base import DEFAULT_CHUNK, Features, LossOutput
 from multitoken.adapters.registry import build_head, make_config
 
+from multitoken.pipeline.model import cpu_linear
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 from multitoken.pipeline.model.heads_io import load_heads, save_heads
 from multitoken.pipeline.model.incremental import new_caches, step
@@ -47,7 +48,14 @@ class MultiTokenModel(nn.Module):
         if isinstance(head_config, dict):
             options = dict(head_config)
             head_config = make_config(options.pop("head_type"), **options)
-        return cls(backbone, build_head(head_config, backbone), **kwargs)
+        return cls(backbone, cls.new_heads(head_config, backbone), **kwargs)
+
+    @staticmethod
+    def new_heads(head_config, backbone: Backbone) -> nn.Module:
+        """The adapter of ``head_config`` built from ``backbone``'s stock modules (a layer head
+        copies the final layer's dense weights; a decoding run may have packed them)."""
+        cpu_linear.unpack(backbone.model)
+        return build_head(head_config, backbone)
 
     @classmethod
     def from_pretrained(
@@ -63,7 +71,9 @@ class MultiTokenModel(nn.Module):
 
     def save_heads(self, out_dir: str | Path, extra: dict[str, str] | None = None, command: str = "save_heads") -> Path:
         """Write heads.safetensors + heads_config.json (+ peft's adapter files in ``lora/``, and
-        ``extra`` {file name: text}) all or nothing, recording them (``command`` wrote them)."""
+        ``extra`` {file name: text}) all or nothing, recording them (``command`` wrote them). The
+        weights are read from the stock modules (a packed layer's state_dict holds none)."""
+        cpu_linear.unpack(self)
         return save_heads(self, out_dir, extra, command)
 
     # Introspection ----------------------------------------------------------------------
@@ -105,6 +115,9 @@ class MultiTokenModel(nn.Module):
 
     def train(self, mode: bool = True) -> "MultiTokenModel":
         # The base keeps eval-mode behaviour (no dropout) so head 1 stays the base model's path.
+        # Training runs on the stock linears (packed ones are for decoding: no weight gradients).
+        if mode:
+            cpu_linear.unpack(self)
         self.training = mode
         self.heads.train(mode)
         self.base_model.eval()
@@ -147,8 +160,15 @@ class MultiTokenModel(nn.Module):
 
     # Incremental decoding (see incremental.py) --------------------------------------------
     def new_caches(self):
-        """Empty KV caches for one decoding run: the backbone's plus one per head layer."""
+        """Empty KV caches for one decoding run: the backbone's plus one per head layer. On the
+        CPU the linears are packed first (once; ``BackboneConfig.cpu_linear``)."""
+        self.prepare_linears()
         return new_caches(self)
+
+    def prepare_linears(self) -> int:
+        """The decoding linears ``cpu_linear`` asks for: packed (the default) or stock; returns
+        how many are packed. Only CPU float weights are packed (cpu_linear.py)."""
+        return cpu_linear.prepare(self, getattr(self.backbone.load_config, "cpu_linear", cpu_linear.PACKED))
 
     def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0,
              lengths: list[int] | None = None, attend: torch.Tensor | None = None,

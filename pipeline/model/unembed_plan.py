@@ -119,8 +119,9 @@ def plan_for(head: torch.nn.Module, rows: torch.Tensor) -> UnembedPlan:
         return PINNED
     if rows.device.type != "cpu":
         return UnembedPlan()
-    weight = head.weight
-    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, rows.dtype, torch.get_num_threads(), type(head))
+    packed = getattr(head, "packed", None)  # a prepacked weight (cpu_linear.py): no data pointer
+    weight = head.weight if packed is None else packed
+    key = (weight.data_ptr() if packed is None else id(packed), tuple(weight.shape), weight.dtype, rows.dtype, torch.get_num_threads(), type(head))
     if key not in _PLANS:
         _PLANS[key] = UnembedPlan(_timer(head, rows.shape[-1], rows.dtype, rows.device))
     return _PLANS[key]

@@ -215,6 +215,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     files = _list_data(cfg, data, dist)
     torch.manual_seed(cfg.seed)
     model = model if model is not None else load_trainable_model(cfg, dist)
+    model.train(True)  # stock linears (a decoding run may have packed them) before parameters are collected
     for p in model.base_head_parameters():  # head 1's own layer: base weights unless asked for
         p.requires_grad_(cfg.train_base_head)
     set_backbone_trainable(model, cfg.joint_at(0))

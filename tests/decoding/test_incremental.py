@@ -10,7 +10,7 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import generate
-from multitoken.pipeline.model import unembed_plan
+from multitoken.pipeline.model import cpu_linear, unembed_plan
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, UnembedPlan, fixed_plan, plan_for
 
@@ -161,6 +161,7 @@ def test_the_plan_joins_calls_only_when_one_call_is_not_dearer():
 
 def test_the_cpu_plan_measures_each_row_count_once_and_one_row_only_by_the_module(tiny_backbones, monkeypatch):
     monkeypatch.setattr(unembed_plan, "_PLANS", {})  # this process's earlier decodes measured other counts
+    cpu_linear.unpack(tiny_backbones["llama"].model)  # a stock unembedding (earlier decodes packed it)
     head = tiny_backbones["llama"].unembedding
     x = torch.zeros(1, head.weight.shape[1])
     plan = plan_for(head, x)
@@ -173,6 +174,10 @@ def test_the_cpu_plan_measures_each_row_count_once_and_one_row_only_by_the_modul
     plan.joint(9, 3, 2)
     assert plan.table == measured  # nothing re-measured
     assert plan_for(head, x.to("meta")).measure is None  # no values to time: one call
+    cpu_linear.pack(tiny_backbones["llama"].model)
+    packed = plan_for(tiny_backbones["llama"].unembedding, x)
+    packed.joint(9, 3, 2)
+    assert packed is not plan and set(packed.table[9]) == {LINEAR}  # (W x^T)^T needs a plain weight
 
 
 def test_masked_gqa_passes_read_grouped_heads_in_place_with_the_same_values(tiny_backbones, monkeypatch):
