@@ -52,6 +52,9 @@ def parse_args(argv=None):
                    "with its shipped heads and stats, on DynaMo's Table 7 prompts (none in the heads' training text)")
     p.add_argument("--smollm2-heads", default=str(SMOLLM2_HEADS))
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded stories260K rows")
+    p.add_argument("--cpu-linear", nargs="+", default=["packed"], choices=("packed", "stock"),
+                   help="the kernels of every row, transformers' included (the same model object); several: "
+                        "the SmolLM2 rows once per choice, each model loaded anew, x HF against the first choice's")
     return p.parse_args(argv)
 
 
@@ -80,8 +83,9 @@ def bench(name, model, heads_label, prompts, args, table=None) -> dict:
     tok = model.backbone.tokenizer
     ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
     runners = methods(model, args, table)
-    if not args.tpf_only:  # auto's one-off timing of the verify step, off the clock
-        runners["static_auto"](ids[0][:, :2])
+    if not args.tpf_only:  # one untimed run of each method first: one-off costs (auto's timing of the
+        for run in runners.values():  # verify step, compiled kernels, first calls) stay off the clock
+            run(ids[0])
     best: dict[str, dict] = {}
     for _ in range(1 if args.tpf_only else args.reps):
         for label, run in runners.items():
@@ -112,10 +116,13 @@ def bench(name, model, heads_label, prompts, args, table=None) -> dict:
 
 def print_table(r: dict) -> None:
     print(f"\n{r['model']}  heads: {r['heads']}  (n = {r['n']})")
-    print(f"{'method':18s} {'tok/fwd':>8s} {'tok/s':>8s} {'x HF':>6s} {'nodes':>6s} identical")
+    other = next((k for m in r["methods"].values() for k in m if k.startswith("speedup_vs_hf_greedy_")), None)
+    extra = f" {'x HF ' + other.rsplit('_', 1)[1]:>12s}" if other else ""
+    print(f"{'method':18s} {'tok/fwd':>8s} {'tok/s':>8s} {'x HF':>6s}{extra} {'nodes':>6s} identical")
     for label, m in r["methods"].items():
+        col = f" {m.get(other, float('nan')):12.2f}" if other else ""
         print(f"{label:18s} {m.get('tokens_per_forward', float('nan')):8.3f} {m['tokens_per_s']:8.1f} "
-              f"{m.get('speedup_vs_hf_greedy', float('nan')):6.2f} {m.get('tree_nodes', '') or '':>6} {m['identical']}")
+              f"{m.get('speedup_vs_hf_greedy', float('nan')):6.2f}{col} {m.get('tree_nodes', '') or '':>6} {m['identical']}")
 
 
 def main(argv=None) -> dict:
@@ -125,21 +132,29 @@ def main(argv=None) -> dict:
                           "torch": torch.__version__, "loadavg_start": list(os.getloadavg())},
               "max_new_tokens": args.max_new_tokens, "reps": 1 if args.tpf_only else args.reps}
     if not args.no_embedded:
-        emb, label = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
+        emb, label = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype, args.cpu_linear[0])
         table = open_table(args.embedded_stats, emb.backbone.tokenizer)
         record["embedded"] = bench("stories260K (embedded)", emb, label, PROMPTS["stories"], args, table)
     if args.smollm2:
         from multitoken.pipeline.model.fetch import fetch
 
-        smol, label = load(str(fetch("smollm2")), args.smollm2_heads, args.device, args.dtype)
-        table = open_table(str(SMOLLM2_STATS), smol.backbone.tokenizer)
-        record["smollm2"] = bench(SMOLLM2, smol, label, list(TABLE7_PROMPTS), args, table)
+        for kind in args.cpu_linear:
+            smol, label = load(str(fetch("smollm2")), args.smollm2_heads, args.device, args.dtype, kind)
+            table = open_table(str(SMOLLM2_STATS), smol.backbone.tokenizer)
+            key = "smollm2" if kind == args.cpu_linear[0] else f"smollm2_{kind}"
+            record[key] = bench(f"{SMOLLM2} ({kind} linears)", smol, label, list(TABLE7_PROMPTS), args, table)
+            del smol
+        first = record.get("smollm2", {}).get("methods", {}).get("hf_greedy")
+        for kind in args.cpu_linear[1:]:  # every row also against the first kernels' transformers
+            for row in record[f"smollm2_{kind}"]["methods"].values():
+                if first:
+                    row[f"speedup_vs_hf_greedy_{args.cpu_linear[0]}"] = round(row["tokens_per_s"] / first["tokens_per_s"], 3)
     if args.pythia_heads:
-        pm, label = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype)
+        pm, label = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype, args.cpu_linear[0])
         record["pythia_mini"] = bench("pythia-mini", pm, label, PROMPTS["pile"], args)
     record["machine"]["loadavg_end"] = list(os.getloadavg())
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    for key in ("embedded", "pythia_mini", "smollm2"):
+    for key in ("embedded", "pythia_mini", *[k for k in record if k.startswith("smollm2")]):
         if key in record:
             print_table(record[key])
     return record

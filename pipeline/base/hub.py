@@ -10,6 +10,7 @@ When the Hub answers, loading takes transformers' ordinary path (downloads, revi
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 import threading
@@ -145,3 +146,19 @@ def quiet_hub_retries() -> None:
     """huggingface_hub logs every retry of a failed request as a warning ("Retrying in 8s"):
     noise for a CLI user, whose one error line says what failed."""
     logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
+
+
+def source_sha256(base: str, hub_kwargs: dict) -> str | None:
+    """sha256 of the GGUF file behind ``base``: the file itself, or the one a converted
+    checkpoint's ``conversion.json`` names (written by ``multitoken fetch``)."""
+    if "gguf_file" in hub_kwargs:
+        path = Path(base) / hub_kwargs["gguf_file"]
+        st = path.stat()
+        return file_sha256(str(path), st.st_size, st.st_mtime_ns)
+    record = Path(base) / "conversion.json"
+    if record.is_file():
+        try:
+            return json.loads(record.read_text()).get("gguf_sha256")
+        except (ValueError, AttributeError):
+            return None
+    return None

@@ -17,7 +17,7 @@ from torch import nn
 
 from multitoken.embedded import default_base, resolve_base
 from multitoken.base.errors import CheckpointError, UnsupportedModelError, UsageError
-from multitoken.base.hub import locate
+from multitoken.base.hub import locate, source_sha256
 from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
@@ -421,26 +421,6 @@ def load_backbone(
     if qplan is not None:
         backbone.float_layers = dict(qplan.left_float)
     return backbone
-
-
-def source_sha256(base: str, hub_kwargs: dict) -> str | None:
-    """sha256 of the GGUF file behind ``base``: the file itself, or the one a converted
-    checkpoint's ``conversion.json`` names (written by ``multitoken fetch``)."""
-    from multitoken.base.hub import file_sha256
-
-    if "gguf_file" in hub_kwargs:
-        path = Path(base) / hub_kwargs["gguf_file"]
-        st = path.stat()
-        return file_sha256(str(path), st.st_size, st.st_mtime_ns)
-    record = Path(base) / "conversion.json"
-    if record.is_file():
-        import json
-
-        try:
-            return json.loads(record.read_text()).get("gguf_sha256")
-        except (ValueError, AttributeError):
-            return None
-    return None
 
 
 def _attach_lora(model, spec: ArchSpec, lora: LoraSpec | None, adapter: str | None, trainable: bool):

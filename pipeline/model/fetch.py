@@ -12,7 +12,6 @@ it directly, converting at every load).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from multitoken.base.errors import CheckpointError, UsageError
+from multitoken.base.hub import file_sha256
 from multitoken.embedded import fetched_dir
 
 RECORD = "conversion.json"
@@ -60,11 +60,8 @@ def known(name: str) -> Fetchable:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    st = Path(path).stat()
+    return file_sha256(str(path), st.st_size, st.st_mtime_ns)
 
 
 def fetched(model: Fetchable, cache: Path | None = None) -> Path | None:
