@@ -50,6 +50,9 @@ from multitoken.stats.executors import LocalExecutor, RayExecutor
 from multitoken.stats.job import write_stats
 from multitoken.stats.shard import Job, count_shard, shard_dir
 from multitoken.stats.table import CooccurrenceTable
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 VOCAB = 50_000
 PYTHIA_VOCAB = 50_277

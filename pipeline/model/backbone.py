@@ -17,11 +17,12 @@ from torch import nn
 
 from multitoken.embedded import default_base, resolve_base
 from multitoken.base.errors import CheckpointError, UnsupportedModelError, UsageError
-from multitoken.base.hub import locate
+from multitoken.base.hub import file_sha256, locate
 from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
 from multitoken.base.tokenizer import load_tokenizer
+from multitoken.base.quiet import quiet_loading
 from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, PACKED
 from multitoken.pipeline.model.quantization import checked_plan
 
@@ -408,7 +409,8 @@ def load_backbone(
         quant = _quantization_config(config.quantization, dtype, qplan.skip_modules())
         kwargs.update(quantization_config=quant, device_map={"": config.device})
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, config=model_config, **kwargs)
+        with quiet_loading():  # no "Loading weights" bar or load notices; the caller's settings restored after
+            model = AutoModelForCausalLM.from_pretrained(base, config=model_config, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(base, err) from err
     if qplan is None:
@@ -426,8 +428,6 @@ def load_backbone(
 def source_sha256(base: str, hub_kwargs: dict) -> str | None:
     """sha256 of the GGUF file behind ``base``: the file itself, or the one a converted
     checkpoint's ``conversion.json`` names (written by ``multitoken fetch``)."""
-    from multitoken.base.hub import file_sha256
-
     if "gguf_file" in hub_kwargs:
         path = Path(base) / hub_kwargs["gguf_file"]
         st = path.stat()

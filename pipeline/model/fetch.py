@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from multitoken.base.errors import CheckpointError, UsageError
+from multitoken.base.hub import gguf_base
 from multitoken.embedded import fetched_dir
 
 RECORD = "conversion.json"
@@ -152,8 +153,6 @@ def convert(gguf: Path, into: Path) -> None:
     """GGUF -> float32 safetensors checkpoint + tokenizer, in ``into`` (beside the GGUF)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from multitoken.base.hub import gguf_base
 
     folder, kwargs = gguf_base(gguf)
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
