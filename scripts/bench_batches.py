@@ -1,4 +1,4 @@
-"""The batch bench of ``bench_decode.py --batch-sizes`` (issue 14): the same work at every batch
+"""The batch bench of ``bench_decode.py --batch-sizes``: the same work at every batch
 size B (max(B) prompts of different lengths, each seeded by its index), decoded B rows at a time
 by transformers' batched greedy ``generate`` (left-padded) and by every mode of ours (greedy
 static / dynamic trees too),

@@ -1,4 +1,4 @@
-"""The batched KV-cache layout decision (issue 14), by counting slots, not timing them.
+"""The batched KV-cache layout decision, by counting slots, not timing them.
 
 Batched speculative / dynamic rows forget different numbers of slots per step. Two layouts:
 masked holes (``pipeline/model/ragged.py``: the common suffix cropped, the rest masked, a gather

@@ -14,7 +14,7 @@ repetition counts (the machine may be shared). Prints a table and writes JSON.
     python scripts/bench_decode.py --shapes 160m 410m --out bench_shapes.json   # step cost only
     python scripts/bench_decode.py --shapes 410m --shape-dtypes float32 bfloat16 --out bench_shapes.json
 
-``--batch-sizes 1 2 4 8 16``: only the batch bench (issue 14): for each batch size B, B prompts of
+``--batch-sizes 1 2 4 8 16``: only the batch bench: for each batch size B, B prompts of
 different lengths decoded together by transformers' batched greedy ``generate`` (left-padded),
 our batched ``ar``, ``speculative`` greedy and sampled, ``typical``, ``dynamic`` (``--batch-eps``) and
 greedy static / dynamic trees (``--batch-tree-nodes``):
@@ -25,8 +25,8 @@ output, and peak memory; on the embedded default and on pythia-mini (``--heads D
 
 ``--shapes``: only the step-cost bench on random-weight GPT-NeoX models of pythia-160m / 410m
 shapes (no download) with 3 random replicated heads: per mode model and logic ms per step,
-tokens per forward, ms per token and the step-cost ratio over an ``ar`` step (issue 13's
-target: <= 1.2x for dynamic and speculative on 410m).
+tokens per forward, ms per token and the step-cost ratio over an ``ar`` step (the goal:
+<= 1.2x for dynamic and speculative on 410m).
 
 Our rows run with ``generate(profile=True)``: on an accelerator the model / logic split then
 synchronises the device at every clock reading. The record names the device, dtype, threads and
@@ -237,7 +237,7 @@ def step_row(traces: list) -> dict:
 def bench_shapes(args) -> dict:
     """Each shape decodes ``--max-new-tokens`` from a random ``--shape-prompt``-token prompt in
     every mode (interleaved per repetition, the fastest repetition of each kept); the step-cost
-    ratio is a mode's ms per step over ``ar``'s (the issue's target: <= 1.2 on 410m)."""
+    ratio is a mode's ms per step over ``ar``'s (the goal: <= 1.2 on 410m)."""
     sample = dict(temperature=args.temperature, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     base = dict(max_new_tokens=args.max_new_tokens, n=3, stop_at_eos=False)
     out = {}

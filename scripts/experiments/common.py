@@ -1,4 +1,4 @@
-"""The small harness every experiment script shares (issue 16): data splits, seeds, step
+"""The small harness every experiment script shares: data splits, seeds, step
 budgets, timing, machine facts, and the JSON + PNG each script writes.
 
 Everything model-side goes through the package's public functions (``train``, ``evaluate``,
