@@ -124,6 +124,9 @@ class DecodeConfig:
         if self.tree != "chain" and self.mode not in ("speculative", "typical"):
             raise UsageError(f"--tree {self.tree} verifies drafts: it needs --mode speculative or typical, not {self.mode}",
                              "pass --mode speculative, or leave --tree at chain")
+        if self.tree == "chain" and str(self.tree_nodes) != "auto":
+            raise UsageError(f"--tree-nodes {self.tree_nodes} sizes a tree, but --tree is chain (one chain of drafts)",
+                             "pass --tree static|dynamic, or drop --tree-nodes")
         if str(self.tree_nodes) != "auto":
             try:
                 nodes = int(self.tree_nodes)

@@ -1,4 +1,4 @@
-"""The batch bench of ``bench_decode.py --batch-sizes`` (issue 14): the same work at every batch
+"""The batch bench of ``bench_decode.py --batch-sizes``: the same work at every batch
 size B (max(B) prompts of different lengths, each seeded by its index), decoded B rows at a time
 by transformers' batched greedy ``generate`` (left-padded) and by every mode of ours (greedy
 static / dynamic trees too),
@@ -8,12 +8,11 @@ peak memory and whether every row equals its B = 1 output."""
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench_common import PROMPTS, load, open_table
+from bench_common import PROMPTS, best_of, load, open_table
 from multitoken.decoding.batch import generate_batch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.embedded import DEFAULT_BASE
@@ -77,24 +76,13 @@ def bench_batch_model(name, model, heads_label, table, texts, args) -> dict:
     singles: dict[str, list] = {}
     for b in args.batch_sizes:
         starts = range(0, len(pool), b)
-        best: dict[str, dict] = {}
-        warm = b == args.batch_sizes[0]  # one untimed pass first: allocations, kernel caches, numba
-        for rep in range(args.reps + warm):
-            runs = {"hf_greedy_batched": lambda: _chunked([hf_batched_greedy(model, pool[i:i + b], new) for i in starts])}
-            for label, cfg in cfgs.items():
-                runs[label] = (lambda c: lambda: _chunked([_ours(model, pool_ids, i, b, c, table) for i in starts]))(cfg)
-            for label, run in runs.items():
-                peak_memory_reset(args.device)
-                start = time.perf_counter()
-                outputs, traces, passes = run()
-                if args.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                wall = time.perf_counter() - start
-                if warm and rep == 0:
-                    continue
-                if label not in best or wall < best[label]["wall_s"]:
-                    best[label] = {"wall_s": wall, "outputs": outputs, "traces": traces, "passes": passes,
-                                   "peak_mb": peak_memory_mb(args.device)}
+        runs = {"hf_greedy_batched": lambda: _chunked([hf_batched_greedy(model, pool[i:i + b], new) for i in starts])}
+        for label, cfg in cfgs.items():
+            runs[label] = (lambda c: lambda: _chunked([_ours(model, pool_ids, i, b, c, table) for i in starts]))(cfg)
+        cuda = args.device.startswith("cuda")
+        best = best_of(runs, args.reps, before=lambda label: peak_memory_reset(args.device),
+                       sync=torch.cuda.synchronize if cuda else (lambda: None),
+                       after=lambda: {"peak_mb": peak_memory_mb(args.device)})
         rows = {}
         for label, r in best.items():
             tokens = sum(map(len, r["outputs"]))
@@ -127,14 +115,14 @@ def _ours(model, pool_ids, first, b, cfg, table):
     return [r.token_ids for r in results], [r.trace for r in results]
 
 
-def _chunked(parts: list[tuple]) -> tuple[list, list | None, int]:
+def _chunked(parts: list[tuple]) -> dict:
     """The batches' (outputs, traces) joined, and the forward passes they took (the longest row's
     per batch: every live row shares a pass)."""
     outputs = [o for part in parts for o in part[0]]
     if parts[0][1] is None:
-        return outputs, None, 0
+        return {"outputs": outputs, "traces": None, "passes": 0}
     traces = [t for part in parts for t in part[1]]
-    return outputs, traces, sum(max(t.forward_passes for t in part[1]) for part in parts)
+    return {"outputs": outputs, "traces": traces, "passes": sum(max(t.forward_passes for t in part[1]) for part in parts)}
 
 
 def bench_batches(args) -> dict:

@@ -1,4 +1,4 @@
-"""The batched KV-cache layout decision (issue 14), by counting slots, not timing them.
+"""The batched KV-cache layout decision, by counting slots, not timing them.
 
 Batched speculative / dynamic rows forget different numbers of slots per step. Two layouts:
 masked holes (``pipeline/model/ragged.py``: the common suffix cropped, the rest masked, a gather
@@ -26,6 +26,9 @@ from multitoken.pipeline.model import model as model_module
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.stats.table import CooccurrenceTable
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 TEXTS = ["Once upon a time", "The little dog ran to the park and", "Lily and Ben were playing with a ball. Then", "She"]
 MODES = {"speculative_greedy": dict(mode="speculative", greedy=True), "typical_greedy": dict(mode="typical", greedy=True),

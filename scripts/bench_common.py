@@ -1,15 +1,21 @@
 """What the decoding benchmarks share: fixture paths, prompts, model and stats loading, the
-device's name for the record (``bench_decode.py``, ``bench_batches.py``)."""
+timed repetitions (``best_of``), the device's name for the record (``bench_decode.py``,
+``bench_tree.py``, ``bench_batches.py``)."""
 
 from __future__ import annotations
 
 import platform
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
@@ -31,6 +37,34 @@ def load(base: str, heads: str | None, device: str = "cpu", dtype: str = "float3
         label = "untrained (copy-initialised replicated, n=3)"
     model.prepare_linears()
     return model, label
+
+
+def best_of(runs: dict[str, Callable[[], dict]], reps: int, *, warm_up: bool = True,
+            before: Callable[[object], None] = lambda label: None, sync: Callable[[], None] = lambda: None,
+            after: Callable[[], dict] = dict) -> dict[str, dict]:
+    """Each method's fastest of ``reps`` timed repetitions, as its run's dict plus ``wall_s``.
+
+    One untimed warm-up run of every method comes first (allocations, kernel and plan caches,
+    numba, a tree's auto budget), so that even ``--reps 1`` times a warm run; the repetitions
+    then interleave the methods, so a load spike hits every method alike. ``before`` runs off the
+    clock before each run (given its label), ``sync`` on the clock after it (an accelerator's queue), and
+    ``after`` off the clock, its dict merged into the kept record (e.g. peak memory)."""
+    if warm_up:
+        for label, run in runs.items():
+            before(label)
+            run()
+            sync()
+    best: dict[str, dict] = {}
+    for _ in range(reps):
+        for label, run in runs.items():
+            before(label)
+            start = time.perf_counter()
+            result = run()
+            sync()
+            wall = time.perf_counter() - start
+            if label not in best or wall < best[label]["wall_s"]:
+                best[label] = {**result, **after(), "wall_s": wall}
+    return best
 
 
 def open_table(path: str | None, tokenizer):

@@ -14,7 +14,7 @@ repetition counts (the machine may be shared). Prints a table and writes JSON.
     python scripts/bench_decode.py --shapes 160m 410m --out bench_shapes.json   # step cost only
     python scripts/bench_decode.py --shapes 410m --shape-dtypes float32 bfloat16 --out bench_shapes.json
 
-``--batch-sizes 1 2 4 8 16``: only the batch bench (issue 14): for each batch size B, B prompts of
+``--batch-sizes 1 2 4 8 16``: only the batch bench: for each batch size B, B prompts of
 different lengths decoded together by transformers' batched greedy ``generate`` (left-padded),
 our batched ``ar``, ``speculative`` greedy and sampled, ``typical``, ``dynamic`` (``--batch-eps``) and
 greedy static / dynamic trees (``--batch-tree-nodes``):
@@ -25,8 +25,8 @@ output, and peak memory; on the embedded default and on pythia-mini (``--heads D
 
 ``--shapes``: only the step-cost bench on random-weight GPT-NeoX models of pythia-160m / 410m
 shapes (no download) with 3 random replicated heads: per mode model and logic ms per step,
-tokens per forward, ms per token and the step-cost ratio over an ``ar`` step (issue 13's
-target: <= 1.2x for dynamic and speculative on 410m).
+tokens per forward, ms per token and the step-cost ratio over an ``ar`` step (the goal:
+<= 1.2x for dynamic and speculative on 410m).
 
 Our rows run with ``generate(profile=True)``: on an accelerator the model / logic split then
 synchronises the device at every clock reading. The record names the device, dtype, threads and
@@ -57,14 +57,14 @@ from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.model.unembed_plan import plan_for
 
 from bench_batches import bench_batches, print_batches
-from bench_common import FIXTURES, PROMPTS, device_name, load, open_table
+from bench_common import FIXTURES, PROMPTS, best_of, device_name, load, open_table
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_decode.json")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (32 with --shapes)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (the fastest kept), after one untimed warm-up run of each method")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the same for every method)")
     p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:1 (the logic timing stays on the CPU)")
     p.add_argument("--dtype", default="float32", help="weights dtype of the models (float32, bfloat16, float16)")
@@ -127,6 +127,16 @@ def our_runner(model, cfg: DecodeConfig, table):
     return run
 
 
+def over_prompts(run, ids) -> dict:
+    """One method over every prompt: its outputs, traces and token count."""
+    outputs, traces = [], []
+    for x in ids:
+        out, trace = run(x)
+        outputs.append(out)
+        traces.append(trace)
+    return {"outputs": outputs, "traces": traces, "tokens": sum(map(len, outputs))}
+
+
 def bench_model(name, model, heads_label, table, prompts, args) -> dict:
     tok = model.backbone.tokenizer
     ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
@@ -146,17 +156,7 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
     methods["ar_sample"] = our_runner(model, DecodeConfig(mode="ar", max_new_tokens=args.max_new_tokens, **sample), table)
     for eps in (0.25, 0.5, 0.75, 1.0):
         methods[f"dynamic_eps{eps}"] = our_runner(model, DecodeConfig(mode="dynamic", eps_b=eps, **base, **sample), table)
-    best: dict[str, dict] = {}
-    for _ in range(args.reps):
-        for label, run in methods.items():  # interleaved: load spikes hit every method alike
-            start, tokens, outputs, traces = time.perf_counter(), 0, [], []
-            for x in ids:
-                out, trace = run(x)
-                tokens, outputs = tokens + len(out), outputs + [out]
-                traces.append(trace)
-            wall = time.perf_counter() - start
-            if label not in best or wall < best[label]["wall_s"]:
-                best[label] = {"wall_s": wall, "tokens": tokens, "outputs": outputs, "traces": traces}
+    best = best_of({label: (lambda run: lambda: over_prompts(run, ids))(run) for label, run in methods.items()}, args.reps)
     rows = {}
     speed = {label: r["tokens"] / r["wall_s"] for label, r in best.items()}
     for label, r in best.items():
@@ -237,7 +237,7 @@ def step_row(traces: list) -> dict:
 def bench_shapes(args) -> dict:
     """Each shape decodes ``--max-new-tokens`` from a random ``--shape-prompt``-token prompt in
     every mode (interleaved per repetition, the fastest repetition of each kept); the step-cost
-    ratio is a mode's ms per step over ``ar``'s (the issue's target: <= 1.2 on 410m)."""
+    ratio is a mode's ms per step over ``ar``'s (the goal: <= 1.2 on 410m)."""
     sample = dict(temperature=args.temperature, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     base = dict(max_new_tokens=args.max_new_tokens, n=3, stop_at_eos=False)
     out = {}
@@ -355,7 +355,7 @@ def main(argv=None) -> dict:
                           "device": args.device, "device_name": device_name(args.device), "dtype": args.dtype,
                           "cpu_linear": args.cpu_linear,
                           "torch": torch.__version__, "loadavg_start": list(os.getloadavg())},
-              "max_new_tokens": args.max_new_tokens, "reps": args.reps}
+              "max_new_tokens": args.max_new_tokens, "reps": args.reps, "warm_up_runs": 1}
     # one-part runs: the batch bench, the bigger shapes, or the DynaMo logic alone
     for key, wanted, bench, show in (("batches", args.batch_sizes, bench_batches, print_batches),
                                      ("shapes", args.shapes, bench_shapes, print_shapes),

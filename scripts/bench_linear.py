@@ -41,6 +41,7 @@ from multitoken.pipeline.model import cpu_linear
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 
+from bench_common import best_of
 from bench_decode import SHAPES
 
 KINDS = (cpu_linear.STOCK, cpu_linear.PACKED)
@@ -59,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--rows", type=int, default=9, help="step rows for M = 1..ROWS new tokens")
     p.add_argument("--context", type=int, default=64, help="cached tokens before each step")
-    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (best kept)")
+    p.add_argument("--reps", type=int, default=5, help="interleaved timed repetitions (best kept), after one untimed warm-up run of each")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per generate row")
     p.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)  # internal: one memory measurement
     return p.parse_args(argv)
@@ -106,13 +107,14 @@ def step_costs(stock, rows: int, context: int, reps: int) -> dict:
     caches = {kind: _cached(m, context) for kind, m in models.items()}
     best = {(kind, m): float("inf") for kind in KINDS for m in range(1, rows + 1)}
     gen = torch.Generator().manual_seed(1)
-    for _ in range(reps):
+    for rep in range(reps + 1):  # the first pass is the untimed warm-up
         for m in range(1, rows + 1):
             x = torch.randint(0, stock.config.vocab_size, (1, m), generator=gen)
             for kind in KINDS:
                 start = time.perf_counter()
                 models[kind](x, past_key_values=caches[kind], use_cache=True)
-                best[kind, m] = min(best[kind, m], time.perf_counter() - start)
+                if rep:
+                    best[kind, m] = min(best[kind, m], time.perf_counter() - start)
                 caches[kind].crop(-m)
     one = best[cpu_linear.STOCK, 1]
     return {"packed_linears": swapped, "stock_1_token_ms": round(1000 * one, 3),
@@ -173,15 +175,15 @@ def bench_generate(args) -> dict:
         model = real(args.base, dtype)
         ids = model.backbone.tokenizer(PROMPT, return_tensors="pt").input_ids
         methods = {"hf_greedy": _hf, "ar": _ours("ar"), "speculative_greedy": _ours("speculative")}
-        best, outputs = {}, {}
-        for _ in range(args.reps):
-            for label, run in methods.items():
-                for kind in KINDS:
-                    model.backbone.load_config.cpu_linear = kind
-                    model.prepare_linears()  # transformers' generate gets the same kernels
-                    start = time.perf_counter()
-                    outputs[label, kind] = run(model, ids, args.max_new_tokens)
-                    best[label, kind] = min(best.get((label, kind), float("inf")), time.perf_counter() - start)
+        def switch(key) -> None:
+            model.backbone.load_config.cpu_linear = key[1]
+            model.prepare_linears()  # transformers' generate gets the same kernels
+
+        runs = {(label, kind): (lambda run: lambda: {"output": run(model, ids, args.max_new_tokens)})(run)
+                for label, run in methods.items() for kind in KINDS}
+        timed = best_of(runs, args.reps, before=switch)
+        best = {key: r["wall_s"] for key, r in timed.items()}
+        outputs = {key: r["output"] for key, r in timed.items()}
         ref = outputs["hf_greedy", cpu_linear.STOCK]
         out[f"{dtype}/{threads}t"] = {
             f"{label}_{kind}": {"tokens_per_s": round(len(outputs[label, kind]) / best[label, kind], 2),

@@ -1,6 +1,6 @@
 """Benchmark the stats job and the mask lookup; prints and writes JSON.
 
-Figures (issue 4 targets in brackets):
+Figures (targets in brackets):
 * counting throughput, orders 1-3 together, on pre-tokenized input held in memory
   (synthetic Zipf tokens over a 50k vocabulary, and the tinyshakespeare fixture tokenized
   with the Pythia tokenizer): 1 process [>= 8M tokens/s] and 2 processes [>= 1.7x one];
@@ -9,13 +9,13 @@ Figures (issue 4 targets in brackets):
 * mask lookup latency for k = 50 grids against the merged table [>= 10M distinct trigrams;
   2-D <= 0.5 ms, 3-D <= 5 ms], with a sorted-array searchsorted baseline for the 3-D grid.
 
-Each figure is measured in ``--rounds`` rounds (the JSON keeps every round): this VM's speed
-drifts by up to 2x for seconds at a time, so the best round stands for the code; the 2 vs 1
+Each figure is measured in ``--rounds`` rounds (the JSON keeps every round): a shared machine's
+speed can vary by 2x for seconds at a time, so the best round stands for the code; the 2 vs 1
 process ratio is that of the best rounds, with each round's own ratio beside it.
 
     .venv/bin/python scripts/bench_stats.py --out bench_stats.json
 
-``--executor ray`` measures the Ray executor instead (issue 15 target: >= 0.9x the local path):
+``--executor ray`` measures the Ray executor instead (target: >= 0.9x the local path):
 the same map tasks (count one shard of a parquet file of Zipf token ids, read by the task itself)
 then the same key-range reduce tasks, on a local Ray with 2 CPUs and on 2 local processes,
 alternating by round, plus the per-task overhead of each (no-op Ray tasks, and a job of many
@@ -50,6 +50,9 @@ from multitoken.stats.executors import LocalExecutor, RayExecutor
 from multitoken.stats.job import write_stats
 from multitoken.stats.shard import Job, count_shard, shard_dir
 from multitoken.stats.table import CooccurrenceTable
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 VOCAB = 50_000
 PYTHIA_VOCAB = 50_277
@@ -109,7 +112,7 @@ def count_worker(args) -> dict:
 
 def bench_counting(work: Path, tokens: int, memory_mb: int, source: str, rounds: int) -> dict:
     """``rounds`` rounds of 1 process then 2 processes. The headline rates are the best rounds'
-    and ``two_vs_one`` their ratio: this VM's speed drifts by up to 2x for seconds at a time, so
+    and ``two_vs_one`` their ratio: a shared machine's speed can vary by 2x for seconds at a time, so
     one round's ratio can pair a fast phase with a slow one (each round's is kept too)."""
     runs = [_counting_round(work, tokens, memory_mb, source, r) for r in range(rounds)]
     best = max(runs, key=lambda run: run["one_process_tokens_per_s"])
@@ -271,7 +274,7 @@ def _executor_round(executor, data: Path, out: Path, memory_mb: int, shards: int
 
 def bench_ray(work: Path, tokens: int, memory_mb: int, rounds: int, tiny_shards: int) -> dict:
     """Ray (2 CPUs) vs 2 local processes on one parquet file: ``rounds`` alternating rounds, the
-    best of each side stands (the VM drifts); ``ray_vs_local`` is the ratio of those."""
+    best of each side stands (a shared machine's speed varies); ``ray_vs_local`` is the ratio of those."""
     import ray
 
     data = write_ids_parquet(work / "ids.parquet", 2 * tokens, seed=0)
@@ -334,7 +337,7 @@ def main() -> None:
     ap.add_argument("--memory-mb", type=int, default=1024)
     ap.add_argument("--k", type=int, default=50)
     ap.add_argument("--trials", type=int, default=50, help="mask lookups per round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of each measurement; the best counts (the VM's speed drifts)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each measurement; the best counts (a shared machine's speed varies)")
     ap.add_argument("--out", default="bench_stats.json")
     ap.add_argument("--work", default=None, help="scratch dir: new, empty or this bench's own (default: a temp dir, removed)")
     ap.add_argument("--executor", choices=("local", "ray"), default="local",

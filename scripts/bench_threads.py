@@ -31,6 +31,9 @@ from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))

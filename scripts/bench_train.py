@@ -35,6 +35,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))

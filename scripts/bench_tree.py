@@ -21,12 +21,12 @@ import argparse
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
 
-from bench_decode import FIXTURES, PROMPTS, hf_runner, load, open_table, our_runner
+from bench_common import best_of
+from bench_decode import FIXTURES, PROMPTS, hf_runner, load, open_table, our_runner, over_prompts
 from multitoken.decoding.config import DecodeConfig
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS, SMOLLM2, SMOLLM2_HEADS, SMOLLM2_STATS
 from multitoken.pipeline.eval.sweep import TABLE7_PROMPTS
@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_tree.json")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (the fastest kept), after one untimed warm-up run of each method")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -83,20 +83,9 @@ def bench(name, model, heads_label, prompts, args, table=None) -> dict:
     tok = model.backbone.tokenizer
     ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
     runners = methods(model, args, table)
-    if not args.tpf_only:  # one untimed run of each method first: one-off costs (auto's timing of the
-        for run in runners.values():  # verify step, compiled kernels, first calls) stay off the clock
-            run(ids[0])
-    best: dict[str, dict] = {}
-    for _ in range(1 if args.tpf_only else args.reps):
-        for label, run in runners.items():
-            start, outputs, traces = time.perf_counter(), [], []
-            for x in ids:
-                out, trace = run(x)
-                outputs.append(out)
-                traces.append(trace)
-            wall = time.perf_counter() - start
-            if label not in best or wall < best[label]["wall_s"]:
-                best[label] = {"wall_s": wall, "outputs": outputs, "traces": traces}
+    # the warm-up run of each method (auto's one-off timing of the verify step included) is off the clock
+    best = best_of({label: (lambda run: lambda: over_prompts(run, ids))(run) for label, run in runners.items()},
+                   1 if args.tpf_only else args.reps, warm_up=not args.tpf_only)
     reference = best["hf_greedy" if "hf_greedy" in best else "chain"]["outputs"]
     rows = {}
     for label, r in best.items():

@@ -26,6 +26,9 @@ from multitoken.base.atomic import atomic_write_text
 from multitoken.base.data import DataConfig
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_DIR
 from multitoken.stats.job import BuildConfig, build
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 
 def sample_corpus(path: Path, tokens: int, batch: int, max_new: int, seed: int) -> dict:

@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 import build_real_heads
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 REPO = Path(__file__).resolve().parents[1]
 DEST = REPO / "pipeline" / "embedded" / "stories260K-heads"

@@ -28,6 +28,9 @@ import torch
 
 import heads_corpus as corpus
 import heads_fast as fast
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 HEADS = {
     "heads": {"head_type": "replicated", "n_future": 3, "init": "copy"},

@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from multitoken.base.errors import MultitokenError
+from multitoken.base.quiet import quiet_dependencies  # the scripts use the same switch
 from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
@@ -103,54 +104,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         else:
             sub.add_parser(name, help=summary)
     return parser
-
-
-# Dependencies' own console output that says nothing to a multitoken user: progress bars
-# (transformers' "Loading weights", hub downloads, datasets) and info logs. Environment
-# variables, read when each library is first imported, so `--help` imports none of them; a
-# value the user set wins (e.g. TRANSFORMERS_VERBOSITY=info to debug a load).
-QUIET_ENV = {
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # also turns off transformers' bars (they ask the hub)
-    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "HF_HUB_VERBOSITY": "error",
-    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-}
-# Deprecation notices dependencies raise about their own internals (peft, transformers, hub):
-# nothing a user of this CLI can act on. Other warnings still show.
-QUIET_WARNINGS = (
-    (FutureWarning, r"(peft|transformers|huggingface_hub|datasets|accelerate)(\.|$)"),
-    (DeprecationWarning, r"(peft|transformers|huggingface_hub|datasets|accelerate)(\.|$)"),
-)
-
-
-# Loggers whose warnings concern the dependency's own optional parts (bitsandbytes: "Failed to
-# load CPU gemm_4bit_forward from kernels-community" when the optional `kernels` is absent).
-QUIET_LOGGERS = ("bitsandbytes",)
-
-
-def quiet_dependencies() -> None:
-    """Keep dependencies' progress bars, info logs and internal deprecation notices off the
-    console (and so out of ``--json`` output). Called once, at CLI start."""
-    import logging
-    import os
-    import warnings
-
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
-    for category, module in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", category=category, module=module)
-    if "transformers" in sys.modules:  # already imported (main() called from Python): too late for the env
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()
-        logging.set_verbosity_error()
-    if "huggingface_hub" in sys.modules:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
 
 
 def main(argv: list[str] | None = None) -> int:

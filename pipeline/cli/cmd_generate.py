@@ -64,6 +64,15 @@ def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
     return load_model(heads, **dataclasses.asdict(base_cfg))
 
 
+def _table(cfg: GenerateConfig, decode, stats: str | None, tokenizer):
+    """The co-occurrence table decoding reads (None in ar mode, which reads none). A ``--stats``
+    given is opened and checked in every mode, so a wrong path fails the same way whatever the mode."""
+    from multitoken.pipeline.model.assets import load_stats  # lazy: torch
+
+    table = load_stats(stats, tokenizer) if decode.mode != "ar" or cfg.stats else None
+    return table if decode.mode != "ar" else None
+
+
 def _note_order_cap(decode, model, table) -> None:
     """One line on stderr when the stats' order caps the heads read (recorded in the trace too)."""
     from multitoken.decoding.loop import stats_order_cap  # lazy: torch
@@ -107,7 +116,7 @@ def run(args) -> None:
     from multitoken.decoding.config import DecodeConfig, check_context  # lazy: torch
     from multitoken.decoding.loop import generate, stats_order_cap  # lazy: torch
 
-    from multitoken.pipeline.model.assets import backbone_config, load_stats  # lazy: torch
+    from multitoken.pipeline.model.assets import backbone_config  # lazy: torch
 
     cfg = dataclass_from_args(GenerateConfig, args)
     cfg.prompt = cfg.prompt or ""  # optional positional: None when --prompts is used
@@ -122,7 +131,7 @@ def run(args) -> None:
     base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
     model, heads = _load(cfg, base_cfg)
     stats = cfg.stats or _shipped(base_cfg.base, 1)
-    table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None  # dynamic masking, joint drafts
+    table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
                     max_order=stats_order_cap(decode, model.n_future, table, False))
     _note_order_cap(decode, model, table)
@@ -173,11 +182,10 @@ def _generate_file(cfg: GenerateConfig, decode, base_cfg: BackboneConfig, texts:
     from multitoken.decoding.batch import generate_batch  # lazy: torch
     from multitoken.decoding.config import check_context  # lazy: torch
     from multitoken.decoding.loop import stats_order_cap  # lazy: torch
-    from multitoken.pipeline.model.assets import load_stats  # lazy: torch
 
     model, heads = _load(cfg, base_cfg)
     stats = cfg.stats or _shipped(base_cfg.base, 1)
-    table = load_stats(stats, model.backbone.tokenizer) if decode.mode != "ar" else None
+    table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
                     max_order=stats_order_cap(decode, model.n_future, table, False))
     _note_order_cap(decode, model, table)

@@ -22,6 +22,7 @@ from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
 from multitoken.base.tokenizer import load_tokenizer
+from multitoken.base.quiet import quiet_loading
 from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, PACKED
 from multitoken.pipeline.model.quantization import checked_plan
 
@@ -408,7 +409,8 @@ def load_backbone(
         quant = _quantization_config(config.quantization, dtype, qplan.skip_modules())
         kwargs.update(quantization_config=quant, device_map={"": config.device})
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, config=model_config, **kwargs)
+        with quiet_loading():  # no "Loading weights" bar or load notices; the caller's settings restored after
+            model = AutoModelForCausalLM.from_pretrained(base, config=model_config, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(base, err) from err
     if qplan is None:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from multitoken.base.errors import CheckpointError, UsageError
-from multitoken.base.hub import file_sha256
+from multitoken.base.hub import file_sha256, gguf_base
 from multitoken.embedded import fetched_dir
 
 RECORD = "conversion.json"
@@ -149,8 +149,6 @@ def convert(gguf: Path, into: Path) -> None:
     """GGUF -> float32 safetensors checkpoint + tokenizer, in ``into`` (beside the GGUF)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from multitoken.base.hub import gguf_base
 
     folder, kwargs = gguf_base(gguf)
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)

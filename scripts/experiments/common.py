@@ -1,4 +1,4 @@
-"""The small harness every experiment script shares (issue 16): data splits, seeds, step
+"""The small harness every experiment script shares: data splits, seeds, step
 budgets, timing, machine facts, and the JSON + PNG each script writes.
 
 Everything model-side goes through the package's public functions (``train``, ``evaluate``,
@@ -27,6 +27,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from multitoken.base.quiet import quiet_dependencies
+
+quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))

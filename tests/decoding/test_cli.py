@@ -116,3 +116,16 @@ def test_prompts_file_flags_are_checked(tmp_path, heads_dir):
     assert main([*base, "--out", str(tmp_path / "o.jsonl"), "--batch-size", "0"]) == 2
     assert main([*base, "--out", str(foreign), "--overwrite"]) == 2  # never replaces a file it did not write
     assert foreign.read_text() == '{"mine": 1}\n'
+
+
+@pytest.mark.parametrize("mode", ["ar", "dynamic", "speculative"])
+def test_a_missing_stats_dir_is_refused_in_every_mode(capsys, tmp_path, mode):
+    assert main(["generate", "Once upon a time", "--mode", mode, "--stats", str(tmp_path / "nope"), "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "is not a stats dir" in err and "fix:" in err and "Traceback" not in err
+
+
+def test_tree_nodes_without_a_tree_is_refused(capsys):
+    assert main(["generate", "Once upon a time", "--tree-nodes", "8", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tree static|dynamic" in err and "Traceback" not in err

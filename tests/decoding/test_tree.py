@@ -302,6 +302,8 @@ def test_auto_budget_picks_one_of_the_timed_budgets(tiny_backbones):
     ({"tree": "bush"}, "unknown tree"),
     ({"tree": "static", "tree_nodes": "0"}, r"\[1, 256\]"),
     ({"tree": "static", "tree_nodes": "many"}, "integer or auto"),
+    ({"tree_nodes": "8"}, r"pass --tree static\|dynamic"),
+    ({"mode": "typical", "tree": "chain", "tree_nodes": "auto-ish"}, r"--tree static\|dynamic"),
 ])
 def test_bad_tree_options_name_the_fix(kwargs, match):
     with pytest.raises(UsageError, match=match):

@@ -106,3 +106,21 @@ def test_missing_or_broken_checkpoints(tmp_path, tiny_neox_dir):
         load_backbone(BackboneConfig(base=str(tiny_neox_dir), quantization="3bit"))
     with pytest.raises(UsageError, match="unknown dtype"):
         load_backbone(BackboneConfig(base=str(tiny_neox_dir), dtype="float8"))
+
+
+def test_our_model_load_is_quiet_and_leaves_the_callers_logging_as_it_was(capfd):
+    """The library silences transformers' "Loading weights" bar inside its own load only: no
+    global switch on import, the caller's progress-bar and verbosity settings restored after."""
+    from transformers.utils import logging as hf_logging
+
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+
+    hf_logging.enable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    try:
+        load_backbone(BackboneConfig(threads=1))
+        assert "Loading weights" not in capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == hf_logging.WARNING
+    finally:
+        hf_logging.set_verbosity(verbosity)
