@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from multitoken.pipeline.model.backbone import BackboneConfig
