@@ -229,5 +229,6 @@ def generate(model, prompt_ids, cfg: DecodeConfig | None = None, *, table=None, 
     trace.dynamic_kernel = run.kernels
     trace.new_tokens = len(out_ids)
     tok = model.backbone.tokenizer
-    text = continuation_text(tok, ids[0].tolist(), out_ids) if tok is not None else ""
-    return DecodeResult(out_ids, text, trace, ids[0].tolist())
+    prompt = ids[0].tolist()  # once per call, after the loop
+    text = continuation_text(tok, prompt, out_ids) if tok is not None else ""
+    return DecodeResult(out_ids, text, trace, prompt)

@@ -49,14 +49,19 @@ def head_targets(ids: torch.Tensor, valid: torch.Tensor, offset: int) -> tuple[t
     return flat, ids[:, offset:][ok]
 
 
-def head_loss(model, feats: Features, ids, valid, index: int, weight: torch.Tensor, remap: torch.Tensor | None):
-    """Mean CE and top-1 hits of head ``index`` against ``weight`` (the unembedding rows the
-    softmax runs over; ``remap`` maps a vocabulary id to its row, None for the full table)."""
+def head_rows(model, feats: Features, ids, valid, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head ``index``'s hidden states where it has a target, and those targets # [N, H], [N]."""
     hidden = model.heads.hidden(index, feats)  # [b, T, H]
     flat, target = head_targets(ids, valid, index + 1)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat.to(hidden.device))  # [N, H]
+    return h, target.to(hidden.device)
+
+
+def head_loss(model, feats: Features, ids, valid, index: int, weight: torch.Tensor, remap: torch.Tensor | None):
+    """Mean CE and top-1 hits of head ``index`` against ``weight`` (the unembedding rows the
+    softmax runs over; ``remap`` maps a vocabulary id to its row, None for the full table)."""
+    h, target = head_rows(model, feats, ids, valid, index)
     logits = h @ weight.T  # [N, V']
-    target = target.to(hidden.device)
     if remap is not None:
         target = remap[target]
     return F.cross_entropy(logits, target), (logits.argmax(-1) == target).sum().item(), int(target.numel())
@@ -132,9 +137,7 @@ def accuracy(model, data: dict, batch_rows: int = 16) -> dict:
         feats = features(model, data, rows)
         ids, valid = data["ids"][rows], data["valid"][rows]
         for i in range(n):
-            hidden = model.heads.hidden(i, feats)  # [b, T, H]
-            flat, target = head_targets(ids, valid, i + 1)
-            h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [N, H]
+            h, target = head_rows(model, feats, ids, valid, i)
             top = (h @ W.T).topk(MAX_RANKS, dim=-1).indices  # [N, R]
             hits = (top == target[:, None]).sum(0).tolist()
             ranks[i] = [a + b for a, b in zip(ranks[i], hits)]

@@ -18,7 +18,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 
 from multitoken.pipeline.model.backbone import BackboneConfig
-from multitoken.embedded import shipped_assets
+from multitoken.embedded import shipped
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import config_dict, save_resolved_config
 from multitoken.base.errors import UsageError
@@ -47,19 +47,12 @@ def register(sub) -> None:
     base_from_heads(parser)
 
 
-def _shipped(base: str, which: int) -> str | None:
-    """The heads (0) or stats (1) shipped for ``base`` (the embedded default, the fetched
-    SmolLM2), when present: they fit no other base."""
-    assets = shipped_assets(base)
-    return str(assets[which]) if assets and assets[which].is_dir() else None
-
-
 def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
     """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
     without ``--heads``, the embedded heads on the embedded base, else the base alone."""
     from multitoken.pipeline.model.assets import load_base_only, load_model  # lazy: torch
 
-    heads = cfg.heads or _shipped(base_cfg.base, 0)
+    heads = cfg.heads or shipped(base_cfg.base, 0)
     if heads is None:
         return load_base_only(base_cfg), None
     return load_model(heads, **dataclasses.asdict(base_cfg))
@@ -131,7 +124,7 @@ def run(args) -> None:
     fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
     base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
     model, heads = _load(cfg, base_cfg)
-    stats = cfg.stats or _shipped(base_cfg.base, 1)
+    stats = cfg.stats or shipped(base_cfg.base, 1)
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
                     max_order=stats_order_cap(decode, model.n_future, table, False))
@@ -185,7 +178,7 @@ def _generate_file(cfg: GenerateConfig, decode, base_cfg: BackboneConfig, texts:
     from multitoken.decoding.loop import stats_order_cap  # lazy: torch
 
     model, heads = _load(cfg, base_cfg)
-    stats = cfg.stats or _shipped(base_cfg.base, 1)
+    stats = cfg.stats or shipped(base_cfg.base, 1)
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
                     max_order=stats_order_cap(decode, model.n_future, table, False))

@@ -78,3 +78,10 @@ def shipped_assets(name: str) -> tuple[Path, Path] | None:
         return SMOLLM2_HEADS, SMOLLM2_STATS
     return None
 
+
+def shipped(name: str, which: int) -> str | None:
+    """The heads (0) or stats (1) directory shipped for the base ``name``, when the package
+    holds it; None for any other base."""
+    assets = shipped_assets(name)
+    return str(assets[which]) if assets and assets[which].is_dir() else None
+

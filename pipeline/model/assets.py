@@ -3,7 +3,9 @@ defaults (trained heads and stats), and co-occurrence stats. One loader for ever
 
 from __future__ import annotations
 
-from multitoken.embedded import EMBEDDED_HEADS, default_base, shipped_assets
+from pathlib import Path
+
+from multitoken.embedded import EMBEDDED_HEADS, default_base, shipped
 from multitoken.base.errors import UsageError
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.heads_io import read_heads_config
@@ -18,16 +20,14 @@ NO_STATS = "none"
 
 def default_heads(base: str | None = None) -> str | None:
     """The trained heads the package ships for ``base`` (None: the embedded default), else None."""
-    assets = shipped_assets(base) if base else (EMBEDDED_HEADS, None)
-    heads = assets[0] if assets else None
-    return str(heads) if heads is not None and (heads / "heads_config.json").is_file() else None
+    heads = shipped(base, 0) if base else str(EMBEDDED_HEADS)
+    return heads if heads and (Path(heads) / "heads_config.json").is_file() else None
 
 
 def default_stats(backbone) -> str | None:
     """The stats shipped for this base (the embedded default, the fetched SmolLM2), else None:
     another tokenizer would not match."""
-    assets = shipped_assets(backbone.name)
-    return str(assets[1]) if assets and assets[1].is_dir() else None
+    return shipped(backbone.name, 1)
 
 
 def backbone_config(heads: str | None, base: str | None = None, **fields):
