@@ -48,11 +48,10 @@ from .accept import greedy_accept, speculative_accept
 from .batch_steps import HeadWidth, Row, RowView, accept_all, propose_dynamic, propose_speculative
 from .batch_tree import BatchTrees, tree_loop
 from .config import DecodeConfig, check_context
-from .dynamic import always_backs_off
+from .dynamo import always_backs_off, prepare_kernel
 from .loop import DecodeResult, RunState, _acceptor, _eos_ids, generate as generate_one, stats_order_cap
 from .proposal import joint_drafts, pick_drafter
 from .sampling import Sampler
-from .sparse_step import prepare_kernel
 from .text import continuation_text
 from .timing import clock_for
 from .trace import Trace

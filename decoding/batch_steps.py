@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dynamic import dynamic_propose, head_candidates, heads_needed
+from .dynamo import dynamic_propose, head_candidates, heads_needed
 from .loop import RunState
 from .proposal import Drafts, independent_drafts, joint_drafts
 from .sampling import penalised_logits, rows_seen

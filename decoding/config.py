@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from multitoken.base.errors import UsageError
 
 from .accept import typical_rule
-from .sparse import KERNELS, numba_available
+from .dynamo import KERNELS, numba_available
 from .tree import MAX_TREE_NODES, TREES
 
 MODES = ("ar", "dynamic", "speculative", "typical")

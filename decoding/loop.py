@@ -16,10 +16,9 @@ import torch
 
 from .accept import greedy_accept, speculative_accept, typical_rule
 from .config import DecodeConfig, check_context
-from .dynamic import always_backs_off, dynamic_propose
+from .dynamo import always_backs_off, dynamic_propose, prepare_kernel
 from .proposal import Drafts, HeadScores, joint_drafts, pick_drafter
 from .sampling import Sampler, penalised_logits, rows_seen
-from .sparse_step import prepare_kernel
 from .text import continuation_text
 from .timing import clock_for
 from .trace import Trace

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .dynamic import Candidates, head_candidates, joint_cells, sample_index
+from .dynamo import Candidates, head_candidates, joint_cells, sample_index
 from .sampling import with_tokens
 from multitoken.base.errors import UsageError
 

@@ -20,7 +20,7 @@ import heapq
 import numpy as np
 import torch
 
-from .dynamic import Candidates, joint_cells
+from .dynamo import Candidates, joint_cells
 from .proposal import joint_drafts, pick_drafter
 from .sampling import penalised_logits
 from .tree import Accuracies, Tree, Shape, auto_budget, best_first, parse_nodes, read_accuracies, MAX_RANKS

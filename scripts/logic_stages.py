@@ -19,9 +19,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from multitoken.decoding import dynamic, sparse, sparse_step
+from multitoken.decoding.dynamo import sparse, step
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import dynamic_propose, outer, repetition_cells, sample_index, top_candidates
+from multitoken.decoding.dynamo import dynamic_propose, outer, prepare_kernel, repetition_cells, sample_index, top_candidates
 
 
 def recorded_steps(model, table, prompts: list[list[int]], max_new: int) -> list[tuple[list[torch.Tensor], np.ndarray]]:
@@ -71,14 +71,14 @@ def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int)
     rng = np.random.default_rng(0)
     lay = sparse.layout(table, n) if kernel != "dense" else None
     if kernel == "numba":
-        from multitoken.decoding import sparse_numba
+        from multitoken.decoding.dynamo import numba_step
     for _ in range(reps):
         for logps, seen in steps:
             t = [time.perf_counter()]
             cands = [top_candidates(lp, k, temperature) for lp in logps[:n]]
             t.append(time.perf_counter())
             if kernel == "dense":
-                mask = dynamic._lookup(table, cands, cfg.alpha_c)
+                mask = step._lookup(table, cands, cfg.alpha_c)
                 t.append(time.perf_counter())
                 grid = outer(cands) * mask
                 nz = grid[grid != 0]
@@ -87,14 +87,14 @@ def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int)
                 if threshold > 0:
                     grid[grid <= threshold] = 0.0
                 t.append(time.perf_counter())
-                flat, values = dynamic._live(grid, cfg)
+                flat, values = step._live(grid, cfg)
                 cells_seen.append(nz.size)
             else:
                 ids = [c.ids for c in cands]
                 if kernel == "numba":
-                    flat, count = sparse_numba.seen_cells(lay, ids)
+                    flat, count = numba_step.seen_cells(lay, ids)
                     t.append(time.perf_counter())
-                    flat, masked = sparse_numba.masked_values(lay, cands, flat, count, cfg.alpha_c)
+                    flat, masked = numba_step.masked_values(lay, cands, flat, count, cfg.alpha_c)
                 else:
                     flat, count = sparse.seen_cells(lay, ids)
                     t.append(time.perf_counter())
@@ -105,7 +105,7 @@ def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int)
                     flat, values = flat[keep], values[keep]
                 t.append(time.perf_counter())
                 no_static = replace(cfg, static_threshold=False)
-                live_fn = sparse_numba.live if kernel == "numba" else sparse.live_cells
+                live_fn = numba_step.live if kernel == "numba" else sparse.live_cells
                 flat, values = live_fn(flat, values, tuple(c.ids.size for c in cands), no_static, threshold)
                 cells_seen.append(masked.size)
             t.append(time.perf_counter())
@@ -149,7 +149,7 @@ def bench_stages(steps_by_n: dict, table, reps: int, eps_values=(0.0, 0.5)) -> d
     out = {"machine": machine(), "stats": str(table.path), "distinct": table.meta["distinct"]}
     if "numba" in kernels:
         start = time.perf_counter()
-        sparse_step.prepare_kernel(DecodeConfig(dynamic_kernel="numba"), table, max(steps_by_n))
+        prepare_kernel(DecodeConfig(dynamic_kernel="numba"), table, max(steps_by_n))
         out["numba_prepare_s"] = round(time.perf_counter() - start, 3)  # compile, or load from the disk cache
     for n, steps in steps_by_n.items():
         for eps in eps_values:

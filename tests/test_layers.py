@@ -104,7 +104,7 @@ def test_imports_point_down(name):
 
 
 # Outside the CLI, a module may import lazily only to keep an optional extra optional.
-OPTIONAL_EXTRA_LAZY = {"multitoken.decoding.sparse_step"}  # numba kernels ([fast] extra)
+OPTIONAL_EXTRA_LAZY = {"multitoken.decoding.dynamo.step"}  # numba kernels ([fast] extra)
 
 
 def test_lazy_imports_only_in_the_cli():

@@ -4,7 +4,7 @@ How a step is scored (teacher forcing on the reference text x):
 1. The cursor t starts at the first position of a sequence; heads 1..n at t give p_i(x_{t+i})
    (one full-sequence pass yields them at every position).
 2. The step's order m is the decoding engine's own dynamic decision
-   (``decoding.dynamic.dynamic_propose`` with the sweep's settings, greedy, the reference
+   (``decoding.dynamo.dynamic_propose`` with the sweep's settings, greedy, the reference
    context x_<=t as the repetition-penalty history): it depends on the model's joint grid only,
    never on the reference tokens, exactly as during generation. m is capped by the tokens left.
 3. The step scores the reference n-gram under the heads' full distributions at temperature 1:
@@ -15,7 +15,7 @@ How a step is scored (teacher forcing on the reference text x):
 Only the first ``dynamic_tokens`` tokens are walked (each step builds a k^n grid).
 
 The walk reads only the heads' top-k: the candidates (top-k ids and tempered probabilities, as
-``dynamic.head_candidates`` makes them) of every position of a batch's rows are made in one call
+``dynamo.head_candidates`` makes them) of every position of a batch's rows are made in one call
 per head from the stored top-k, so the steps of every row and eps_b do no tensor work at all.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from multitoken.decoding.batch import HeadWidth
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import Candidates, dynamic_propose, head_candidates
+from multitoken.decoding.dynamo import Candidates, dynamic_propose, head_candidates
 
 
 class DynamicPPL:

@@ -24,7 +24,7 @@ from multitoken.decoding.batch_steps import Row
 from multitoken.decoding.batch_tree import BatchTrees
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.loop import RunState
-from multitoken.decoding.dynamic import dynamic_propose, head_candidates
+from multitoken.decoding.dynamo import dynamic_propose, head_candidates
 from multitoken.decoding.proposal import HeadScores, cp_drafts, independent_drafts, joint_drafts
 from multitoken.decoding.sampling import Sampler, penalised_logits, processed_probs, rows_seen, top_probs, with_tokens
 from multitoken.decoding.trace import Trace

@@ -9,7 +9,7 @@ import pytest
 from scipy.ndimage import correlate1d
 
 from multitoken.decoding.config import MAX_GRID_CELLS, DecodeConfig, check_grid
-from multitoken.decoding.dynamic import gaussian_blur
+from multitoken.decoding.dynamo import gaussian_blur
 from multitoken.base.config_io import MAX_RANGE_VALUES, expand_range
 from multitoken.base.errors import UsageError
 

@@ -41,7 +41,7 @@ def test_budget_stops_walking(tiny_model):
 def test_batched_candidates_equal_the_proposals_own_top_k(tiny_model):
     """The walk's candidates, made for every position of a batch in one call from the stored
     top-k, are those ``dynamic_propose`` makes from the head's distribution (ids and probs)."""
-    from multitoken.decoding.dynamic import head_candidates
+    from multitoken.decoding.dynamo import head_candidates
 
     ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(4))
     dyn = DynamicPPL([0.5], tiny_model, budget=10_000)

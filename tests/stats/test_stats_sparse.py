@@ -1,4 +1,4 @@
-"""The sparse DynaMo step (decoding/sparse.py) on random and hand-made tables: the same live cells,
+"""The sparse DynaMo step (decoding/dynamo/sparse.py) on random and hand-made tables: the same live cells,
 bit for bit, as the dense grid, through the scan and the probe lookups, numpy and numba, and on
 the edge cases (no seen cell, one, cells on the grid's border, ties in Otsu)."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from .stats_helpers import build_ids, write_jsonl_ids, zipf_docs
 
-from multitoken.decoding import sparse
+from multitoken.decoding.dynamo import sparse
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import Candidates, joint_cells
+from multitoken.decoding.dynamo import Candidates, joint_cells
 from multitoken.stats.table import CooccurrenceTable
 
 VOCAB = 40

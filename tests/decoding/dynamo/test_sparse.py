@@ -11,9 +11,9 @@ import cv2
 import numpy as np
 import pytest
 
-from multitoken.decoding import dynamic, sparse
+from multitoken.decoding.dynamo import sparse, step
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import Candidates, dynamic_propose, gaussian_blur, joint_cells, otsu_keep
+from multitoken.decoding.dynamo import Candidates, gaussian_blur, joint_cells, otsu_keep
 from multitoken.decoding.loop import generate
 from multitoken.base.errors import UsageError
 
@@ -35,13 +35,13 @@ def blur_numpy(x: np.ndarray) -> np.ndarray:
 
 
 def blur_numba(x: np.ndarray) -> np.ndarray:
-    from multitoken.decoding import sparse_otsu
+    from multitoken.decoding.dynamo import numba_otsu
 
     x3 = np.pad(x.reshape((1,) * (3 - x.ndim) + x.shape), 1)  # the kernel's padded box
     for axis in sparse.blur_order(x.ndim):
         a = axis + 3 - x.ndim
         out = np.empty_like(x3)
-        sparse_otsu._blur_pass(x3, out, a, 0, x3.shape[a] - 2)
+        numba_otsu._blur_pass(x3, out, a, 0, x3.shape[a] - 2)
         x3 = out
     return x3[1:-1, 1:-1, 1:-1].reshape(x.shape)
 
@@ -79,10 +79,10 @@ def test_otsu_and_scaling_are_opencvs():
 def otsu_numba(flat, values, shape, blur):
     from types import SimpleNamespace
 
-    from multitoken.decoding import sparse_numba
+    from multitoken.decoding.dynamo import numba_step
 
     cfg = SimpleNamespace(static_threshold=False, adaptive_threshold=True, blur_kernel=3 if blur else 0)
-    kept_flat, _ = sparse_numba.live(flat, values, shape, cfg, np.float32(0))
+    kept_flat, _ = numba_step.live(flat, values, shape, cfg, np.float32(0))
     return np.isin(flat, kept_flat)
 
 
@@ -117,15 +117,15 @@ def test_otsu_on_the_pruned_box_equals_otsu_on_the_whole_grid(shape):
 
 
 def otsu_kernel(flat, values, shape, blur, path):
-    """The compiled blur + Otsu on a forced path (sparse_otsu.SPARSE or BOX) # -> [m] bool."""
-    from multitoken.decoding import sparse_otsu
+    """The compiled blur + Otsu on a forced path (numba_otsu.SPARSE or BOX) # -> [m] bool."""
+    from multitoken.decoding.dynamo import numba_otsu
 
     shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
     axes = np.array([a + 3 - len(shape) for a in sparse.blur_order(len(shape))] if blur else [], np.int64)
     size = int(np.prod(shape3 + 2))
     zeros = np.zeros(size, np.float32)
     scratch = np.full(size, np.nan, np.float32), np.full(size, np.nan, np.float32)  # no read of an unwritten cell
-    keep = sparse_otsu.otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)), *scratch, zeros, path)
+    keep = numba_otsu.otsu_keep(flat, values, shape3, blur, axes, int(np.prod(shape)), *scratch, zeros, path)
     assert not zeros.any(), "the sparse path must leave its input grid zero"
     return keep
 
@@ -160,7 +160,7 @@ def sparse_grid(rng, shape, kind):
 def test_sparse_and_box_paths_keep_opencvs_cells(shape, kind):
     """Both paths of the compiled kernel, each forced, keep the cells opencv keeps on the whole
     grid (and that the numpy reference keeps), for 2-D and 3-D grids, blur on and off."""
-    from multitoken.decoding import sparse_otsu
+    from multitoken.decoding.dynamo import numba_otsu
 
     rng = np.random.default_rng(sum(shape) + len(kind))
     for _ in range(4):
@@ -170,7 +170,7 @@ def test_sparse_and_box_paths_keep_opencvs_cells(shape, kind):
         for blur in (True, False):
             ref = otsu_keep(gaussian_blur(grid, 3) if blur else grid).ravel()[flat]
             np.testing.assert_array_equal(sparse.otsu_survivors(flat, values, shape, blur), ref)
-            for path in (sparse_otsu.SPARSE, sparse_otsu.BOX, sparse_otsu.AUTO):
+            for path in (numba_otsu.SPARSE, numba_otsu.BOX, numba_otsu.AUTO):
                 np.testing.assert_array_equal(otsu_kernel(flat, values, shape, blur, path), ref)
 
 
@@ -211,16 +211,16 @@ def test_replayed_steps_and_tokens_are_identical(embedded, monkeypatch, eps_b, s
     model, table, prompts = embedded
     cfg = DecodeConfig(mode="dynamic", eps_b=eps_b, max_new_tokens=20, stop_at_eos=False, **SWITCHES[switch])
     steps = []
-    dense_cells = dynamic.joint_cells
+    dense_cells = step.joint_cells
 
     def record(cands, cfg_, table_, seen):
         cells = dense_cells(cands, cfg_, table_, seen)
         steps.append((cands, cfg_, seen.copy(), cells))
         return cells
 
-    monkeypatch.setattr(dynamic, "joint_cells", record)
+    monkeypatch.setattr(step, "joint_cells", record)
     runs = {p: generate(model, prompts[p], replace(cfg, dynamic_kernel="dense", seed=p), table=table) for p in range(2)}
-    monkeypatch.setattr(dynamic, "joint_cells", dense_cells)
+    monkeypatch.setattr(step, "joint_cells", dense_cells)
     assert steps and all(c.kernel == "dense" for *_, c in steps)
     for kernel in KERNELS:
         built = Counter()
@@ -274,7 +274,7 @@ def markov_table(tmp_path_factory):
             for _ in range(200):
                 doc.append(int(rng.choice(12, p=trans[doc[-1]])))
             fh.write(json.dumps({"input_ids": doc}) + "\n")
-    tokenizer = Path(__file__).resolve().parents[1] / "assets" / "pythia_tokenizer"
+    tokenizer = Path(__file__).resolve().parents[2] / "assets" / "pythia_tokenizer"
     build(BuildConfig(out=str(tmp / "stats"), tokenizer=str(tokenizer), vocab_size=12),
           DataConfig(data=str(tmp / "c.jsonl")), log=lambda *_: None)
     return CooccurrenceTable(tmp / "stats")
@@ -282,8 +282,8 @@ def markov_table(tmp_path_factory):
 
 @pytest.mark.parametrize("kernel", ["dense", *KERNELS])
 def test_emitted_pairs_follow_the_grid_with_real_stats(markov_table, kernel):
-    """The chi-square test of test_dynamic on a real table, through every kernel."""
-    from .test_dynamic import V, assert_draws_follow_grid, pair_logps
+    """The chi-square test of test_step on a real table, through every kernel."""
+    from .test_step import V, assert_draws_follow_grid, pair_logps
 
     logps = pair_logps(np.random.default_rng(3))
     ratio = markov_table.ratio([np.arange(V), np.arange(V)]).astype(np.float64)

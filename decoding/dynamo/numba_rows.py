@@ -1,4 +1,4 @@
-"""The sparse blur of ``sparse_otsu``: each pass evaluated only on the rows (of the last axis) it must.
+"""The sparse blur of ``numba_otsu``: each pass evaluated only on the rows (of the last axis) it must.
 
 The 8-bit image can be non-zero only on D, the union of the big cells' 3^n neighbourhoods (see
 ``sparse.CUT``). Walking the P passes backwards, pass p must be evaluated on stage S_p: S_P = D,
@@ -13,7 +13,7 @@ hold ~1.3x the cells of D, where the image's box holds ~25x. Stage arrays are in
 Exactness: every value a pass computes is opencv's value on the whole grid at that cell (its
 reads are the previous pass's whole-grid values, at the mirrored index on the grid's borders),
 with the same float32 operations ``x * 0.5 + (left + right) * 0.25`` in the same order as
-``sparse_otsu._blur_pass``; the dense box path computes the same whole-grid values on the box's
+``numba_otsu._blur_pass``; the dense box path computes the same whole-grid values on the box's
 inner (out) box, and every cell either path leaves out (box cells outside the hulls, hull cells
 outside D) scales to 0 in the image by the CUT argument. So the histogram, the top and the kept
 cells are the dense path's, bit for bit.

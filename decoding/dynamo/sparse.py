@@ -4,7 +4,7 @@ With absent n-grams at ratio 0 (the table's default) and a mask in force (alpha_
 the masked grid is non-zero only if its n-gram was seen: a few thousand of the k^n cells. This
 module finds them (``seen_cells``: for each seen prefix of the leading candidate lists, its seen
 last tokens among the last list; short rows of the sorted key array are scanned, long ones probed
-in their hash block), then reproduces ``dynamic.joint_cells`` on them bit for bit:
+in their hash block), then reproduces ``step.joint_cells`` on them bit for bit:
 
 * grid, ratio and normalisation in the dense path's float32 operation order; the total is the
   float64 numpy sum of the same compact array of non-zero masked cells (ascending flat order)
@@ -19,10 +19,10 @@ in their hash block), then reproduces ``dynamic.joint_cells`` on them bit for bi
 
 Where this is not exact (no table or a stand-in without the layout, alpha_c 0, absent != 0, a
 blur kernel other than 0 / 1 / 3, an axis shorter than 2 under the blur, more than 512 candidates,
-no seen cell), ``joint_cells`` takes the dense path. Kernels: ``sparse_numba`` (its lookup and
-values in ``sparse_lookup``, its blur and Otsu in ``sparse_otsu``: there the blur runs only on the
-row spans around the big cells, ``sparse_rows``) when numba is installed
-(``pip install multitoken[fast]``), else the numpy code here.
+no seen cell), ``joint_cells`` takes the dense path. Kernels: ``numba_step`` (its lookup and
+values; its blur and Otsu in ``numba_otsu``: there the blur runs only on the row spans around the
+big cells, ``numba_rows``) when numba is installed (``pip install multitoken[fast]``), else the
+numpy code here; ``step.sparse_live`` chooses.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def _blur_axis(x: np.ndarray, axis: int, lo: int, full: int) -> np.ndarray:
 
 
 def blur_order(ndim: int) -> tuple[int, ...]:
-    """opencv's pass order in ``dynamic.gaussian_blur``: rows (axis 1) then columns (axis 0),
+    """opencv's pass order in ``step.gaussian_blur``: rows (axis 1) then columns (axis 0),
     then for a 3-D grid the channel axis 2."""
     return (1, 0) if ndim == 2 else (1, 0, 2)
 
@@ -271,7 +271,7 @@ def otsu_survivors(flat: np.ndarray, values: np.ndarray, shape: tuple[int, ...],
 
 
 def live_cells(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
-    """Static threshold then Otsu on normalised seen cells, as ``dynamic._live`` # -> flat, values."""
+    """Static threshold then Otsu on normalised seen cells, as ``step._live`` # -> flat, values."""
     if cfg.static_threshold and threshold > 0:
         keep = values > threshold
         flat, values = flat[keep], values[keep]

@@ -4,7 +4,7 @@ The grid is seen as 3-D (order 2: a leading axis of 1). Only the cells above ``s
 times the largest ("big" cells: ~1k of ~25k on an 18.4M-trigram table at k = 50) can make a
 non-zero pixel, so their coordinates are gathered once. Two paths compute the same image:
 
-* sparse (``sparse_rows``): each pass only on the row spans it must evaluate, walking back from
+* sparse (``numba_rows``): each pass only on the row spans it must evaluate, walking back from
   D, the union of the big cells' 3^n neighbourhoods (median ~5k cells where the box holds the
   whole 125k-cell grid), over a full-grid input kept zero between calls;
 * box: zero, fill and blur the whole box around the big cells with dense passes.
@@ -16,8 +16,8 @@ plus a per-row overhead) exceeds the box's cells. Per-cell passes over ``flat`` 
 ascending order and divide once per row of the last axis. No per-cell coordinate array is
 written (on ~25k cells it cost more than the blur).
 
-numba's disk cache keys a function by its own file only: after editing ``sparse_rows``, delete
-``__pycache__/sparse_otsu*.nb*`` or the cached ``otsu_keep`` keeps the old code.
+numba's disk cache keys a function by its own file only: after editing ``numba_rows``, delete
+``__pycache__/numba_otsu*.nb*`` or the cached ``otsu_keep`` keeps the old code.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from . import sparse_rows as rows_
+from . import numba_rows as rows_
+from .numba_rows import next_row
 from .sparse import CUT, TINY, otsu_threshold
-from .sparse_rows import next_row
 
 _otsu = nb.njit(cache=True)(otsu_threshold)
 
@@ -165,7 +165,7 @@ def _top(y, coords, big, near, r, shape):
 
 @nb.njit(cache=True)
 def _sparse(flat, values, shape, axes, total, xs, ys, zs, coords, big, near, r, ilo, ihi, st):
-    """The image on the stages' spans only (``sparse_rows``); ``zs``: a zero grid, left zero."""
+    """The image on the stages' spans only (``numba_rows``); ``zs``: a zero grid, left zero."""
     start = rows_.row_starts(flat, shape)
     rows_.scatter(zs, flat, values, start, st, shape, False)
     y = rows_.blur(zs, xs, ys, axes, shape, st)

@@ -12,10 +12,10 @@ import torch
 from scipy.stats import chisquare
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamic import dynamic_propose, gaussian_blur, otsu_keep
+from multitoken.decoding.dynamo import dynamic_propose, gaussian_blur, otsu_keep
 from multitoken.decoding.loop import generate
 
-from .conftest import RatioTable, attach
+from ..conftest import RatioTable, attach
 
 
 @pytest.mark.parametrize("eps_b,expected", [(0.0, "n"), (1.0, 1)])
@@ -140,7 +140,7 @@ def test_otsu_on_a_3d_grid_equals_otsu_of_its_histogram():
 def test_skipping_unreachable_orders_changes_nothing(monkeypatch, masked):
     """``cannot_reach`` only saves work: with it disabled (every grid built) each proposal, its
     order and its back-offs are the same, for sampled and greedy draws alike."""
-    from multitoken.decoding import dynamic
+    from multitoken.decoding.dynamo import step
 
     gen = torch.Generator().manual_seed(0)
     seen = np.random.default_rng(0).random(300) < 0.1
@@ -159,7 +159,7 @@ def test_skipping_unreachable_orders_changes_nothing(monkeypatch, masked):
         return out
 
     fast = run()
-    monkeypatch.setattr(dynamic, "cannot_reach", lambda *a: False)
+    monkeypatch.setattr(step, "cannot_reach", lambda *a: False)
     assert run() == fast
     orders = {o for _, o, _ in fast}
     assert orders == {1, 2, 3}, "the cases must exercise every order"
