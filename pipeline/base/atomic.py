@@ -44,11 +44,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         fh.write(text)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    with atomic_open(path, "wb") as fh:
-        fh.write(data)
-
-
 # Directories ---------------------------------------------------------------------------------
 def dir_mode() -> int:
     """The mode ``mkdir`` would give a new directory under the current umask."""

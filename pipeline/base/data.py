@@ -145,12 +145,6 @@ def local_files(cfg: DataConfig) -> LocalFiles | None:
     return LocalFiles(files, skipped, split)
 
 
-def resolve_files(spec: str) -> list[Path] | None:
-    """Local files named by ``spec`` (train split, de-duplicated), or None if ``spec`` is not local."""
-    found = local_files(DataConfig(data=spec))
-    return None if found is None else found.files
-
-
 def check_hub_reachable(cfg: DataConfig) -> None:
     """A streamed Hub dataset needs the Hub: say so at once (no ~25 s of retries)."""
     offline = offline_reason()

@@ -75,11 +75,6 @@ class LoraSpec:
     target_modules: tuple[str, ...] | None = None
 
 
-def read_model_type(base: str) -> str:
-    """The checkpoint's ``model_type``, read from its config before any weights are loaded."""
-    return read_config(*locate(resolve_base(str(base)))).model_type
-
-
 def read_config(base: str, hub_kwargs: dict | None = None):
     """The checkpoint's transformers config (``base`` and ``hub_kwargs`` from ``hub.locate``)."""
     from transformers import AutoConfig
