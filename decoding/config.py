@@ -6,11 +6,11 @@ from dataclasses import dataclass, field, replace
 
 from multitoken.base.errors import UsageError
 
-from .accept import typical_rule
-from .dynamo import KERNELS, numba_available
-from .tree import MAX_TREE_NODES, TREES
 
 MODES = ("ar", "dynamic", "speculative", "typical")
+KERNELS = ("auto", "dense", "numpy", "numba")  # how DynaMo's grids are built (dynamo/)
+TREES = ("chain", "static", "dynamic")
+MAX_TREE_NODES = 256
 DRAFTERS = ("auto", "independent", "cp", "joint")
 DYNAMO_PENALTY = 1.1  # DynaMo's repetition penalty (its sampling setting)
 
@@ -109,10 +109,8 @@ class DecodeConfig:
         if self.blur_kernel > MAX_BLUR_KERNEL:
             raise UsageError(f"--blur-kernel must be <= {MAX_BLUR_KERNEL}, got {self.blur_kernel}",
                              "DynaMo blurs with 3; a kernel wider than the grid only flattens it")
-        try:
-            typical_rule(self.typical_eps, self.typical_delta)  # its own bounds, stated once
-        except ValueError:
-            raise UsageError("typical acceptance needs 0 < --typical-eps <= 1 and --typical-delta > 0") from None
+        if not (0 < self.typical_eps <= 1 and self.typical_delta > 0):
+            raise UsageError("typical acceptance needs 0 < --typical-eps <= 1 and --typical-delta > 0")
         self._validate_tree()
         if self.mode == "dynamic" and n_heads is not None:
             order = min(self.order(n_heads), max_order or n_heads)
@@ -151,6 +149,28 @@ class DecodeConfig:
     def order(self, n_heads: int) -> int:
         """Tokens per forward at most: 1 in ar mode, else ``n`` (default every head)."""
         return 1 if self.mode == "ar" else (self.n or n_heads)
+
+
+def numba_available() -> bool:
+    """Whether the optional ``[fast]`` extra (numba) is installed, without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("numba") is not None
+
+
+def resolve_kernel(name: str) -> str:
+    """``--dynamic-kernel``: ``auto`` -> numba when installed, else numpy; the others as given."""
+    if name == "auto":
+        return "numba" if numba_available() else "numpy"
+    return name
+
+
+def stats_order_cap(cfg: DecodeConfig, n_heads: int, table, joint_drafter: bool) -> int | None:
+    """The stats' highest order when decoding would mask more positions than it holds (dynamic
+    or joint drafts, e.g. 4 heads with order-3 stats): only that many heads are read then."""
+    top = getattr(table, "max_order", None)  # a table with only .mask() masks any order
+    masks = top is not None and cfg.alpha_c > 0 and (cfg.mode == "dynamic" or joint_drafter)
+    return top if masks and cfg.order(n_heads) > top else None
 
 
 def check_context(n_prompt: int, max_new: int, context: int) -> None:

@@ -1,4 +1,5 @@
-"""What decoding reads of a model: the methods and attributes ``generate`` and the proposals use.
+"""What decoding reads of a model: every method and attribute the engine, the proposers and the
+verifiers use, and nothing else.
 
 Decoding stands below the pipeline (DESIGN.md floors), so it never imports the model class; any
 object with this shape decodes. ``multitoken.pipeline.MultiTokenModel`` is the one the package
@@ -7,60 +8,57 @@ ships (its ``step`` lives in ``pipeline/model/incremental.py``).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections import Counter
+from typing import Any, Callable, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
 @runtime_checkable
 class Caches(Protocol):
-    """KV caches of one decoding run (backbone + head layers)."""
+    """KV caches of one decoding run (backbone + head layers), rows on one slot axis."""
 
-    def crop(self, remove: int) -> None:
-        """Forget the last ``remove`` positions (rejected drafts)."""
+    length: int  # slots held (a step's tokens go after them)
+    valid: np.ndarray | None  # [B, length] bool: slot holds a token of the row (None: every slot, every row)
 
-    def keep(self, start: int, rows: list[int]) -> None:
-        """Keep positions [0, start) and ``start + rows`` (an accepted tree path), in order."""
-
-    def keep_paths(self, start: int, paths: list[list[int]]) -> None:
-        """Batched trees: row b keeps the step's slots ``start + paths[b]`` (its accepted path),
-        in order; its other slots of the step are forgotten."""
-
-    def crop_rows(self, remove: list[int]) -> None:
-        """Batched rows: forget row b's last ``remove[b]`` positions (right after the step)."""
+    def keep(self, start: int, slots: list[list[int]]) -> None:
+        """After a step fed from slot ``start``: row b keeps the step's slots ``start + slots[b]``
+        (its committed tokens and kept path, in order, from its first slot of the step), the
+        others of the step are forgotten."""
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Batched rows: keep only these batch rows (finished rows leave)."""
-
-    def compact_if_sparse(self) -> None:
-        """Batched rows: drop masked slots when they dominate (an optimisation, never required)."""
+        """Keep only these batch rows (finished rows leave)."""
 
 
 @runtime_checkable
 class StepResult(Protocol):
-    """One forward pass over the new tokens; distributions are computed on demand."""
+    """One forward pass over the new tokens [B, T]; distributions are computed on demand."""
 
     first: int  # the first position with logits
-    model_s: float  # seconds spent in model computations (counted as model time)
+    model_s: float  # seconds spent in model computations since the pass (lazy unembeddings, heads)
+    unembed_rows: Counter  # rows per unembedding call made for this pass -> calls
+    hiddens: dict[int, torch.Tensor]  # layer heads' states [B, T, H] (their logits come unembedded on demand)
+    feats: Any  # ``.base`` [B, T, H]: the heads' input (CP's sequential drafts condition on it)
 
     def base_logits(self) -> torch.Tensor:
         """Base (head 1) logits after positions first..T-1 # [B, T - first, V]."""
 
-    def base_log_probs(self) -> torch.Tensor:
-        """Base log-distribution # [B, T - first, V] float32."""
+    def at(self, x: torch.Tensor, anchors: tuple[int, ...]) -> torch.Tensor:
+        """Row b of ``x`` [B, T, ...] at position anchors[b] # -> [B, 1, ...]."""
 
-    def head_log_probs(self, index: int, pos: int) -> torch.Tensor:
-        """Head ``index``'s log-distribution at position ``pos`` # [B, V] float32."""
+    def anchor_head_logits(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
+        """Layer head ``index``'s logits at each row's anchor # [B, V]."""
 
-    def anchor_hidden(self, pos: int) -> torch.Tensor:
-        """The heads' input at ``pos`` # [B, H] (CP's sequential drafts condition on it)."""
+    def anchor_head_log_probs(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
+        """Head ``index``'s log-distribution at each row's anchor # [B, V] float32."""
 
 
 @runtime_checkable
 class Backbone(Protocol):
     tokenizer: Any  # decode ids to text, eos
     config: Any  # transformers config: max_position_embeddings, eos_token_id
-    causal_lm: Any  # its generation_config supplies sampling defaults
+    causal_lm: Any  # its generation_config supplies the end-of-sequence ids
 
     @property
     def device(self) -> torch.device: ...
@@ -71,10 +69,11 @@ class Backbone(Protocol):
 
 @runtime_checkable
 class DecodingModel(Protocol):
-    """A base model with multi-token heads, as ``generate`` drives it."""
+    """A base model with multi-token heads, as the engine drives it."""
 
     backbone: Backbone
     heads: Any  # a HeadAdapter: ``config.head_type``, ``supports_sequential_drafts`` (then ``conditional_log_probs``)
+    heads_dir: Any  # where the heads came from (a static tree reads its per-rank accuracies there), or None
 
     @property
     def n_future(self) -> int: ...
@@ -84,8 +83,10 @@ class DecodingModel(Protocol):
 
     def step(self, new_ids: torch.Tensor, caches: Caches, heads_upto: int | None = None,
              read_from: int = 0, lengths: list[int] | None = None,
-             attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepResult:
+             attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+             clock: Callable[[], float] | None = None) -> StepResult:
         """Feed ``new_ids`` # [B, T_new] (row b's last ``lengths[b]`` are its tokens, the rest
         pads; None: all); extend ``caches``; return the pass's outputs. ``attend`` [T_new, T_new]
         bool / ``offsets`` [T_new]: tree mask and depths (None: causal); [B, T_new, T_new] /
-        [B, T_new]: one tree per row, its nodes its last ``lengths[b]`` slots."""
+        [B, T_new]: one tree per row, its nodes its last ``lengths[b]`` slots. ``clock`` times
+        the output's lazy computations (model time)."""

@@ -1,9 +1,29 @@
-"""What one decoding call reports besides its tokens."""
+"""What one decoding call reports besides its tokens, and the clock its model / logic split reads.
+
+On an accelerator work is queued, so a bare ``perf_counter`` around a forward pass measures the
+launch, not the work: a profiling run synchronises the device at every clock reading (which
+itself costs time, so only when asked).
+"""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+
+def clock_for(device: torch.device, synchronise: bool) -> Callable[[], float]:
+    """``perf_counter``, after waiting for ``device``'s queued work when ``synchronise`` and the
+    device queues work (CUDA); the CPU and ``meta`` run eagerly: nothing to wait for."""
+    if synchronise and device.type == "cuda":
+        def clock() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return clock
+    return time.perf_counter
 
 
 @dataclass
@@ -28,7 +48,7 @@ class Trace:
     tree_nodes: int = 0  # tree: candidates per step besides the committed token (the budget)
     tree_accuracies: str = ""  # static tree: where its per-rank accuracies came from (a file, or the fallback prior)
     tree_sibling_ranks: Counter = field(default_factory=Counter)  # tree: kept node's index among its siblings -> count
-    batch_size: int = 1  # rows decoded together (decoding.batch): passes and model time are shared by them
+    batch_size: int = 1  # rows decoded together (one batch): passes and model time are shared by them
 
     @property
     def tokens_per_forward(self) -> float:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from bench_common import PROMPTS, best_of, load, open_table
-from multitoken.decoding.batch import generate_batch
+from multitoken.decoding.engine import generate_batch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.embedded import DEFAULT_BASE
 

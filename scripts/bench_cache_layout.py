@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from multitoken.decoding.batch import generate_batch
+from multitoken.decoding.engine import generate_batch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model import model as model_module

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
 from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, PACKED
 from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
@@ -312,7 +312,7 @@ def bench_logic(args) -> dict:
     def forward_one():
         out = model.step(nxt, caches)
         out.head_log_probs(0, 0)
-        caches.crop(1)
+        caches.keep(128, [[]])
 
     out = {"forward_ms_pythia70m_shape_1_token_ctx128": round(median_ms(forward_one, 30), 3),
            "targets_ms": {"embedded_n3_dynamic_propose": 0.3, "big_table_n3_dynamic_propose": 1.5}}

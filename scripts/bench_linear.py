@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate
 from multitoken.pipeline.model import cpu_linear
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel

@@ -126,7 +126,7 @@ def train(model, data: dict, cfg: FastTrainConfig, log=print) -> dict:
 def accuracy(model, data: dict, batch_rows: int = 16) -> dict:
     """Every head's top-1 / top-5 (full vocabulary) on a tapped corpus, head 1 included, and
     the draft heads' accuracy per rank of their guesses (``rank_accuracy.json``'s record)."""
-    from multitoken.decoding.tree import MAX_RANKS, accuracy_record
+    from multitoken.decoding.trees import MAX_RANKS, accuracy_record
 
     W = model.backbone.unembedding.weight.detach().float()
     n = model.n_future

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from multitoken.decoding.dynamo import sparse, step
-from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.dynamo import dynamic_propose, outer, prepare_kernel, repetition_cells, sample_index, top_candidates
+from multitoken.decoding.config import DecodeConfig, numba_available
+from multitoken.decoding.dynamo import dynamic_step, outer, prepare_kernel, repetition_cells, sample_index, top_candidates
 
 
 def recorded_steps(model, table, prompts: list[list[int]], max_new: int) -> list[tuple[list[torch.Tensor], np.ndarray]]:
@@ -117,7 +117,7 @@ def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int)
             for name, a, b in zip(stages, t[:-1], t[1:]):
                 stages[name].append(b - a)
             start = time.perf_counter()
-            dynamic_propose(logps[:n], replace(cfg, dynamic_kernel=kernel), table, seen, rng)
+            dynamic_step(logps[:n], replace(cfg, dynamic_kernel=kernel), table, seen, rng)
             stages["dynamic_propose"].append(time.perf_counter() - start)
     out = {name: _median_ms(v) for name, v in stages.items()}
     out["stages_sum"] = round(sum(out[s] for s in list(stages)[:-1]), 4)
@@ -135,7 +135,7 @@ def machine() -> dict:
         pass
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": list(os.getloadavg()),
             "numba": None}
-    if sparse.numba_available():
+    if numba_available():
         import numba
 
         info["numba"] = numba.__version__
@@ -145,7 +145,7 @@ def machine() -> dict:
 
 def bench_stages(steps_by_n: dict, table, reps: int, eps_values=(0.0, 0.5)) -> dict:
     """Every kernel x order x eps_b; numba's compile / cache load timed first, apart."""
-    kernels = ["dense", "numpy"] + (["numba"] if sparse.numba_available() else [])
+    kernels = ["dense", "numpy"] + (["numba"] if numba_available() else [])
     out = {"machine": machine(), "stats": str(table.path), "distinct": table.meta["distinct"]}
     if "numba" in kernels:
         start = time.perf_counter()

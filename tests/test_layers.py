@@ -92,7 +92,7 @@ GRAPH = {name: imports(name, path, set(MODULES)) for name, path in MODULES.items
 
 def test_the_walk_sees_every_package():
     assert {"multitoken.base.errors", "multitoken.adapters.registry", "multitoken.stats.table",
-            "multitoken.decoding.loop", "multitoken.pipeline.model.model", "multitoken.pipeline.cli"} <= set(MODULES)
+            "multitoken.decoding.engine", "multitoken.pipeline.model.model", "multitoken.pipeline.cli"} <= set(MODULES)
     assert sum(len(edges) for edges in GRAPH.values()) > 100  # the walk finds imports at all
 
 
@@ -146,8 +146,31 @@ def test_no_import_cycle():
             visit(name, [name])
 
 
+def import_chain(package: str) -> tuple[str, ...]:
+    """The longest chain of module-level imports among ``package``'s modules (the package
+    itself included: importing it runs its ``__init__``)."""
+    inside = {m for m in MODULES if m == package or m.startswith(package + ".")}
+    edges = {m: sorted({t for t, _, lazy, _ in GRAPH[m] if t in inside and not lazy}) for m in inside}
+    longest: dict[str, tuple[str, ...]] = {}
+
+    def walk(m: str) -> tuple[str, ...]:
+        if m not in longest:
+            longest[m] = max(((m,) + walk(n) for n in edges[m]), key=len, default=(m,))
+        return longest[m]
+    return max((walk(m) for m in inside), key=len)
+
+
+def test_decoding_imports_stay_shallow():
+    """One engine over a few narrow pieces: no chain of imports inside decoding/ is longer than
+    five modules (the package, the engine, a proposer, DynaMo's step, the config)."""
+    chain = import_chain("multitoken.decoding")
+    assert len(chain) <= 5, " -> ".join(chain)
+    files = [p for p in (REPO / "decoding").rglob("*.py")]
+    assert len(files) <= 16, sorted(str(p.relative_to(REPO)) for p in files)
+
+
 def test_the_checker_catches_an_upward_import():
-    assert floor("multitoken.pipeline.model.backbone") > floor("multitoken.decoding.loop")
+    assert floor("multitoken.pipeline.model.backbone") > floor("multitoken.decoding.engine")
     assert floor("multitoken.base.errors") < floor("multitoken.adapters.registry")
     assert floor("multitoken.pipeline") == floor("multitoken.pipeline.cli")
 

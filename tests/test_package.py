@@ -102,5 +102,5 @@ def test_public_names_where_users_look(tmp_path):
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "False"
     assert lines[1] == str(["cp", "medusa", "replicated", "whs"]) + " " + str(["cp", "medusa", "replicated", "whs"])
-    assert lines[2].split() == ["multitoken.stats.table", "multitoken.decoding.batch",  # generate: one prompt or a batch
+    assert lines[2].split() == ["multitoken.stats.table", "multitoken.decoding.engine",  # generate: one prompt or a batch
                                 "multitoken.pipeline.model.model", "multitoken.pipeline.model.assets"]

@@ -9,7 +9,6 @@ co-occurrence mask, static + adaptive (blur + Otsu) thresholds, repetition penal
   (importing this package does not import numba).
 """
 
-from .sparse import KERNELS, numba_available
 from .step import (
     MIN_VOCAB,
     Candidates,
@@ -17,6 +16,7 @@ from .step import (
     DynamicChoice,
     always_backs_off,
     dynamic_propose,
+    dynamic_step,
     exact_topk,
     gaussian_blur,
     head_candidates,
@@ -32,8 +32,8 @@ from .step import (
 )
 
 __all__ = [
-    "KERNELS", "MIN_VOCAB", "Candidates", "Cells", "DynamicChoice", "always_backs_off", "dynamic_propose",
+    "MIN_VOCAB", "Candidates", "Cells", "DynamicChoice", "always_backs_off", "dynamic_propose", "dynamic_step",
     "exact_topk", "gaussian_blur", "head_candidates", "heads_needed", "joint_cells", "joint_grid",
-    "numba_available", "otsu_keep", "outer", "prepare_kernel", "repetition_cells", "sample_index",
+    "otsu_keep", "outer", "prepare_kernel", "repetition_cells", "sample_index",
     "top_candidates",
 ]

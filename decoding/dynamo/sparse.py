@@ -29,25 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
-KERNELS = ("auto", "dense", "numpy", "numba")
 SCAN_FACTOR = 8  # scan a prefix's row when it holds <= 8 keys per candidate, else probe k times
 DENSE_PAIRS = 1 << 20  # two-token prefixes get a dense block map up to a 1024-token vocabulary (8 MB)
 _HALF, _QUARTER = np.float32(0.5), np.float32(0.25)
-
-
-def numba_available() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def resolve_kernel(name: str) -> str:
-    """``auto`` -> numba when installed, else numpy; ``dense`` / ``numpy`` / ``numba`` as given."""
-    if name == "auto":
-        return "numba" if numba_available() else "numpy"
-    return name
 
 
 def applies(cands, cfg, table) -> bool:

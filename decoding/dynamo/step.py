@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .sparse import applies, layout, live_cells, masked_values, resolve_kernel, seen_cells
+from ..config import resolve_kernel
+from .sparse import applies, layout, live_cells, masked_values, seen_cells
 
 
 @dataclass
@@ -344,25 +345,17 @@ def heads_needed(cfg, n: int) -> int:
     return 1 if always_backs_off(cfg) else n
 
 
-def dynamic_propose(head_scores, cfg, table, seen: np.ndarray, rng, candidates: list[Candidates] | None = None) -> DynamicChoice:
+def dynamic_propose(candidates: list[Candidates], n: int, cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
     """Alg. 1: try order n, n-1, ..., 2 and fall back to top-k sampling of head 1.
 
-    head_scores: n x [V] scores at the anchor position (head i predicts t+i): log-probs or raw
-    logits (only their top-k is read), a list or a lazy sequence (``loop.HeadScores``); only the
-    heads the step reads are stacked, and their top-k cross to the host in one transfer.
-    ``rng`` None = greedy (argmax cell). ``candidates``: the top-k of the first heads, already
-    read (batched decoding reads every row's in one transfer); only later heads are read here.
+    ``candidates``: the top-k (at the temperature) of the heads the step reads at the anchor
+    (head i predicts t+i): all n of them, or only head 1's when every order backs off unread
+    (``heads_needed``), read for every row of a batch in one transfer (``head_candidates``).
+    ``seen`` [V] bool: the context (repetition penalty); ``rng`` None = greedy (argmax cell).
     """
-    temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-    n = len(head_scores)
-    k = min(cfg.top_k, head_scores[0].shape[-1])
-    cache: list[Candidates] = list(candidates or ())
-
-    def cand(head: int) -> Candidates:
-        if head >= len(cache):  # the missing heads the step will read, in one batch
-            rows = torch.stack([head_scores[h] for h in range(len(cache), max(head + 1, heads_needed(cfg, n)))])
-            cache.extend(head_candidates(rows, k, temperature))  # [m, V] -> m x [k]
-        return cache[head]
+    if len(candidates) < heads_needed(cfg, n):
+        raise ValueError(f"dynamic_propose reads {heads_needed(cfg, n)} heads' candidates, got {len(candidates)}")
+    cand = candidates.__getitem__
 
     backed_off, kernels = [], []
     for order in range(n, 1, -1):
@@ -379,3 +372,12 @@ def dynamic_propose(head_scores, cfg, table, seen: np.ndarray, rng, candidates: 
     first = cand(0)
     probs = np.where(seen[first.ids], first.probs / cfg.penalty, first.probs)
     return DynamicChoice([int(first.ids[sample_index(probs, rng)])], 1, backed_off, kernels)
+
+
+def dynamic_step(scores, cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
+    """``dynamic_propose`` from the n heads' scores at the anchor # n x [V] (log-probs or raw
+    logits: only their top-k is read), the heads it reads stacked and read in one transfer."""
+    n = len(scores)
+    k = min(cfg.top_k, scores[0].shape[-1])
+    rows = torch.stack([scores[h] for h in range(heads_needed(cfg, n))])  # [m, V]
+    return dynamic_propose(head_candidates(rows, k, cfg.temperature if cfg.temperature > 0 else 1.0), n, cfg, table, seen, rng)

@@ -48,7 +48,7 @@ def run(args) -> None:
 
 
 def _run(cfg, bb_cfg, data_cfg) -> None:
-    from multitoken.decoding.tree import ACCURACY_FILE  # lazy: torch
+    from multitoken.decoding.trees import ACCURACY_FILE  # lazy: torch
     from multitoken.pipeline.eval.evaluate import evaluate  # lazy: torch
     from multitoken.pipeline.model.assets import default_stats, load_model  # lazy: torch
 
@@ -82,7 +82,7 @@ def _write_beside_heads(heads: str, record: dict) -> None:
     """rank_accuracy.json into the heads dir, added to its record (a previous one its record
     lists is replaced: it is derived data; the heads dir's other files stay listed), or one line
     saying why not (a read-only install of the embedded heads, a file multitoken did not write)."""
-    from multitoken.decoding.tree import ACCURACY_FILE  # lazy: torch
+    from multitoken.decoding.trees import ACCURACY_FILE  # lazy: torch
 
     path = Path(heads) / ACCURACY_FILE
     try:

@@ -69,8 +69,8 @@ def _table(cfg: GenerateConfig, decode, stats: str | None, tokenizer):
 
 def _note_order_cap(decode, model, table) -> None:
     """One line on stderr when the stats' order caps the heads read (recorded in the trace too)."""
-    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
-    from multitoken.decoding.proposal import joint_drafts, pick_drafter  # lazy: torch
+    from multitoken.decoding.config import stats_order_cap  # lazy: torch
+    from multitoken.decoding.drafts import joint_drafts, pick_drafter  # lazy: torch
 
     speculative = decode.mode in ("speculative", "typical")
     # a tree reads every head (its candidates are the heads' own guesses, not the joint's)
@@ -107,8 +107,8 @@ class _Streamer:
 
 
 def run(args) -> None:
-    from multitoken.decoding.config import DecodeConfig, check_context  # lazy: torch
-    from multitoken.decoding.loop import generate, stats_order_cap  # lazy: torch
+    from multitoken.decoding.config import DecodeConfig, check_context, stats_order_cap  # lazy: torch
+    from multitoken.decoding.engine import generate  # lazy: torch
 
     from multitoken.pipeline.model.assets import backbone_config  # lazy: torch
 
@@ -173,9 +173,8 @@ def run_file(args, cfg: GenerateConfig, decode, base_cfg: BackboneConfig) -> Non
 
 
 def _generate_file(cfg: GenerateConfig, decode, base_cfg: BackboneConfig, texts: list[str]) -> None:
-    from multitoken.decoding.batch import generate_batch  # lazy: torch
-    from multitoken.decoding.config import check_context  # lazy: torch
-    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
+    from multitoken.decoding.engine import generate_batch  # lazy: torch
+    from multitoken.decoding.config import check_context, stats_order_cap  # lazy: torch
 
     model, heads = _load(cfg, base_cfg)
     stats = cfg.stats or shipped(base_cfg.base, 1)

@@ -77,7 +77,7 @@ def _run(cfg, bb_cfg) -> None:
 
 def _check_points(cfg, grid: list[float], model, table) -> None:
     """Every point's decoding settings against the model (top-k, the k^n grid), before any run."""
-    from multitoken.decoding.loop import stats_order_cap  # lazy: torch
+    from multitoken.decoding.config import stats_order_cap  # lazy: torch
     from multitoken.pipeline.eval.sweep import decode_configs  # lazy: torch
 
     ar, points = decode_configs(cfg, grid)

@@ -25,7 +25,6 @@ import math
 
 import numpy as np
 import torch
-from multitoken.decoding.batch import HeadWidth
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.dynamo import Candidates, dynamic_propose, head_candidates
 
@@ -91,7 +90,7 @@ class DynamicPPL:
         while t < last:
             n = min(self.n, last - t)
             at = [cands[i][t] for i in range(n)]
-            m = dynamic_propose(HeadWidth(n, self.vocab), cfg, self.table, seen, None, candidates=at).order if n > 1 else 1
+            m = dynamic_propose(at, n, cfg, self.table, seen, None).order if n > 1 else 1
             acc[0] -= float(sum(ref[i][t] for i in range(m)))
             acc[1] += m
             acc[2] += 1

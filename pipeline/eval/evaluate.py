@@ -28,8 +28,8 @@ from multitoken.pipeline.eval.marginal import marginal_second_token
 from multitoken.pipeline.eval.speedup import draft_cost_ratio, theory_from_tokens
 from multitoken.pipeline.model.assets import load_stats
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import stats_order_cap
-from multitoken.decoding.tree import MAX_RANKS as RANKS, accuracy_record
+from multitoken.decoding.config import stats_order_cap
+from multitoken.decoding.trees import MAX_RANKS as RANKS, accuracy_record
 
 PARTS = ("ppl", "dynamic", "marginal", "lens")
 DEFAULT_PARTS = PARTS

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from multitoken.adapters.base import HeadAdapter
-from multitoken.decoding.tree import MAX_RANKS as RANKS
+from multitoken.decoding.trees import MAX_RANKS as RANKS
 
 
 @dataclass

@@ -16,7 +16,7 @@ speed-up of a run is ar's seconds per token over the point's, on the same prompt
 points' order rotates from one prompt x seed to the next, so no point always runs first after ar);
 the CPU-time speed-up (process time, one thread by default) is the same ratio measured in a
 way other processes on a shared machine cannot inflate. ``--batch-size B`` decodes B prompt x
-seed runs of a point together (``decoding.batch``): every run's tokens, hence every quality
+seed runs of a point together (``decoding.engine``): every run's tokens, hence every quality
 figure and tokens per forward, are those of the one-at-a-time sweep; the timings are then the
 batch's (seconds per token = the batch's time over its tokens, the same for its runs), ar's
 batched the same way.
@@ -40,9 +40,8 @@ import torch
 
 from multitoken.pipeline.eval import metrics as M
 from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
-from multitoken.decoding.batch import generate_batch
 from multitoken.decoding.config import DYNAMO_PENALTY, DecodeConfig
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate, generate_batch
 from multitoken.base.config_io import expand_range, nested
 from multitoken.base.data import json_kind
 from multitoken.base.errors import DataError, UsageError

@@ -25,8 +25,7 @@ import torch
 
 from multitoken.base.errors import UsageError
 from multitoken.base.tokenizer import load_tokenizer
-from multitoken.decoding.batch import generate as generate_rows, prompt_rows
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate_batch, prompt_rows
 from multitoken.decoding.config import DecodeConfig
 from multitoken.pipeline.model.assets import load_stats
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
@@ -58,7 +57,7 @@ def with_heads(heads: str, stats: str | None = None, **decode) -> callable:
                              "drop those generation options, or decode with transformers' own generate")
         cfg = _decode_config(generation_config, decode, input_ids.shape[1])
         rows = prompt_rows(input_ids, model_kwargs.get("attention_mask"))
-        results = generate_rows(mt, rows, cfg, table=table) if len(rows) > 1 else [_one(mt, rows[0], cfg, table)]
+        results = generate_batch(mt, rows, cfg, table=table)
         return _sequences(input_ids, [r.token_ids for r in results], generation_config)
 
     return multitoken_generate
@@ -72,10 +71,6 @@ def _attach(model, heads: str, stats: str | None):
                         BackboneConfig(base=name, dtype=dtype, device=str(model.device), cpu_linear=STOCK))
     mt = MultiTokenModel.from_pretrained(backbone, heads)
     return mt, load_stats(stats, backbone.tokenizer)
-
-
-def _one(mt, row: list[int], cfg: DecodeConfig, table):
-    return generate(mt, torch.tensor([row]), cfg, table=table)
 
 
 def _decode_config(gc, decode: dict, prompt_len: int) -> DecodeConfig:

@@ -6,11 +6,12 @@ extends its own cache. Every cache always covers the same positions, so one ``La
 (mask, positions, rotary) serves all of them, and cropping removes the same suffix everywhere.
 Everything goes through ``Backbone.run_layer`` / ``layer_context``: no patched transformers code.
 
-Batches (``decoding.batch``): rows of different lengths share the slot axis; ``DecodeCaches.valid``
+Batches (``decoding.engine``): rows of different lengths share the slot axis; ``DecodeCaches.valid``
 marks per row which slots hold its tokens (None: every slot, every row: the batch-1 fast path).
 ``pipeline/model/ragged.py`` explains the layout and why holes are masked, not compacted per step.
-Batched trees: ``step`` takes a tree per row (``attend`` [B, T, T], ``offsets`` [B, T]) and
-``DecodeCaches.keep_paths`` keeps each row's accepted path, the rest of its step becoming holes.
+Batched trees: ``step`` takes a tree per row (``attend`` [B, T, T], ``offsets`` [B, T]).
+After a step ``DecodeCaches.keep`` keeps each row's accepted slots (the rest of its step become
+holes, or are cropped), ``keep_rows`` the rows still decoding: all decoding asks of the caches.
 """
 
 from __future__ import annotations
@@ -48,7 +49,22 @@ class DecodeCaches:
     valid: np.ndarray | None = None  # [B, length] bool, host: slot holds a token of the row (None: all)
     compactions: int = 0  # gathers done (``ragged.should_compact``)
 
-    def crop(self, remove: int) -> None:
+    def keep(self, start: int, slots: list[list[int]]) -> None:
+        """The one primitive decoding uses after a step: row b keeps the step's slots
+        ``start + slots[b]`` (its committed tokens and its kept path, in order, from its first
+        slot of the step) and forgets its other slots there. One row without holes: a prefix is
+        cropped, a tree path compacted in place; several rows: a prefix is kept by masking the
+        rest (holes), other paths are gathered to the front of the step."""
+        if len(slots) == 1 and self.valid is None:
+            return self._keep_path(start, slots[0])
+        width = self.length - start
+        if all(s == list(range(s[0], s[0] + len(s))) for s in slots):
+            self._crop_rows([width - 1 - s[-1] for s in slots])
+        else:
+            self._keep_paths(start, slots)
+        self._compact_if_sparse()
+
+    def _crop(self, remove: int) -> None:
         """Drop the last ``remove`` positions (rejected drafts) from every cache."""
         if remove <= 0:
             return
@@ -63,17 +79,17 @@ class DecodeCaches:
         """Tokens held per row (its next position)."""
         return [self.length] * rows if self.valid is None else self.valid.sum(1).tolist()
 
-    def crop_rows(self, remove: list[int]) -> None:
+    def _crop_rows(self, remove: list[int]) -> None:
         """Forget the last ``remove[b]`` slots of row b (its rejected drafts, right after the step
         that fed them): the suffix every row drops is cropped, the rest become holes."""
         if len(set(remove)) == 1 and self.valid is None:
-            return self.crop(remove[0])
+            return self._crop(remove[0])
         valid = self._valid_array(len(remove))
         for row, r in enumerate(remove):
             if r > 0:
                 valid[row, self.length - r:] = False
         self.valid = valid
-        self.crop(ragged.trailing_holes(valid))
+        self._crop(ragged.trailing_holes(valid))
         self._settle()
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -90,8 +106,9 @@ class DecodeCaches:
                     ragged.map_layers(cache, lambda x: x[:, :, lead:])
                 self.valid, self.length = self.valid[:, lead:], self.length - lead
             self._settle()
+        self._compact_if_sparse()
 
-    def compact_if_sparse(self) -> None:
+    def _compact_if_sparse(self) -> None:
         """Gather every row's tokens to the end of a slot axis as long as the longest row, when
         holes have made it much longer (``ragged.should_compact``)."""
         if self.valid is None or not ragged.should_compact(self.valid):
@@ -114,13 +131,13 @@ class DecodeCaches:
             self.valid = None
 
     @torch.no_grad()
-    def keep(self, start: int, rows: list[int]) -> None:
-        """Keep positions [0, start) and ``start + rows`` (in that order) in every cache, forget
-        the rest (tree verification: the accepted path's slots, compacted in place). ``rows``
-        index the tokens fed after ``start``; a prefix 0..m-1 is a plain crop."""
+    def _keep_path(self, start: int, rows: list[int]) -> None:
+        """One row without holes: keep positions [0, start) and ``start + rows`` (in that order)
+        in every cache, forget the rest (a tree's accepted path, compacted in place); a prefix
+        0..m-1 is a plain crop."""
         m = len(rows)
         if rows == list(range(m)):
-            self.crop(self.length - start - m)
+            self._crop(self.length - start - m)
             return
         index = torch.tensor(rows, dtype=torch.long) + start  # [m]
         for cache in (self.backbone, *self.heads):
@@ -135,13 +152,11 @@ class DecodeCaches:
         self.length = start + m
 
     @torch.no_grad()
-    def keep_paths(self, start: int, paths: list[list[int]]) -> None:
+    def _keep_paths(self, start: int, paths: list[list[int]]) -> None:
         """Batched trees: row b keeps the step's slots ``start + paths[b]`` (its accepted path,
         in order) as its first ``len(paths[b])`` slots after ``start``; its other slots there
         become holes, and the suffix that is a hole in every row is cropped. One gather over
         the step's slots per cache layer, right after the step that fed them."""
-        if len(paths) == 1 and self.valid is None:
-            return self.keep(start, paths[0])
         index, kept = ragged.path_index(paths)  # [B, M], [B, M]
         width = index.shape[1]
         for cache in (self.backbone, *self.heads):
@@ -197,10 +212,9 @@ class StepOutput:
     profiling); ``unembed_rows`` counts rows per call made here (one-position heads, Medusa and
     CP, unembed their single row inside the adapter, per head or per CP expert: not counted)."""
 
-    clock = staticmethod(time.perf_counter)
-
-    def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor], first: int = 0):
+    def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor], first: int = 0, clock=None):
         self.model = model
+        self.clock = clock or time.perf_counter  # the decoder's (it synchronises an accelerator when profiling)
         self.feats = feats
         self.hiddens = hiddens  # head index -> [B, T, H] normalised (layer heads only)
         self.first = first  # positions before it are never read: no logits for them (a prompt's)
@@ -286,7 +300,7 @@ class StepOutput:
         return self.feats.base[:, pos]
 
     # Batched decoding: every row reads its heads at its own anchor --------------------------
-    def _at(self, x: torch.Tensor, anchors: tuple[int, ...]) -> torch.Tensor:
+    def at(self, x: torch.Tensor, anchors: tuple[int, ...]) -> torch.Tensor:
         """Row b of ``x`` [B, T, ...] at position anchors[b] # -> [B, 1, ...]."""
         if len(set(anchors)) == 1:
             return x[:, anchors[0]:anchors[0] + 1]
@@ -301,7 +315,7 @@ class StepOutput:
         key = ("logits", anchors)
         if key not in self._head_logits:
             heads = sorted(self.hiddens)
-            logits = self._unembed(torch.cat([self._at(self.hiddens[i], anchors) for i in heads], dim=1))  # [B, L, V]
+            logits = self._unembed(torch.cat([self.at(self.hiddens[i], anchors) for i in heads], dim=1))  # [B, L, V]
             self._head_logits[key] = {i: logits[:, j] for j, i in enumerate(heads)}
         return self._head_logits[key][index]
 
@@ -309,7 +323,7 @@ class StepOutput:
         """``head_log_probs`` with each row at its own anchor # [B, V] float32."""
         if index == 0 and index not in self.hiddens:
             base = self.base_log_probs()
-            return self._at(base, tuple(a - self.first for a in anchors))[:, 0]
+            return self.at(base, tuple(a - self.first for a in anchors))[:, 0]
         if index in self.hiddens:
             logits = self.anchor_head_logits(index, anchors)
         start = self.clock()
@@ -317,7 +331,7 @@ class StepOutput:
             out = torch.log_softmax(logits.float(), dim=-1)
         else:  # one-position heads: every row's anchor in one call
             f = self.feats
-            sliced = Features(self._at(f.trunk, anchors), self._at(f.base, anchors), (), f.ctx)
+            sliced = Features(self.at(f.trunk, anchors), self.at(f.base, anchors), (), f.ctx)
             out = self.model.heads.log_probs(index, sliced)[:, 0]
         self.model_s += self.clock() - start
         return out
@@ -374,7 +388,7 @@ def _run_layers(model, hidden: torch.Tensor, ctx, caches: DecodeCaches, heads_up
 @torch.no_grad()
 def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
          read_from: int = 0, lengths: list[int] | None = None, attend: torch.Tensor | None = None,
-         offsets: torch.Tensor | None = None) -> StepOutput:
+         offsets: torch.Tensor | None = None, clock=None) -> StepOutput:
     """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
     ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
     layer runs); a run must use the same value throughout, its head caches cover those heads only.
@@ -400,4 +414,4 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
         new_valid = ragged.step_valid(lengths or [new_ids.shape[1]] * new_ids.shape[0], new_ids.shape[1])
         caches.valid = np.concatenate([caches._valid_array(new_ids.shape[0]), new_valid], axis=1)
     caches.length += new_ids.shape[1]
-    return StepOutput(model, feats, hiddens, first=read_from)
+    return StepOutput(model, feats, hiddens, first=read_from, clock=clock)

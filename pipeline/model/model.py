@@ -32,6 +32,8 @@ class MultiTokenModel(nn.Module):
     optimizers and never saved by ``save_heads``. ``heads`` holds only the new head weights.
     """
 
+    heads_dir: str | None = None  # set when loaded from a heads dir (decoding reads its per-rank accuracies)
+
     def __init__(self, backbone: Backbone, heads: nn.Module, loss_chunk: int = DEFAULT_CHUNK):
         super().__init__()
         self.backbone = backbone
@@ -172,16 +174,17 @@ class MultiTokenModel(nn.Module):
 
     def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0,
              lengths: list[int] | None = None, attend: torch.Tensor | None = None,
-             offsets: torch.Tensor | None = None):
+             offsets: torch.Tensor | None = None, clock=None):
         """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
         returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
-        ``caches.crop(m)`` drops the last m positions (rejected drafts), ``caches.keep(start,
-        rows)`` keeps an accepted tree path (``keep_paths``: one per row); ``heads_upto`` skips
+        ``caches.keep(start, slots)`` keeps each row's accepted slots of the step, ``keep_rows``
+        the rows still decoding; ``heads_upto`` skips
         the layers of heads a run never reads; ``read_from`` skips the logits of earlier
         positions; ``lengths``: real tokens per row, right-aligned in ``new_ids`` (batched rows;
         None: all); ``attend`` / ``offsets``: an explicit mask among the new tokens and their
-        positions (a candidate tree: [T, T] / [T] for batch size 1, [B, T, T] / [B, T] per row)."""
-        return step(self, new_ids, caches, heads_upto, read_from, lengths, attend, offsets)
+        positions (a candidate tree: [T, T] / [T] for batch size 1, [B, T, T] / [B, T] per row);
+        ``clock``: what the output's lazy unembeddings time themselves with (model time)."""
+        return step(self, new_ids, caches, heads_upto, read_from, lengths, attend, offsets, clock)
 
 
 def _any_grad(*modules: nn.Module) -> bool:

@@ -79,7 +79,7 @@ def measured_alpha(accepted: dict[int, int], g: int) -> dict:
 
 def main(argv=None) -> dict:
     from multitoken.decoding import DecodeConfig
-    from multitoken.decoding.tree import Accuracies, best_first, expected_accepted
+    from multitoken.decoding.trees import Accuracies, best_first, expected_accepted
     from multitoken.pipeline.eval import metrics as M
     from multitoken.pipeline.eval.speedup import draft_cost_ratio, expected_tokens, walltime_improvement
     from multitoken.pipeline.model.assets import load_model

@@ -10,10 +10,10 @@ from scipy.stats import chisquare
 
 from multitoken.decoding.dynamo import step as dynamo_step
 from multitoken.decoding import generate as generate_any
-from multitoken.decoding.batch import generate_batch
+from multitoken.decoding.engine import generate_batch
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
-from multitoken.decoding.proposal import Drafts, independent_drafts
+from multitoken.decoding.engine import generate
+from multitoken.decoding.drafts import Drafts, independent_drafts
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 
 from .conftest import RatioTable, attach
@@ -76,14 +76,14 @@ def test_rows_accepting_everything_nothing_and_some_in_one_batch(tiny_backbones,
 
     produced = {0: [], 1: [], 2: []}  # tokens final so far per row (on_tokens)
 
-    def drafter(out, anchor, first, g, run):
-        row = run.cfg.seed  # the seeds name the rows here
+    def drafter(heads, first, g, row_, run):
+        row = row_.cfg.seed  # the seeds name the rows here
         if row == 0:  # ``first`` is the token after the ones produced so far
             done = len(produced[0])
             return Drafts(torch.tensor(refs[0][done + 1: done + 1 + g]), None)
         if row == 1:
             return Drafts(torch.full((g,), never), None)
-        return independent_drafts(out, anchor, first, g, run)
+        return independent_drafts(heads, first, g, row_, run)
 
     got = generate_batch(model, prompts, DecodeConfig(mode="speculative", greedy=True, max_new_tokens=18, stop_at_eos=False),
                          seeds=[0, 1, 2], drafter=drafter, on_tokens=lambda row, tokens: produced[row].extend(tokens))
@@ -198,7 +198,7 @@ def test_ragged_caches_equal_each_row_recomputed_alone(tiny_backbones, arch, hea
     drafts, a row leaving, optionally compaction: every row's heads at every real position of
     a step equal a full pass over that row's own tokens."""
     from multitoken.pipeline.model import ragged
-    from multitoken.decoding.batch import _left_pad
+    from multitoken.decoding.drafts import left_pad
 
     if compact:
         monkeypatch.setattr(ragged, "COMPACT_MIN", 0)
@@ -210,7 +210,7 @@ def test_ragged_caches_equal_each_row_recomputed_alone(tiny_backbones, arch, hea
 
     def feed(pieces: list[list[int]]):
         width = max(map(len, pieces))
-        out = model.step(_left_pad([torch.tensor(p) for p in pieces], width, "cpu"), caches, lengths=[len(p) for p in pieces])
+        out = model.step(left_pad([torch.tensor(p) for p in pieces], width, "cpu"), caches, lengths=[len(p) for p in pieces])
         for j, (row, piece) in enumerate(zip(kept, pieces)):
             full = torch.stack([lp[0] for lp in model.head_logits(torch.tensor([seqs[row]]), last_only=False)])  # [n, T, V]
             for k in range(len(piece)):
@@ -223,14 +223,14 @@ def test_ragged_caches_equal_each_row_recomputed_alone(tiny_backbones, arch, hea
         pieces = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in new]
         for row, p in zip(kept, pieces):
             seqs[row] += p
+        start, width = caches.length, max(new)
         feed(pieces)
-        caches.crop_rows(drop)
+        caches.keep(start, [list(range(width - n, width - d)) for n, d in zip(new, drop)])  # each row's rejected tail forgotten
         for row, d in zip(kept, drop):
             seqs[row] = seqs[row][: len(seqs[row]) - d]
         if step == 1:
             caches.keep_rows([0, 2])
             kept = [0, 2]
-        caches.compact_if_sparse()
     assert caches.row_lengths(len(kept)) == [len(seqs[r]) for r in kept]
     assert (caches.compactions > 0) == compact
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from multitoken.decoding.batch import _left_pad, generate_batch
-from multitoken.decoding.batch_tree import BatchTrees, attend_rows
+from multitoken.decoding.engine import generate_batch
+from multitoken.decoding.drafts import Trees, attend_rows, left_pad
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
-from multitoken.decoding.tree import Tree
-from multitoken.decoding.tree_accept import read_walks
+from multitoken.decoding.engine import generate
+from multitoken.decoding.trees import Tree
+from multitoken.decoding.verify import read_walks
 from multitoken.base.errors import UsageError
 from multitoken.pipeline.model import ragged
 from multitoken.pipeline.model.assets import load_model
@@ -153,12 +153,12 @@ def test_kept_paths_equal_a_fresh_forward_over_each_rows_text(tiny_backbones, ar
     model = attach(tiny_backbones[arch], head_type)
     contexts = [[3, 8, 1, 4], [9, 2]]
     caches = model.new_caches()
-    model.step(_left_pad([torch.tensor(c) for c in contexts], 4, "cpu"), caches, lengths=[4, 2])
+    model.step(left_pad([torch.tensor(c) for c in contexts], 4, "cpu"), caches, lengths=[4, 2])
     ids = torch.tensor([TREE.tokens, [0, 0, 0] + SMALL.tokens])
     offsets = torch.tensor([TREE.depths, [0, 0, 0] + SMALL.depths])
     model.step(ids, caches, lengths=[6, 3], attend=torch.from_numpy(attend_rows([TREE, SMALL], 6)), offsets=offsets)
     paths = [TREE.path(5), SMALL.path(2)]  # [0, 2, 4, 5], [0, 2]
-    caches.keep_paths(4, [paths[0], [3 + i for i in paths[1]]])
+    caches.keep(4, [paths[0], [3 + i for i in paths[1]]])
     texts = [contexts[0] + [TREE.tokens[i] for i in paths[0]], contexts[1] + [SMALL.tokens[i] for i in paths[1]]]
     assert caches.length == 4 + 4 and caches.row_lengths(2) == [len(t) for t in texts]
     out = model.step(torch.tensor([[19], [23]]), caches, lengths=[1, 1])
@@ -175,7 +175,7 @@ def test_equal_paths_keep_the_unmasked_layout(tiny_backbones):
     model.step(torch.tensor([[3, 8, 1], [9, 2, 7]]), caches)
     model.step(torch.tensor([SMALL.tokens, SMALL.tokens]), caches, attend=torch.from_numpy(attend_rows([SMALL, SMALL], 3)),
                offsets=torch.tensor([SMALL.depths] * 2))
-    caches.keep_paths(3, [[0, 2], [0, 1]])
+    caches.keep(3, [[0, 2], [0, 1]])
     assert caches.valid is None and caches.length == 5
 
 
@@ -193,14 +193,19 @@ def test_a_batched_tree_step_reads_the_device_as_often_for_every_batch_size(tiny
     prompts = encode(model.backbone)[:rows]
     cfg = DecodeConfig(mode=mode, greedy=greedy, max_new_tokens=12, stop_at_eos=False, tree=tree, tree_nodes="6")
     reads, on_device = [], []
-    judged = BatchTrees.on_device
-    monkeypatch.setattr(BatchTrees, "on_device", lambda self, *a: (on_device.append(judged(self, *a)), on_device[-1])[1])
+    plain = Trees.__call__
+
+    def propose(self, *args):
+        proposal = plain(self, *args)
+        on_device.append(proposal.static is not None)
+        return proposal
+    monkeypatch.setattr(Trees, "__call__", propose)
     for name in ("tolist", "cpu", "item", "numpy", "__int__", "__float__", "__bool__", "__index__"):
         counted = (lambda f, n: lambda self, *a, **k: (reads.append(n), f(self, *a, **k))[1])(getattr(torch.Tensor, name), name)
         monkeypatch.setattr(torch.Tensor, name, counted)
     got = generate_batch(model, prompts, cfg, seeds=list(range(rows)))
     steps = max(r.trace.forward_passes for r in got) - 1  # tree passes after the prompts'
-    assert steps >= 3 and len(on_device) == steps
+    assert steps >= 3 and len(on_device) in (steps, steps + 1)  # the last may be a lone root, never fed
     # static greedy: every step but those where a row's last tokens make its tree shallower
     assert sum(on_device) >= steps - rows if tree == "static" and greedy else not any(on_device)
     # the prompts once each, as lists; the first roots after the prompts' pass; then per tree step

@@ -8,8 +8,8 @@ import torch
 from scipy.stats import chisquare
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
-from multitoken.decoding.proposal import Drafts
+from multitoken.decoding.engine import generate
+from multitoken.decoding.drafts import Drafts
 from multitoken.pipeline.model.model import MultiTokenModel
 
 from .conftest import RatioTable, attach
@@ -62,7 +62,7 @@ def test_greedy_speculative_with_perfect_drafts_equals_generate(tiny_backbones, 
     ref = hf_greedy(backbone, ids, 30)
     full = ids[0].tolist() + ref
 
-    def oracle(out, anchor, first, g, run):
+    def oracle(heads, first, g, row, run):
         pos = len(full) - len(ref) + run_len[0]  # index of ``first`` in ``full``
         return Drafts(torch.tensor(full[pos + 1: pos + 1 + g]), None)
 
@@ -110,10 +110,10 @@ def merge_small_cells(obs: torch.Tensor, exp: torch.Tensor, least: float = 5.0):
     return o.double().numpy(), (e * o.sum() / e.sum()).numpy()
 
 
-def rigged(out, anchor, first, g, run):
+def rigged(heads, first, g, row, run):
     """A drafter blind to the context that prefers token 0: many drafts get rejected."""
     q = torch.tensor([0.7, 0.1, 0.1, 0.1]).expand(g, 4)
-    tokens = torch.multinomial(q, 1, generator=run.sampler.gen).reshape(-1)
+    tokens = torch.multinomial(q, 1, generator=row.sampler.gen).reshape(-1)
     return Drafts(tokens, q.clone())
 
 

@@ -14,8 +14,8 @@ import torch
 from scipy.stats import chisquare
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
-from multitoken.decoding.proposal import Drafts
+from multitoken.decoding.engine import generate
+from multitoken.decoding.drafts import Drafts
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 
 from .conftest import RatioTable, attach, build_small_vocab
@@ -106,10 +106,10 @@ def test_sampled_speculative_matches_base_distribution_on_cuda(small_vocab_pair,
     assert accepted[0] > 20 and accepted[1] > 20
 
 
-def rigged_on_device(out, anchor, first, g, run):
+def rigged_on_device(heads, first, g, row, run):
     """test_exactness's rigged drafter (blind, prefers token 0), its q on the model's device."""
-    q = torch.tensor([0.7, 0.1, 0.1, 0.1], device=run.seen.device).expand(g, 4)
-    tokens = torch.multinomial(q, 1, generator=run.sampler.gen).reshape(-1)
+    q = torch.tensor([0.7, 0.1, 0.1, 0.1], device=row.seen.device).expand(g, 4)
+    tokens = torch.multinomial(q, 1, generator=row.sampler.gen).reshape(-1)
     return Drafts(tokens, q.clone())
 
 
@@ -135,7 +135,7 @@ def test_bench_decode_runs_on_cuda(tmp_path, monkeypatch, pythia_mini_dir):
 
 def test_batched_rows_equal_generate_and_their_runs_alone_on_cuda(cuda_backbones, arch):
     """Batches on the device: greedy rows == transformers (float32), sampled rows == alone."""
-    from multitoken.decoding.batch import generate_batch
+    from multitoken.decoding.engine import generate_batch
 
     backbone = cuda_backbones[(arch, "float32")]
     model = attach(backbone, "replicated")
@@ -156,7 +156,7 @@ def test_batched_rows_equal_generate_and_their_runs_alone_on_cuda(cuda_backbones
 def test_batched_tree_rows_equal_generate_and_their_runs_alone_on_cuda(cuda_backbones, arch, tree):
     """Batched trees on the device: greedy rows == transformers (float32), sampled and typical
     rows == each row alone with its seed."""
-    from multitoken.decoding.batch import generate_batch
+    from multitoken.decoding.engine import generate_batch
 
     backbone = cuda_backbones[(arch, "float32")]
     model = attach(backbone, "replicated")

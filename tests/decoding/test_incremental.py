@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate
 from multitoken.pipeline.model import cpu_linear, unembed_plan
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, UnembedPlan, fixed_plan, plan_for
@@ -29,8 +29,9 @@ def incremental_log_probs(model, ids: torch.Tensor, cuts: list[int]) -> list[tor
     caches, pieces = model.new_caches(), []
     bounds = [0, *cuts, ids.shape[1]]
     for a, b in zip(bounds[:-1], bounds[1:]):
+        start = caches.length
         model.step(torch.tensor([[7, 11, 13]]), caches)  # drafts that get rejected...
-        caches.crop(3)  # ...and forgotten
+        caches.keep(start, [[]])  # ...and forgotten
         out = model.step(ids[:, a:b], caches)
         pieces.append(torch.stack([torch.stack([out.head_log_probs(i, p)[0] for p in range(b - a)])
                                    for i in range(model.n_future)]))  # [n, T_chunk, V]

@@ -12,8 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
-from multitoken.decoding.proposal import Drafts
+from multitoken.decoding.engine import generate
+from multitoken.decoding.drafts import Drafts
 from multitoken.decoding.sampling import Sampler, top_probs
 
 from .conftest import attach
@@ -167,13 +167,13 @@ def test_dynamic_at_eps_b_one_follows_the_same_target_as_ar(small_vocab_backbone
     assert_follows(counts, exact2)
 
 
-def repeating(out, anchor, first, g, run):
+def repeating(heads, first, g, row, run):
     """Drafts that often repeat ``first`` and each other (token 2 is likely on every row): the
     penalty's context of a verification row must include the drafts before it."""
     q = torch.tensor([0.05, 0.05, 0.85, 0.05]).expand(g, 4).clone()
     q[:, first] += 0.3
     q /= q.sum(-1, keepdim=True)
-    return Drafts(torch.multinomial(q, 1, generator=run.sampler.gen).reshape(-1), q)
+    return Drafts(torch.multinomial(q, 1, generator=row.sampler.gen).reshape(-1), q)
 
 
 @pytest.mark.parametrize("drafter", ["heads", "repeating"])
@@ -208,7 +208,7 @@ def test_sampler_draft_q_is_the_distribution_drawn_from():
 
 
 def test_typical_mode_passes_its_rule_the_whole_vocabulary_rows(tiny_backbones):
-    from multitoken.decoding.accept import typical_rule
+    from multitoken.decoding.verify import typical_rule
 
     model = attach(tiny_backbones["llama"], "medusa", n_future=3)
     rule, seen = typical_rule(0.09, 0.3), []

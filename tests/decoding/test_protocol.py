@@ -17,7 +17,7 @@ def test_multitoken_model_is_a_decoding_model(tiny_backbones, head_type):
     out = model.step(torch.tensor([[1, 2, 3]]), caches)
     assert isinstance(out, StepResult)
     assert out.base_logits().shape == (1, 3, model.backbone.vocab_size)
-    assert out.head_log_probs(1, 2).shape == (1, model.backbone.vocab_size)
+    assert out.anchor_head_log_probs(1, (2,)).shape == (1, model.backbone.vocab_size)
 
 
 def test_an_object_without_step_is_not_one():

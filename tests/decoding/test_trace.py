@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate
 
 from .conftest import RatioTable, attach
 

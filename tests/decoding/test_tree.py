@@ -18,14 +18,14 @@ from scipy.stats import chisquare
 
 from multitoken.decoding import generate as generate_any
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
-from multitoken.decoding.tree import (ACCURACY_FILE, Accuracies, Tree, best_first, expected_accepted,
+from multitoken.decoding.engine import generate
+from multitoken.decoding.trees import (ACCURACY_FILE, Accuracies, Tree, best_first, expected_accepted,
                                       fallback_accuracies, read_accuracies)
-from multitoken.decoding.tree_accept import (greedy_kept, read_walks, sampled_draw, sampled_inputs, sampled_walk,
+from multitoken.decoding.verify import (greedy_kept, read_walks, sampled_draw, sampled_inputs, sampled_walk,
                                              verdict_of)
 from multitoken.base.errors import UsageError
 from multitoken.decoding.trace import Trace
-from multitoken.decoding.tree_step import TreeSteps
+from multitoken.decoding.drafts import Trees
 from multitoken.embedded import EMBEDDED_STATS
 from multitoken.pipeline.model.assets import load_model
 from multitoken.stats.table import CooccurrenceTable
@@ -86,7 +86,7 @@ def test_kv_compaction_equals_a_fresh_forward_over_the_accepted_text(tiny_backbo
     caches = model.new_caches()
     model.step(torch.tensor([context]), caches)
     model.step(torch.tensor([TREE.tokens]), caches, attend=TREE.attend(), offsets=TREE.offsets())
-    caches.keep(len(context), path)
+    caches.keep(len(context), [path])
     text = context + [TREE.tokens[i] for i in path]
     fresh = model.new_caches()
     model.step(torch.tensor([text]), fresh)
@@ -193,26 +193,28 @@ def test_joint_tree_takes_the_nodes_of_most_masked_joint_mass():
     ratio[1, 4, 6] = 0.0
     cfg = DecodeConfig(mode="speculative", greedy=True, temperature=1.0, tree="dynamic", tree_nodes="3", draft_k=2,
                        drafter="joint").resolved()  # the top-k probabilities as given
-    run = SimpleNamespace(table=RatioTable(ratio), vocab_size=v, kernels=Counter(),
+    run = SimpleNamespace(cfg=cfg, model=SimpleNamespace(heads=SimpleNamespace(), heads_dir=None), table=RatioTable(ratio),
+                          order=3, vocab=v, device=torch.device("cpu"),
                           draft_cfg=replace(cfg, static_threshold=False, adaptive_threshold=False))
-    model = SimpleNamespace(heads=SimpleNamespace(), heads_dir=None)
-    steps = TreeSteps(model, cfg, run, 3, Trace())
+    row = SimpleNamespace(trace=Trace())
+    steps = Trees(run, fallback_accuracies(2))
     assert steps.joint and steps.ranks == 2
     scores = np.log([[0.6, 0.4], [0.7, 0.3]])
-    tree = steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2)
+    tree = steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2, row)
     assert (tree.tokens, tree.parents, tree.depths, tree.ranks) == ([1, 5, 6, 4], [-1, 0, 1, 0], [0, 1, 2, 1], [0, 1, 0, 0])
     steps.budget = 10  # every node of positive mass, the unseen (4, 6) never
-    assert sorted(steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2).tokens[1:]) == [4, 5, 6, 7, 7]
+    assert sorted(steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2, row).tokens[1:]) == [4, 5, 6, 7, 7]
     # stats of order 2 cover head 2 only: (1, 4) seen a quarter as often, so 4 has 0.15 / 0.55 and
     # 5 0.40 / 0.55 of the mass; head 3 multiplies its parent's by its own probability
     pairs = np.ones((v, v))
     pairs[1, 4] = 0.25
     run.table = RatioTable(pairs)
     run.table.max_order = 2
-    steps = TreeSteps(model, cfg, run, 3, Trace())
+    steps = Trees(run, fallback_accuracies(2))
     steps.budget = 4
-    tree = steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2)  # 5 (.73), 5-6 (.51), 4 (.27), 5-7 (.22)
+    tree = steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2, row)  # 5 (.73), 5-6 (.51), 4 (.27), 5-7 (.22)
     assert (tree.tokens, tree.parents, tree.depths, tree.ranks) == ([1, 5, 6, 4, 7], [-1, 0, 1, 0, 1], [0, 1, 2, 1, 2], [0, 1, 0, 0, 1])
+    assert row.trace.dynamic_kernel  # the joint grids are counted in the row's trace
 
 
 def test_embedded_joint_trees_accept_more_per_forward_than_the_heads_alone():

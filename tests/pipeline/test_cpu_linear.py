@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate
 from multitoken.pipeline.model import cpu_linear
 from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
 from multitoken.pipeline.model.cpu_linear import PackedLinear

@@ -51,7 +51,7 @@ def test_shipped_heads_speed_up_greedy_speculative_decoding(model):
     """The heads were also trained on greedy text: greedy speculative decoding keeps the base
     output exactly and accepts well over one draft per forward (2.3 tokens/forward measured)."""
     from multitoken.decoding.config import DecodeConfig
-    from multitoken.decoding.loop import generate
+    from multitoken.decoding.engine import generate
 
     tok = model.backbone.tokenizer
     cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=64, drafter="independent")

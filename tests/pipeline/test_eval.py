@@ -52,7 +52,7 @@ def test_accumulator_matches_hand_computation(tiny_model, ids):
     assert rep["accept_length"]["empirical_without_base_token"] == pytest.approx(
         sum(logps[1][b, t].argmax() == ids[b, t + 2] for b in range(2) for t in range(13)).item() / 26 + chain / 26)
     # tree shapes: head 2's accuracy per rank of its guesses, by the same loop
-    from multitoken.decoding.tree import MAX_RANKS
+    from multitoken.decoding.trees import MAX_RANKS
 
     ranks = torch.zeros(MAX_RANKS)
     for b in range(2):
@@ -125,7 +125,7 @@ def test_cli_eval_writes_report_plot_and_config(tiny_model, tmp_path, capsys):
     # the per-rank accuracies go to --out and beside the heads, where generate --tree static reads them
     tree = json.loads((out / "rank_accuracy.json").read_text())
     assert json.loads((heads / "rank_accuracy.json").read_text()) == tree == rep["tree"]
-    from multitoken.decoding.tree import read_accuracies
+    from multitoken.decoding.trees import read_accuracies
 
     assert read_accuracies(heads, 2).table == tree["rank_accuracy"] and len(tree["rank_accuracy"][0]) == 32
     assert "tree accuracies:" in printed

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from multitoken.base.errors import CheckpointError, UsageError
-from multitoken.decoding.batch import generate as generate_rows
+from multitoken.decoding.engine import generate as generate_rows
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.fetch import MODELS, fetch, sha256
 from multitoken.pipeline.model.model import MultiTokenModel

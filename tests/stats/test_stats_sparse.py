@@ -12,12 +12,12 @@ import pytest
 from .stats_helpers import build_ids, write_jsonl_ids, zipf_docs
 
 from multitoken.decoding.dynamo import sparse
-from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.config import DecodeConfig, numba_available
 from multitoken.decoding.dynamo import Candidates, joint_cells
 from multitoken.stats.table import CooccurrenceTable
 
 VOCAB = 40
-KERNELS = ["numpy", "numba"] if sparse.numba_available() else ["numpy"]
+KERNELS = ["numpy", "numba"] if numba_available() else ["numpy"]
 SWITCHES = [{}, {"adaptive_threshold": False}, {"blur_kernel": 0}, {"blur_kernel": 1}, {"static_threshold": False},
             {"alpha_c": 0.5}, {"repetition_penalty": 1.0}]
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from multitoken.decoding.dynamo import sparse, step
-from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.config import numba_available, DecodeConfig
 from multitoken.decoding.dynamo import Candidates, gaussian_blur, joint_cells, otsu_keep
-from multitoken.decoding.loop import generate
+from multitoken.decoding.engine import generate
 from multitoken.base.errors import UsageError
 
-KERNELS = ["numpy", "numba"] if sparse.numba_available() else ["numpy"]
+KERNELS = ["numpy", "numba"] if numba_available() else ["numpy"]
 
 
 def wide_range(rng, shape) -> np.ndarray:
@@ -177,11 +177,10 @@ def test_sparse_and_box_paths_keep_opencvs_cells(shape, kind):
 def test_kernel_setting_is_checked(monkeypatch):
     with pytest.raises(UsageError, match="unknown dynamic kernel"):
         DecodeConfig(dynamic_kernel="fast").validate(vocab_size=100, n_heads=3)
-    monkeypatch.setattr(sparse, "numba_available", lambda: False)
-    assert sparse.resolve_kernel("auto") == "numpy"
     from multitoken.decoding import config
 
     monkeypatch.setattr(config, "numba_available", lambda: False)
+    assert config.resolve_kernel("auto") == "numpy"
     with pytest.raises(UsageError, match="needs numba"):
         DecodeConfig(dynamic_kernel="numba").validate(vocab_size=100, n_heads=3)
 

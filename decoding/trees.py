@@ -29,9 +29,7 @@ import torch
 
 ACCURACY_FILE = "rank_accuracy.json"  # written beside the heads by `multitoken eval`
 MAX_RANKS = 32  # guesses per head a tree may take (the shipped heads gain up to rank ~30 at 64+ nodes)
-MAX_TREE_NODES = 256
 AUTO_BUDGETS = (4, 8, 16, 32, 64)
-TREES = ("chain", "static", "dynamic")
 
 
 @dataclass
@@ -81,7 +79,7 @@ class Tree:
         return torch.tensor(self.depths, dtype=torch.long, device=device)
 
     def judging(self, width: int | None = None) -> np.ndarray:
-        """What ``tree_accept.greedy_kept`` reads, right-aligned in ``width`` slots (pads first:
+        """What ``verify.greedy_kept`` reads, right-aligned in ``width`` slots (pads first:
         their own parents, depth -1, never kept) # -> [4, width] int64: tokens, parents (the
         root's: itself), depth + 1, root flag."""
         n = len(self)
@@ -254,3 +252,44 @@ def auto_budget(model, accuracy: Accuracies, depth: int) -> int:
     rate = {b: (1 + expected_accepted(best_first(accuracy.log_scores(depth), b), accuracy.table)) / t
             for b, t in times.items()}
     return max(rate, key=rate.get)
+
+
+# EAGLE-2 under DynaMo's joint ------------------------------------------------------------------
+def joint_tree(ids: np.ndarray, probs: np.ndarray, root: int, budget: int, cells) -> Tree:
+    """EAGLE-2's rerank under DynaMo's joint: the ``budget`` nodes of highest mass, from the
+    heads' top-k (``ids``, ``probs`` [depth, k], best first, at the temperature). ``cells``:
+    the co-occurrence-masked joint given ``root`` over the first ``covered`` heads (eq. 6, the
+    joint drafter's grid: no thresholds, the penalty already in the scores) # [k]*covered; a
+    node's mass is its path's, the grid summed over the deeper covered heads. A deeper head
+    multiplies its parent's mass by its own probability, as in the plain dynamic tree. A parent
+    never has less mass than its children and ties put the shallower first, so the best nodes
+    always hold their parents."""
+    grid = cells.astype(np.float64)
+    depth, k = ids.shape
+    covered = grid.ndim
+    # frontier: (-mass, depth, a, b): covered nodes (a = 0, b = flat index in their level),
+    # deeper ones (a = parent node, b = rank), each entering when its parent or previous sibling is taken
+    frontier = []
+    for d in range(1, covered + 1):
+        mass = (grid.sum(axis=tuple(range(d, covered))) if d < covered else grid).ravel()
+        # a node behind ``budget`` others of its level is never taken: only the level's best enter
+        best = np.lexsort((np.arange(mass.size), -mass))[:budget]
+        frontier += [(-float(mass[f]), d, 0, int(f)) for f in best if mass[f] > 0]
+    heapq.heapify(frontier)
+    index = {(0, 0): 0}
+    tokens, parents, depths, ranks, masses = [root], [-1], [0], [0], [1.0]
+    while frontier and len(tokens) <= budget:
+        neg, d, a, b = heapq.heappop(frontier)
+        node, rank = len(tokens), b % k if a == 0 else b
+        parents.append(index[d - 1, b // k if d > 1 else 0] if a == 0 else a)
+        if a == 0:
+            index[d, b] = node
+        tokens.append(int(ids[d - 1, rank]))
+        depths.append(d)
+        ranks.append(rank)
+        masses.append(-neg)
+        if a > 0 and rank + 1 < k:  # its next sibling
+            heapq.heappush(frontier, (-masses[a] * probs[d - 1, rank + 1], d, a, rank + 1))
+        if covered <= d < depth:  # its first child, from the next head
+            heapq.heappush(frontier, (neg * probs[d, 0], d + 1, node, 0))
+    return Tree(tokens, parents, depths, ranks)

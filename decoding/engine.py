@@ -1,0 +1,296 @@
+"""The decoding engine: one loop for every mode, always batched (one prompt is a batch of one).
+
+Each step: propose -> emit the committed tokens -> one forward pass -> verify -> keep the
+accepted KV slots -> emit the accepted tokens. The proposer (``drafts.py``) gives every row its
+final tokens for the next positions and the candidates to verify after them, a chain or a tree;
+the verifier (``verify.py``) keeps a path of them and decides the token after it; the caches keep
+each row's kept slots (``DecodingModel`` in ``protocol.py`` declares all the engine reads).
+
+What is shared, what is per row: one forward pass per step for all live rows, prompts
+left-padded and each step's tokens right-aligned, so a row's candidates sit at the end of the
+step (``pipeline/model/ragged.py``: positions count a row's own tokens, holes are masked).
+Everything a row decides it decides alone, with its own context mask, ``torch.Generator`` and
+numpy generator seeded with its seed, so every row equals its run alone; the host reads are
+made once per step for the whole batch (the committed ids, the verdicts, DynaMo's top-k). A
+finished row leaves the batch before the next pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from .config import DecodeConfig, check_context, stats_order_cap
+from .drafts import Drafts, Trees, chain, dynamo, joint_drafts, left_pad, pick_drafter
+from .dynamo.step import always_backs_off, prepare_kernel
+from .sampling import Sampler
+from .text import continuation_text
+from .trace import Trace, clock_for
+from .verify import Verifier
+from multitoken.base.errors import UsageError
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]  # the generated tokens (prompt excluded)
+    text: str
+    trace: Trace
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "trace": self.trace.as_dict()}
+
+
+@dataclass
+class Run:
+    """What every row of one call shares: the model, the settings, the stats, the clock."""
+
+    model: object
+    cfg: DecodeConfig
+    table: object  # co-occurrence stats (``.mask``), or None
+    vocab: int
+    order: int  # tokens per forward at most
+    device: torch.device
+    clock: object
+    no_drafts: Drafts
+    draft_cfg: DecodeConfig  # the joint drafter's grid: no thresholds
+
+
+@dataclass
+class Row:
+    """One sequence: its prompt, its decoding state and its trace."""
+
+    index: int  # in the caller's list
+    prompt: list[int]
+    cfg: DecodeConfig  # with the row's seed
+    sampler: Sampler
+    seen: torch.Tensor  # [V] bool on the device: tokens in the context (repetition penalty)
+    rng: np.random.Generator | None  # grid sampling; None = greedy
+    trace: Trace
+    out_ids: list[int] = field(default_factory=list)
+    anchor: int = 0  # its position in the last pass whose heads predict its next tokens
+    forced: int | None = None  # its next token, when the last verification decided it
+    done: bool = False
+    _seen_host: np.ndarray | None = None
+
+    @property
+    def budget(self) -> int:
+        return self.cfg.max_new_tokens - len(self.out_ids)
+
+    @property
+    def seen_host(self) -> np.ndarray:
+        """``seen`` on the host [V] bool, for DynaMo's grids: built from the host ids on first
+        use (no device read), then kept in step by ``emit``."""
+        if self._seen_host is None:
+            self._seen_host = np.zeros(self.seen.shape[0], dtype=bool)
+            self._seen_host[self.prompt + self.out_ids] = True
+        return self._seen_host
+
+    def emit(self, tokens: list[int], eos: set[int], on_tokens) -> bool:
+        """Commit final tokens; True when the row is over (budget or end of sequence)."""
+        tokens = tokens[: self.budget]
+        if self.cfg.stop_at_eos:
+            stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+            tokens = tokens if stop is None else tokens[: stop + 1]
+        self.out_ids.extend(tokens)
+        if tokens:
+            self.seen[tokens] = True
+            if self._seen_host is not None:
+                self._seen_host[tokens] = True
+        if on_tokens and tokens:
+            on_tokens(self.index, tokens)
+        self.done = self.budget <= 0 or (self.cfg.stop_at_eos and bool(tokens) and tokens[-1] in eos)
+        return self.done
+
+
+def eos_ids(model) -> set[int]:
+    eos = getattr(model.backbone.causal_lm.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.backbone.config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+def prompt_rows(prompts, attention_mask: torch.Tensor | None = None) -> list[list[int]]:
+    """Token lists from a list of prompts (lists or 1-D tensors) or a padded [B, T] tensor with
+    its attention mask (either padding side)."""
+    if isinstance(prompts, torch.Tensor):
+        ids = prompts.reshape(-1, prompts.shape[-1]).cpu()
+        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.reshape(ids.shape).bool().cpu()
+        return [row[m].tolist() for row, m in zip(ids, mask)]
+    return [torch.as_tensor(p, dtype=torch.long).reshape(-1).tolist() for p in prompts]
+
+
+def is_batch(prompts, attention_mask=None) -> bool:
+    """Several prompts (or one given with an attention mask / as a list of lists)."""
+    if isinstance(prompts, torch.Tensor):
+        return attention_mask is not None or (prompts.dim() == 2 and prompts.shape[0] > 1)
+    return len(prompts) > 0 and not isinstance(prompts[0], (int, np.integer)) and not (
+        isinstance(prompts[0], torch.Tensor) and prompts[0].dim() == 0)
+
+
+def generate(model, prompts, cfg: DecodeConfig | None = None, *, seeds=None, attention_mask=None, on_tokens=None, **kwargs):
+    """One prompt (list of ids or [1, T] tensor) -> ``DecodeResult``, streaming
+    ``on_tokens(tokens)``; several (a list of id lists, or a [B, T] tensor with
+    ``attention_mask``) -> one per row, each equal to that row decoded alone with seed
+    ``seeds[b]`` (default: ``cfg.seed``), streaming ``on_tokens(row, tokens)``."""
+    if is_batch(prompts, attention_mask):
+        return generate_batch(model, prompts, cfg, seeds=seeds, attention_mask=attention_mask, on_tokens=on_tokens, **kwargs)
+    stream = None if on_tokens is None else (lambda row, tokens: on_tokens(tokens))
+    return generate_batch(model, [prompts], cfg, seeds=seeds, on_tokens=stream, **kwargs)[0]
+
+
+def _prompts(model, prompts, cfg: DecodeConfig, seeds, attention_mask) -> tuple[list[list[int]], list[int]]:
+    prompts = prompt_rows(prompts, attention_mask)
+    if not prompts:
+        raise UsageError("no prompts were given", "pass at least one prompt")
+    seeds = [cfg.seed] * len(prompts) if seeds is None else [int(s) for s in seeds]
+    if len(seeds) != len(prompts):
+        raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts", "pass one seed per prompt")
+    for seed in seeds:
+        replace(cfg, seed=seed).validate()  # the seed's range
+    for ids in prompts:
+        if not ids:
+            raise UsageError("the prompt is empty" if len(prompts) == 1 else "a prompt is empty", "pass at least one token per prompt")
+        check_context(len(ids), cfg.max_new_tokens, model.backbone.config.max_position_embeddings)
+    return prompts, seeds
+
+
+def _row(run: Run, index: int, ids: list[int], seed: int, profile: bool, batch_size: int, cap: int | None) -> Row:
+    cfg = replace(run.cfg, seed=seed)
+    seen = torch.zeros(run.vocab, dtype=torch.bool, device=run.device)
+    seen[torch.tensor(ids, device=run.device)] = True
+    sampler = Sampler(cfg.greedy, cfg.temperature, cfg.top_k, seed, penalty=cfg.penalty, device=run.device)
+    trace = Trace(mode=cfg.mode, prompt_tokens=len(ids), repetition_penalty=cfg.penalty, stats_order_cap=cap or 0,
+                  device=str(run.device), synchronised=profile, batch_size=batch_size)
+    return Row(index, list(ids), cfg, sampler, seen, None if cfg.greedy else np.random.default_rng(seed), trace)
+
+
+@torch.inference_mode()  # cheaper than no_grad per op: a small model's step is mostly op overhead
+def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=None, attention_mask=None, table=None,
+                   on_tokens=None, drafter=None, acceptor=None, profile: bool = False,
+                   tree_accuracies=None) -> list[DecodeResult]:
+    """Decode every prompt (see the module doc) -> one ``DecodeResult`` per row.
+
+    ``table``: co-occurrence stats (DynaMo's mask, the joint drafter); ``on_tokens(row, tokens)``
+    streams final tokens per row; ``seeds[b]`` seeds row b's generators (default ``cfg.seed``);
+    ``drafter`` / ``acceptor``: a chain drafter / chain rule of one's own (the signatures of
+    ``drafts.independent_drafts`` / ``verify.greedy_accept``); ``profile``: make the trace's model
+    / logic split exact on an accelerator (synchronise at every clock reading: the waits cost
+    time); ``tree_accuracies``: a ``trees.Accuracies`` for ``--tree static`` (default: the file
+    beside the heads, else the fallback prior).
+    """
+    cfg = cfg or DecodeConfig()
+    vocab, n_heads = model.backbone.vocab_size, model.n_future
+    cfg.validate(vocab_size=vocab, n_heads=n_heads, max_order=stats_order_cap(cfg, n_heads, table, False), table=table)
+    cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
+    prompts, seeds = _prompts(model, prompts, cfg, seeds, attention_mask)
+    if cfg.tree != "chain" and (drafter is not None or acceptor is not None):
+        raise UsageError("--tree static / dynamic build their own candidates and acceptance",
+                         "pass --tree chain with a custom drafter or acceptor")
+    speculative = cfg.mode in ("speculative", "typical")
+    drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative and cfg.tree == "chain" else None)
+    cap = stats_order_cap(cfg, n_heads, table, drafter is joint_drafts)
+    device = model.backbone.device
+    run = Run(model, cfg, table, vocab, cap or cfg.order(n_heads), device, clock_for(device, profile),
+              Drafts.empty(device), replace(cfg, static_threshold=False, adaptive_threshold=False))
+    rows = [_row(run, b, ids, seed, profile, len(prompts), cap) for b, (ids, seed) in enumerate(zip(prompts, seeds))]
+    if cfg.mode == "dynamic" or drafter is joint_drafts or cfg.tree == "dynamic":
+        prepare_kernel(cfg, table, run.order)  # numba compiles / loads its cache here, off the clock
+    if cfg.mode == "dynamic":
+        propose = dynamo(run)
+    elif cfg.tree != "chain":
+        propose = Trees(run, tree_accuracies)  # auto times the verify step here, off the clock
+        for row in rows:
+            propose.label(row.trace)
+    else:
+        propose = chain(run, drafter)
+    _loop(run, rows, propose, Verifier(run, acceptor), eos_ids(model), on_tokens)
+    tok = model.backbone.tokenizer
+    return [DecodeResult(row.out_ids, continuation_text(tok, row.prompt, row.out_ids) if tok is not None else "",
+                         row.trace, row.prompt) for row in rows]
+
+
+def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) -> None:
+    """Decode every row to its end (see the module doc)."""
+    model, clock = run.model, run.clock
+    # heads past those a step reads and positions before the first read are never computed
+    heads_read = 1 if run.cfg.mode == "dynamic" and always_backs_off(run.cfg) else run.order
+    unembed_rows: Counter = Counter()  # calls serve the whole batch: one count, shared
+    for row in rows:
+        row.trace.unembed_rows = unembed_rows
+    batch = list(rows)  # the rows in the caches and in ``out``, in batch order
+
+    def forward(ids: torch.Tensor, read_from: int, lengths: list[int], attend=None, offsets=None):
+        start = clock()
+        if len(lengths) == 1 and caches.valid is None and attend is not None:
+            attend, offsets = attend[0], offsets[0]  # one row: the unpadded tree context
+        result = model.step(ids, caches, heads_upto=heads_read, read_from=read_from,
+                            lengths=lengths if min(lengths) < ids.shape[1] else None, attend=attend, offsets=offsets,
+                            clock=clock)
+        spent = clock() - start
+        for row in batch:
+            row.trace.model_s += spent
+            row.trace.forward_passes += 1
+        return result
+
+    def finish(row: Row) -> None:
+        row.trace.wall_s = clock() - t0
+        row.trace.new_tokens = len(row.out_ids)
+
+    t0 = clock()
+    caches = model.new_caches()
+    lengths = [len(row.prompt) for row in rows]
+    width = max(lengths)
+    out = forward(left_pad([torch.tensor(row.prompt) for row in rows], width, "cpu").to(run.device), width - 1, lengths)
+    for row in rows:
+        row.trace.prefill_s, row.anchor = row.trace.model_s, width - 1
+    while True:
+        live = [j for j, row in enumerate(batch) if not row.done]
+        if not live:
+            break
+        proposal = propose(out, batch, tuple(row.anchor for row in batch), live)
+        for j in live:  # head distributions and drafts: model time
+            batch[j].trace.model_s += out.model_s
+        out.model_s = 0.0
+        keep = [s for s, j in enumerate(live) if not batch[j].emit(proposal.commits[s], eos, on_tokens)]
+        for j in live:
+            if batch[j].done:
+                finish(batch[j])
+        if not keep:
+            break
+        if len(keep) < len(batch):
+            caches.keep_rows([live[s] for s in keep])  # finished rows leave before the next pass
+            batch = [batch[live[s]] for s in keep]
+            if len(keep) < len(live):
+                proposal = proposal.select(keep)
+        start, width = caches.length, proposal.width
+        for row, n, commit in zip(batch, proposal.lengths, proposal.commits):
+            row.anchor = width - n + len(commit) - 1  # its last committed token: the root of its candidates
+        unembed_rows.update(out.unembed_rows)
+        # a tree's verification reads every node; a chain's from each row's root on
+        read_from = 0 if proposal.attend is not None else min(row.anchor for row in batch)
+        out = forward(proposal.ids, read_from, proposal.lengths, proposal.attend, proposal.offsets)
+        verdicts = verify(out, proposal, batch)
+        if any(v is not None for v in verdicts):  # each row keeps its committed tokens and its kept path
+            caches.keep(start, [list(range(width - n, width)) if v is None else
+                                list(range(width - n, row.anchor)) + [row.anchor + i for i in v.path]
+                                for row, n, v in zip(batch, proposal.lengths, verdicts)])
+        tree = proposal.trees is not None or proposal.static is not None
+        for row, v in zip(batch, verdicts):
+            if v is None:
+                continue  # no drafts: the next token comes from the base at the next step
+            row.trace.accepted_lengths[len(v.path) - 1] += 1
+            if tree:
+                row.trace.tree_sibling_ranks.update(v.sibling_ranks)
+            row.anchor += v.path[-1]
+            row.forced = v.next_token
+            if row.emit(v.tokens, eos, on_tokens):
+                finish(row)
+    unembed_rows.update(out.unembed_rows)
+    for row in rows:
+        if not row.trace.wall_s:
+            finish(row)
