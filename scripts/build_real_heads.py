@@ -5,7 +5,9 @@ Steps (each skipped when its output already exists in --work-dir):
 2. self-distil: the base continues public prompts (``heads_corpus.py``): 16-token prompts from
    every wikitext-2 *valid* sentence and 700 Shakespeare / TED ones for training; from wikitext-2 *test* for the
    held-out set; 64 new tokens each, greedy, every 4th training batch sampled (temperature 0.7,
-   top-k 50); the trunk's and the final norm's states are kept while it generates;
+   top-k 50); then 8,000 more training prompts: 16-token windows every 24 tokens inside
+   wikitext-2 valid's paragraphs and every 48 inside Shakespeare's speeches (``--more-prompts``);
+   the trunk's and the final norm's states are kept while it generates;
 3. train 3 replicated heads (heads 2..3 copies of the final layer) and 3 Medusa heads on those
    states (``heads_fast.py``: heads only, the softmax over the corpus's vocabulary);
 4. measure every head on the held-out text over the full vocabulary (top-1 / top-5, accuracy
@@ -41,6 +43,8 @@ HEADS = {
 def add_args(p) -> None:
     g = p.add_argument_group("--model smollm2")
     g.add_argument("--other-prompts", type=int, default=700, help="training prompts from Shakespeare and TED, besides every wikitext-2 valid one")
+    g.add_argument("--more-prompts", type=int, default=8000,
+                   help="further training prompts: windows inside wikitext-2 valid's paragraphs, then Shakespeare's")
     g.add_argument("--heldout-prompts", type=int, default=200)
     g.add_argument("--new-tokens", type=int, default=64, help="tokens the base adds to each prompt")
     g.add_argument("--epochs", type=float, default=8.0, help="passes over the training text, replicated heads")
@@ -57,6 +61,13 @@ def prompts(tok, args) -> tuple[torch.Tensor, torch.Tensor]:
     train = torch.cat([wiki, rest[: args.other_prompts]])
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
     return train[order], held
+
+
+def more_prompts(tok, first: torch.Tensor, args) -> torch.Tensor:
+    """Windows inside the training text's paragraphs, none equal to a first-part prompt."""
+    wiki = corpus.window_ids(tok, corpus.TRAIN_SOURCES[:1], 16, 24, first, seed=2)
+    rest = corpus.window_ids(tok, corpus.TRAIN_SOURCES[1:2], 16, 48, torch.cat([first, wiki]), seed=2)
+    return torch.cat([wiki, rest])[: args.more_prompts]
 
 
 def train_heads(backbone, kind: str, train: dict, held: dict, work: Path, args) -> dict:
@@ -134,14 +145,20 @@ def main(args, repo: Path) -> int:
     train_prompts, held_prompts = prompts(backbone.tokenizer, args)
     held = corpus.build(backbone, work / "heldout", held_prompts, args.new_tokens, 100, sample_every=0)
     train = corpus.build(backbone, work / "train", train_prompts, args.new_tokens, 100, sample_every=4)
+    parts = [train]
+    if args.more_prompts:
+        more = more_prompts(backbone.tokenizer, train_prompts, args)
+        parts.append(corpus.build(backbone, work / "train_more", more, args.new_tokens, 100, sample_every=4))
     distill_seconds = time.time() - started
-    train_data, held_data = torch.load(train), torch.load(held)
+    loaded = [torch.load(p) for p in parts]
+    train_data = {name: torch.cat([part[name] for part in loaded]) for name in loaded[0]}
+    held_data = torch.load(held)
     reports = {kind: train_heads(backbone, kind, train_data, held_data, work, args) for kind in HEADS}
     for kind, dest in (("heads", SMOLLM2_HEADS), ("medusa", SMOLLM2_MEDUSA)):
         fast.save_bf16(work / kind, dest)
         shutil.copy(work / kind / "build_report.json", dest / "build_report.json")
         (dest / "README.md").write_text(asset_readme(kind, reports[kind]))
-    build_stats(base, [work / "train.jsonl"], SMOLLM2_STATS, work)
+    build_stats(base, [p.with_suffix(".jsonl") for p in parts], SMOLLM2_STATS, work)
     (SMOLLM2_STATS / "README.md").write_text(
         "# Co-occurrence stats for SmolLM2-135M-Instruct's tokenizer\n\nOrders 1-3, pruned at count 2, counted by "
         "`multitoken stats build` over the heads' self-distilled training text plus wikitext-2 valid and Shakespeare "

@@ -69,6 +69,30 @@ def prompt_ids(tokenizer, lines: list[str], length: int, seed: int) -> torch.Ten
     return torch.tensor(rows, dtype=torch.long)[order]
 
 
+def window_ids(tokenizer, sources: tuple[str, ...], length: int, stride: int, exclude: torch.Tensor, seed: int) -> torch.Tensor:
+    """More prompts from the same text: ``length``-token windows every ``stride`` tokens inside
+    each paragraph (cut at ``<unk>`` and headings), none equal to a row of ``exclude`` # [P, length]."""
+    seen = {tuple(r) for r in exclude.tolist()}
+    rows = []
+    for rel in sources:
+        text = (FIXTURES / rel).read_text(encoding="utf-8", errors="replace")
+        blocks = text.split("\n\n") if "shakespeare" in rel else text.splitlines()
+        for block in blocks:
+            block = " ".join(block.split())
+            if block.startswith(("=", "<")):
+                continue
+            block = clean_wikitext(block) if "wikitext" in rel else block
+            for piece in block.split("<unk>"):
+                ids = tokenizer(piece.strip()).input_ids
+                for start in range(0, len(ids) - length + 1, stride):
+                    window = tuple(ids[start:start + length])
+                    if window not in seen:
+                        seen.add(window)
+                        rows.append(window)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(rows, dtype=torch.long)[order]
+
+
 class HiddenTap:
     """Forward hooks collecting the trunk output and the final norm output of every call."""
 
