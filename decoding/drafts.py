@@ -154,7 +154,7 @@ def dynamo(run):
     """DynaMo's step (Alg. 1): each row's 1..n final tokens from its heads' joint, no drafts."""
     cfg = run.cfg
     m = heads_needed(cfg, run.order)
-    k, temperature = min(cfg.top_k, run.vocab), cfg.temperature if cfg.temperature > 0 else 1.0
+    k, temperature = min(cfg.sampling.top_k, run.vocab), cfg.sampling.grid_temperature
 
     def propose(out, rows, anchors, live) -> Proposal:
         commits = []
@@ -226,7 +226,7 @@ def joint_drafts(heads: RowHeads, first: int, g: int, row, run) -> Drafts:
     top = heads.cands
     if top is None:  # a draft outside the target's top-k is always rejected: k <= top_k
         rows = torch.stack([heads[i] for i in range(1, g + 1)])  # [g, V] raw logits: only their top-k is read
-        top = head_candidates(rows, min(cfg.draft_k, cfg.top_k, run.vocab), cfg.temperature if cfg.temperature > 0 else 1.0)
+        top = head_candidates(rows, min(cfg.speculation.draft_k, cfg.sampling.top_k, run.vocab), cfg.sampling.grid_temperature)
     cands = [Candidates(np.array([first]), np.ones(1, dtype=np.float32))] + list(top[:g])
     cells = joint_cells(cands, run.draft_cfg, run.table, row.seen_host)
     row.trace.dynamic_kernel[cells.kernel] += 1
@@ -281,12 +281,12 @@ def chain(run, drafter):
         drafts = [run.no_drafts] * len(live)
         drafting = [s for s, g in enumerate(gs) if g > 0]
         if drafting and drafter is joint_drafts:  # every drafting row's top-k in one read
-            k, t = min(cfg.draft_k, cfg.top_k, run.vocab), cfg.temperature if cfg.temperature > 0 else 1.0
+            k, t = min(cfg.speculation.draft_k, cfg.sampling.top_k, run.vocab), cfg.sampling.grid_temperature
             cands = candidates_of(out, [live[s] for s in drafting], anchors, range(1, max(gs) + 1), k, t)
             for s, cand in zip(drafting, cands):
                 j = live[s]
                 drafts[s] = drafter(RowHeads(out, j, anchors, gs[s] + 1, cand), firsts[s], gs[s], rows[j], run)
-        elif drafting and drafter is independent_drafts and cfg.greedy and cfg.penalty == 1:
+        elif drafting and drafter is independent_drafts and cfg.sampling.greedy and cfg.sampling.penalty == 1:
             # greedy drafts without a penalty are each head's argmax at the anchor: all rows per head at once
             best = torch.stack([anchor_scores(out, i, anchors).argmax(-1) for i in range(1, max(gs) + 1)], 1)  # [B, g]
             for s in drafting:
@@ -308,8 +308,8 @@ def chain(run, drafter):
 def joint_scored(cfg, heads, table) -> bool:
     """Whether a dynamic tree ranks its paths by DynaMo's co-occurrence-masked joint: where the
     drafter (``--drafter``, ``auto``: with stats) would draft a chain from it."""
-    return (cfg.tree == "dynamic" and table is not None and cfg.mode in ("speculative", "typical")
-            and pick_drafter(cfg.drafter, heads, table) is joint_drafts and getattr(table, "max_order", 2) >= 2)
+    return (cfg.trees.tree == "dynamic" and table is not None and cfg.mode in ("speculative", "typical")
+            and pick_drafter(cfg.speculation.drafter, heads, table) is joint_drafts and getattr(table, "max_order", 2) >= 2)
 
 
 class Trees:
@@ -322,18 +322,20 @@ class Trees:
         self.run, self.cfg = run, cfg
         self.depth = run.order - 1  # draft heads read: head d guesses the token d after the root
         self.accuracy = accuracies or read_accuracies(getattr(model, "heads_dir", None), self.depth)
-        nodes = parse_nodes(cfg.tree_nodes)
+        nodes = parse_nodes(cfg.trees.tree_nodes)
         self.budget = nodes if nodes is not None else auto_budget(model, self.accuracy, self.depth)
-        self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget) if cfg.tree == "static" else None
+        self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget) if cfg.trees.tree == "static" else None
         self.joint = joint_scored(cfg, model.heads, run.table)
-        self.ranks = min(cfg.draft_k, cfg.top_k, run.vocab) if self.joint else min(MAX_RANKS, self.budget, run.vocab)
-        self.on_device = self.shape is not None and cfg.mode == "speculative" and cfg.greedy
+        # the joint ranks paths over the joint drafter's candidates (draft_k per head)
+        joint_k = min(cfg.speculation.draft_k, cfg.sampling.top_k)
+        self.ranks = min(joint_k if self.joint else min(MAX_RANKS, self.budget), run.vocab)
+        self.on_device = self.shape is not None and cfg.mode == "speculative" and cfg.sampling.greedy
         self._at: dict = {}  # each static shape's index tensors on the device
 
     def label(self, trace) -> None:
-        trace.tree, trace.tree_nodes = self.cfg.tree, self.budget
+        trace.tree, trace.tree_nodes = self.cfg.trees.tree, self.budget
         scores = "step probabilities x co-occurrence mask" if self.joint else "step probabilities"
-        trace.tree_accuracies = self.accuracy.source if self.cfg.tree == "static" else scores
+        trace.tree_accuracies = self.accuracy.source if self.cfg.trees.tree == "static" else scores
 
     def ranks_for(self, depth: int) -> int:
         if self.shape is None:
@@ -348,9 +350,9 @@ class Trees:
         as the verification will judge: the context and the committed token penalised."""
         logp = torch.stack([out.anchor_head_log_probs(i, anchors) for i in range(1, depth + 1)], dim=1)  # [B, D, V]
         logp = logp.index_select(0, torch.tensor(keep, dtype=torch.long, device=logp.device))
-        if self.cfg.penalty != 1:
+        if self.cfg.sampling.penalty != 1:
             seen = torch.stack([with_tokens(rows[j].seen, [roots[j]]) for j in keep])[:, None]  # [R, 1, V]
-            logp = penalised_logits(logp, seen, self.cfg.penalty)
+            logp = penalised_logits(logp, seen, self.cfg.sampling.penalty)
         vals, ids = torch.topk(logp.float(), self.ranks_for(depth), dim=-1)  # [R, D, ranks]
         return ids if self.shape is not None else torch.stack([ids.double(), vals.double()], dim=-3)
 
@@ -361,7 +363,7 @@ class Trees:
         ids, scores = (np.asarray(part[:depth]) for part in host)
         if not self.joint:
             return best_first(list(scores), self.budget).fill(root, ids.astype(np.int64).tolist())
-        t = self.cfg.temperature if self.cfg.temperature > 0 else 1.0
+        t = self.cfg.sampling.grid_temperature
         p = np.exp((scores - scores.max(axis=1, keepdims=True)) / t)
         probs = p / p.sum(axis=1, keepdims=True)  # [depth, k] the top-k at the temperature (float64)
         covered = min(depth, getattr(self.run.table, "max_order", depth + 1) - 1)

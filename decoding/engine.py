@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .config import DecodeConfig, check_context, stats_order_cap
+from .config import DecodeConfig, check_context, check_seed, stats_order_cap
 from .drafts import Drafts, Trees, chain, dynamo, joint_drafts, left_pad, pick_drafter
 from .dynamo.step import always_backs_off, prepare_kernel
 from .sampling import Sampler
@@ -136,7 +136,7 @@ def generate(model, prompts, cfg: DecodeConfig | None = None, *, seeds=None, att
     """One prompt (list of ids or [1, T] tensor) -> ``DecodeResult``, streaming
     ``on_tokens(tokens)``; several (a list of id lists, or a [B, T] tensor with
     ``attention_mask``) -> one per row, each equal to that row decoded alone with seed
-    ``seeds[b]`` (default: ``cfg.seed``), streaming ``on_tokens(row, tokens)``."""
+    ``seeds[b]`` (default: ``cfg.sampling.seed``), streaming ``on_tokens(row, tokens)``."""
     if is_batch(prompts, attention_mask):
         return generate_batch(model, prompts, cfg, seeds=seeds, attention_mask=attention_mask, on_tokens=on_tokens, **kwargs)
     stream = None if on_tokens is None else (lambda row, tokens: on_tokens(tokens))
@@ -147,14 +147,15 @@ def _prompts(model, prompts, cfg: DecodeConfig, seeds, attention_mask) -> tuple[
     prompts = prompt_rows(prompts, attention_mask)
     if not prompts:
         raise UsageError("no prompts were given", "pass at least one prompt")
-    seeds = [cfg.seed] * len(prompts) if seeds is None else [int(s) for s in seeds]
+    seeds = [cfg.sampling.seed] * len(prompts) if seeds is None else [int(s) for s in seeds]
     if len(seeds) != len(prompts):
         raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts", "pass one seed per prompt")
     for seed in seeds:
-        replace(cfg, seed=seed).validate()  # the seed's range
+        check_seed(seed)
     for ids in prompts:
         if not ids:
-            raise UsageError("the prompt is empty" if len(prompts) == 1 else "a prompt is empty", "pass at least one token per prompt")
+            raise UsageError("the prompt is empty" if len(prompts) == 1 else "a prompt is empty",
+                             "pass at least one token per prompt")
         check_context(len(ids), cfg.max_new_tokens, model.backbone.config.max_position_embeddings)
     return prompts, seeds
 
@@ -163,10 +164,11 @@ def _row(run: Run, index: int, ids: list[int], seed: int, profile: bool, batch_s
     cfg = replace(run.cfg, seed=seed)
     seen = torch.zeros(run.vocab, dtype=torch.bool, device=run.device)
     seen[torch.tensor(ids, device=run.device)] = True
-    sampler = Sampler(cfg.greedy, cfg.temperature, cfg.top_k, seed, penalty=cfg.penalty, device=run.device)
-    trace = Trace(mode=cfg.mode, prompt_tokens=len(ids), repetition_penalty=cfg.penalty, stats_order_cap=cap or 0,
+    s = cfg.sampling
+    sampler = Sampler(s.greedy, s.temperature, s.top_k, seed, penalty=s.penalty, device=run.device)
+    trace = Trace(mode=cfg.mode, prompt_tokens=len(ids), repetition_penalty=cfg.sampling.penalty, stats_order_cap=cap or 0,
                   device=str(run.device), synchronised=profile, batch_size=batch_size)
-    return Row(index, list(ids), cfg, sampler, seen, None if cfg.greedy else np.random.default_rng(seed), trace)
+    return Row(index, list(ids), cfg, sampler, seen, None if cfg.sampling.greedy else np.random.default_rng(seed), trace)
 
 
 @torch.inference_mode()  # cheaper than no_grad per op: a small model's step is mostly op overhead
@@ -176,7 +178,7 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     """Decode every prompt (see the module doc) -> one ``DecodeResult`` per row.
 
     ``table``: co-occurrence stats (DynaMo's mask, the joint drafter); ``on_tokens(row, tokens)``
-    streams final tokens per row; ``seeds[b]`` seeds row b's generators (default ``cfg.seed``);
+    streams final tokens per row; ``seeds[b]`` seeds row b's generators (default ``cfg.sampling.seed``);
     ``drafter`` / ``acceptor``: a chain drafter / chain rule of one's own (the signatures of
     ``drafts.independent_drafts`` / ``verify.greedy_accept``); ``profile``: make the trace's model
     / logic split exact on an accelerator (synchronise at every clock reading: the waits cost
@@ -188,21 +190,22 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     cfg.validate(vocab_size=vocab, n_heads=n_heads, max_order=stats_order_cap(cfg, n_heads, table, False), table=table)
     cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     prompts, seeds = _prompts(model, prompts, cfg, seeds, attention_mask)
-    if cfg.tree != "chain" and (drafter is not None or acceptor is not None):
+    one_chain = cfg.trees.tree == "chain"
+    if not one_chain and (drafter is not None or acceptor is not None):
         raise UsageError("--tree static / dynamic build their own candidates and acceptance",
                          "pass --tree chain with a custom drafter or acceptor")
     speculative = cfg.mode in ("speculative", "typical")
-    drafter = drafter or (pick_drafter(cfg.drafter, model.heads, table) if speculative and cfg.tree == "chain" else None)
+    drafter = drafter or (pick_drafter(cfg.speculation.drafter, model.heads, table) if speculative and one_chain else None)
     cap = stats_order_cap(cfg, n_heads, table, drafter is joint_drafts)
     device = model.backbone.device
     run = Run(model, cfg, table, vocab, cap or cfg.order(n_heads), device, clock_for(device, profile),
               Drafts.empty(device), replace(cfg, static_threshold=False, adaptive_threshold=False))
     rows = [_row(run, b, ids, seed, profile, len(prompts), cap) for b, (ids, seed) in enumerate(zip(prompts, seeds))]
-    if cfg.mode == "dynamic" or drafter is joint_drafts or cfg.tree == "dynamic":
+    if cfg.mode == "dynamic" or drafter is joint_drafts or cfg.trees.tree == "dynamic":
         prepare_kernel(cfg, table, run.order)  # numba compiles / loads its cache here, off the clock
     if cfg.mode == "dynamic":
         propose = dynamo(run)
-    elif cfg.tree != "chain":
+    elif not one_chain:
         propose = Trees(run, tree_accuracies)  # auto times the verify step here, off the clock
         for row in rows:
             propose.label(row.trace)

@@ -276,13 +276,13 @@ class Verifier:
         cfg = run.cfg
         self.run, self.cfg = run, cfg
         if acceptor is None:
-            acceptor = typical_rule(cfg.typical_eps, cfg.typical_delta) if cfg.mode == "typical" else (
-                greedy_accept if cfg.greedy else speculative_accept)
+            acceptor = typical_rule(cfg.speculation.typical_eps, cfg.speculation.typical_delta) if cfg.mode == "typical" else (
+                greedy_accept if cfg.sampling.greedy else speculative_accept)
         self.acceptor = acceptor
         # greedy verification reads only the base argmax: raw logits, no softmax over V
-        self.argmax_only = cfg.greedy and acceptor in (greedy_accept, speculative_accept)
-        self.wants_rule = getattr(acceptor, "wants_rule_probs", False) and not cfg.greedy
-        self.greedy_tree = cfg.mode == "speculative" and cfg.greedy
+        self.argmax_only = cfg.sampling.greedy and acceptor in (greedy_accept, speculative_accept)
+        self.wants_rule = getattr(acceptor, "wants_rule_probs", False) and not cfg.sampling.greedy
+        self.greedy_tree = cfg.mode == "speculative" and cfg.sampling.greedy
 
     def __call__(self, out, proposal, rows) -> list[TreeVerdict | None]:
         if proposal.static is not None:
@@ -298,7 +298,7 @@ class Verifier:
         verdicts: list[TreeVerdict | None] = [None] * len(rows)
         if not judged:
             return verdicts
-        if self.argmax_only and self.cfg.penalty == 1 and len(rows) > 1:
+        if self.argmax_only and self.cfg.sampling.penalty == 1 and len(rows) > 1:
             packs = self._greedy_chains(out, p, judged)
         else:
             packs = []
@@ -321,9 +321,9 @@ class Verifier:
         whole-vocabulary rows."""
         cfg, sampler = self.cfg, row.sampler
         logits = out.base_logits()[j, row.anchor - out.first:]  # [g + 1, V]
-        seen = rows_seen(row.seen, drafts, logits.shape[0]) if cfg.penalty != 1 else row.seen
+        seen = rows_seen(row.seen, drafts, logits.shape[0]) if cfg.sampling.penalty != 1 else row.seen
         if self.argmax_only:
-            return penalised_logits(logits, seen, cfg.penalty), {}
+            return penalised_logits(logits, seen, cfg.sampling.penalty), {}
         rule = {"rule_probs": sampler.full(logits[:-1], seen[:-1] if seen.dim() == 2 else seen)} if self.wants_rule else {}
         return sampler.target(logits, seen), rule
 
@@ -353,10 +353,10 @@ class Verifier:
         shape, tokens = p.static, p.ids  # [B, N]
         logits = out.base_logits()  # [B, N, V]
         at = p.static_at
-        if self.cfg.penalty != 1:  # each node's own context: the row's seen tokens and its path
+        if self.cfg.sampling.penalty != 1:  # each node's own context: the row's seen tokens and its path
             attend = p.attend[0]
             seen = torch.stack([tree_seen(row.seen, tokens[j], attend) for j, row in enumerate(rows)])
-            logits = penalised_logits(logits, seen, self.cfg.penalty)
+            logits = penalised_logits(logits, seen, self.cfg.sampling.penalty)
         kept = greedy_kept(tokens, logits.argmax(-1), at["parents"], at["level"], at["root"], max(shape.depths))  # [B, 2]
         host = torch.cat([tokens, kept], 1).tolist()  # the step's one read, for every row
         verdicts = []
@@ -375,9 +375,9 @@ class Verifier:
         if not judged:
             return verdicts
         if self.greedy_tree:
-            if self.cfg.penalty != 1:  # each node's own context: the row's seen tokens and its path
+            if self.cfg.sampling.penalty != 1:  # each node's own context: the row's seen tokens and its path
                 seen = torch.stack([self._padded_seen(rows[j], trees[j], p.attend[j], width) for j in range(len(trees))])
-                logits = penalised_logits(logits, seen, self.cfg.penalty)
+                logits = penalised_logits(logits, seen, self.cfg.sampling.penalty)
             judging = torch.from_numpy(np.stack([t.judging(width) for t in trees], 1)).to(logits.device)  # [4, B, T]
             tokens, parents, level, root = judging
             depth = max(max(t.depths) for t in trees)
@@ -397,7 +397,7 @@ class Verifier:
 
     def _node_seen(self, row, tree: Tree, attend: torch.Tensor) -> torch.Tensor:
         """The context of the row judging each node's children # [N, V] (or [V]: no penalty)."""
-        if self.cfg.penalty == 1:
+        if self.cfg.sampling.penalty == 1:
             return row.seen
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=row.seen.device)
         return tree_seen(row.seen, tokens, attend)
@@ -415,7 +415,8 @@ class Verifier:
         seen = self._node_seen(row, tree, attend)
         target = sampler.target(logits, seen)  # [N, V]
         if cfg.mode == "typical":
-            return typical_inputs(tree, sampler.full(logits, seen), cfg.typical_eps, cfg.typical_delta), target
+            spec = cfg.speculation
+            return typical_inputs(tree, sampler.full(logits, seen), spec.typical_eps, spec.typical_delta), target
         return sampled_inputs(tree, target, sampler), target
 
     def _walk(self, tree: Tree, host) -> tuple[list[int], list[int]]:

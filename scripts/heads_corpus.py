@@ -41,20 +41,21 @@ def clean_wikitext(line: str) -> str:
     return re.sub(r"\( ", "(", line).replace(" n't", "n't")
 
 
-def prompt_lines(sources: tuple[str, ...], min_words: int = 10) -> list[str]:
-    """Prose sentences of the sources: wikitext paragraphs and Shakespeare's speeches (blank-line
-    separated blocks, joined) split at sentence ends; headings, markup and ``<unk>`` left out."""
-    out = []
+def paragraphs(sources: tuple[str, ...]):
+    """The sources' prose blocks: wikitext paragraphs and Shakespeare's speeches (blank-line
+    separated, joined), headings and markup left out."""
     for rel in sources:
         text = (FIXTURES / rel).read_text(encoding="utf-8", errors="replace")
-        blocks = text.split("\n\n") if "shakespeare" in rel else text.splitlines()
-        for block in blocks:
+        for block in text.split("\n\n") if "shakespeare" in rel else text.splitlines():
             block = " ".join(block.split())
-            if block.startswith(("=", "<")):
-                continue
-            block = clean_wikitext(block) if "wikitext" in rel else block
-            out += [s for s in re.split(r"(?<=[.!?])\s+", block) if len(s.split()) >= min_words and "<unk>" not in s]
-    return out
+            if not block.startswith(("=", "<")):
+                yield clean_wikitext(block) if "wikitext" in rel else block
+
+
+def prompt_lines(sources: tuple[str, ...], min_words: int = 10) -> list[str]:
+    """Prose sentences of the sources' paragraphs, split at sentence ends, ``<unk>`` left out."""
+    return [s for block in paragraphs(sources) for s in re.split(r"(?<=[.!?])\s+", block)
+            if len(s.split()) >= min_words and "<unk>" not in s]
 
 
 def prompt_ids(tokenizer, lines: list[str], length: int, seed: int) -> torch.Tensor:
@@ -74,21 +75,14 @@ def window_ids(tokenizer, sources: tuple[str, ...], length: int, stride: int, ex
     each paragraph (cut at ``<unk>`` and headings), none equal to a row of ``exclude`` # [P, length]."""
     seen = {tuple(r) for r in exclude.tolist()}
     rows = []
-    for rel in sources:
-        text = (FIXTURES / rel).read_text(encoding="utf-8", errors="replace")
-        blocks = text.split("\n\n") if "shakespeare" in rel else text.splitlines()
-        for block in blocks:
-            block = " ".join(block.split())
-            if block.startswith(("=", "<")):
-                continue
-            block = clean_wikitext(block) if "wikitext" in rel else block
-            for piece in block.split("<unk>"):
-                ids = tokenizer(piece.strip()).input_ids
-                for start in range(0, len(ids) - length + 1, stride):
-                    window = tuple(ids[start:start + length])
-                    if window not in seen:
-                        seen.add(window)
-                        rows.append(window)
+    for block in paragraphs(sources):
+        for piece in block.split("<unk>"):
+            ids = tokenizer(piece.strip()).input_ids
+            for start in range(0, len(ids) - length + 1, stride):
+                window = tuple(ids[start:start + length])
+                if window not in seen:
+                    seen.add(window)
+                    rows.append(window)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
     return torch.tensor(rows, dtype=torch.long)[order]
 

@@ -63,9 +63,9 @@ def _median_ms(times: list[float]) -> float:
 
 def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int) -> dict:
     """Median ms per stage of the order-n grid (no back-off) and of the whole proposal."""
-    k = cfg.top_k
-    temperature = cfg.temperature
-    threshold = np.float32(cfg.eps_b ** (n - 1))
+    k = cfg.sampling.top_k
+    temperature = cfg.sampling.temperature
+    threshold = np.float32(cfg.dynamo.eps_b ** (n - 1))
     stages = {s: [] for s in ("topk", "lookup", "grid_threshold", "blur_otsu", "penalty_sample", "dynamic_propose")}
     cells_seen, live = [], []
     rng = np.random.default_rng(0)
@@ -78,7 +78,7 @@ def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int)
             cands = [top_candidates(lp, k, temperature) for lp in logps[:n]]
             t.append(time.perf_counter())
             if kernel == "dense":
-                mask = step._lookup(table, cands, cfg.alpha_c)
+                mask = step._lookup(table, cands, cfg.dynamo.alpha_c)
                 t.append(time.perf_counter())
                 grid = outer(cands) * mask
                 nz = grid[grid != 0]
@@ -94,11 +94,11 @@ def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int)
                 if kernel == "numba":
                     flat, count = numba_step.seen_cells(lay, ids)
                     t.append(time.perf_counter())
-                    flat, masked = numba_step.masked_values(lay, cands, flat, count, cfg.alpha_c)
+                    flat, masked = numba_step.masked_values(lay, cands, flat, count, cfg.dynamo.alpha_c)
                 else:
                     flat, count = sparse.seen_cells(lay, ids)
                     t.append(time.perf_counter())
-                    flat, masked = sparse.masked_values(lay, cands, flat, count, cfg.alpha_c)
+                    flat, masked = sparse.masked_values(lay, cands, flat, count, cfg.dynamo.alpha_c)
                 values = masked / np.float32(masked.sum(dtype=np.float64))
                 if threshold > 0:
                     keep = values > threshold
@@ -110,7 +110,7 @@ def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int)
                 cells_seen.append(masked.size)
             t.append(time.perf_counter())
             if flat.size:
-                values[repetition_cells(cands, seen, np.unravel_index(flat, (k,) * n))] /= np.float32(cfg.penalty)
+                values[repetition_cells(cands, seen, np.unravel_index(flat, (k,) * n))] /= np.float32(cfg.sampling.penalty)
                 np.unravel_index(flat[sample_index(values, rng)], (k,) * n)
             t.append(time.perf_counter())
             live.append(flat.size)

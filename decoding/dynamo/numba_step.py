@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import numba as nb
 import numpy as np
 
+from ..config import DecodeConfig
 from . import sparse
 from .numba_otsu import AUTO, otsu_keep
 from .sparse import blur_order, layout
@@ -112,11 +113,11 @@ def _scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def live(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
     """``sparse.live_cells`` with the blur and Otsu compiled."""
-    if cfg.static_threshold and threshold > 0:
+    if cfg.dynamo.static_threshold and threshold > 0:
         keep = values > threshold
         flat, values = flat[keep], values[keep]
-    if cfg.adaptive_threshold and flat.size:
-        blur = cfg.blur_kernel > 1
+    if cfg.dynamo.adaptive_threshold and flat.size:
+        blur = cfg.dynamo.blur_kernel > 1
         shape3 = np.array((1, *shape) if len(shape) == 2 else shape, np.int64)
         # opencv's axis order, in the 3-D view's numbering (order 2's axes are 1 and 2 there)
         axes = np.array([a + 3 - len(shape) for a in blur_order(len(shape))] if blur else [], np.int64)
@@ -134,7 +135,7 @@ def prepare(table, order: int) -> None:
     # candidate lists as the kernels read them (.ids, .probs): no import of step, which imports us
     cands = [SimpleNamespace(ids=ids, probs=np.full(ids.size, 0.5, np.float32)) for _ in range(order)]
     masked_cells(lay, cands, 1.0)  # one specialisation per count dtype; alpha is a runtime value
-    cfg = SimpleNamespace(static_threshold=False, adaptive_threshold=True, blur_kernel=3)
+    cfg = DecodeConfig(static_threshold=False, adaptive_threshold=True, blur_kernel=3)
     live(np.arange(2, dtype=np.int64), np.ones(2, np.float32), (2, 2, 2), cfg, np.float32(0))  # any order
 
 

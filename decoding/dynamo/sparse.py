@@ -37,12 +37,12 @@ _HALF, _QUARTER = np.float32(0.5), np.float32(0.25)
 def applies(cands, cfg, table) -> bool:
     """True when the sparse step computes exactly what the dense one does (see the module doc)."""
     order = len(cands)
-    if table is None or not hasattr(table, "inv_unigrams") or cfg.alpha_c <= 0 or table.absent != 0:
+    if table is None or not hasattr(table, "inv_unigrams") or cfg.dynamo.alpha_c <= 0 or table.absent != 0:
         return False
     if not 2 <= order <= min(3, table.max_order):
         return False
-    if cfg.adaptive_threshold and cfg.blur_kernel > 1:
-        if cfg.blur_kernel != 3 or min(c.ids.size for c in cands) < 2 or cands[-1].ids.size > 512:
+    if cfg.dynamo.adaptive_threshold and cfg.dynamo.blur_kernel > 1:
+        if cfg.dynamo.blur_kernel != 3 or min(c.ids.size for c in cands) < 2 or cands[-1].ids.size > 512:
             return False
     return True
 
@@ -256,11 +256,11 @@ def otsu_survivors(flat: np.ndarray, values: np.ndarray, shape: tuple[int, ...],
 
 def live_cells(flat: np.ndarray, values: np.ndarray, shape, cfg, threshold: np.float32):
     """Static threshold then Otsu on normalised seen cells, as ``step._live`` # -> flat, values."""
-    if cfg.static_threshold and threshold > 0:
+    if cfg.dynamo.static_threshold and threshold > 0:
         keep = values > threshold
         flat, values = flat[keep], values[keep]
-    if cfg.adaptive_threshold and flat.size:
-        kept = otsu_survivors(flat, values, shape, cfg.blur_kernel > 1)
+    if cfg.dynamo.adaptive_threshold and flat.size:
+        kept = otsu_survivors(flat, values, shape, cfg.dynamo.blur_kernel > 1)
         if kept.any():
             return flat[kept], values[kept]
     return flat, values

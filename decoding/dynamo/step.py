@@ -213,7 +213,7 @@ def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | Non
     """Alg. 1 lines 6-10 for order len(cands): outer product, co-occurrence mask, static
     threshold, blur + Otsu, repetition penalty. Returns the live cells (unnormalised)."""
     shape = tuple(c.ids.size for c in cands)
-    live, kernel = None, resolve_kernel(getattr(cfg, "dynamic_kernel", "dense"))
+    live, kernel = None, cfg.dynamo.kernel
     if kernel != "dense" and applies(cands, cfg, table):
         live = sparse_live(cands, cfg, table, kernel)  # None: no seen cell carries mass
     if live is None:
@@ -221,16 +221,16 @@ def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | Non
         kernel = "dense"
     else:
         flat, values = live
-    if cfg.penalty != 1 and seen is not None and flat.size:
-        values[repetition_cells(cands, seen, np.unravel_index(flat, shape))] /= np.float32(cfg.penalty)
+    if cfg.sampling.penalty != 1 and seen is not None and flat.size:
+        values[repetition_cells(cands, seen, np.unravel_index(flat, shape))] /= np.float32(cfg.sampling.penalty)
     return Cells(shape, flat, values, kernel)
 
 
 def _dense_live(cands: list[Candidates], cfg, table) -> tuple[np.ndarray, np.ndarray]:
     """The reference: the whole k^n grid, masked, thresholded, blurred and Otsu'd."""
-    threshold = np.float32(cfg.eps_b ** (len(cands) - 1))
-    grid = apply_mask(outer(cands), cands, table, cfg.alpha_c)  # [k]*order, cells >= 0
-    if cfg.static_threshold and threshold > 0:  # cells are >= 0: a zero threshold zeroes nothing
+    threshold = np.float32(cfg.dynamo.eps_b ** (len(cands) - 1))
+    grid = apply_mask(outer(cands), cands, table, cfg.dynamo.alpha_c)  # [k]*order, cells >= 0
+    if cfg.dynamo.static_threshold and threshold > 0:  # cells are >= 0: a zero threshold zeroes nothing
         grid[grid <= threshold] = 0.0
     return _live(grid, cfg)
 
@@ -239,8 +239,8 @@ def _live(grid: np.ndarray, cfg) -> tuple[np.ndarray, np.ndarray]:
     """Flat indices [m] and values [m] (a copy) of the non-zero cells Otsu keeps; all non-zero
     cells when Otsu is off or would keep none. Indexing through Otsu's boolean map is ~30x
     cheaper than np.flatnonzero on the float grid, and yields the same ascending indices."""
-    if cfg.adaptive_threshold and grid.max() > 0:
-        blurred = gaussian_blur(grid, cfg.blur_kernel) if cfg.blur_kernel > 1 else grid
+    if cfg.dynamo.adaptive_threshold and grid.max() > 0:
+        blurred = gaussian_blur(grid, cfg.dynamo.blur_kernel) if cfg.dynamo.blur_kernel > 1 else grid
         flat = np.flatnonzero(otsu_keep(blurred))
         values = grid.ravel()[flat]
         nonzero = values != 0  # a kept cell may have been zeroed by the static threshold
@@ -264,15 +264,15 @@ def sparse_live(cands, cfg, table, kernel: str):
     grid unmasked). ``kernel``: "numpy" or "numba"."""
     lay = layout(table, len(cands))
     shape = tuple(c.ids.size for c in cands)
-    threshold = np.float32(cfg.eps_b ** (len(cands) - 1))
+    threshold = np.float32(cfg.dynamo.eps_b ** (len(cands) - 1))
     ids = [c.ids for c in cands]
     if kernel == "numba":
         from . import numba_step  # lazy: numba is the optional [fast] extra, and importing it costs ~1 s
 
-        flat, masked = numba_step.masked_cells(lay, cands, cfg.alpha_c)
+        flat, masked = numba_step.masked_cells(lay, cands, cfg.dynamo.alpha_c)
     else:
         flat, count = seen_cells(lay, ids)
-        flat, masked = masked_values(lay, cands, flat, count, cfg.alpha_c)
+        flat, masked = masked_values(lay, cands, flat, count, cfg.dynamo.alpha_c)
     total = masked.sum(dtype=np.float64)  # the array the dense path sums: same numpy, same bits
     if not total > 0:
         return None
@@ -285,7 +285,7 @@ def sparse_live(cands, cfg, table, kernel: str):
 def prepare_kernel(cfg, table, order: int) -> None:
     """Before a generation's clock: build the table's lookup layouts and, for numba, compile (or
     load from its disk cache) the kernels, so that no step pays for either."""
-    kernel = resolve_kernel(getattr(cfg, "dynamic_kernel", "dense"))
+    kernel = cfg.dynamo.kernel
     if kernel == "dense" or table is None or not hasattr(table, "inv_unigrams") or table.absent != 0:
         return
     for n in range(2, min(order, table.max_order, 3) + 1):
@@ -316,7 +316,7 @@ def always_backs_off(cfg) -> bool:
     """eps_b = 1: no cell of any order's grid exceeds 1 = eps_b^(n-1) (a masked grid is
     renormalised, an unmasked one is a product of probabilities, the penalty only lowers cells,
     and the static threshold would zero them all anyway), so only head 1 is ever read."""
-    return cfg.eps_b >= 1 and (cfg.penalty >= 1 or cfg.static_threshold)
+    return cfg.dynamo.eps_b >= 1 and (cfg.sampling.penalty >= 1 or cfg.dynamo.static_threshold)
 
 
 def cannot_reach(cands, order: int, cfg, table) -> bool:
@@ -328,9 +328,9 @@ def cannot_reach(cands, order: int, cfg, table) -> bool:
     ``cands`` is called lazily (head index -> Candidates) so eps_b = 1 needs no top-k at all."""
     if always_backs_off(cfg):
         return True
-    threshold = np.float32(cfg.eps_b ** (order - 1))
-    if cfg.penalty < 1 or (threshold < 1 and table is not None and cfg.alpha_c != 0):
-        return threshold >= 1 and cfg.static_threshold  # >= 1 zeroes every cell of a masked grid
+    threshold = np.float32(cfg.dynamo.eps_b ** (order - 1))
+    if cfg.sampling.penalty < 1 or (threshold < 1 and table is not None and cfg.dynamo.alpha_c != 0):
+        return threshold >= 1 and cfg.dynamo.static_threshold  # >= 1 zeroes every cell of a masked grid
     if threshold >= 1:
         return True
     top = np.float32(1.0)
@@ -365,12 +365,12 @@ def dynamic_propose(candidates: list[Candidates], n: int, cfg, table, seen: np.n
         cands = [cand(h) for h in range(order)]
         cells = joint_cells(cands, cfg, table, seen)
         kernels.append(cells.kernel)
-        if (cells.values > np.float32(cfg.eps_b ** (order - 1))).any():
+        if (cells.values > np.float32(cfg.dynamo.eps_b ** (order - 1))).any():
             cell = np.unravel_index(cells.flat[sample_index(cells.values, rng)], cells.shape)
             return DynamicChoice([int(cands[a].ids[i]) for a, i in enumerate(cell)], order, backed_off, kernels)
         backed_off.append(order)
     first = cand(0)
-    probs = np.where(seen[first.ids], first.probs / cfg.penalty, first.probs)
+    probs = np.where(seen[first.ids], first.probs / cfg.sampling.penalty, first.probs)
     return DynamicChoice([int(first.ids[sample_index(probs, rng)])], 1, backed_off, kernels)
 
 
@@ -378,6 +378,6 @@ def dynamic_step(scores, cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
     """``dynamic_propose`` from the n heads' scores at the anchor # n x [V] (log-probs or raw
     logits: only their top-k is read), the heads it reads stacked and read in one transfer."""
     n = len(scores)
-    k = min(cfg.top_k, scores[0].shape[-1])
+    k = min(cfg.sampling.top_k, scores[0].shape[-1])
     rows = torch.stack([scores[h] for h in range(heads_needed(cfg, n))])  # [m, V]
-    return dynamic_propose(head_candidates(rows, k, cfg.temperature if cfg.temperature > 0 else 1.0), n, cfg, table, seen, rng)
+    return dynamic_propose(head_candidates(rows, k, cfg.sampling.grid_temperature), n, cfg, table, seen, rng)

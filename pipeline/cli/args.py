@@ -6,8 +6,8 @@ command line's default where it differs from the library's, e.g. ``--threads``).
 become ``--name/--no-name`` switches. Tuple fields take space-separated values; numeric ones
 also take ``start:stop:step`` ranges as one token (stop included): ``--eps-b 0 0.5 1`` or
 ``--eps-b 0:1:0.1``. Each config class is shown under a plain-words title (``TITLES``). A field
-made by ``config_io.nested`` holds another config (sweep's ``DecodeConfig``): its fields become
-flags of the same names, under that config's title. The resolved dataclass is what commands
+made by ``config_io.nested`` holds another config (sweep's ``DecodeConfig``, ``DecodeConfig``'s
+groups): its fields become flags of the same names, under that config's title. The resolved dataclass is what commands
 save next to their outputs (a nested config as a nested object).
 """
 
@@ -25,6 +25,10 @@ from multitoken.base.config_io import expand_range, finite
 TITLES = {
     "GenerateConfig": "prompt and output",
     "DecodeConfig": "decoding",
+    "Sampling": "sampling",
+    "DynamoOptions": "DynaMo (--mode dynamic; joint drafts)",
+    "Speculation": "speculation (--mode speculative / typical)",
+    "TreeOptions": "trees (--mode speculative / typical)",
     "BackboneConfig": "base model",
     "AttachConfig": "heads to create",
     "ConvertLlama2cConfig": "checkpoint to convert",
@@ -111,10 +115,12 @@ def _flag_fields(cls, exclude=(), only=None, meta=None, instance=None):
     config's fields (``config_io.nested``) come flattened, after the outer ones."""
     out, inner = [], []
     for f in dataclasses.fields(cls):
-        if f.name in exclude or not f.init or (only is not None and f.name not in only):
+        if f.name in exclude or not f.init:
             continue
-        if "nested" in f.metadata:
+        if "nested" in f.metadata:  # its own fields are filtered by ``only`` where it is added
             inner.append(f)
+            continue
+        if only is not None and f.name not in only:
             continue
         out.append((f, {**f.metadata, **(meta or {}).get(f.name, {})}, _field_default(f, instance)))
     return out, inner
@@ -132,8 +138,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "", e
         add_flag(group, f.name, hints[f.name], meta_, meta_.get("cli_default", default), prefix=prefix)
     for f in inner:
         sub = _field_default(f, instance)
-        spec = f.metadata["nested"]
-        add_dataclass_args(parser, type(sub), prefix, only=spec["flags"], meta=spec["meta"], instance=sub)
+        spec = f.metadata["nested"]  # a group without its own flag subset takes the outer one
+        add_dataclass_args(parser, type(sub), prefix, only=spec["flags"] if spec["flags"] is not None else only,
+                           meta={**(meta or {}), **spec["meta"]}, instance=sub)
 
 
 def add_flag(group, name: str, hint, meta, default, *, prefix: str = "", dest: str | None = None) -> None:
@@ -183,7 +190,8 @@ def dataclass_from_args(cls, ns: argparse.Namespace, prefix: str = "", *, only=N
             continue
         if "nested" in f.metadata:
             sub = _field_default(f, instance)
-            values[f.name] = dataclass_from_args(type(sub), ns, prefix, only=f.metadata["nested"]["flags"], instance=sub)
+            flags = f.metadata["nested"]["flags"]
+            values[f.name] = dataclass_from_args(type(sub), ns, prefix, only=flags if flags is not None else only, instance=sub)
             continue
         key = prefix + f.name
         if hasattr(ns, key) and (only is None or f.name in only):

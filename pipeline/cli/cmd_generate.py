@@ -74,7 +74,7 @@ def _note_order_cap(decode, model, table) -> None:
 
     speculative = decode.mode in ("speculative", "typical")
     # a tree reads every head (its candidates are the heads' own guesses, not the joint's)
-    joint = speculative and decode.tree == "chain" and pick_drafter(decode.drafter, model.heads, table) is joint_drafts
+    joint = speculative and decode.trees.tree == "chain" and pick_drafter(decode.speculation.drafter, model.heads, table) is joint_drafts
     cap = stats_order_cap(decode, model.n_future, table, joint)
     if cap:
         from multitoken.stats.format import MAX_ORDER  # lazy: numpy, only when a cap applies

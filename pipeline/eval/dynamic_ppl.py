@@ -36,7 +36,7 @@ class DynamicPPL:
         self.eps_b = list(eps_b)
         self.n = model.n_future
         self.cfg = decode_cfg or DecodeConfig(mode="dynamic")
-        self.k = min(self.cfg.top_k or 50, model.backbone.vocab_size)
+        self.k = min(self.cfg.sampling.top_k or 50, model.backbone.vocab_size)
         self.vocab = model.backbone.vocab_size
         self.table = table
         self.budget = budget
@@ -72,7 +72,7 @@ class DynamicPPL:
     def _candidates(self, vals: torch.Tensor, idx: torch.Tensor) -> list[list[Candidates]]:
         """Every position's candidates for one head # [R, T, k] -> R x T: one top-k call over the
         stored top-k (re-sorted as the proposal sorts them), ids mapped back to the vocabulary."""
-        temperature = self.cfg.temperature if self.cfg.temperature > 0 else 1.0
+        temperature = self.cfg.sampling.grid_temperature
         r, t, k = vals.shape
         flat = head_candidates(vals.reshape(r * t, k), k, temperature)
         ids = idx.reshape(r * t, k).numpy()

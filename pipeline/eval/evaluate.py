@@ -288,7 +288,7 @@ class _MarginalSums:
 def _dynamic_state(cfg: EvalConfig, model):
     table = load_stats(cfg.stats, model.backbone.tokenizer)
     decode = DecodeConfig(mode="dynamic")  # DynamicPPL's own settings: its k^n grid must fit
-    decode.top_k = min(decode.top_k, model.backbone.vocab_size)
+    decode.sampling.top_k = min(decode.sampling.top_k, model.backbone.vocab_size)
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
                     max_order=stats_order_cap(decode, model.n_future, table, False))
     return DynamicPPL(cfg.eps_b, model, decode, table=table, budget=cfg.dynamic_tokens)

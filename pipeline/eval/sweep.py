@@ -294,11 +294,11 @@ def run_hf_sample(backbone, prompt_ids: list[int], decode_cfg, nll=continuation_
     ``run_once``. Its repetition penalty is transformers' logit form (see the module docstring)."""
     ids = torch.tensor([prompt_ids], device=backbone.device)
     tok = backbone.tokenizer
-    torch.manual_seed(decode_cfg.seed)  # transformers draws from torch's global generator
+    torch.manual_seed(decode_cfg.sampling.seed)  # transformers draws from torch's global generator
     cpu, wall = time.process_time(), time.perf_counter()
     out = backbone.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, num_beams=1,
-                                  max_new_tokens=decode_cfg.max_new_tokens, temperature=decode_cfg.temperature,
-                                  top_k=decode_cfg.top_k, top_p=1.0, repetition_penalty=decode_cfg.penalty,
+                                  max_new_tokens=decode_cfg.max_new_tokens, temperature=decode_cfg.sampling.temperature,
+                                  top_k=decode_cfg.sampling.top_k, top_p=1.0, repetition_penalty=decode_cfg.sampling.penalty,
                                   pad_token_id=getattr(tok, "eos_token_id", None))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     new = out[0, ids.shape[1]:].tolist()
@@ -346,7 +346,7 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
         point["theory"] = theory(point, model.n_future, c)
         points.append(_judged(point, ar))
     hf = _judged({"config": "hf-sample", **_summarise(hf_runs, ar_runs)}, ar) if hf_runs else None
-    sampling = {"temperature": base_cfg.temperature, "top_k": base_cfg.top_k, "repetition_penalty": base_cfg.penalty,
+    sampling = {"temperature": base_cfg.sampling.temperature, "top_k": base_cfg.sampling.top_k, "repetition_penalty": base_cfg.sampling.penalty,
                 "max_new_tokens": base_cfg.max_new_tokens, "seeds": list(range(cfg.seeds))}
     return {"prompts": prompts, "seeds": cfg.seeds, "eps_b": grid, "n_future": model.n_future, "draft_cost_ratio": c,
             "sampling": sampling, "ar": ar, "hf_sample": hf, "points": points, "same_quality_rule": SAME_QUALITY_RULE,

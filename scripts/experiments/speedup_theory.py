@@ -1,7 +1,7 @@
 """Claim 6 (speculative sampling, Leviathan et al.; Medusa trees): the speed-up the theory
 predicts from measured acceptance, next to the one measured, for chain and tree verification.
 
-Predictions (``pipeline.eval.speedup``, ``decoding.tree.expected_accepted``):
+Predictions (``pipeline.eval.speedup``, ``decoding.trees.expected_accepted``):
 - from held-out teacher-forced accuracies (``evaluate``: head d's top-1, and its per-rank
   accuracies): chain E[tokens / step] = 1 + sum_k prod_{i<=k} acc_i; static tree = 1 + the
   tree's expected accepted drafts (Medusa's rule, the sum of its nodes' path products);
@@ -43,7 +43,7 @@ def decode_all(model, prompts: list[str], seeds: int, cfg, tree_accuracies=None)
     tok = model.backbone.tokenizer
     total = {"new_tokens": 0, "forwards": 0, "cpu_s": 0.0, "wall_s": 0.0, "accepted": {}}
     for prompt in prompts:
-        for seed in range(seeds if not cfg.greedy else 1):  # greedy: one run per prompt
+        for seed in range(seeds if not cfg.sampling.greedy else 1):  # greedy: one run per prompt
             cpu = time.process_time()
             trace = generate(model, tok(prompt)["input_ids"], replace(cfg, seed=seed), tree_accuracies=tree_accuracies).trace
             total["cpu_s"] += time.process_time() - cpu

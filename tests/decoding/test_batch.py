@@ -27,7 +27,7 @@ def encode(backbone, texts=TEXTS) -> list[list[int]]:
 
 
 def alone(model, prompts, cfg, seeds=None, **kwargs) -> list[list[int]]:
-    seeds = seeds or [cfg.seed] * len(prompts)
+    seeds = seeds or [cfg.sampling.seed] * len(prompts)
     return [generate(model, p, DecodeConfig(**{**cfg.__dict__, "seed": s}), **kwargs).token_ids for p, s in zip(prompts, seeds)]
 
 
@@ -77,7 +77,7 @@ def test_rows_accepting_everything_nothing_and_some_in_one_batch(tiny_backbones,
     produced = {0: [], 1: [], 2: []}  # tokens final so far per row (on_tokens)
 
     def drafter(heads, first, g, row_, run):
-        row = row_.cfg.seed  # the seeds name the rows here
+        row = row_.cfg.sampling.seed  # the seeds name the rows here
         if row == 0:  # ``first`` is the token after the ones produced so far
             done = len(produced[0])
             return Drafts(torch.tensor(refs[0][done + 1: done + 1 + g]), None)

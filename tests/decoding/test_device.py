@@ -336,4 +336,4 @@ def test_a_whole_run_stays_on_the_device_and_reads_it_a_fixed_number_of_times_pe
     assert len(first) == after_prompt and len(later) >= 3, mode.steps
     assert all(len(reads) == per_step for reads in later), mode.steps
     if cfg.mode == "dynamic":  # the top-k of every row's heads it reads, in one read: eps_b = 1 reads head 1 only
-        assert all(reads == [(rows * (1 if cfg.eps_b == 1 else 3), 2, 4)] for reads in later), mode.steps
+        assert all(reads == [(rows * (1 if cfg.dynamo.eps_b == 1 else 3), 2, 4)] for reads in later), mode.steps

@@ -24,11 +24,11 @@ SETTINGS = {"temperature": 0.9, "top_k": 3, "repetition_penalty": 3.0}
 
 
 def test_default_penalty_is_dynamos_when_sampling_and_off_when_greedy():
-    assert DecodeConfig().repetition_penalty is None
-    assert DecodeConfig().penalty == 1.1 and DecodeConfig(greedy=True).penalty == 1.0
-    assert DecodeConfig(greedy=True, repetition_penalty=2.0).penalty == 2.0
-    assert DecodeConfig(repetition_penalty=1.0).resolved().repetition_penalty == 1.0
-    assert DecodeConfig(greedy=True).resolved().repetition_penalty == 1.0
+    assert DecodeConfig().sampling.repetition_penalty is None
+    assert DecodeConfig().sampling.penalty == 1.1 and DecodeConfig(greedy=True).sampling.penalty == 1.0
+    assert DecodeConfig(greedy=True, repetition_penalty=2.0).sampling.penalty == 2.0
+    assert DecodeConfig(repetition_penalty=1.0).resolved().sampling.repetition_penalty == 1.0
+    assert DecodeConfig(greedy=True).resolved().sampling.repetition_penalty == 1.0
 
 
 @pytest.mark.parametrize("greedy,expected", [(False, 1.1), (True, 1.0)])
@@ -133,7 +133,7 @@ def exact_sequences(backbone, prompt: list[int], length: int, **s) -> np.ndarray
 def sample_counts(model, runs: int, length: int, **kwargs) -> np.ndarray:
     v = model.backbone.vocab_size
     counts = np.zeros([v] * length)
-    decode = {k: kwargs.pop(k) for k in list(kwargs) if k in DecodeConfig.__dataclass_fields__}
+    decode = {k: kwargs.pop(k) for k in list(kwargs) if k in DecodeConfig.settings()}
     for seed in range(runs):
         cfg = DecodeConfig(max_new_tokens=length, seed=seed, stop_at_eos=False, **SETTINGS, **decode)
         counts[tuple(generate(model, PROMPT, cfg, **kwargs).token_ids)] += 1

@@ -317,7 +317,7 @@ def test_typical_tree_runs_and_chain_stays_the_default(tiny_backbones):
     ids = tiny_backbones["llama"].tokenizer(PROMPTS[1], return_tensors="pt").input_ids
     res = generate(model, ids, DecodeConfig(mode="typical", max_new_tokens=12, tree="dynamic", tree_nodes="6", seed=3))
     assert len(res.token_ids) == 12 and res.trace.tree == "dynamic"
-    assert DecodeConfig().tree == "chain" and generate(model, ids, DecodeConfig(max_new_tokens=4)).trace.tree == "chain"
+    assert DecodeConfig().trees.tree == "chain" and generate(model, ids, DecodeConfig(max_new_tokens=4)).trace.tree == "chain"
 
 
 def test_a_batch_of_tree_rows_equals_each_row_alone(tiny_backbones):

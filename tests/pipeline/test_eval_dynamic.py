@@ -52,6 +52,6 @@ def test_batched_candidates_equal_the_proposals_own_top_k(tiny_model):
         cands = dyn._candidates(sc.top_vals.cpu(), sc.top_ids.cpu())
         for b in range(2):
             for t in (0, 5, 11):
-                ref = head_candidates(logps[i][b, t][None], dyn.k, dyn.cfg.temperature)[0]
+                ref = head_candidates(logps[i][b, t][None], dyn.k, dyn.cfg.sampling.temperature)[0]
                 assert (cands[b][t].ids == ref.ids).all()
                 assert abs(cands[b][t].probs - ref.probs).max() <= 1e-6

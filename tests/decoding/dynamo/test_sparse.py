@@ -81,7 +81,7 @@ def otsu_numba(flat, values, shape, blur):
 
     from multitoken.decoding.dynamo import numba_step
 
-    cfg = SimpleNamespace(static_threshold=False, adaptive_threshold=True, blur_kernel=3 if blur else 0)
+    cfg = DecodeConfig(static_threshold=False, adaptive_threshold=True, blur_kernel=3 if blur else 0)
     kept_flat, _ = numba_step.live(flat, values, shape, cfg, np.float32(0))
     return np.isin(flat, kept_flat)
 

@@ -40,11 +40,11 @@ def test_eps_b_one_backs_off_every_step_and_zero_never(tiny_backbones):
 
 def reference_grid(logps, cfg, ratio, seen):
     """Alg. 1 at n = 2 written out directly: the distribution the sampler must follow."""
-    k, t, thr = cfg.top_k, cfg.temperature, cfg.eps_b
+    k, t, thr = cfg.sampling.top_k, cfg.sampling.temperature, cfg.dynamo.eps_b
     tops = [torch.topk(lp, k) for lp in logps]
     probs = [torch.softmax(v.double() / t, -1).numpy() for v, _ in tops]
     ids = [i.numpy() for _, i in tops]
-    grid = np.outer(*probs) * ratio[np.ix_(*ids)] ** cfg.alpha_c
+    grid = np.outer(*probs) * ratio[np.ix_(*ids)] ** cfg.dynamo.alpha_c
     grid = grid / grid.sum()
     grid[grid <= thr] = 0
     blurred = cv2.GaussianBlur(grid, (3, 3), 0)
@@ -52,7 +52,7 @@ def reference_grid(logps, cfg, ratio, seen):
     otsu, _ = cv2.threshold(img, 0, 255, cv2.THRESH_BINARY | cv2.THRESH_OTSU)
     grid = np.where(img > otsu, grid, 0)
     rep = seen[ids[0]][:, None] | seen[ids[1]][None, :] | (ids[0][:, None] == ids[1][None, :])
-    grid = np.where(rep, grid / cfg.repetition_penalty, grid)
+    grid = np.where(rep, grid / cfg.sampling.repetition_penalty, grid)
     return ids, grid / grid.sum()
 
 
