@@ -22,7 +22,8 @@ import torch
 
 from .dynamo.step import Candidates, dynamic_propose, head_candidates, heads_needed, joint_cells, sample_index
 from .sampling import penalised_logits, with_tokens
-from .trees import Shape, Tree, auto_budget, best_first, joint_tree, parse_nodes, read_accuracies, MAX_RANKS
+from .trees import (MAX_RANKS, Shape, Tree, attend_rows, auto_budget, best_first, joint_tree, parse_nodes,
+                    read_accuracies, right_aligned)
 from multitoken.base.errors import UsageError
 
 
@@ -414,24 +415,8 @@ class Trees:
             trees[j] = self.tree(host[slot], roots[j], depths[live.index(j)], rows[j])
         trees = [trees[j] for j in live]
         width = max(len(t) for t in trees)
-        ids = torch.from_numpy(_right_aligned([t.tokens for t in trees], width)).to(self.run.device)
+        ids = torch.from_numpy(right_aligned([t.tokens for t in trees], width)).to(self.run.device)
         attend = torch.from_numpy(attend_rows(trees, width)).to(self.run.device)
-        offsets = torch.from_numpy(_right_aligned([t.depths for t in trees], width)).to(self.run.device)
+        offsets = torch.from_numpy(right_aligned([t.depths for t in trees], width)).to(self.run.device)
         return Proposal(ids, [len(t) for t in trees], commits, no, trees, attend, offsets)
 
-
-def attend_rows(trees: list[Tree], width: int) -> np.ndarray:
-    """Each tree's ancestor mask right-aligned in a [B, width, width] bool array (pads: none)."""
-    out = np.zeros((len(trees), width, width), dtype=bool)
-    for row, tree in enumerate(trees):
-        off = width - len(tree)
-        out[row, off:, off:] = tree.ancestors()
-    return out
-
-
-def _right_aligned(rows: list[list[int]], width: int) -> np.ndarray:
-    """Lists right-aligned in a [B, width] int64 array (pads 0)."""
-    out = np.zeros((len(rows), width), dtype=np.int64)
-    for row, values in enumerate(rows):
-        out[row, width - len(values):] = values
-    return out

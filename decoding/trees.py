@@ -293,3 +293,20 @@ def joint_tree(ids: np.ndarray, probs: np.ndarray, root: int, budget: int, cells
         if covered <= d < depth:  # its first child, from the next head
             heapq.heappush(frontier, (neg * probs[d, 0], d + 1, node, 0))
     return Tree(tokens, parents, depths, ranks)
+
+
+def attend_rows(trees: list[Tree], width: int) -> np.ndarray:
+    """Each tree's ancestor mask right-aligned in a [B, width, width] bool array (pads: none)."""
+    out = np.zeros((len(trees), width, width), dtype=bool)
+    for row, tree in enumerate(trees):
+        off = width - len(tree)
+        out[row, off:, off:] = tree.ancestors()
+    return out
+
+
+def right_aligned(rows: list[list[int]], width: int) -> np.ndarray:
+    """Lists right-aligned in a [B, width] int64 array (pads 0)."""
+    out = np.zeros((len(rows), width), dtype=np.int64)
+    for row, values in enumerate(rows):
+        out[row, width - len(values):] = values
+    return out

@@ -9,7 +9,8 @@ Steps (each skipped when its output already exists in --work-dir):
    wikitext-2 valid's paragraphs and every 48 inside Shakespeare's speeches (``--more-prompts``);
    the trunk's and the final norm's states are kept while it generates;
 3. train 3 replicated heads (heads 2..3 copies of the final layer) and 3 Medusa heads on those
-   states (``heads_fast.py``: heads only, the softmax over the corpus's vocabulary);
+   states (``heads_fast.py``: heads only, the softmax over the corpus's vocabulary); the shipped
+   Medusa heads are still those of the first part alone (8 epochs: their build report says so);
 4. measure every head on the held-out text over the full vocabulary (top-1 / top-5, accuracy
    per rank -> ``rank_accuracy.json``, which shapes ``--tree static``);
 5. write both heads dirs in bfloat16 into the package (``pipeline/embedded/SmolLM2-135M-Instruct-*``)
@@ -47,8 +48,8 @@ def add_args(p) -> None:
                    help="further training prompts: windows inside wikitext-2 valid's paragraphs, then Shakespeare's")
     g.add_argument("--heldout-prompts", type=int, default=200)
     g.add_argument("--new-tokens", type=int, default=64, help="tokens the base adds to each prompt")
-    g.add_argument("--epochs", type=float, default=8.0, help="passes over the training text, replicated heads")
-    g.add_argument("--medusa-epochs", type=float, default=8.0)
+    g.add_argument("--epochs", type=float, default=3.0, help="passes over the training text, replicated heads")
+    g.add_argument("--medusa-epochs", type=float, default=4.0)
     g.add_argument("--heads-lr", type=float, default=1e-3)
     g.add_argument("--medusa-lr", type=float, default=1e-3)
     g.add_argument("--threads", type=int, default=1, help="torch threads (one avoids OpenMP stalls on a shared machine)")

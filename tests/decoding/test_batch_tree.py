@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from multitoken.decoding.engine import generate_batch
-from multitoken.decoding.drafts import Trees, attend_rows, left_pad
+from multitoken.decoding.drafts import Trees, left_pad
+from multitoken.decoding.trees import attend_rows
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.decoding.trees import Tree
