@@ -17,7 +17,6 @@ finished row leaves the batch before the next pass.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..config import resolve_kernel
 from .sparse import applies, layout, live_cells, masked_values, seen_cells
 
 
