@@ -29,6 +29,9 @@ class Features:
     base: torch.Tensor  # head 1's hidden: final_norm(final_layer(trunk)), what the unembedding sees
     layer_states: tuple[torch.Tensor, ...]  # outputs of layers 1..L-1 (only when an adapter asks)
     ctx: object  # backbone.LayerContext: mask / positions to run more layers on the same tokens
+    # [B, T] the token at t+1 after each position, for heads that read it (``needs_next_tokens``):
+    # the text's own next token where it is known, else the base model's argmax there
+    next_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -84,6 +87,8 @@ class HeadAdapter(nn.Module):
     # Drafts tokens 2..n one at a time, each conditioned on the ones before
     # (``conditional_log_probs(e, prefix)``, CP's eqs. 11-13); others draft each head independently.
     supports_sequential_drafts = False
+    # Reads ``Features.next_ids`` (the token at t+1): the pipeline fills it only for such heads.
+    needs_next_tokens = False
 
     def __init__(self, config, backbone):
         super().__init__()

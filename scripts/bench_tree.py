@@ -3,7 +3,8 @@ against static and dynamic candidate trees at node budgets 4 / 8 / 16 / 32 / 64 
 beside transformers' greedy and prompt-lookup ``generate``; on the embedded stories260K model
 with its shipped heads (bench_decode.py's story prompts) and, with ``--pythia-heads DIR``, on
 pythia-mini with trained heads (its pile prompts); with ``--smollm2``, on the real SmolLM2-135M
-with its shipped heads and stats (DynaMo's Table 7 prompts). Every row must reproduce transformers'
+with its shipped token-conditioned heads (the best greedy drafts; ``--smollm2-heads`` for others) and
+stats (DynaMo's Table 7 prompts). Every row must reproduce transformers'
 greedy output (``identical``). With stats (the embedded model's), ``dynamic_joint_N`` rows rank
 the dynamic tree's paths by DynaMo's co-occurrence-masked joint (the joint drafter's scores).
 
@@ -28,7 +29,7 @@ import torch
 from bench_common import best_of
 from bench_decode import FIXTURES, PROMPTS, hf_runner, load, open_table, our_runner, over_prompts
 from multitoken.decoding.config import DecodeConfig
-from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS, SMOLLM2, SMOLLM2_HEADS, SMOLLM2_STATS
+from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS, SMOLLM2, SMOLLM2_CONDITIONED, SMOLLM2_STATS
 from multitoken.pipeline.eval.sweep import TABLE7_PROMPTS
 
 BUDGETS = (4, 8, 16, 32, 64)
@@ -50,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--tpf-only", action="store_true", help="tokens per forward only: one repetition, no transformers rows")
     p.add_argument("--smollm2", action="store_true", help="also the real model, SmolLM2-135M-Instruct (`multitoken fetch smollm2`), "
                    "with its shipped heads and stats, on DynaMo's Table 7 prompts (none in the heads' training text)")
-    p.add_argument("--smollm2-heads", default=str(SMOLLM2_HEADS))
+    p.add_argument("--smollm2-heads", default=str(SMOLLM2_CONDITIONED),
+                   help="heads dir for the SmolLM2 rows (default: the shipped token-conditioned heads)")
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded stories260K rows")
     p.add_argument("--cpu-linear", nargs="+", default=["packed"], choices=("packed", "stock"),
                    help="the kernels of every row, transformers' included (the same model object); several: "

@@ -11,9 +11,10 @@ Steps (each skipped when its output already exists in --work-dir):
 3. train 3 replicated heads (heads 2..3 copies of the final layer) and 3 Medusa heads on those
    states (``heads_fast.py``: heads only, the softmax over the corpus's vocabulary); the shipped
    Medusa heads are still those of the first part alone (8 epochs: their build report says so);
+   then 3 token-conditioned heads, warm-started from the replicated ones (``--conditioned-epochs``);
 4. measure every head on the held-out text over the full vocabulary (top-1 / top-5, accuracy
    per rank -> ``rank_accuracy.json``, which shapes ``--tree static``);
-5. write both heads dirs in bfloat16 into the package (``pipeline/embedded/SmolLM2-135M-Instruct-*``)
+5. write the three heads dirs in bfloat16 into the package (``pipeline/embedded/SmolLM2-135M-Instruct-*``)
    with a build report, and the co-occurrence stats of the distilled text plus the fixtures'
    corpora (``multitoken stats build``, orders 1-3).
 
@@ -38,7 +39,11 @@ quiet_dependencies()  # dependencies' progress bars and notices off, as in the C
 HEADS = {
     "heads": {"head_type": "replicated", "n_future": 3, "init": "copy"},
     "medusa": {"head_type": "medusa", "n_future": 3},
+    "conditioned": {"head_type": "conditioned", "n_future": 3, "init": "copy"},
 }
+# Conditioned heads start from this build's trained replicated heads (their token projections
+# at zero: the same heads), then learn to read token t+1.
+WARM_START = {"conditioned": "heads"}
 
 
 def add_args(p) -> None:
@@ -52,6 +57,8 @@ def add_args(p) -> None:
     g.add_argument("--medusa-epochs", type=float, default=4.0)
     g.add_argument("--heads-lr", type=float, default=1e-3)
     g.add_argument("--medusa-lr", type=float, default=1e-3)
+    g.add_argument("--conditioned-epochs", type=float, default=2.0)
+    g.add_argument("--conditioned-lr", type=float, default=2e-3)
     g.add_argument("--threads", type=int, default=1, help="torch threads (one avoids OpenMP stalls on a shared machine)")
 
 
@@ -80,9 +87,11 @@ def train_heads(backbone, kind: str, train: dict, held: dict, work: Path, args) 
         return json.loads(report_path.read_text())
     torch.manual_seed(0)
     model = MultiTokenModel.attach(backbone, HEADS[kind])
+    if kind in WARM_START:
+        warm_start(model, work / WARM_START[kind])
     before = fast.accuracy(model, held)["summary"]
-    lr = args.heads_lr if kind == "heads" else args.medusa_lr
-    epochs = args.epochs if kind == "heads" else args.medusa_epochs
+    lr = {"heads": args.heads_lr, "medusa": args.medusa_lr, "conditioned": args.conditioned_lr}[kind]
+    epochs = {"heads": args.epochs, "medusa": args.medusa_epochs, "conditioned": args.conditioned_epochs}[kind]
     run = fast.train(model, train, fast.FastTrainConfig(epochs=epochs, lr=lr), log=lambda r: print(kind, r, flush=True))
     after = fast.accuracy(model, held)
     model.save_heads(out)
@@ -92,6 +101,17 @@ def train_heads(backbone, kind: str, train: dict, held: dict, work: Path, args) 
               "history": run["history"]}
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def warm_start(model, heads_dir: Path) -> None:
+    """Load another heads dir's weights into ``model``'s heads; only the new token projections
+    may be missing from it."""
+    from safetensors.torch import load_file
+
+    weights = load_file(heads_dir / "heads.safetensors")
+    missing, unexpected = model.heads.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    if unexpected or any(not k.startswith("next_proj.") for k in missing):
+        raise SystemExit(f"cannot warm-start from {heads_dir}: missing {missing}, unexpected {unexpected}")
 
 
 def build_stats(tokenizer_dir: Path, texts: list[Path], dest: Path, work: Path) -> None:
@@ -121,11 +141,13 @@ multitoken under Apache-2.0.
 
 def asset_readme(kind: str, report: dict) -> str:
     acc = report["heldout_trained"]
-    title = {"heads": "3 replicated heads", "medusa": "3 Medusa heads"}[kind]
+    title = {"heads": "3 replicated heads", "medusa": "3 Medusa heads", "conditioned": "3 token-conditioned heads"}[kind]
     return (f"# {title} for SmolLM2-135M-Instruct\n\nBuilt by `python scripts/build_heads.py --model smollm2` "
             f"(see scripts/build_real_heads.py): {report['epochs']:g} epochs at lr {report['lr']:g} over "
             f"{report['train']['tokens_seen'] / report['epochs']:,.0f} tokens of self-distilled text, "
-            f"{report['train']['seconds']:.0f} s on a 2-core CPU. Tensors in bfloat16.\n\n"
+            f"{report['train']['seconds']:.0f} s on a 2-core CPU"
+            + (f", warm-started from this build's {HEADS[WARM_START[kind]]['head_type']} heads" if kind in WARM_START else "")
+            + ". Tensors in bfloat16.\n\n"
             f"Held-out greedy text (continuations of wikitext-2 test prompts, {acc['positions']:,} positions), "
             f"top-1 / top-5: head 2 {acc['head2/top1']:.3f} / {acc['head2/top5']:.3f}, "
             f"head 3 {acc['head3/top1']:.3f} / {acc['head3/top5']:.3f} (head 1 is the base model).\n"
@@ -134,7 +156,7 @@ def asset_readme(kind: str, report: dict) -> str:
 
 
 def main(args, repo: Path) -> int:
-    from multitoken.embedded import SMOLLM2_HEADS, SMOLLM2_MEDUSA, SMOLLM2_STATS
+    from multitoken.embedded import SMOLLM2_CONDITIONED, SMOLLM2_HEADS, SMOLLM2_MEDUSA, SMOLLM2_STATS
     from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
     from multitoken.pipeline.model.fetch import fetch
 
@@ -155,7 +177,7 @@ def main(args, repo: Path) -> int:
     train_data = {name: torch.cat([part[name] for part in loaded]) for name in loaded[0]}
     held_data = torch.load(held)
     reports = {kind: train_heads(backbone, kind, train_data, held_data, work, args) for kind in HEADS}
-    for kind, dest in (("heads", SMOLLM2_HEADS), ("medusa", SMOLLM2_MEDUSA)):
+    for kind, dest in (("heads", SMOLLM2_HEADS), ("medusa", SMOLLM2_MEDUSA), ("conditioned", SMOLLM2_CONDITIONED)):
         fast.save_bf16(work / kind, dest)
         shutil.copy(work / kind / "build_report.json", dest / "build_report.json")
         (dest / "README.md").write_text(asset_readme(kind, reports[kind]))

@@ -16,6 +16,7 @@ EMBEDDED_STATS = EMBEDDED_DIR / "stories260K-stats"  # co-occurrence stats of it
 SMOLLM2 = "SmolLM2-135M-Instruct"
 SMOLLM2_HEADS = EMBEDDED_DIR / f"{SMOLLM2}-heads"  # 3 replicated heads (bf16)
 SMOLLM2_MEDUSA = EMBEDDED_DIR / f"{SMOLLM2}-medusa"  # 3 Medusa heads (bf16)
+SMOLLM2_CONDITIONED = EMBEDDED_DIR / f"{SMOLLM2}-conditioned"  # 3 token-conditioned heads (bf16)
 SMOLLM2_STATS = EMBEDDED_DIR / f"{SMOLLM2}-stats"  # co-occurrence stats of its tokenizer
 
 

@@ -367,22 +367,32 @@ def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches, lengths: list
     return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=rotary)
 
 
-def _run_layers(model, hidden: torch.Tensor, ctx, caches: DecodeCaches, heads_upto: int | None):
-    """The backbone's layers, then the head layers up to ``heads_upto`` # -> (Features, {head: [B, T, H]})."""
-    bb, heads = model.backbone, model.heads
-    states = []
+def _run_backbone(model, hidden: torch.Tensor, ctx, caches: DecodeCaches) -> Features:
+    """The backbone's layers and final norm over the new positions # -> Features."""
+    bb, states = model.backbone, []
     for layer in bb.layers[:-1]:
         hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)
-        if heads.needs_layer_states:
+        if model.heads.needs_layer_states:
             states.append(hidden)
     base = bb.final_norm(bb.run_layer(bb.layers[-1], hidden, ctx, caches.backbone))  # [B, T, H]
-    feats = Features(trunk=hidden, base=base, layer_states=tuple(states), ctx=ctx)
-    hiddens = {}
+    return Features(trunk=hidden, base=base, layer_states=tuple(states), ctx=ctx)
+
+
+def _run_heads(model, feats: Features, caches: DecodeCaches, heads_upto: int | None) -> dict[int, torch.Tensor]:
+    """The head layers up to ``heads_upto`` # -> {head: [B, T, H]}."""
+    heads, hiddens = model.heads, {}
     for index in range(heads.n_future if heads_upto is None else min(heads_upto, heads.n_future)):
         slot = heads.layer_slot(index)
         if slot is not None:  # layer heads attend over the sequence: run them on every new position
             hiddens[index] = heads.hidden(index, feats, cache=caches.heads[slot])
-    return feats, hiddens
+    return hiddens
+
+
+def next_ids(new_ids: torch.Tensor, base_logits: torch.Tensor, first: int) -> torch.Tensor:
+    """Token t+1 after each new position # [B, T]: the step's own next token before ``first``
+    (a prompt's, known), the base model's argmax from ``first`` on (``base_logits`` [B, T - first, V]):
+    in greedy decoding the very token committed there."""
+    return torch.cat([new_ids[:, 1:first + 1], base_logits.argmax(-1)], dim=1)
 
 
 @torch.no_grad()
@@ -392,7 +402,9 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
     """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
     ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
     layer runs); a run must use the same value throughout, its head caches cover those heads only.
-    ``read_from``: the first position whose distributions will be read (a prompt's last).
+    ``read_from``: the first position whose distributions will be read (a prompt's last); the
+    positions before it are settled: heads that read token t+1 take it from ``new_ids`` there,
+    and the base's argmax from ``read_from`` on (``next_ids``).
     ``lengths``: tokens per row, right-aligned in ``new_ids`` (the rest are pads; None: all T).
     ``attend`` [T, T] bool and ``offsets`` [T] long (both or neither): which new tokens each new
     token sees and their positions after the cached ones (a candidate tree: ancestors and
@@ -409,9 +421,13 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
     else:
         ctx = _layer_context(bb, hidden, caches, lengths)
     with bb.masked_gqa(ctx, hidden.device):  # a multi-token pass reads grouped KV heads in place
-        feats, hiddens = _run_layers(model, hidden, ctx, caches, heads_upto)
+        feats = _run_backbone(model, hidden, ctx, caches)
+        out = StepOutput(model, feats, {}, first=read_from, clock=clock)
+        if model.heads.needs_next_tokens and heads_upto != 1:  # the head layers read token t+1: base logits first
+            feats.next_ids = next_ids(new_ids, out.base_logits(), read_from)
+        out.hiddens = _run_heads(model, feats, caches, heads_upto)
     if caches.valid is not None or (lengths is not None and min(lengths) < new_ids.shape[1]):
         new_valid = ragged.step_valid(lengths or [new_ids.shape[1]] * new_ids.shape[0], new_ids.shape[1])
         caches.valid = np.concatenate([caches._valid_array(new_ids.shape[0]), new_valid], axis=1)
     caches.length += new_ids.shape[1]
-    return StepOutput(model, feats, hiddens, first=read_from, clock=clock)
+    return out

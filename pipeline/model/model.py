@@ -19,7 +19,7 @@ from multitoken.adapters.registry import build_head, make_config
 from multitoken.pipeline.model import cpu_linear
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 from multitoken.pipeline.model.heads_io import load_heads, save_heads
-from multitoken.pipeline.model.incremental import new_caches, step
+from multitoken.pipeline.model.incremental import new_caches, next_ids, step
 
 __all__ = ["MultiTokenModel", "LossOutput"]
 
@@ -126,9 +126,13 @@ class MultiTokenModel(nn.Module):
         return self
 
     # Forward ----------------------------------------------------------------------------
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Features:
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 next_known: int | None = None) -> Features:
         """One backbone pass # [B, T] -> Features ([B, T, H] each). Autograd only where a
-        backbone weight is trainable (the trunk and the final layer are checked separately)."""
+        backbone weight is trainable (the trunk and the final layer are checked separately).
+        ``next_known``: for heads that read token t+1 (``needs_next_tokens``), how many leading
+        positions take it from the text (teacher forcing); the others take the base's argmax, as
+        decoding does for tokens not yet settled (default: every position but the last)."""
         bb = self.backbone
         grad = torch.is_grad_enabled()
         trunk_grad = grad and _any_grad(bb.embeddings, *bb.layers[:-1])
@@ -136,7 +140,12 @@ class MultiTokenModel(nn.Module):
             trunk = bb.run_trunk(input_ids, attention_mask, collect=self.heads.needs_layer_states)
         with torch.set_grad_enabled(trunk_grad or (grad and _any_grad(bb.layers[-1], bb.final_norm))):
             base = bb.final_norm(bb.run_layer(bb.layers[-1], trunk.hidden, trunk.ctx))  # [B, T, H]
-        return Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
+        feats = Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
+        if self.heads.needs_next_tokens:
+            known = input_ids.shape[1] - 1 if next_known is None else min(next_known, input_ids.shape[1] - 1)
+            with torch.no_grad():
+                feats.next_ids = next_ids(input_ids, bb.logits(base[:, known:]), known)  # [B, T]
+        return feats
 
     def compute_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                      skip_constant: bool = False) -> LossOutput:
@@ -153,11 +162,13 @@ class MultiTokenModel(nn.Module):
 
     @torch.no_grad()
     def head_logits(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, last_only: bool = True
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, last_only: bool = True,
+        next_known: int | None = None,
     ) -> list[torch.Tensor]:
         """Log-distributions for tokens t+1..t+n: a list of n tensors [B, P, V] (P = 1 with
-        ``last_only``, else T). Entry 0 is the base model's own next-token distribution."""
-        feats = self.features(input_ids, attention_mask)
+        ``last_only``, else T). Entry 0 is the base model's own next-token distribution.
+        ``next_known``: see ``features``."""
+        feats = self.features(input_ids, attention_mask, next_known)
         return [self.heads.log_probs(i, feats, last_only=last_only) for i in range(self.n_future)]
 
     # Incremental decoding (see incremental.py) --------------------------------------------

@@ -13,7 +13,7 @@ from multitoken.adapters.registry import registered_heads
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 
-HEAD_OPTIONS = {"cp": {"rank": 3}, "replicated": {"init": "random"}, "whs": {"init": "random"}}
+HEAD_OPTIONS = {"cp": {"rank": 3}, "replicated": {"init": "random"}, "conditioned": {"init": "random"}, "whs": {"init": "random"}}
 
 
 def attach(backbone, head_type: str, n_future: int = 3, seed: int = 0) -> MultiTokenModel:

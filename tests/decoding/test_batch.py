@@ -212,7 +212,7 @@ def test_ragged_caches_equal_each_row_recomputed_alone(tiny_backbones, arch, hea
         width = max(map(len, pieces))
         out = model.step(left_pad([torch.tensor(p) for p in pieces], width, "cpu"), caches, lengths=[len(p) for p in pieces])
         for j, (row, piece) in enumerate(zip(kept, pieces)):
-            full = torch.stack([lp[0] for lp in model.head_logits(torch.tensor([seqs[row]]), last_only=False)])  # [n, T, V]
+            full = torch.stack([lp[0] for lp in model.head_logits(torch.tensor([seqs[row]]), last_only=False, next_known=0)])  # [n, T, V]
             for k in range(len(piece)):
                 pos = width - len(piece) + k
                 got = torch.stack([out.head_log_probs(i, pos)[j] for i in range(model.n_future)])

@@ -74,7 +74,7 @@ def test_tree_rows_equal_a_fresh_forward_over_each_path(tiny_backbones, arch, he
     out = model.step(torch.tensor([TREE.tokens]), caches, attend=TREE.attend(), offsets=TREE.offsets())
     for node in range(len(TREE)):
         ids = torch.tensor([context + [TREE.tokens[i] for i in TREE.path(node)]])
-        fresh = model.head_logits(ids, last_only=True)  # n x [1, 1, V]
+        fresh = model.head_logits(ids, last_only=True, next_known=0)  # n x [1, 1, V] (steps read every position)
         for i in range(model.n_future):
             torch.testing.assert_close(out.head_log_probs(i, node), fresh[i][:, 0], atol=1e-4, rtol=1e-4)
 

@@ -121,6 +121,32 @@ def test_greedy_equals_transformers_on_smollm2(smol_model, tree):
     assert tokens / passes > (1.2 if tree == "chain" else 1.4)
 
 
+@pytest.fixture(scope="module")
+def smol_conditioned(smol_dir):
+    from multitoken.embedded import SMOLLM2_CONDITIONED
+
+    backbone = load_backbone(BackboneConfig(base=str(smol_dir), threads=1))
+    return MultiTokenModel.from_pretrained(backbone, SMOLLM2_CONDITIONED)
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_conditioned_heads_keep_greedy_exact(smol_conditioned, tree):
+    """The token-conditioned heads' drafts read the base's argmax from the same pass: greedy
+    output stays transformers', single and batched."""
+    bb = smol_conditioned.backbone
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=24, tree=tree,
+                       tree_nodes="8" if tree != "chain" else "auto")
+    rows = [bb.tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
+    tokens = passes = 0
+    for ids in rows:
+        res = generate(smol_conditioned, ids, cfg)
+        assert res.token_ids == hf_greedy(bb, ids, 24), (tree, ids)
+        tokens, passes = tokens + len(res.token_ids), passes + res.trace.forward_passes
+    assert tokens / passes > (1.2 if tree == "chain" else 1.4)  # measured 1.31 / 1.60 here
+    batched = generate_rows(smol_conditioned, [r[0].tolist() for r in rows], cfg)
+    assert [r.token_ids for r in batched] == [hf_greedy(bb, ids, 24) for ids in rows]
+
+
 @pytest.mark.parametrize("tree", ["chain", "static"])
 def test_greedy_batch_rows_equal_transformers_on_smollm2(smol_model, tree):
     bb = smol_model.backbone
