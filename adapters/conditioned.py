@@ -16,7 +16,7 @@ drafts are conditioned on the base's argmax, not on the sampled token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,8 +28,7 @@ from .replicated import ReplicatedConfig, ReplicatedHeads
 
 @dataclass
 class ConditionedConfig(ReplicatedConfig):
-    head_type: str = "conditioned"
-    n_future: int = field(default=3, metadata={"help": "tokens predicted per position (head 1 = the base model)"})
+    head_type: str = "conditioned"  # n_future and init as replicated heads
 
 
 class ConditionedHeads(ReplicatedHeads):

@@ -38,10 +38,8 @@ def features(model, data: dict, rows: torch.Tensor) -> Features:
     bb = model.backbone
     trunk = data["trunk"][rows].to(bb.device, torch.float32)  # [b, T, H]
     base = data["base"][rows].to(bb.device, torch.float32)  # [b, T, H]
-    next_ids = None
-    if model.heads.needs_next_tokens:  # teacher forcing: the text's own token t+1 (the last position has no target)
-        ids = data["ids"][rows].to(bb.device)
-        next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # [b, T]
+    # heads that read token t+1: the text's own (teacher forcing), as ``model.features`` gives it
+    next_ids = model.next_tokens(data["ids"][rows].to(bb.device), base) if model.heads.needs_next_tokens else None
     return Features(trunk=trunk, base=base, layer_states=(), ctx=bb.layer_context(trunk), next_ids=next_ids)
 
 

@@ -142,10 +142,16 @@ class MultiTokenModel(nn.Module):
             base = bb.final_norm(bb.run_layer(bb.layers[-1], trunk.hidden, trunk.ctx))  # [B, T, H]
         feats = Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
         if self.heads.needs_next_tokens:
-            known = input_ids.shape[1] - 1 if next_known is None else min(next_known, input_ids.shape[1] - 1)
-            with torch.no_grad():
-                feats.next_ids = next_ids(input_ids, bb.logits(base[:, known:]), known)  # [B, T]
+            feats.next_ids = self.next_tokens(input_ids, base, next_known)
         return feats
+
+    @torch.no_grad()
+    def next_tokens(self, input_ids: torch.Tensor, base: torch.Tensor, next_known: int | None = None) -> torch.Tensor:
+        """Token t+1 after each position, for heads that read it # [B, T]: the text's own for
+        the first ``next_known`` positions (default: all but the last), the argmax of the base
+        hidden states ``base`` [B, T, H] after them (``incremental.next_ids``)."""
+        known = input_ids.shape[1] - 1 if next_known is None else min(next_known, input_ids.shape[1] - 1)
+        return next_ids(input_ids, self.backbone.logits(base[:, known:]), known)
 
     def compute_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                      skip_constant: bool = False) -> LossOutput:
