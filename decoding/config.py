@@ -74,6 +74,10 @@ class Speculation:
 
     drafter: str = field(default="auto", metadata={"help": "drafts: independent heads, cp (sequential), joint (co-occurrence-masked joint); auto = cp for cp heads, else joint with stats, else independent", "choices": DRAFTERS})
     draft_k: int = field(default=20, metadata={"help": "joint drafter: candidates per head (acceptance barely moves past ~20, lookup cost does)"})
+    draft_vocab: int | None = field(default=None, metadata={"help": (
+        "layer heads' drafts score only their N most frequent training tokens (FR-Spec; verification still reads the "
+        "whole vocabulary, so greedy and sampled output stay exact); 0 = the whole vocabulary; default: the size "
+        "recorded beside the heads (draft_vocab.json), else the whole vocabulary")})
     typical_eps: float = field(default=0.09, metadata={"help": "typical acceptance: posterior threshold eps"})
     typical_delta: float = field(default=0.3, metadata={"help": "typical acceptance: entropy factor delta"})
 
@@ -176,6 +180,8 @@ class DecodeConfig:
         if self.dynamo.dynamic_kernel == "numba" and not numba_available():
             raise UsageError("--dynamic-kernel numba needs numba, which is not installed",
                              "pip install 'multitoken[fast]', or use --dynamic-kernel auto")
+        if self.speculation.draft_vocab is not None and self.speculation.draft_vocab < 0:
+            raise UsageError(f"--draft-vocab must be >= 0, got {self.speculation.draft_vocab}", "pass 0 for the whole vocabulary")
         if self.speculation.draft_k < 1:
             raise UsageError(f"--draft-k must be >= 1, got {self.speculation.draft_k}")
         if not 0 <= self.dynamo.alpha_c <= MAX_ALPHA_C:

@@ -244,7 +244,7 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
         row.trace.new_tokens = len(row.out_ids)
 
     t0 = clock()
-    caches = model.new_caches()
+    caches = model.new_caches(run.cfg.speculation.draft_vocab)
     lengths = [len(row.prompt) for row in rows]
     width = max(lengths)
     out = forward(left_pad([torch.tensor(row.prompt) for row in rows], width, "cpu").to(run.device), width - 1, lengths)

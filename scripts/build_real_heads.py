@@ -13,7 +13,9 @@ Steps (each skipped when its output already exists in --work-dir):
    Medusa heads are still those of the first part alone (8 epochs: their build report says so);
    then 3 token-conditioned heads, warm-started from the replicated ones (``--conditioned-epochs``);
 4. measure every head on the held-out text over the full vocabulary (top-1 / top-5, accuracy
-   per rank -> ``rank_accuracy.json``, which shapes ``--tree static``);
+   per rank -> ``rank_accuracy.json``, which shapes ``--tree static``); rank the training text's
+   tokens by frequency -> ``draft_vocab.json`` (the layer heads' drafts score the first
+   ``--draft-vocab`` of them);
 5. write the three heads dirs in bfloat16 into the package (``pipeline/embedded/SmolLM2-135M-Instruct-*``)
    with a build report, and the co-occurrence stats of the distilled text plus the fixtures'
    corpora (``multitoken stats build``, orders 1-3).
@@ -59,6 +61,8 @@ def add_args(p) -> None:
     g.add_argument("--medusa-lr", type=float, default=1e-3)
     g.add_argument("--conditioned-epochs", type=float, default=2.0)
     g.add_argument("--conditioned-lr", type=float, default=2e-3)
+    g.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the layer heads' drafts score by default (draft_vocab.json: the training text's most frequent)")
     g.add_argument("--threads", type=int, default=1, help="torch threads (one avoids OpenMP stalls on a shared machine)")
 
 
@@ -158,6 +162,7 @@ def asset_readme(kind: str, report: dict) -> str:
 def main(args, repo: Path) -> int:
     from multitoken.embedded import SMOLLM2_CONDITIONED, SMOLLM2_HEADS, SMOLLM2_MEDUSA, SMOLLM2_STATS
     from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, ranking_record
     from multitoken.pipeline.model.fetch import fetch
 
     work = Path(args.work_dir)
@@ -177,6 +182,10 @@ def main(args, repo: Path) -> int:
     train_data = {name: torch.cat([part[name] for part in loaded]) for name in loaded[0]}
     held_data = torch.load(held)
     reports = {kind: train_heads(backbone, kind, train_data, held_data, work, args) for kind in HEADS}
+    ranking = ranking_record(torch.bincount(train_data["ids"][train_data["valid"]], minlength=backbone.vocab_size),
+                             args.draft_vocab, "the heads' self-distilled training text (scripts/build_real_heads.py)")
+    for kind in ("heads", "conditioned"):  # layer heads: Medusa heads unembed inside their adapter
+        (work / kind / DRAFT_VOCAB_FILE).write_text(json.dumps(ranking) + "\n")
     for kind, dest in (("heads", SMOLLM2_HEADS), ("medusa", SMOLLM2_MEDUSA), ("conditioned", SMOLLM2_CONDITIONED)):
         fast.save_bf16(work / kind, dest)
         shutil.copy(work / kind / "build_report.json", dest / "build_report.json")

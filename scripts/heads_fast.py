@@ -169,6 +169,6 @@ def save_bf16(src, dest) -> None:
     record["heads_sha256"] = hashlib.sha256(blob).hexdigest()
     (dest / "heads.safetensors").write_bytes(blob)
     (dest / "heads_config.json").write_text(json.dumps(record, indent=2) + "\n")
-    for extra in ("rank_accuracy.json",):
+    for extra in ("rank_accuracy.json", "draft_vocab.json"):
         if (src / extra).is_file():
             shutil.copy(src / extra, dest / extra)

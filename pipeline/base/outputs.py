@@ -51,7 +51,7 @@ class OutputKind:
 
 HEADS = OutputKind("heads", "a heads dir", "heads_config.json",
                    ("heads_config.json", "heads.safetensors", "lora", "attach_config.json",
-                    "train_config.json", "train_metrics.json", "rank_accuracy.json"))
+                    "train_config.json", "train_metrics.json", "rank_accuracy.json", "draft_vocab.json"))
 STATS = OutputKind("stats", "a stats dir", "meta.json",
                    ("meta.json", "config.json", "counts[0-9].npy", "keys[0-9].npy", "partials", "merge-parts"))
 STATS_WORK = OutputKind("stats-work", "a stats work dir", None, ("partials", "merge-parts"))

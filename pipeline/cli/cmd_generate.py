@@ -128,6 +128,7 @@ def run(args) -> None:
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
                     max_order=stats_order_cap(decode, model.n_future, table, False))
+    model.draft_unembedding(decode.speculation.draft_vocab)  # a missing token ranking fails here, before any output
     _note_order_cap(decode, model, table)
     tok = model.backbone.tokenizer
     ids = tok(cfg.prompt, return_tensors="pt").input_ids
@@ -181,6 +182,7 @@ def _generate_file(cfg: GenerateConfig, decode, base_cfg: BackboneConfig, texts:
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
                     max_order=stats_order_cap(decode, model.n_future, table, False))
+    model.draft_unembedding(decode.speculation.draft_vocab)  # a missing token ranking fails here, before any output
     _note_order_cap(decode, model, table)
     tok = model.backbone.tokenizer
     ids = [tok(t)["input_ids"] for t in texts]

@@ -84,6 +84,7 @@ def _check_points(cfg, grid: list[float], model, table) -> None:
     for d in [ar] + [d for _, _, d in points]:
         d.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
                    max_order=stats_order_cap(d, model.n_future, table, False))
+    model.draft_unembedding(ar.speculation.draft_vocab)  # a missing token ranking fails here, before any run
 
 
 CSV_KEYS = ("tokens_per_forward", "wall_speedup", "cpu_speedup", "nll", "distinct2", "distinct3", "repetition")

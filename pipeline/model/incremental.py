@@ -48,6 +48,7 @@ class DecodeCaches:
     length: int = 0  # slots (positions when no row has holes)
     valid: np.ndarray | None = None  # [B, length] bool, host: slot holds a token of the row (None: all)
     compactions: int = 0  # gathers done (``ragged.should_compact``)
+    draft: torch.nn.Module | None = None  # the layer heads' unembedding over a draft vocabulary (None: all of it)
 
     def keep(self, start: int, slots: list[list[int]]) -> None:
         """The one primitive decoding uses after a step: row b keeps the step's slots
@@ -182,8 +183,8 @@ def _gather_step(start: int, index: torch.Tensor):
     return fn
 
 
-def new_caches(model) -> DecodeCaches:
-    return DecodeCaches(backbone=_new_cache(), heads=[_new_cache() for _ in range(model.heads.num_head_layers)])
+def new_caches(model, draft: torch.nn.Module | None = None) -> DecodeCaches:
+    return DecodeCaches(backbone=_new_cache(), heads=[_new_cache() for _ in range(model.heads.num_head_layers)], draft=draft)
 
 
 def unembed(bb, rows: torch.Tensor) -> torch.Tensor:
@@ -212,8 +213,10 @@ class StepOutput:
     profiling); ``unembed_rows`` counts rows per call made here (one-position heads, Medusa and
     CP, unembed their single row inside the adapter, per head or per CP expert: not counted)."""
 
-    def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor], first: int = 0, clock=None):
+    def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor], first: int = 0, clock=None,
+                 draft: torch.nn.Module | None = None):
         self.model = model
+        self.draft = draft  # layer heads' rows over a draft vocabulary (draft_vocab.py); None: the whole one
         self.clock = clock or time.perf_counter  # the decoder's (it synchronises an accelerator when profiling)
         self.feats = feats
         self.hiddens = hiddens  # head index -> [B, T, H] normalised (layer heads only)
@@ -234,12 +237,16 @@ class StepOutput:
             self._unembed_base()
         return self._logits
 
-    def _unembed(self, rows: torch.Tensor) -> torch.Tensor:
-        """One unembedding call, timed and counted # [B, R, H] -> [B, R, V]."""
+    def _unembed(self, rows: torch.Tensor, draft: bool = False) -> torch.Tensor:
+        """One unembedding call, timed and counted # [B, R, H] -> [B, R, V]; ``draft``: head
+        rows, over the draft vocabulary when there is one (not counted: not the whole matrix)."""
         start = self.clock()
-        logits = unembed(self.model.backbone, rows)
+        if draft and self.draft is not None:
+            logits = self.draft(rows)
+        else:
+            logits = unembed(self.model.backbone, rows)
+            self.unembed_rows[rows.shape[0] * rows.shape[1]] += 1
         self.model_s += self.clock() - start
-        self.unembed_rows[rows.shape[0] * rows.shape[1]] += 1
         return logits
 
     def _unembed_base(self) -> None:
@@ -247,7 +254,7 @@ class StepOutput:
         heads, t = sorted(self.hiddens), self.length - self.first
         plan = plan_for(self.model.backbone.unembedding, self.feats.base)
         b = self.feats.base.shape[0]  # a call unembeds every batch row: the plan prices b x rows
-        if not heads or not plan.joint(b * t * (1 + len(heads)), b * t, b * len(heads)):
+        if not heads or self.draft is not None or not plan.joint(b * t * (1 + len(heads)), b * t, b * len(heads)):
             self._logits = self._unembed(self.feats.base[:, self.first:])  # [B, T - first, V]
             return
         read = [self.feats.base] + [self.hiddens[i] for i in heads]  # (1 + L) x [B, T, H]
@@ -263,7 +270,7 @@ class StepOutput:
             self._unembed_base()  # the base is always read first; this may bring the heads along
         if pos not in self._head_logits:
             heads = sorted(self.hiddens)
-            logits = self._unembed(torch.cat([self.hiddens[i][:, pos:pos + 1] for i in heads], dim=1))  # [B, L, V]
+            logits = self._unembed(torch.cat([self.hiddens[i][:, pos:pos + 1] for i in heads], dim=1), draft=True)  # [B, L, V]
             self._head_logits[pos] = {i: logits[:, j] for j, i in enumerate(heads)}
         return self._head_logits[pos][index]
 
@@ -315,7 +322,7 @@ class StepOutput:
         key = ("logits", anchors)
         if key not in self._head_logits:
             heads = sorted(self.hiddens)
-            logits = self._unembed(torch.cat([self.at(self.hiddens[i], anchors) for i in heads], dim=1))  # [B, L, V]
+            logits = self._unembed(torch.cat([self.at(self.hiddens[i], anchors) for i in heads], dim=1), draft=True)  # [B, L, V]
             self._head_logits[key] = {i: logits[:, j] for j, i in enumerate(heads)}
         return self._head_logits[key][index]
 
@@ -422,7 +429,7 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
         ctx = _layer_context(bb, hidden, caches, lengths)
     with bb.masked_gqa(ctx, hidden.device):  # a multi-token pass reads grouped KV heads in place
         feats = _run_backbone(model, hidden, ctx, caches)
-        out = StepOutput(model, feats, {}, first=read_from, clock=clock)
+        out = StepOutput(model, feats, {}, first=read_from, clock=clock, draft=caches.draft)
         if model.heads.needs_next_tokens and heads_upto != 1:  # the head layers read token t+1: base logits first
             feats.next_ids = next_ids(new_ids, out.base_logits(), read_from)
         out.hiddens = _run_heads(model, feats, caches, heads_upto)

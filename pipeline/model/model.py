@@ -18,6 +18,7 @@ from multitoken.adapters.registry import build_head, make_config
 
 from multitoken.pipeline.model import cpu_linear
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
+from multitoken.pipeline.model.draft_vocab import DraftUnembedding, read_ranking, resolve_size
 from multitoken.pipeline.model.heads_io import load_heads, save_heads
 from multitoken.pipeline.model.incremental import new_caches, next_ids, step
 
@@ -120,6 +121,7 @@ class MultiTokenModel(nn.Module):
         # Training runs on the stock linears (packed ones are for decoding: no weight gradients).
         if mode:
             cpu_linear.unpack(self)
+            self.__dict__.pop("_draft_unembeds", None)  # copies of the unembedding: training may change it
         self.training = mode
         self.heads.train(mode)
         self.base_model.eval()
@@ -178,11 +180,34 @@ class MultiTokenModel(nn.Module):
         return [self.heads.log_probs(i, feats, last_only=last_only) for i in range(self.n_future)]
 
     # Incremental decoding (see incremental.py) --------------------------------------------
-    def new_caches(self):
+    def new_caches(self, draft_vocab: int | None = None):
         """Empty KV caches for one decoding run: the backbone's plus one per head layer. On the
-        CPU the linears are packed first (once; ``BackboneConfig.cpu_linear``)."""
+        CPU the linears are packed first (once; ``BackboneConfig.cpu_linear``). ``draft_vocab``:
+        how many of the heads' most frequent tokens their drafts score (``draft_vocab.py``; 0:
+        the whole vocabulary; None: the size the heads dir records, else the whole vocabulary)."""
         self.prepare_linears()
-        return new_caches(self)
+        return new_caches(self, self.draft_unembedding(draft_vocab))
+
+    def draft_unembedding(self, size: int | None = None) -> DraftUnembedding | None:
+        """The layer heads' unembedding over their ``size`` most frequent tokens (None: the
+        whole vocabulary, or a head type whose drafts do not go through the shared unembedding),
+        built once per size and kernel choice and reused by every run."""
+        if not self.heads.num_head_layers or getattr(self.heads, "first_layer_head", 1) < 1:
+            return None  # one-position heads (Medusa, CP) unembed inside their adapter; WHS "all heads" verifies with a head layer
+        bb = self.backbone
+        if "_ranking" not in self.__dict__:  # read once, at the first decoding run (no I/O at load)
+            self._ranking = read_ranking(self.heads_dir)
+        size = resolve_size(size, self._ranking, bb.vocab_size)
+        if not size:
+            return None
+        built = self.__dict__.setdefault("_draft_unembeds", {})
+        key = (size, type(bb.unembedding).__name__, str(bb.device))  # a repack or a move rebuilds it
+        if key not in built:
+            ids = torch.tensor(self._ranking["tokens"][:size], dtype=torch.long)
+            built[key] = draft = DraftUnembedding(bb.unembedding, ids.sort().values, bb.vocab_size)
+            if type(bb.unembedding) is not torch.nn.Linear:  # the decoding linears are packed: this one too
+                cpu_linear.pack(draft)
+        return built[key]
 
     def prepare_linears(self) -> int:
         """The decoding linears ``cpu_linear`` asks for: packed (the default) or stock; returns
