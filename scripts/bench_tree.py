@@ -7,6 +7,8 @@ with its shipped token-conditioned heads (the best greedy drafts; ``--smollm2-he
 stats (DynaMo's Table 7 prompts). Every row must reproduce transformers'
 greedy output (``identical``). With stats (the embedded model's), ``dynamic_joint_N`` rows rank
 the dynamic tree's paths by DynaMo's co-occurrence-masked joint (the joint drafter's scores).
+Layer heads draft over their draft vocabulary where the heads dir records one (draft_vocab.json);
+``--whole-vocab-rows`` adds two rows with drafts over the whole vocabulary, for comparison.
 
 Each repetition runs the methods interleaved and the best repetition counts (the machine may be
 shared); tokens per forward do not depend on the load, ``--tpf-only`` measures only them (one
@@ -53,6 +55,9 @@ def parse_args(argv=None):
                    "with its shipped heads and stats, on DynaMo's Table 7 prompts (none in the heads' training text)")
     p.add_argument("--smollm2-heads", default=str(SMOLLM2_CONDITIONED),
                    help="heads dir for the SmolLM2 rows (default: the shipped token-conditioned heads)")
+    p.add_argument("--whole-vocab-rows", action="store_true",
+                   help="also the joint chain and the first budget's dynamic tree with drafts over the whole vocabulary "
+                        "(--draft-vocab 0), beside the same rows with the heads' draft vocabulary (draft_vocab.json)")
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded stories260K rows")
     p.add_argument("--cpu-linear", nargs="+", default=["packed"], choices=("packed", "stock"),
                    help="the kernels of every row, transformers' included (the same model object); several: "
@@ -78,6 +83,11 @@ def methods(model, args, table=None) -> dict:
     if table is not None:  # dynamic trees ranked by the co-occurrence-masked joint (the joint drafter's scores)
         for b in args.budgets:
             rows[f"dynamic_joint_{b}"] = our_runner(model, DecodeConfig(**cfg, tree="dynamic", tree_nodes=str(b)), table)
+    if args.whole_vocab_rows:
+        chain = dict(drafter="auto" if table is not None else "independent")
+        rows["chain_whole_vocab"] = our_runner(model, DecodeConfig(**cfg, **chain, draft_vocab=0), table)
+        rows[f"dynamic_{args.budgets[0]}_whole_vocab"] = our_runner(
+            model, DecodeConfig(**cfg, tree="dynamic", tree_nodes=str(args.budgets[0]), drafter="independent", draft_vocab=0), None)
     return rows
 
 
