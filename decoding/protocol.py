@@ -78,8 +78,9 @@ class DecodingModel(Protocol):
     @property
     def n_future(self) -> int: ...
 
-    def new_caches(self) -> Caches:
-        """Empty caches for one run."""
+    def new_caches(self, draft_vocab: int | None = None) -> Caches:
+        """Empty caches for one run; its steps' head rows score ``draft_vocab`` tokens (0: the
+        whole vocabulary; None: the heads' recorded size, DecodeConfig's ``--draft-vocab``)."""
 
     def step(self, new_ids: torch.Tensor, caches: Caches, heads_upto: int | None = None,
              read_from: int = 0, lengths: list[int] | None = None,

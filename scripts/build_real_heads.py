@@ -7,11 +7,13 @@ Steps (each skipped when its output already exists in --work-dir):
    held-out set; 64 new tokens each, greedy, every 4th training batch sampled (temperature 0.7,
    top-k 50); then 8,000 more training prompts: 16-token windows every 24 tokens inside
    wikitext-2 valid's paragraphs and every 48 inside Shakespeare's speeches (``--more-prompts``);
+   then a third part, 10,000 windows halfway between those (``--extra-prompts``);
    the trunk's and the final norm's states are kept while it generates;
 3. train 3 replicated heads (heads 2..3 copies of the final layer) and 3 Medusa heads on those
    states (``heads_fast.py``: heads only, the softmax over the corpus's vocabulary); the shipped
    Medusa heads are still those of the first part alone (8 epochs: their build report says so);
-   then 3 token-conditioned heads, warm-started from the replicated ones (``--conditioned-epochs``);
+   then 3 token-conditioned heads, warm-started from the replicated ones (``--conditioned-epochs``),
+   which then go on over all three parts (``--more-epochs``: what ships);
 4. measure every head on the held-out text over the full vocabulary (top-1 / top-5, accuracy
    per rank -> ``rank_accuracy.json``, which shapes ``--tree static``); rank the training text's
    tokens by frequency -> ``draft_vocab.json`` (the layer heads' drafts score the first
@@ -43,9 +45,11 @@ HEADS = {
     "medusa": {"head_type": "medusa", "n_future": 3},
     "conditioned": {"head_type": "conditioned", "n_future": 3, "init": "copy"},
 }
+# With --extra-prompts, the conditioned heads go on training over the three parts (what ships).
+MORE = {"conditioned_more": HEADS["conditioned"]}
 # Conditioned heads start from this build's trained replicated heads (their token projections
 # at zero: the same heads), then learn to read token t+1.
-WARM_START = {"conditioned": "heads"}
+WARM_START = {"conditioned": "heads", "conditioned_more": "conditioned"}
 
 
 def add_args(p) -> None:
@@ -61,6 +65,11 @@ def add_args(p) -> None:
     g.add_argument("--medusa-lr", type=float, default=1e-3)
     g.add_argument("--conditioned-epochs", type=float, default=2.0)
     g.add_argument("--conditioned-lr", type=float, default=2e-3)
+    g.add_argument("--extra-prompts", type=int, default=10000,
+                   help="a third part: windows halfway between the second part's, continued like it; the conditioned heads "
+                        "then train on over all three parts (0: none)")
+    g.add_argument("--more-epochs", type=float, default=1.0, help="conditioned heads, over the three parts")
+    g.add_argument("--more-lr", type=float, default=1e-3)
     g.add_argument("--draft-vocab", type=int, default=8192,
                    help="tokens the layer heads' drafts score by default (draft_vocab.json: the training text's most frequent)")
     g.add_argument("--threads", type=int, default=1, help="torch threads (one avoids OpenMP stalls on a shared machine)")
@@ -82,6 +91,13 @@ def more_prompts(tok, first: torch.Tensor, args) -> torch.Tensor:
     return torch.cat([wiki, rest])[: args.more_prompts]
 
 
+def extra_prompts(tok, before: torch.Tensor, args) -> torch.Tensor:
+    """Windows halfway between the second part's, none equal to an earlier prompt."""
+    wiki = corpus.window_ids(tok, corpus.TRAIN_SOURCES[:1], 16, 24, before, seed=3, offset=12)
+    rest = corpus.window_ids(tok, corpus.TRAIN_SOURCES[1:2], 16, 48, torch.cat([before, wiki]), seed=3, offset=24)
+    return torch.cat([wiki, rest])[: args.extra_prompts]
+
+
 def train_heads(backbone, kind: str, train: dict, held: dict, work: Path, args) -> dict:
     from multitoken.pipeline.model.model import MultiTokenModel
 
@@ -90,17 +106,18 @@ def train_heads(backbone, kind: str, train: dict, held: dict, work: Path, args) 
     if report_path.is_file():
         return json.loads(report_path.read_text())
     torch.manual_seed(0)
-    model = MultiTokenModel.attach(backbone, HEADS[kind])
+    model = MultiTokenModel.attach(backbone, {**HEADS, **MORE}[kind])
     if kind in WARM_START:
         warm_start(model, work / WARM_START[kind])
     before = fast.accuracy(model, held)["summary"]
-    lr = {"heads": args.heads_lr, "medusa": args.medusa_lr, "conditioned": args.conditioned_lr}[kind]
-    epochs = {"heads": args.epochs, "medusa": args.medusa_epochs, "conditioned": args.conditioned_epochs}[kind]
+    lr = {"heads": args.heads_lr, "medusa": args.medusa_lr, "conditioned": args.conditioned_lr, "conditioned_more": args.more_lr}[kind]
+    epochs = {"heads": args.epochs, "medusa": args.medusa_epochs, "conditioned": args.conditioned_epochs,
+              "conditioned_more": args.more_epochs}[kind]
     run = fast.train(model, train, fast.FastTrainConfig(epochs=epochs, lr=lr), log=lambda r: print(kind, r, flush=True))
     after = fast.accuracy(model, held)
     model.save_heads(out)
     (out / "rank_accuracy.json").write_text(json.dumps(after["rank_accuracy"], indent=2) + "\n")
-    report = {"heads": HEADS[kind], "heldout_untrained": before, "heldout_trained": after["summary"],
+    report = {"heads": {**HEADS, **MORE}[kind], "warm_start": WARM_START.get(kind), "heldout_untrained": before, "heldout_trained": after["summary"],
               "train": {k: v for k, v in run.items() if k != "history"}, "lr": lr, "epochs": epochs,
               "history": run["history"]}
     report_path.write_text(json.dumps(report, indent=2) + "\n")
@@ -145,7 +162,8 @@ multitoken under Apache-2.0.
 
 def asset_readme(kind: str, report: dict) -> str:
     acc = report["heldout_trained"]
-    title = {"heads": "3 replicated heads", "medusa": "3 Medusa heads", "conditioned": "3 token-conditioned heads"}[kind]
+    title = {"heads": "3 replicated heads", "medusa": "3 Medusa heads", "conditioned": "3 token-conditioned heads",
+             "conditioned_more": "3 token-conditioned heads"}[kind]
     return (f"# {title} for SmolLM2-135M-Instruct\n\nBuilt by `python scripts/build_heads.py --model smollm2` "
             f"(see scripts/build_real_heads.py): {report['epochs']:g} epochs at lr {report['lr']:g} over "
             f"{report['train']['tokens_seen'] / report['epochs']:,.0f} tokens of self-distilled text, "
@@ -174,23 +192,35 @@ def main(args, repo: Path) -> int:
     held = corpus.build(backbone, work / "heldout", held_prompts, args.new_tokens, 100, sample_every=0)
     train = corpus.build(backbone, work / "train", train_prompts, args.new_tokens, 100, sample_every=4)
     parts = [train]
+    more = more_prompts(backbone.tokenizer, train_prompts, args) if args.more_prompts else train_prompts[:0]
     if args.more_prompts:
-        more = more_prompts(backbone.tokenizer, train_prompts, args)
         parts.append(corpus.build(backbone, work / "train_more", more, args.new_tokens, 100, sample_every=4))
+    extra = None
+    if args.extra_prompts:
+        extra = corpus.build(backbone, work / "train_extra", extra_prompts(backbone.tokenizer, torch.cat([train_prompts, more]), args),
+                             args.new_tokens, 100, sample_every=4)
     distill_seconds = time.time() - started
     loaded = [torch.load(p) for p in parts]
     train_data = {name: torch.cat([part[name] for part in loaded]) for name in loaded[0]}
     held_data = torch.load(held)
     reports = {kind: train_heads(backbone, kind, train_data, held_data, work, args) for kind in HEADS}
+    shipped = {"heads": "heads", "medusa": "medusa", "conditioned": "conditioned"}
+    if extra is not None:  # the conditioned heads go on over the three parts
+        del loaded
+        extra_data = torch.load(extra)
+        train_data = {name: torch.cat([train_data[name], extra_data[name]]) for name in train_data}
+        del extra_data
+        reports["conditioned"] = train_heads(backbone, "conditioned_more", train_data, held_data, work, args)
+        shipped["conditioned"] = "conditioned_more"
     ranking = ranking_record(torch.bincount(train_data["ids"][train_data["valid"]], minlength=backbone.vocab_size),
                              args.draft_vocab, "the heads' self-distilled training text (scripts/build_real_heads.py)")
     for kind in ("heads", "conditioned"):  # layer heads: Medusa heads unembed inside their adapter
-        (work / kind / DRAFT_VOCAB_FILE).write_text(json.dumps(ranking) + "\n")
+        (work / shipped[kind] / DRAFT_VOCAB_FILE).write_text(json.dumps(ranking) + "\n")
     for kind, dest in (("heads", SMOLLM2_HEADS), ("medusa", SMOLLM2_MEDUSA), ("conditioned", SMOLLM2_CONDITIONED)):
-        fast.save_bf16(work / kind, dest)
-        shutil.copy(work / kind / "build_report.json", dest / "build_report.json")
-        (dest / "README.md").write_text(asset_readme(kind, reports[kind]))
-    build_stats(base, [p.with_suffix(".jsonl") for p in parts], SMOLLM2_STATS, work)
+        fast.save_bf16(work / shipped[kind], dest)
+        shutil.copy(work / shipped[kind] / "build_report.json", dest / "build_report.json")
+        (dest / "README.md").write_text(asset_readme(shipped[kind], reports[kind]))
+    build_stats(base, [p.with_suffix(".jsonl") for p in parts], SMOLLM2_STATS, work)  # the first two parts' text
     (SMOLLM2_STATS / "README.md").write_text(
         "# Co-occurrence stats for SmolLM2-135M-Instruct's tokenizer\n\nOrders 1-3, pruned at count 2, counted by "
         "`multitoken stats build` over the heads' self-distilled training text plus wikitext-2 valid and Shakespeare "

@@ -70,15 +70,17 @@ def prompt_ids(tokenizer, lines: list[str], length: int, seed: int) -> torch.Ten
     return torch.tensor(rows, dtype=torch.long)[order]
 
 
-def window_ids(tokenizer, sources: tuple[str, ...], length: int, stride: int, exclude: torch.Tensor, seed: int) -> torch.Tensor:
-    """More prompts from the same text: ``length``-token windows every ``stride`` tokens inside
-    each paragraph (cut at ``<unk>`` and headings), none equal to a row of ``exclude`` # [P, length]."""
+def window_ids(tokenizer, sources: tuple[str, ...], length: int, stride: int, exclude: torch.Tensor, seed: int,
+               offset: int = 0) -> torch.Tensor:
+    """More prompts from the same text: ``length``-token windows every ``stride`` tokens from
+    ``offset`` on inside each paragraph (cut at ``<unk>`` and headings), none equal to a row of
+    ``exclude`` # [P, length]."""
     seen = {tuple(r) for r in exclude.tolist()}
     rows = []
     for block in paragraphs(sources):
         for piece in block.split("<unk>"):
             ids = tokenizer(piece.strip()).input_ids
-            for start in range(0, len(ids) - length + 1, stride):
+            for start in range(offset, len(ids) - length + 1, stride):
                 window = tuple(ids[start:start + length])
                 if window not in seen:
                     seen.add(window)

@@ -29,6 +29,7 @@ from multitoken.base.packing import PackedStream, PackPosition, take_sequences
 from multitoken.pipeline.train.trainer_config import TrainConfig, validate
 from multitoken.base.config_io import resolved_config_text
 from multitoken.pipeline.model.backbone import LoraSpec, load_backbone
+from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, ranking_record
 from multitoken.pipeline.model.heads_io import read_heads_config
 from multitoken.pipeline.model.model import MultiTokenModel
 
@@ -131,6 +132,25 @@ def make_streams(cfg: TrainConfig, data: DataConfig, model, position: dict | Non
     start = PackPosition.from_dict(position) if position else epoch_start
     stream = PackedStream(data, tok, cfg.seq_len, sep, vocab_size=vocab, position=start, epoch_start=epoch_start)
     return iter(stream), eval_batches, epoch_start
+
+
+RANKED_TOKENS = 2_000_000  # tokens of the data counted for draft_vocab.json: ample for a frequency ranking
+
+
+def draft_vocab_text(cfg: TrainConfig, data: DataConfig, model) -> str | None:
+    """``draft_vocab.json``: the data's tokens by frequency over the first ``RANKED_TOKENS`` of
+    its stream (the whole data when shorter); None with ``--draft-vocab 0``."""
+    if not cfg.draft_vocab:
+        return None
+    tok, vocab = model.backbone.tokenizer, model.backbone.vocab_size
+    counts, seen = np.zeros(vocab, dtype=np.int64), 0
+    for seq, _ in PackedStream(data, tok, cfg.seq_len, _separator(tok, cfg), vocab_size=vocab, loop=False):
+        counts += np.bincount(seq, minlength=vocab)
+        seen += len(seq)
+        if seen >= RANKED_TOKENS:
+            break
+    record = ranking_record(torch.from_numpy(counts), cfg.draft_vocab, f"the first {seen} tokens of the training data")
+    return json.dumps(record) + "\n"
 
 
 @torch.no_grad()
@@ -361,7 +381,9 @@ def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, 
 def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict) -> None:
     """Save heads, resolved config and metrics: staged, then published over ``--out`` all or
     nothing (only the files its record lists are replaced; see ``heads_io.save_heads``)."""
-    model.save_heads(Path(cfg.out), extra={
-        "train_config.json": resolved_config_text("train", cfg, data, extra=files),
-        "train_metrics.json": json.dumps(history, indent=2) + "\n",
-    }, command="train")
+    extra = {"train_config.json": resolved_config_text("train", cfg, data, extra=files),
+             "train_metrics.json": json.dumps(history, indent=2) + "\n"}
+    ranking = draft_vocab_text(cfg, data, model)
+    if ranking is not None:
+        extra[DRAFT_VOCAB_FILE] = ranking
+    model.save_heads(Path(cfg.out), extra=extra, command="train")

@@ -78,6 +78,9 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept"})
     checkpoint_dir: str | None = field(default=None, metadata={"help": "checkpoint directory (default: OUT.checkpoints beside --out)"})
     resume: bool = field(default=False, metadata={"help": "resume from the latest checkpoint"})
+    draft_vocab: int = field(default=8192, metadata={"help": (
+        "write draft_vocab.json beside the heads: the training data's tokens by frequency; layer heads' drafts then "
+        "score only the first N when decoding (FR-Spec; generate --draft-vocab overrides; 0: write none)")})
     seed: int = field(default=0, metadata={"help": "random seed"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
@@ -118,7 +121,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.seq_len < 2:
         raise UsageError(f"--seq-len must be >= 2, got {cfg.seq_len}")
     for name, value in {"eval-every": cfg.eval_every, "save-every": cfg.save_every, "save-every-minutes": cfg.save_every_minutes,
-                        "lr-warmup-steps": cfg.lr_warmup_steps,
+                        "lr-warmup-steps": cfg.lr_warmup_steps, "draft-vocab": cfg.draft_vocab,
                         "head-warmup-steps": cfg.head_warmup_steps, "lora-r": cfg.lora_r - 1}.items():
         if value < 0:
             raise UsageError(f"--{name} must be >= {1 if name == 'lora-r' else 0}")

@@ -286,3 +286,25 @@ def test_non_finite_heads_are_never_written(tiny_llama_dir, heads_dir, tmp_path)
     with pytest.raises(CheckpointError, match="the heads to write: .* non-finite values"):
         model.save_heads(tmp_path / "h")
     assert not (tmp_path / "h").exists()
+
+
+def test_training_ranks_the_data_tokens_beside_the_heads(stories_dir, corpus, tmp_path):
+    """draft_vocab.json: every token of the data counted, most frequent first; --draft-vocab 0
+    writes none."""
+    import numpy as np
+
+    from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, read_ranking
+
+    heads_dir = make_heads_dir(stories_dir, tmp_path / "untrained")
+    train(train_cfg(heads_dir, tmp_path / "a", max_steps=2, draft_vocab=100), DataConfig(data=str(corpus)))
+    record = read_ranking(tmp_path / "a")
+    assert record["size"] == 100 and len(set(record["tokens"])) == len(record["tokens"])
+    assert record["counts"] == sorted(record["counts"], reverse=True) and min(record["counts"]) > 0
+    docs = [json.loads(line)["input_ids"] for line in corpus.read_text().splitlines() if line.strip()]
+    counts = np.bincount(np.concatenate(docs))  # the packed stream adds separators and drops a partial last row
+    separator = load_trained(stories_dir, heads_dir).backbone.tokenizer.eos_token_id
+    ranked = [t for t in record["tokens"] if t != separator]
+    assert ranked[0] == int(np.argmax(counts)) and set(ranked) <= set(np.flatnonzero(counts).tolist())
+    assert len(ranked) > 0.9 * np.count_nonzero(counts)
+    train(train_cfg(heads_dir, tmp_path / "b", max_steps=2, draft_vocab=0), DataConfig(data=str(corpus)))
+    assert not (tmp_path / "b" / DRAFT_VOCAB_FILE).exists()
