@@ -16,8 +16,6 @@ holes, or are cropped), ``keep_rows`` the rows still decoding: all decoding asks
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +24,7 @@ import torch
 from multitoken.adapters.base import Features
 from multitoken.pipeline.model.backbone import LayerContext
 from multitoken.pipeline.model import ragged
-from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, apply, plan_for
+from multitoken.pipeline.model.step_output import StepOutput
 
 
 def _new_cache():
@@ -185,163 +183,6 @@ def _gather_step(start: int, index: torch.Tensor):
 
 def new_caches(model, draft: torch.nn.Module | None = None) -> DecodeCaches:
     return DecodeCaches(backbone=_new_cache(), heads=[_new_cache() for _ in range(model.heads.num_head_layers)], draft=draft)
-
-
-def unembed(bb, rows: torch.Tensor) -> torch.Tensor:
-    """Logits of ``rows`` [B, R, H] # -> [B, R, V], in the form the backbone's unembedding plan
-    measured cheaper for B * R rows (``unembed_plan.py``: F.linear, or on the CPU (W x^T)^T for
-    a plain Linear; one row always through the module). Neither form is bit-identical to
-    1-row calls for R > 1 (nor is the other): the logits agree to float rounding, which is all
-    the greedy argmax of a model's own forward can promise."""
-    head = bb.unembedding
-    flat = rows.reshape(-1, rows.shape[-1])  # [B * R, H]
-    if plan_for(head, flat).form(flat.shape[0]) == LINEAR:
-        return head(rows)  # the module itself, as transformers computes logits
-    return apply(head, flat, TRANSPOSED).reshape(*rows.shape[:-1], -1)
-
-
-class StepOutput:
-    """One incremental pass over T new tokens. Distributions are computed on demand, and only the
-    rows the decoder reads are unembedded: the base after every position (verification reads all
-    of them, argmax decoding the last) and the layer heads at one position (the anchor the next
-    proposal starts from, known only after acceptance). When one call over the base and head
-    rows at every position costs no more than two calls (the unembedding plan: on an
-    accelerator always; on the CPU measured per shape, dtype and threads) they go in one call;
-    otherwise the base rows go first and the head rows at the anchor in a second call.
-    Log-softmax only for rows read. ``model_s`` accumulates the time spent here (model time, not
-    decoding logic), read by ``clock`` (the loop's, which synchronises an accelerator when
-    profiling); ``unembed_rows`` counts rows per call made here (one-position heads, Medusa and
-    CP, unembed their single row inside the adapter, per head or per CP expert: not counted)."""
-
-    def __init__(self, model, feats: Features, hiddens: dict[int, torch.Tensor], first: int = 0, clock=None,
-                 draft: torch.nn.Module | None = None):
-        self.model = model
-        self.draft = draft  # layer heads' rows over a draft vocabulary (draft_vocab.py); None: the whole one
-        self.clock = clock or time.perf_counter  # the decoder's (it synchronises an accelerator when profiling)
-        self.feats = feats
-        self.hiddens = hiddens  # head index -> [B, T, H] normalised (layer heads only)
-        self.first = first  # positions before it are never read: no logits for them (a prompt's)
-        self.model_s = 0.0
-        self.unembed_rows: Counter = Counter()  # rows per unembedding call -> calls
-        self._base = self._logits = None
-        self._head_logits: dict[int, dict[int, torch.Tensor]] = {}  # position -> head -> [B, V]
-
-    @property
-    def length(self) -> int:
-        return self.feats.base.shape[1]
-
-    def base_logits(self) -> torch.Tensor:
-        """Base (head 1) logits after positions first..T-1 # [B, T - first, V]: all argmax
-        decoding reads."""
-        if self._logits is None:
-            self._unembed_base()
-        return self._logits
-
-    def _unembed(self, rows: torch.Tensor, draft: bool = False) -> torch.Tensor:
-        """One unembedding call, timed and counted # [B, R, H] -> [B, R, V]; ``draft``: head
-        rows, over the draft vocabulary when there is one (not counted: not the whole matrix)."""
-        start = self.clock()
-        if draft and self.draft is not None:
-            logits = self.draft(rows)
-        else:
-            logits = unembed(self.model.backbone, rows)
-            self.unembed_rows[rows.shape[0] * rows.shape[1]] += 1
-        self.model_s += self.clock() - start
-        return logits
-
-    def _unembed_base(self) -> None:
-        """The base rows, with every head's rows in the same call when that is the cheaper plan."""
-        heads, t = sorted(self.hiddens), self.length - self.first
-        plan = plan_for(self.model.backbone.unembedding, self.feats.base)
-        b = self.feats.base.shape[0]  # a call unembeds every batch row: the plan prices b x rows
-        if not heads or self.draft is not None or not plan.joint(b * t * (1 + len(heads)), b * t, b * len(heads)):
-            self._logits = self._unembed(self.feats.base[:, self.first:])  # [B, T - first, V]
-            return
-        read = [self.feats.base] + [self.hiddens[i] for i in heads]  # (1 + L) x [B, T, H]
-        parts = self._unembed(torch.cat([h[:, self.first:] for h in read], dim=1)).split(t, dim=1)
-        self._logits = parts[0]
-        for pos in range(self.first, self.length):
-            self._head_logits[pos] = {i: part[:, pos - self.first] for i, part in zip(heads, parts[1:])}
-
-    def _head_row(self, index: int, pos: int) -> torch.Tensor:
-        """Logits of layer head ``index`` at ``pos`` # [B, V]; the first read at ``pos``
-        unembeds every layer head there in one call."""
-        if self._logits is None:
-            self._unembed_base()  # the base is always read first; this may bring the heads along
-        if pos not in self._head_logits:
-            heads = sorted(self.hiddens)
-            logits = self._unembed(torch.cat([self.hiddens[i][:, pos:pos + 1] for i in heads], dim=1), draft=True)  # [B, L, V]
-            self._head_logits[pos] = {i: logits[:, j] for j, i in enumerate(heads)}
-        return self._head_logits[pos][index]
-
-    def base_log_probs(self) -> torch.Tensor:
-        """Base (head 1) log-distribution after positions first..T-1 # [B, T - first, V] float32."""
-        if self._base is None:
-            logits = self.base_logits()
-            start = self.clock()
-            self._base = torch.log_softmax(logits.float(), dim=-1)
-            self.model_s += self.clock() - start
-        return self._base
-
-    def head_log_probs(self, index: int, pos: int) -> torch.Tensor:
-        """Log-distribution of head ``index`` at position ``pos`` # [B, V] float32. Head 0 is the
-        base path unless an adapter replaces it on purpose (WHS ``all_heads``)."""
-        if pos < self.first:
-            raise ValueError(f"position {pos} was not kept: this pass computes logits from position {self.first} on")
-        if index == 0 and index not in self.hiddens:
-            return self.base_log_probs()[:, pos - self.first]
-        if index in self.hiddens:
-            logits = self._head_row(index, pos)
-        start = self.clock()
-        if index in self.hiddens:
-            out = torch.log_softmax(logits.float(), dim=-1)
-        else:  # one-position heads (Medusa, CP) read only this position's base hidden state
-            f = self.feats
-            sliced = Features(f.trunk[:, pos:pos + 1], f.base[:, pos:pos + 1], (), f.ctx)
-            out = self.model.heads.log_probs(index, sliced)[:, 0]
-        self.model_s += self.clock() - start
-        return out
-
-    def anchor_hidden(self, pos: int) -> torch.Tensor:
-        """Base hidden state at ``pos`` (what CP experts condition on) # [B, H]."""
-        return self.feats.base[:, pos]
-
-    # Batched decoding: every row reads its heads at its own anchor --------------------------
-    def at(self, x: torch.Tensor, anchors: tuple[int, ...]) -> torch.Tensor:
-        """Row b of ``x`` [B, T, ...] at position anchors[b] # -> [B, 1, ...]."""
-        if len(set(anchors)) == 1:
-            return x[:, anchors[0]:anchors[0] + 1]
-        index = torch.tensor(anchors, dtype=torch.long, device=x.device)
-        return x[torch.arange(x.shape[0], device=x.device), index][:, None]
-
-    def anchor_head_logits(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
-        """Layer head ``index``'s logits at each row's anchor # [B, V]; the first read unembeds
-        every layer head there in one call."""
-        if len(set(anchors)) == 1:  # one position for every row: the per-position path (it reuses the base's call)
-            return self._head_row(index, anchors[0])
-        key = ("logits", anchors)
-        if key not in self._head_logits:
-            heads = sorted(self.hiddens)
-            logits = self._unembed(torch.cat([self.at(self.hiddens[i], anchors) for i in heads], dim=1), draft=True)  # [B, L, V]
-            self._head_logits[key] = {i: logits[:, j] for j, i in enumerate(heads)}
-        return self._head_logits[key][index]
-
-    def anchor_head_log_probs(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
-        """``head_log_probs`` with each row at its own anchor # [B, V] float32."""
-        if index == 0 and index not in self.hiddens:
-            base = self.base_log_probs()
-            return self.at(base, tuple(a - self.first for a in anchors))[:, 0]
-        if index in self.hiddens:
-            logits = self.anchor_head_logits(index, anchors)
-        start = self.clock()
-        if index in self.hiddens:
-            out = torch.log_softmax(logits.float(), dim=-1)
-        else:  # one-position heads: every row's anchor in one call
-            f = self.feats
-            sliced = Features(self.at(f.trunk, anchors), self.at(f.base, anchors), (), f.ctx)
-            out = self.model.heads.log_probs(index, sliced)[:, 0]
-        self.model_s += self.clock() - start
-        return out
 
 
 def _tree_context(bb, hidden: torch.Tensor, caches: DecodeCaches, attend: torch.Tensor, offsets: torch.Tensor):

@@ -136,7 +136,7 @@ def test_the_plan_prices_every_batch_row(tiny_backbones, monkeypatch):
 def test_unembed_beyond_the_fast_rows_agrees_within_rounding(tiny_backbones, rows, three_fast_rows):
     """(W x^T)^T for more rows than the CPU's fast count: each logit is the same dot product
     summed in another order, so it differs from F.linear's by at most H * eps * sum |w_i x_i|."""
-    from multitoken.pipeline.model.incremental import unembed
+    from multitoken.pipeline.model.step_output import unembed
 
     bb = tiny_backbones["gpt_neox"]
     x = torch.randn(1, rows, bb.hidden_size, generator=torch.Generator().manual_seed(rows))
