@@ -165,10 +165,12 @@ def asset_readme(kind: str, report: dict) -> str:
     title = {"heads": "3 replicated heads", "medusa": "3 Medusa heads", "conditioned": "3 token-conditioned heads",
              "conditioned_more": "3 token-conditioned heads"}[kind]
     return (f"# {title} for SmolLM2-135M-Instruct\n\nBuilt by `python scripts/build_heads.py --model smollm2` "
-            f"(see scripts/build_real_heads.py): {report['epochs']:g} epochs at lr {report['lr']:g} over "
+            f"(see scripts/build_real_heads.py): {report['epochs']:g} epoch{'s' * (report['epochs'] != 1)} at lr {report['lr']:g} over "
             f"{report['train']['tokens_seen'] / report['epochs']:,.0f} tokens of self-distilled text, "
             f"{report['train']['seconds']:.0f} s on a 2-core CPU"
             + (f", warm-started from this build's {HEADS[WARM_START[kind]]['head_type']} heads" if kind in WARM_START else "")
+            + (" (2 epochs over the first two parts of that text, warm-started in turn from the replicated heads)"
+               if kind == "conditioned_more" else "")
             + ". Tensors in bfloat16.\n\n"
             f"Held-out greedy text (continuations of wikitext-2 test prompts, {acc['positions']:,} positions), "
             f"top-1 / top-5: head 2 {acc['head2/top1']:.3f} / {acc['head2/top5']:.3f}, "
