@@ -235,7 +235,7 @@ def test_train_overwrite_replaces_our_heads_and_keeps_the_users_files(tmp_path):
     refused = run_cli(*args)
     assert refused.returncode == 2 and "pass --overwrite" in refused.stderr
     assert run_cli(*args, "--overwrite").returncode == 0
-    assert sorted(p.name for p in out.iterdir()) == ["heads.safetensors", "heads_config.json", MANIFEST,
+    assert sorted(p.name for p in out.iterdir()) == ["draft_vocab.json", "heads.safetensors", "heads_config.json", MANIFEST,
                                                      "notes.txt", "train_config.json", "train_metrics.json"]
     assert (out / "notes.txt").read_text() == "mine" and (out / "heads.safetensors").read_bytes() != old
     assert _leftovers(tmp_path) == []
