@@ -7,7 +7,7 @@ Steps (each skipped when its output already exists in --work-dir):
    held-out set; 64 new tokens each, greedy, every 4th training batch sampled (temperature 0.7,
    top-k 50); then 8,000 more training prompts: 16-token windows every 24 tokens inside
    wikitext-2 valid's paragraphs and every 48 inside Shakespeare's speeches (``--more-prompts``);
-   then a third part, 10,000 windows halfway between those (``--extra-prompts``);
+   then a third part, up to 10,000 windows halfway between those (``--extra-prompts``; 7,421 exist);
    the trunk's and the final norm's states are kept while it generates;
 3. train 3 replicated heads (heads 2..3 copies of the final layer) and 3 Medusa heads on those
    states (``heads_fast.py``: heads only, the softmax over the corpus's vocabulary); the shipped
