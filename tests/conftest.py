@@ -60,6 +60,20 @@ def build_tiny_llama(out: Path, *, layers: int = 3, hidden: int = 32, seed: int 
     return out
 
 
+def rank_odd_tokens(model, heads_dir: Path, size: int) -> list[int]:
+    """Give ``model`` a heads dir whose token ranking (draft_vocab.json) puts the odd ids first,
+    lowest first; returns the ``size`` ids its drafts then score."""
+    import json
+
+    from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, ranking_record
+
+    v = model.backbone.vocab_size
+    counts = torch.tensor([(v - i) if i % 2 else 0 for i in range(v)])
+    (heads_dir / DRAFT_VOCAB_FILE).write_text(json.dumps(ranking_record(counts, size, "test")))
+    model.heads_dir = str(heads_dir)
+    return [i for i in range(v) if i % 2][:size]
+
+
 @pytest.fixture(scope="session")
 def tiny_neox_dir(tmp_path_factory) -> Path:
     return build_tiny_neox(tmp_path_factory.mktemp("tiny_neox"))

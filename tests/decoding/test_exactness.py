@@ -12,6 +12,7 @@ from multitoken.decoding.engine import generate
 from multitoken.decoding.drafts import Drafts
 from multitoken.pipeline.model.model import MultiTokenModel
 
+from ..conftest import rank_odd_tokens
 from .conftest import RatioTable, attach
 
 PROMPTS = ["Once upon a time", "The little dog", "She said"]
@@ -132,25 +133,13 @@ def test_sampled_speculative_matches_base_distribution(small_vocab_backbone, hea
     assert accepted[0] > 20 and accepted[1] > 20  # acceptance was partial: both branches ran
 
 
-def _draft_vocab(model, tmp_path, size: int) -> None:
-    """A heads dir whose token ranking (draft_vocab.json) keeps the ``size`` lowest odd ids."""
-    import json
-
-    from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, ranking_record
-
-    v = model.backbone.vocab_size
-    counts = torch.tensor([(v - i) if i % 2 else 0 for i in range(v)])
-    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps(ranking_record(counts, size, "test")))
-    model.heads_dir = str(tmp_path)
-
-
 @pytest.mark.parametrize("head_type", ["replicated", "conditioned"])
 def test_greedy_with_a_draft_vocabulary_equals_generate(tiny_backbones, arch, head_type, tmp_path):
     """Drafts scored over a few tokens only (draft_vocab.py): chains, trees and batches still
     give transformers' greedy output (test_draft_vocab.py checks what the head rows read)."""
     backbone = tiny_backbones[arch]
     model = attach(backbone, head_type)
-    _draft_vocab(model, tmp_path, backbone.vocab_size // 4)
+    rank_odd_tokens(model, tmp_path, backbone.vocab_size // 4)
     prompts = [backbone.tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
     refs = [hf_greedy(backbone, ids, 20) for ids in prompts]
     for tree in ("chain", "static", "dynamic"):
@@ -168,7 +157,7 @@ def test_sampled_speculative_with_a_draft_vocabulary_matches_the_base(small_voca
     """Drafts drawn over 2 of the 4 tokens (q zero elsewhere): the output keeps the base's
     distribution, and both acceptance branches run."""
     model = attach(small_vocab_backbone, "replicated", n_future=2)
-    _draft_vocab(model, tmp_path, 1)  # token 1 only: every draft is 1, accepted with p(1) / q(1) = p(1)
+    rank_odd_tokens(model, tmp_path, 1)  # token 1 only: every draft is 1, accepted with p(1) / q(1) = p(1)
     prompt = [0, 3, 1]
     counts, accepted = sampled_pairs(model, prompt, 400)
     expected = exact_pairs(small_vocab_backbone, prompt) * counts.sum()

@@ -3,7 +3,6 @@ unembedding, and what a decoding step's head rows read."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ from multitoken.pipeline.model import cpu_linear
 from multitoken.pipeline.model.draft_vocab import (DRAFT_VOCAB_FILE, DraftUnembedding, ranking_record,
                                                    read_ranking, resolve_size)
 from multitoken.pipeline.model.model import MultiTokenModel
+
+from ..conftest import rank_odd_tokens
 
 
 def test_ranking_is_most_frequent_first_ties_by_id_unseen_left_out():
@@ -76,18 +77,9 @@ def test_a_packed_draft_unembedding_computes_the_same_logits():
     torch.testing.assert_close(after[keep], before[keep], rtol=0, atol=64 * 6e-8 * before[keep].abs().max().item())
 
 
-def _with_ranking(model: MultiTokenModel, tmp_path, size: int) -> list[int]:
-    """Give ``model`` a heads dir whose ranking puts the odd token ids first."""
-    v = model.backbone.vocab_size
-    counts = torch.tensor([(2 * v - i) if i % 2 else 0 for i in range(v)])
-    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps(ranking_record(counts, size, "test")))
-    model.heads_dir = str(tmp_path)
-    return [i for i in range(v) if i % 2][:size]
-
-
 def test_a_step_scores_head_rows_over_the_draft_vocabulary_and_the_base_over_all(tiny_model, tmp_path):
     model = MultiTokenModel.attach(tiny_model.backbone, {"head_type": "replicated", "n_future": 3, "init": "copy"})
-    kept = _with_ranking(model, tmp_path, 20)
+    kept = rank_odd_tokens(model, tmp_path, 20)
     ids = torch.tensor([[5, 9, 2, 7, 11]])
     full = model.step(ids, model.new_caches(0), read_from=4)
     part = model.step(ids, model.new_caches(), read_from=4)  # the record's size: 20
@@ -103,11 +95,11 @@ def test_a_step_scores_head_rows_over_the_draft_vocabulary_and_the_base_over_all
 
 def test_one_position_heads_and_whole_vocabularies_build_no_draft_unembedding(tiny_model, tmp_path):
     medusa = MultiTokenModel.attach(tiny_model.backbone, {"head_type": "medusa", "n_future": 3})
-    _with_ranking(medusa, tmp_path, 20)
+    rank_odd_tokens(medusa, tmp_path, 20)
     assert medusa.draft_unembedding() is None  # Medusa heads unembed inside their adapter
     replicated = MultiTokenModel.attach(tiny_model.backbone, {"head_type": "replicated", "n_future": 3})
     assert replicated.draft_unembedding() is None  # no heads dir: no ranking, the whole vocabulary
-    _with_ranking(replicated, tmp_path, 20)
+    rank_odd_tokens(replicated, tmp_path, 20)
     replicated.__dict__.pop("_ranking")
     first = replicated.draft_unembedding()
     assert first is not None and first.size == 20 and replicated.draft_unembedding() is first  # built once
