@@ -25,24 +25,21 @@ from multitoken.decoding.dynamo import dynamic_step, outer, prepare_kernel, repe
 
 
 def recorded_steps(model, table, prompts: list[list[int]], max_new: int) -> list[tuple[list[torch.Tensor], np.ndarray]]:
-    """The heads' log-distributions and the context flags of every step of dense dynamic decoding
-    at eps_b 0 (every step builds the order-n grid)."""
-    from multitoken.decoding import loop
+    """The heads' log-distributions and the context flags at every anchor of the model's own dense
+    dynamic text at eps_b 0: each prompt is decoded, then the text is read back in one forward
+    (the heads' rows at each position are the ones a step anchored there sees)."""
+    from multitoken.decoding.engine import generate
 
     steps = []
-    real = loop.dynamic_propose
-
-    def record(logps, cfg, table_, seen, rng):
-        steps.append(([logps[i].clone() for i in range(len(logps))], seen.copy()))
-        return real(logps, cfg, table_, seen, rng)
-
-    loop.dynamic_propose = record
-    try:
-        for p in prompts:
-            loop.generate(model, p, DecodeConfig(mode="dynamic", eps_b=0.0, max_new_tokens=max_new, stop_at_eos=False,
-                                                 dynamic_kernel="dense"), table=table)
-    finally:
-        loop.dynamic_propose = real
+    vocab = model.backbone.vocab_size
+    for p in prompts:
+        cfg = DecodeConfig(mode="dynamic", eps_b=0.0, max_new_tokens=max_new, stop_at_eos=False, dynamic_kernel="dense")
+        ids = list(p) + generate(model, p, cfg, table=table).token_ids
+        logps = model.head_logits(torch.tensor([ids], device=model.backbone.device), last_only=False)  # n x [1, T, V]
+        for pos in range(len(p) - 1, len(ids) - 1):
+            seen = np.zeros(vocab, dtype=bool)
+            seen[ids[:pos + 1]] = True
+            steps.append(([lp[0, pos].float().cpu() for lp in logps], seen))
     return steps
 
 
