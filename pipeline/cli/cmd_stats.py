@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from multitoken.base.config_io import resolved_config_text
 from multitoken.base.data import DataConfig
-from multitoken.base.errors import CheckpointError, UsageError
+from multitoken.base.errors import CheckpointError
 from multitoken.base.outputs import add_overwrite_flag, claim_output
 from multitoken.base.tokenizer import load_tokenizer
 from multitoken.pipeline.cli import add_command

@@ -167,18 +167,6 @@ def meta_step(model, tokens: int, read_from: int):
     return model.step(torch.zeros(1, tokens, dtype=torch.long, device=META), caches, read_from=read_from)
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-def test_cp_drafts_stay_on_the_device(meta_models, greedy):
-    model = meta_models["cp"]
-    out = meta_step(model, 4, 3)
-    mode = OnlyOn(META)
-    with mode:
-        drafts = cp_drafts(out, 3, 5, 2, meta_run(model, greedy, model.backbone.vocab_size))
-    assert not mode.bad, mode.bad
-    assert drafts.tokens.shape == (2,) and on_meta(drafts.tokens)
-    assert drafts.probs is None if greedy else on_meta(drafts.probs)
-
-
 def test_a_verification_pass_unembeds_only_the_rows_read_on_the_device(meta_models):
     """Layer heads on meta: the base rows of every position, then the heads at one position.
     On meta (an accelerator stand-in: any row count runs at the 1-row rate) everything goes in

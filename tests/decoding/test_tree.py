@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace

@@ -77,8 +77,6 @@ def test_otsu_and_scaling_are_opencvs():
 
 
 def otsu_numba(flat, values, shape, blur):
-    from types import SimpleNamespace
-
     from multitoken.decoding.dynamo import numba_step
 
     cfg = DecodeConfig(static_threshold=False, adaptive_threshold=True, blur_kernel=3 if blur else 0)
