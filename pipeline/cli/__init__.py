@@ -12,8 +12,9 @@ import argparse
 import importlib
 import sys
 
-from multitoken.base.errors import MultitokenError
+from multitoken.base.errors import MultitokenError, UsageError
 from multitoken.base.quiet import quiet_dependencies  # the scripts use the same switch
+from multitoken.embedded import EMBEDDED_PREFIX, packaged, packaged_dirs
 from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
@@ -106,12 +107,26 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _packaged_folders(args: argparse.Namespace) -> None:
+    """``--heads`` / ``--stats embedded:NAME``: the folder the package ships (its install path
+    differs between machines), resolved before a command sees it."""
+    for flag in ("heads", "stats"):
+        value = getattr(args, flag, None)
+        if isinstance(value, str) and value.startswith(EMBEDDED_PREFIX):
+            path = packaged(value)
+            if path is None:
+                raise UsageError(f"--{flag} {value}: the package ships no folder of that name",
+                                 f"use one of: {', '.join(EMBEDDED_PREFIX + n for n in packaged_dirs())}")
+            setattr(args, flag, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_dependencies()
     command = next((a for a in argv if not a.startswith("-")), None)  # no option takes a value before it
     args = build_parser(command).parse_args(argv)
     try:
+        _packaged_folders(args)
         args.func(args)
     except MultitokenError as err:
         print(f"multitoken {args.command}: error: {err}", file=sys.stderr)

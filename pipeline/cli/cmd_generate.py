@@ -31,8 +31,8 @@ from multitoken.pipeline.cli.args import dataclass_from_args
 @dataclass
 class GenerateConfig:
     prompt: str = field(default="", metadata={"positional": True, "nargs": "?", "help": "text to continue (or --prompts FILE)"})
-    heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded heads with the embedded base)"})
-    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir for dynamic masking (default: the embedded stats with the embedded base)"})
+    heads: str | None = field(default=None, metadata={"help": "heads dir, or embedded:NAME for one the package ships (default: the embedded heads with the embedded base)"})
+    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir (or embedded:NAME) for dynamic masking (default: the embedded stats with the embedded base)"})
     json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
     prompts: str | None = field(default=None, metadata={"help": "prompts file (one per line, or jsonl with 'prompt'/'text'): decode them all, writing --out"})
     batch_size: int = field(default=8, metadata={"help": "with --prompts: rows decoded together (1: one at a time, the same tokens)"})

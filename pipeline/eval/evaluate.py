@@ -39,13 +39,13 @@ DEFAULT_PARTS = PARTS
 class EvalConfig:
     """What to measure; the model is loaded apart (``BackboneConfig``)."""
 
-    heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded trained heads)"})
+    heads: str | None = field(default=None, metadata={"help": "heads dir, or embedded:NAME for one the package ships (default: the embedded trained heads)"})
     out: str | None = field(default=None, metadata={"help": "output directory for report.json, the lens PNG and the resolved config"})
     seq_len: int = field(default=256, metadata={"help": "tokens per packed sequence (as in training)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per forward pass"})
     parts: tuple[str, ...] = field(default=DEFAULT_PARTS, metadata={"help": f"parts to run, among {', '.join(PARTS)}"})
     eps_b: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0), metadata={"help": "back-off thresholds for PPL_d"})
-    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir for PPL_d's masking (default: the embedded stats; none: no mask)"})
+    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir (or embedded:NAME) for PPL_d's masking (default: the embedded stats; none: no mask)"})
     dynamic_tokens: int = field(default=2048, metadata={"help": "tokens walked for PPL_d (each step builds a k^n grid)"})
     marginal_every: int = field(default=1000, metadata={"help": "one marginalization position every N tokens"})
     top_p: float = field(default=0.99, metadata={"help": "nucleus of token t+1 marginalized over (Mehra et al.: 0.99)"})

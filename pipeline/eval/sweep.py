@@ -85,8 +85,8 @@ class SweepConfig:
     """A sweep; the model is loaded apart (``BackboneConfig``). ``decode``: ar's settings, which
     every point shares but for mode, eps_b and the Table 8 switches (``decode_configs``)."""
 
-    heads: str | None = field(default=None, metadata={"help": "heads dir (default: the embedded trained heads)"})
-    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir (default: the embedded stats for the embedded base; 'none': no mask)"})
+    heads: str | None = field(default=None, metadata={"help": "heads dir, or embedded:NAME for one the package ships (default: the embedded trained heads)"})
+    stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir (or embedded:NAME) (default: the embedded stats for the embedded base; 'none': no mask)"})
     prompts: str | None = field(default=None, metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: DynaMo's Table 7)"})
     eps_b: tuple[float, ...] = field(default=DEFAULT_GRID, metadata={"help": "eps_b values: e.g. 0 0.5 1, or a range start:stop:step (stop included)", "default_help": "0:1:0.1"})
     seeds: int = field(default=3, metadata={"help": "sampling seeds per prompt"})

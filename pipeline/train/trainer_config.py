@@ -44,7 +44,7 @@ BACKBONE_HELP = {
 
 @dataclass
 class TrainConfig:
-    heads: str | None = field(default=None, metadata={"help": "heads dir to start from (made by `multitoken attach`, or a trained one)"})
+    heads: str | None = field(default=None, metadata={"help": "heads dir to start from (made by `multitoken attach`, a trained one, or embedded:NAME)"})
     out: str | None = field(default=None, metadata={"help": "output heads dir (replaced atomically at the end)"})
     backbone: BackboneConfig = nested(BackboneConfig, help=BACKBONE_HELP, base=None, dtype=None)
     eval_data: str | None = field(default=None, metadata={"help": "held-out data spec (default: the first --eval-batches batches of --data, skipped by training)"})

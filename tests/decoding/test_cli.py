@@ -129,3 +129,25 @@ def test_tree_nodes_without_a_tree_is_refused(capsys):
     assert main(["generate", "Once upon a time", "--tree-nodes", "8", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "--tree static|dynamic" in err and "Traceback" not in err
+
+
+def test_packaged_heads_and_stats_are_named_by_embedded_name(capsys):
+    """``--heads`` / ``--stats embedded:NAME``: the folders the package ships, wherever it is
+    installed; the same run as their paths."""
+    from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
+
+    by_name = run_json(capsys, "--heads", "embedded:stories260K-heads", "--stats", "embedded:stories260K-stats",
+                       "--mode", "dynamic", "--eps-b", "0", "--seed", "3", "--max-new-tokens", "9")
+    by_path = run_json(capsys, "--heads", str(EMBEDDED_HEADS), "--stats", str(EMBEDDED_STATS),
+                       "--mode", "dynamic", "--eps-b", "0", "--seed", "3", "--max-new-tokens", "9")
+    assert by_name["token_ids"] == by_path["token_ids"] and by_name["trace"]["orders"] == {"3": 3}
+    recorded = by_name["config"]["GenerateConfig"]  # the resolved folders, as with paths
+    assert (recorded["heads"], recorded["stats"]) == (str(EMBEDDED_HEADS), str(EMBEDDED_STATS))
+
+
+@pytest.mark.parametrize("flag", ["--heads", "--stats"])
+def test_an_unknown_embedded_name_is_refused_with_the_names_there_are(capsys, flag):
+    assert main(["generate", "Once upon a time", flag, "embedded:nope", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} embedded:nope: the package ships no folder" in err and "embedded:stories260K-heads" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2  # the problem and its fix
