@@ -70,10 +70,16 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_stale_staging(parent: Path, name: str) -> None:
     """Remove the staging (``.NAME.tmp-PID-*``) and backup (``.NAME.old-PID-*``) dirs left in
-    ``parent`` by killed processes."""
+    ``parent`` by killed processes. A backup whose ``NAME`` is gone is the only copy (``swap_dir``
+    killed between its two renames): it is put back instead."""
     for tmp in [*parent.glob(f".{name}.tmp-*"), *parent.glob(f".{name}.old-*")]:
         pid = tmp.name[len(name) + 6:].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)) and not tmp.is_symlink():
+        if not pid.isdigit() or _pid_alive(int(pid)) or tmp.is_symlink():
+            continue
+        target = parent / name
+        if ".old-" in tmp.name and not target.exists() and not target.is_symlink():
+            os.replace(tmp, target)
+        else:
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -239,3 +239,22 @@ def test_train_overwrite_replaces_our_heads_and_keeps_the_users_files(tmp_path):
                                                      "notes.txt", "train_config.json", "train_metrics.json"]
     assert (out / "notes.txt").read_text() == "mine" and (out / "heads.safetensors").read_bytes() != old
     assert _leftovers(tmp_path) == []
+
+
+def test_a_backup_left_by_a_killed_swap_is_put_back_when_it_is_the_only_copy(tmp_path):
+    """swap_dir killed between renaming the old output aside and the new one in: the next run
+    restores the old one; a backup beside a finished swap, and dead staging, are removed."""
+    from multitoken.base.atomic import remove_stale_staging
+
+    dead = 4194304 + 7  # above Linux's pid_max: no such process
+    only = tmp_path / f".out.old-{dead}-x1"
+    only.mkdir()
+    (only / "heads.safetensors").write_text("old")
+    (tmp_path / f".out.tmp-{dead}-x2").mkdir()
+    remove_stale_staging(tmp_path, "out")
+    assert (tmp_path / "out" / "heads.safetensors").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    spare = tmp_path / f".out.old-{dead}-x3"
+    spare.mkdir()
+    remove_stale_staging(tmp_path, "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (tmp_path / "out" / "heads.safetensors").exists()
