@@ -29,7 +29,9 @@ from multitoken.decoding.sampling import Sampler, penalised_logits, processed_pr
 from multitoken.decoding.trace import Trace
 from multitoken.decoding.trees import fallback_accuracies
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.draft_vocab import read_ranking
 
+from ..conftest import rank_odd_tokens
 from .conftest import attach
 
 META = torch.device("meta")
@@ -263,6 +265,30 @@ def test_joint_drafts_read_the_device_once(meta_models, greedy):
     assert mode.reads == [(2, 2, 4)]
     assert drafts.tokens.shape == (2,) and on_meta(drafts.tokens)
     assert drafts.probs is None if greedy else on_meta(drafts.probs) and drafts.probs.shape == (2, vocab)
+
+
+@pytest.mark.parametrize("name", ["speculative greedy", "speculative sampled", "dynamic tree greedy"])
+def test_draft_vocabulary_runs_stay_on_the_device_with_the_same_reads(meta_models, monkeypatch, tmp_path, name):
+    """Draft rows over a draft vocabulary (its sub-matrix built on the model's device): the run
+    mixes no devices and reads the device as often per step as with the whole vocabulary."""
+    model = meta_models["replicated"]
+    monkeypatch.setattr(model, "heads_dir", None)
+    rank_odd_tokens(model, tmp_path, 20)
+    # the model's cached ranking and sub-matrices: this test's alone (undone after it)
+    monkeypatch.setitem(model.__dict__, "_ranking", read_ranking(tmp_path))
+    monkeypatch.setitem(model.__dict__, "_draft_unembeds", {})
+    settings, after_prompt, per_step = RUNS[name]
+    cfg = DecodeConfig(top_k=4, max_new_tokens=8, stop_at_eos=False, draft_vocab=20, **settings)
+    mode = StepReads(META, model)
+    monkeypatch.setattr(model, "step", mode.step)
+    with mode:
+        got = generate_batch(model, [[1, 2, 3], [4, 5]], cfg, seeds=[0, 1], tree_accuracies=fallback_accuracies(2))
+    assert not mode.bad, mode.bad
+    assert all(len(r.token_ids) == 8 for r in got)
+    first, *later = mode.steps
+    assert len(first) == after_prompt and all(len(reads) == per_step for reads in later[:-2]), mode.steps
+    (draft,) = model.__dict__["_draft_unembeds"].values()
+    assert draft.size == 20 and draft.proj.weight.device == META and draft.ids.device == META
 
 
 class StepReads(HostReads):
