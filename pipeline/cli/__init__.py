@@ -14,7 +14,7 @@ import sys
 
 from multitoken.base.errors import MultitokenError, UsageError
 from multitoken.base.quiet import quiet_dependencies  # the scripts use the same switch
-from multitoken.embedded import EMBEDDED_PREFIX, packaged, packaged_dirs
+from multitoken.embedded import EMBEDDED_PREFIX, packaged_dirs, resolve_base
 from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
@@ -113,11 +113,10 @@ def _packaged_folders(args: argparse.Namespace) -> None:
     for flag in ("heads", "stats"):
         value = getattr(args, flag, None)
         if isinstance(value, str) and value.startswith(EMBEDDED_PREFIX):
-            path = packaged(value)
-            if path is None:
+            if value[len(EMBEDDED_PREFIX):] not in packaged_dirs():
                 raise UsageError(f"--{flag} {value}: the package ships no folder of that name",
                                  f"use one of: {', '.join(EMBEDDED_PREFIX + n for n in packaged_dirs())}")
-            setattr(args, flag, path)
+            setattr(args, flag, resolve_base(value))  # the mapping --base embedded:NAME takes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,16 +61,6 @@ def packaged_dirs() -> list[str]:
     return sorted(p.name for p in EMBEDDED_DIR.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
 
 
-def packaged(value: str | None) -> str | None:
-    """``--heads`` / ``--stats``: ``embedded:NAME`` -> the packaged folder NAME (e.g.
-    ``embedded:SmolLM2-135M-Instruct-conditioned``), whatever the install path; None when NAME is
-    not one of ``packaged_dirs``; any other value as given."""
-    if not isinstance(value, str) or not value.startswith(EMBEDDED_PREFIX):
-        return value
-    name = value[len(EMBEDDED_PREFIX):]
-    return str(EMBEDDED_DIR / name) if name in packaged_dirs() else None
-
-
 def portable_base(name: str) -> str:
     """Inverse of ``resolve_base``: a packaged model's directory -> ``embedded:NAME``, so that
     files recording their base (heads dirs) stay valid on every install."""

@@ -3,7 +3,6 @@ unembedding, and what a decoding step's head rows read."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
