@@ -69,16 +69,18 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_staging(parent: Path, name: str) -> None:
-    """Remove the staging (``.NAME.tmp-PID-*``) and backup (``.NAME.old-PID-*``) dirs left in
-    ``parent`` by killed processes. A backup whose ``NAME`` is gone is the only copy (``swap_dir``
-    killed between its two renames): it is put back instead."""
-    for tmp in [*parent.glob(f".{name}.tmp-*"), *parent.glob(f".{name}.old-*")]:
-        pid = tmp.name[len(name) + 6:].split("-", 1)[0]
+    """Remove the staging (``.NAME.tmp-PID-*``) and backup (``.NAME.old-PID-*``: files
+    ``swap_entries`` moved aside) dirs left in ``parent`` by killed processes. A whole dir
+    ``swap_dir`` moved aside (``.NAME.aside-PID-*``) is the only copy when ``NAME`` is gone (killed
+    between its two renames): it is renamed back then, else removed."""
+    target = parent / name
+    for tmp in [*parent.glob(f".{name}.tmp-*"), *parent.glob(f".{name}.old-*"), *parent.glob(f".{name}.aside-*")]:
+        kind, _, rest = tmp.name[len(name) + 2:].partition("-")
+        pid = rest.split("-", 1)[0]
         if not pid.isdigit() or _pid_alive(int(pid)) or tmp.is_symlink():
             continue
-        target = parent / name
-        if ".old-" in tmp.name and not target.exists() and not target.is_symlink():
-            os.replace(tmp, target)
+        if kind == "aside" and not os.path.lexists(target):
+            os.rename(tmp, target)  # nothing at the destination: the old output returns whole
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -114,7 +116,7 @@ def swap_dir(staging: Path, path: Path) -> None:
     else:
         if path.is_symlink() or not path.is_dir():
             raise NotADirectoryError(f"{path} exists and is not a directory")
-        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-{os.getpid()}-", dir=path.parent))
+        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.aside-{os.getpid()}-", dir=path.parent))
         os.replace(path, aside)
         try:
             os.replace(staging, path)

@@ -37,7 +37,7 @@ def _tree(root: Path) -> dict[str, bytes | str | None]:
 
 
 def _leftovers(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name or p.name.endswith(".lock")]
+    return [p for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name or ".aside-" in p.name or p.name.endswith(".lock")]
 
 
 # All or nothing ---------------------------------------------------------------------------------

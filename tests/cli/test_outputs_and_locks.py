@@ -23,7 +23,7 @@ from .cli_helpers import phrase_corpus, run_cli
 
 
 def _leftovers(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name or p.name.endswith(".lock")]
+    return [p for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name or ".aside-" in p.name or p.name.endswith(".lock")]
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
@@ -242,19 +242,25 @@ def test_train_overwrite_replaces_our_heads_and_keeps_the_users_files(tmp_path):
 
 
 def test_a_backup_left_by_a_killed_swap_is_put_back_when_it_is_the_only_copy(tmp_path):
-    """swap_dir killed between renaming the old output aside and the new one in: the next run
-    restores the old one; a backup beside a finished swap, and dead staging, are removed."""
+    """swap_dir killed between renaming the old dir aside and the new one in: the next run
+    restores the old one; an aside dir beside a finished swap, and dead staging, are removed.
+    swap_entries' backups (files moved aside, e.g. a single-file output's) are only removed:
+    they never become a directory in the output's place."""
     from multitoken.base.atomic import remove_stale_staging
 
     dead = 4194304 + 7  # above Linux's pid_max: no such process
-    only = tmp_path / f".out.old-{dead}-x1"
+    only = tmp_path / f".out.aside-{dead}-x1"
     only.mkdir()
     (only / "heads.safetensors").write_text("old")
     (tmp_path / f".out.tmp-{dead}-x2").mkdir()
     remove_stale_staging(tmp_path, "out")
     assert (tmp_path / "out" / "heads.safetensors").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    spare = tmp_path / f".out.old-{dead}-x3"
-    spare.mkdir()
+    (tmp_path / f".out.aside-{dead}-x3").mkdir()
     remove_stale_staging(tmp_path, "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (tmp_path / "out" / "heads.safetensors").exists()
+    files = tmp_path / f".result.jsonl.old-{dead}-x4"
+    files.mkdir()
+    (files / "result.jsonl").write_text("old")
+    remove_stale_staging(tmp_path, "result.jsonl")
+    assert not (tmp_path / "result.jsonl").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
