@@ -36,10 +36,11 @@ def recorded_steps(model, table, prompts: list[list[int]], max_new: int) -> list
         cfg = DecodeConfig(mode="dynamic", eps_b=0.0, max_new_tokens=max_new, stop_at_eos=False, dynamic_kernel="dense")
         ids = list(p) + generate(model, p, cfg, table=table).token_ids
         logps = model.head_logits(torch.tensor([ids], device=model.backbone.device), last_only=False)  # n x [1, T, V]
+        seen = np.zeros(vocab, dtype=bool)
+        seen[ids[:len(p) - 1]] = True
         for pos in range(len(p) - 1, len(ids) - 1):
-            seen = np.zeros(vocab, dtype=bool)
-            seen[ids[:pos + 1]] = True
-            steps.append(([lp[0, pos].float().cpu() for lp in logps], seen))
+            seen[ids[pos]] = True  # the context up to the anchor, the anchor included
+            steps.append(([lp[0, pos].float().cpu() for lp in logps], seen.copy()))
     return steps
 
 
