@@ -23,7 +23,7 @@ import torch
 from .dynamo.step import Candidates, dynamic_propose, head_candidates, heads_needed, joint_cells, sample_index
 from .sampling import penalised_logits, with_tokens
 from .trees import (MAX_RANKS, Shape, Tree, attend_rows, auto_budget, best_first, joint_tree, parse_nodes,
-                    read_accuracies, right_aligned)
+                    read_accuracies, right_aligned, with_lookup)
 from multitoken.base.errors import UsageError
 
 
@@ -323,18 +323,22 @@ class Trees:
         self.run, self.cfg = run, cfg
         self.depth = run.order - 1  # draft heads read: head d guesses the token d after the root
         self.accuracy = accuracies or read_accuracies(getattr(model, "heads_dir", None), self.depth)
-        nodes = parse_nodes(cfg.trees.tree_nodes)
-        self.budget = nodes if nodes is not None else auto_budget(model, self.accuracy, self.depth)
-        self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget) if cfg.trees.tree == "static" else None
+        if cfg.trees.tree == "chain":  # --lookup on a chain: the heads' top guesses as a one-path tree
+            self.budget, self.shape = self.depth, Shape(tuple(range(-1, self.depth)), tuple(range(self.depth + 1)), (0,) * (self.depth + 1))
+        else:
+            nodes = parse_nodes(cfg.trees.tree_nodes)
+            self.budget = nodes if nodes is not None else auto_budget(model, self.accuracy, self.depth)
+            self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget) if cfg.trees.tree == "static" else None
         self.joint = joint_scored(cfg, model.heads, run.table)
         # the joint ranks paths over the joint drafter's candidates (draft_k per head)
         joint_k = min(cfg.speculation.draft_k, cfg.sampling.top_k)
         self.ranks = min(joint_k if self.joint else min(MAX_RANKS, self.budget), run.vocab)
-        self.on_device = self.shape is not None and cfg.mode == "speculative" and cfg.sampling.greedy
+        self.lookup = cfg.speculation.lookup  # a branch copied from the context (greedy: host trees)
+        self.on_device = self.shape is not None and cfg.mode == "speculative" and cfg.sampling.greedy and not self.lookup
         self._at: dict = {}  # each static shape's index tensors on the device
 
     def label(self, trace) -> None:
-        trace.tree, trace.tree_nodes = self.cfg.trees.tree, self.budget
+        trace.tree, trace.tree_nodes, trace.lookup = self.cfg.trees.tree, self.budget, self.lookup
         scores = "step probabilities x co-occurrence mask" if self.joint else "step probabilities"
         trace.tree_accuracies = self.accuracy.source if self.cfg.trees.tree == "static" else scores
 
@@ -413,6 +417,9 @@ class Trees:
         trees = {j: Tree([roots[j]], [-1], [0], [0]) for j in live}
         for slot, j in enumerate(keep):
             trees[j] = self.tree(host[slot], roots[j], depths[live.index(j)], rows[j])
+        for j in keep if self.lookup else ():
+            context = rows[j].prompt + rows[j].out_ids + [roots[j]]
+            trees[j] = with_lookup(trees[j], context, min(self.lookup, rows[j].budget - 1))
         trees = [trees[j] for j in live]
         width = max(len(t) for t in trees)
         ids = torch.from_numpy(right_aligned([t.tokens for t in trees], width)).to(self.run.device)

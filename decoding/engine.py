@@ -29,6 +29,7 @@ from .dynamo.step import always_backs_off, prepare_kernel
 from .sampling import Sampler
 from .text import continuation_text
 from .trace import Trace, clock_for
+from .trees import looked_up
 from .verify import Verifier
 from multitoken.base.errors import UsageError
 
@@ -189,7 +190,7 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     cfg.validate(vocab_size=vocab, n_heads=n_heads, max_order=stats_order_cap(cfg, n_heads, table, False), table=table)
     cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     prompts, seeds = _prompts(model, prompts, cfg, seeds, attention_mask)
-    one_chain = cfg.trees.tree == "chain"
+    one_chain = cfg.trees.tree == "chain" and not cfg.speculation.lookup  # a lookup branch makes the chain a tree
     if not one_chain and (drafter is not None or acceptor is not None):
         raise UsageError("--tree static / dynamic build their own candidates and acceptance",
                          "pass --tree chain with a custom drafter or acceptor")
@@ -282,12 +283,14 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
                                 list(range(width - n, row.anchor)) + [row.anchor + i for i in v.path]
                                 for row, n, v in zip(batch, proposal.lengths, verdicts)])
         tree = proposal.trees is not None or proposal.static is not None
-        for row, v in zip(batch, verdicts):
+        for slot, (row, v) in enumerate(zip(batch, verdicts)):
             if v is None:
                 continue  # no drafts: the next token comes from the base at the next step
             row.trace.accepted_lengths[len(v.path) - 1] += 1
             if tree:
                 row.trace.tree_sibling_ranks.update(v.sibling_ranks)
+            if row.trace.lookup and proposal.trees is not None:
+                row.trace.lookup_tokens += looked_up(proposal.trees[slot], v.path)
             row.anchor += v.path[-1]
             row.forced = v.next_token
             if row.emit(v.tokens, eos, on_tokens):

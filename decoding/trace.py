@@ -48,6 +48,8 @@ class Trace:
     tree_nodes: int = 0  # tree: candidates per step besides the committed token (the budget)
     tree_accuracies: str = ""  # static tree: where its per-rank accuracies came from (a file, or the fallback prior)
     tree_sibling_ranks: Counter = field(default_factory=Counter)  # tree: kept node's index among its siblings -> count
+    lookup: int = 0  # --lookup K: a branch of up to K tokens copied from the context (0: none)
+    lookup_tokens: int = 0  # kept tokens that only the lookup branch drafted
     batch_size: int = 1  # rows decoded together (one batch): passes and model time are shared by them
 
     @property
@@ -84,6 +86,8 @@ class Trace:
             lines.append(f"tree {self.tree}, {self.tree_nodes} candidates per step"
                          + (f", accuracies: {self.tree_accuracies}" if self.tree_accuracies else "")
                          + (", kept sibling index: " + _hist(self.tree_sibling_ranks) if self.tree_sibling_ranks else ""))
+        if self.lookup:
+            lines.append(f"prompt lookup (up to {self.lookup} tokens): {self.lookup_tokens} kept tokens drafted by it alone")
         if self.orders:
             lines.append("tokens per step: " + _hist(self.orders))
         if self.backoffs:

@@ -310,3 +310,63 @@ def right_aligned(rows: list[list[int]], width: int) -> np.ndarray:
     for row, values in enumerate(rows):
         out[row, width - len(values):] = values
     return out
+
+
+# Prompt lookup branches (``--lookup K``) ------------------------------------------------------
+# Greedy text repeats itself: names, phrases, code, and whole loops in a small model's output.
+# Prompt lookup decoding (Saxena, 2023; transformers' ``prompt_lookup_num_tokens``) drafts the K
+# tokens that followed the latest earlier occurrence of the context's last n tokens (n = 3, then
+# 2, then 1). Here that run is grafted onto the step's tree as one more path from the root (it
+# shares the nodes whose tokens the heads already guessed), so it can run past the heads' depth
+# and is verified in the same forward pass: no model work beyond its nodes, and greedy
+# verification keeps the output the base model's greedy output.
+MAX_NGRAM = 3  # the longest context suffix matched (transformers' prompt lookup: 2 by default)
+LOOKUP_RANK = MAX_RANKS  # a grafted node's rank: after every head guess among its siblings
+
+
+def context_draft(context: list[int], k: int, max_ngram: int | None = None) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the context's longest
+    matching suffix (``max_ngram`` tokens, default ``MAX_NGRAM``, down to one); [] when none occurs."""
+    if k < 1 or len(context) < 2:
+        return []
+    seq = np.asarray(context, dtype=np.int64)
+    for n in range(min(max_ngram or MAX_NGRAM, len(seq) - 1), 0, -1):
+        suffix = seq[-n:]
+        starts = np.arange(len(seq) - n)  # earlier windows only: the suffix itself starts at len - n
+        hit = np.ones(len(starts), dtype=bool)
+        for i in range(n):
+            hit &= seq[starts + i] == suffix[i]
+        found = np.flatnonzero(hit)
+        if found.size:
+            after = found[-1] + n  # the latest occurrence: the most recent phrasing
+            return seq[after:after + k].tolist()
+    return []
+
+
+def graft(tree: Tree, tokens: list[int]) -> Tree:
+    """``tree`` with the path root -> tokens[0] -> tokens[1] ... added: nodes the tree already
+    holds on that path are shared, the rest appended (parents still precede children)."""
+    toks, parents, depths, ranks = list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.ranks)
+    node = 0
+    for token in tokens:
+        child = next((c for c in tree.children[node] if toks[c] == token), None) if node < len(tree) else None
+        if child is None:
+            toks.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            ranks.append(LOOKUP_RANK)
+            child = len(toks) - 1
+        node = child
+    return Tree(toks, parents, depths, ranks)
+
+
+def with_lookup(tree: Tree, context: list[int], k: int) -> Tree:
+    """A row's candidate tree with its context's lookup draft grafted on (``context`` ends with
+    the tree's root: the token committed this step)."""
+    draft = context_draft(context, k)
+    return graft(tree, draft) if draft else tree
+
+
+def looked_up(tree: Tree, path: list[int]) -> int:
+    """Nodes of a kept ``path`` that only the lookup branch drafted."""
+    return sum(tree.ranks[n] == LOOKUP_RANK for n in path[1:])

@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--whole-vocab-rows", action="store_true",
                    help="also the joint chain and the first budget's dynamic tree with drafts over the whole vocabulary "
                         "(--draft-vocab 0), beside the same rows with the heads' draft vocabulary (draft_vocab.json)")
+    p.add_argument("--lookup", type=int, default=0,
+                   help="also the greedy trees with a prompt lookup branch of up to K tokens (--lookup K): rows chain+lookup "
+                        "(the heads' chain as a 2-node static tree), static_B+lookup and dynamic_B+lookup")
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded stories260K rows")
     p.add_argument("--cpu-linear", nargs="+", default=["packed"], choices=("packed", "stock"),
                    help="the kernels of every row, transformers' included (the same model object); several: "
@@ -83,6 +86,12 @@ def methods(model, args, table=None) -> dict:
     if table is not None:  # dynamic trees ranked by the co-occurrence-masked joint (the joint drafter's scores)
         for b in args.budgets:
             rows[f"dynamic_joint_{b}"] = our_runner(model, DecodeConfig(**cfg, tree="dynamic", tree_nodes=str(b)), table)
+    if args.lookup:  # the heads' tree plus one branch copied from the context (decoding/trees.py)
+        look = dict(cfg, drafter="independent", lookup=args.lookup)
+        rows["chain+lookup"] = our_runner(model, DecodeConfig(**look, tree="static", tree_nodes=str(model.n_future - 1)), None)
+        for tree in ("static", "dynamic"):
+            for b in args.budgets:
+                rows[f"{tree}_{b}+lookup"] = our_runner(model, DecodeConfig(**look, tree=tree, tree_nodes=str(b)), None)
     if args.whole_vocab_rows:
         chain = dict(drafter="auto" if table is not None else "independent")
         rows["chain_whole_vocab"] = our_runner(model, DecodeConfig(**cfg, **chain, draft_vocab=0), table)

@@ -170,3 +170,18 @@ def test_transformers_generate_with_the_shipped_heads(smol_dir):
     plain = model.generate(ids, max_new_tokens=24, do_sample=False)
     ours = model.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=with_heads(str(SMOLLM2_HEADS), tree="dynamic"))
     assert ours.tolist() == plain.tolist()
+
+
+def test_lookup_branch_keeps_greedy_exact_on_smollm2(smol_conditioned):
+    """A prompt lookup branch beside the heads' chain (decoding/trees.py): transformers' greedy
+    text, alone and batched, with runs copied from the context kept past the heads' depth."""
+    bb = smol_conditioned.backbone
+    prompts = list(PROMPTS) + ["apple, pear, plum, apple, pear, plum, apple,"]  # a list the model goes on repeating
+    rows = [bb.tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    refs = [hf_greedy(bb, ids, 32) for ids in rows]
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=32, lookup=8)
+    results = [generate(smol_conditioned, ids, cfg) for ids in rows]
+    assert [r.token_ids for r in results] == refs
+    assert results[-1].trace.lookup_tokens > 0 and max(results[-1].trace.accepted_lengths) > 2
+    batched = generate_rows(smol_conditioned, [r[0].tolist() for r in rows], cfg)
+    assert [r.token_ids for r in batched] == refs

@@ -1,0 +1,78 @@
+"""Prompt lookup branches (decoding/trees.py): the context draft, the graft, and greedy output
+that stays transformers' with the lookup branch on."""
+
+from __future__ import annotations
+
+import pytest
+
+from multitoken.base.errors import UsageError
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.engine import generate
+from multitoken.decoding.trees import LOOKUP_RANK, Tree, context_draft, graft, with_lookup
+
+from .conftest import attach
+from .test_exactness import hf_greedy
+
+
+def test_context_draft_takes_the_latest_occurrence_of_the_longest_suffix():
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    context = [5, 6, 7, 1, 9, 6, 7, 2, 3, 8, 6, 7]
+    # suffix (8, 6, 7) never occurred before; (6, 7) did at 1 and 5: the latest, 5, is followed by 2, 3
+    assert context_draft(context, 2) == [2, 3]
+    assert context_draft(context, 10) == [2, 3, 8, 6, 7]  # runs to the context's end, no further
+    assert context_draft([4, 5, 4, 9, 9, 1, 4], 3) == [9, 9, 1]  # one-token suffix: the latest earlier 4 is at 2
+    assert context_draft([1, 2, 3], 4) == []  # nothing repeats
+    assert context_draft([1, 2, 1], 0) == [] and context_draft([1], 3) == []
+
+
+def test_graft_shares_the_heads_nodes_and_appends_the_rest():
+    # root 10 -> (11, 12) at depth 1; 11 -> 13 at depth 2
+    tree = Tree([10, 11, 12, 13], [-1, 0, 0, 1], [0, 1, 1, 2], [0, 0, 1, 0])
+    grown = graft(tree, [11, 13, 14, 15])  # shares 11 and 13, adds 14 and 15 below them
+    assert grown.tokens == [10, 11, 12, 13, 14, 15]
+    assert grown.parents == [-1, 0, 0, 1, 3, 4] and grown.depths == [0, 1, 1, 2, 3, 4]
+    assert grown.ranks[4:] == [LOOKUP_RANK] * 2
+    other = graft(tree, [12, 11])  # leaves the heads' path at depth 2: a new node under 12
+    assert other.tokens[4] == 11 and other.parents[4] == 2 and other.depths[4] == 2
+    assert other.children[0] == [1, 2]  # head guesses keep their order among siblings
+    assert len(graft(tree, [11, 13])) == 4  # already there: nothing added
+    lone = with_lookup(Tree([7], [-1], [0], [0]), [7, 8, 9, 7], 2)  # the root is the context's last token
+    assert lone.tokens == [7, 8, 9] and lone.depths == [0, 1, 2]
+    assert with_lookup(tree, [1, 2, 10], 3) is tree  # no earlier 10: the tree as it was
+
+
+def test_lookup_needs_greedy_trees():
+    for bad in (dict(mode="speculative"), dict(mode="speculative", tree="static"),
+                dict(mode="typical", tree="static", greedy=True), dict(mode="dynamic", greedy=True)):
+        with pytest.raises(UsageError, match="--lookup"):
+            DecodeConfig(lookup=4, **bad).validate()
+    for bad in (-1, 257):
+        with pytest.raises(UsageError, match=r"--lookup must be in \[0, 256\]"):
+            DecodeConfig(mode="speculative", greedy=True, lookup=bad).validate()
+    DecodeConfig(mode="speculative", greedy=True, tree="static", lookup=4).validate()
+    DecodeConfig(mode="speculative", greedy=True, lookup=4).validate()  # a chain: the heads' path plus the lookup one
+
+
+@pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
+def test_greedy_with_lookup_equals_generate_and_goes_past_the_heads(tiny_backbones, arch, tree):
+    """The random tiny models' greedy text loops, so the lookup branch is kept for runs longer
+    than the heads' two drafts; every token is still transformers' greedy token, alone and batched."""
+    backbone = tiny_backbones[arch]
+    model = attach(backbone, "replicated")
+    prompts = [backbone.tokenizer(p, return_tensors="pt").input_ids for p in ("Once upon a time", "The little dog")]
+    refs = [hf_greedy(backbone, ids, 40) for ids in prompts]
+    nodes = {} if tree == "chain" else {"tree_nodes": "4"}
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=40, tree=tree, lookup=6, **nodes)
+    deepest = passes = 0
+    for ids, ref in zip(prompts, refs):
+        res = generate(model, ids, cfg)
+        assert res.token_ids == ref
+        deepest = max(deepest, max(res.trace.accepted_lengths))
+        assert res.trace.lookup == 6 and "prompt lookup" in res.trace.summary()
+        passes += res.trace.forward_passes
+    assert deepest > model.n_future - 1  # a kept path longer than any the heads can draft
+    assert sum(r.trace.lookup_tokens for r in generate(model, [ids[0].tolist() for ids in prompts], cfg)) >= deepest - 2
+    batch = generate(model, [ids[0].tolist() for ids in prompts], cfg)
+    assert [r.token_ids for r in batch] == refs
+    plain = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=40, tree=tree, **nodes)
+    assert sum(generate(model, ids, plain).trace.forward_passes for ids in prompts) > passes
