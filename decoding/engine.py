@@ -29,7 +29,7 @@ from .dynamo.step import always_backs_off, prepare_kernel
 from .sampling import Sampler
 from .text import continuation_text
 from .trace import Trace, clock_for
-from .trees import looked_up
+from .trees import adapt_lookup, looked_up
 from .verify import Verifier
 from multitoken.base.errors import UsageError
 
@@ -74,6 +74,8 @@ class Row:
     out_ids: list[int] = field(default_factory=list)
     anchor: int = 0  # its position in the last pass whose heads predict its next tokens
     forced: int | None = None  # its next token, when the last verification decided it
+    lookup_k: int = 0  # --lookup: the branch's length this step (adapted to what was kept)
+    lookup_len: int = 0  # the lookup branch proposed at the last step (0: none)
     done: bool = False
     _seen_host: np.ndarray | None = None
 
@@ -289,8 +291,9 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
             row.trace.accepted_lengths[len(v.path) - 1] += 1
             if tree:
                 row.trace.tree_sibling_ranks.update(v.sibling_ranks)
-            if row.trace.lookup and proposal.trees is not None:
+            if row.lookup_len:
                 row.trace.lookup_tokens += looked_up(proposal.trees[slot], v.path)
+                row.lookup_k = adapt_lookup(row.lookup_k, row.lookup_len, len(v.path) - 1, run.cfg.speculation.lookup)
             row.anchor += v.path[-1]
             row.forced = v.next_token
             if row.emit(v.tokens, eos, on_tokens):

@@ -321,6 +321,7 @@ def right_aligned(rows: list[list[int]], width: int) -> np.ndarray:
 # and is verified in the same forward pass: no model work beyond its nodes, and greedy
 # verification keeps the output the base model's greedy output.
 MAX_NGRAM = 3  # the longest context suffix matched (transformers' prompt lookup: 2 by default)
+MIN_NGRAM = 1  # the shortest
 LOOKUP_RANK = MAX_RANKS  # a grafted node's rank: after every head guess among its siblings
 
 
@@ -330,7 +331,7 @@ def context_draft(context: list[int], k: int, max_ngram: int | None = None) -> l
     if k < 1 or len(context) < 2:
         return []
     seq = np.asarray(context, dtype=np.int64)
-    for n in range(min(max_ngram or MAX_NGRAM, len(seq) - 1), 0, -1):
+    for n in range(min(max_ngram or MAX_NGRAM, len(seq) - 1), MIN_NGRAM - 1, -1):
         suffix = seq[-n:]
         starts = np.arange(len(seq) - n)  # earlier windows only: the suffix itself starts at len - n
         hit = np.ones(len(starts), dtype=bool)
@@ -360,11 +361,19 @@ def graft(tree: Tree, tokens: list[int]) -> Tree:
     return Tree(toks, parents, depths, ranks)
 
 
-def with_lookup(tree: Tree, context: list[int], k: int) -> Tree:
+def with_lookup(tree: Tree, context: list[int], k: int) -> tuple[Tree, int]:
     """A row's candidate tree with its context's lookup draft grafted on (``context`` ends with
-    the tree's root: the token committed this step)."""
+    the tree's root: the token committed this step), and the draft's length (0: none)."""
     draft = context_draft(context, k)
-    return graft(tree, draft) if draft else tree
+    return (graft(tree, draft) if draft else tree), len(draft)
+
+
+def adapt_lookup(k: int, drafted: int, kept: int, most: int) -> int:
+    """The next step's branch length (transformers' assistant-length heuristic): two more after
+    a step that kept a path as deep as the whole lookup draft, one less after one that did not,
+    within [1, most]; a wrong branch then costs few nodes through a stretch that does not repeat."""
+    k = k or most
+    return min(k + 2, most) if kept >= drafted else max(k - 1, 1)
 
 
 def looked_up(tree: Tree, path: list[int]) -> int:

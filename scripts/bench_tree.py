@@ -9,6 +9,9 @@ greedy output (``identical``). With stats (the embedded model's), ``dynamic_join
 the dynamic tree's paths by DynaMo's co-occurrence-masked joint (the joint drafter's scores).
 Layer heads draft over their draft vocabulary where the heads dir records one (draft_vocab.json);
 ``--whole-vocab-rows`` adds two rows with drafts over the whole vocabulary, for comparison.
+``--lookup K`` adds the chain and the trees with a prompt lookup branch (``chain+lookup``,
+``static_N+lookup``, ``dynamic_N+lookup``), beside transformers' own prompt lookup row;
+``--rows`` keeps only the methods named.
 
 Each repetition runs the methods interleaved and the best repetition counts (the machine may be
 shared); tokens per forward do not depend on the load, ``--tpf-only`` measures only them (one
@@ -61,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--lookup", type=int, default=0,
                    help="also the greedy trees with a prompt lookup branch of up to K tokens (--lookup K): rows chain+lookup "
                         "(the heads' chain as a 2-node static tree), static_B+lookup and dynamic_B+lookup")
+    p.add_argument("--rows", nargs="+", default=None,
+                   help="only these methods (labels as printed, e.g. chain chain+lookup dynamic_auto); hf_greedy always runs: "
+                        "the reference every row is compared with")
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded stories260K rows")
     p.add_argument("--cpu-linear", nargs="+", default=["packed"], choices=("packed", "stock"),
                    help="the kernels of every row, transformers' included (the same model object); several: "
@@ -104,6 +110,8 @@ def bench(name, model, heads_label, prompts, args, table=None) -> dict:
     tok = model.backbone.tokenizer
     ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
     runners = methods(model, args, table)
+    if args.rows:
+        runners = {k: v for k, v in runners.items() if k in args.rows or k == "hf_greedy"}
     # the warm-up run of each method (auto's one-off timing of the verify step included) is off the clock
     best = best_of({label: (lambda run: lambda: over_prompts(run, ids))(run) for label, run in runners.items()},
                    1 if args.tpf_only else args.reps, warm_up=not args.tpf_only)

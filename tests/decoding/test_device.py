@@ -323,6 +323,8 @@ RUNS = {  # settings -> host reads after the prompts' pass (the first token; a t
     "static tree greedy": (dict(mode="speculative", greedy=True, tree="static", tree_nodes="4"), 1, 1),
     "static tree penalised greedy": (dict(mode="speculative", greedy=True, tree="static", tree_nodes="4", repetition_penalty=1.3), 1, 1),
     "dynamic tree greedy": (dict(mode="speculative", greedy=True, tree="dynamic", tree_nodes="4"), 2, 2),
+    "chain greedy with lookup": (dict(mode="speculative", greedy=True, lookup=3), 2, 2),  # host trees: guesses, verdict
+    "static tree greedy with lookup": (dict(mode="speculative", greedy=True, tree="static", tree_nodes="4", lookup=3), 2, 2),
     "static tree sampled": (dict(mode="speculative", tree="static", tree_nodes="4"), 2, 3),
     "dynamic tree typical": (dict(mode="typical", tree="dynamic", tree_nodes="4"), 2, 3),
 }

@@ -8,7 +8,7 @@ import pytest
 from multitoken.base.errors import UsageError
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.decoding.trees import LOOKUP_RANK, Tree, context_draft, graft, with_lookup
+from multitoken.decoding.trees import LOOKUP_RANK, Tree, adapt_lookup, context_draft, graft, with_lookup
 
 from .conftest import attach
 from .test_exactness import hf_greedy
@@ -36,9 +36,15 @@ def test_graft_shares_the_heads_nodes_and_appends_the_rest():
     assert other.tokens[4] == 11 and other.parents[4] == 2 and other.depths[4] == 2
     assert other.children[0] == [1, 2]  # head guesses keep their order among siblings
     assert len(graft(tree, [11, 13])) == 4  # already there: nothing added
-    lone = with_lookup(Tree([7], [-1], [0], [0]), [7, 8, 9, 7], 2)  # the root is the context's last token
-    assert lone.tokens == [7, 8, 9] and lone.depths == [0, 1, 2]
-    assert with_lookup(tree, [1, 2, 10], 3) is tree  # no earlier 10: the tree as it was
+    lone, drafted = with_lookup(Tree([7], [-1], [0], [0]), [7, 8, 9, 7], 2)  # the root is the context's last token
+    assert lone.tokens == [7, 8, 9] and lone.depths == [0, 1, 2] and drafted == 2
+    assert with_lookup(tree, [1, 2, 10], 3) == (tree, 0)  # no earlier 10: the tree as it was
+
+
+def test_branch_length_follows_what_was_kept():
+    assert adapt_lookup(0, 8, 8, 8) == 8  # first step: the flag's length, capped there
+    assert adapt_lookup(4, 4, 5, 8) == 6 and adapt_lookup(7, 7, 7, 8) == 8  # all kept: two more, at most --lookup
+    assert adapt_lookup(6, 6, 2, 8) == 5 and adapt_lookup(1, 1, 0, 8) == 1  # not all kept: one less, at least 1
 
 
 def test_lookup_needs_greedy_trees():
