@@ -417,11 +417,12 @@ class Trees:
         trees = {j: Tree([roots[j]], [-1], [0], [0]) for j in live}
         for slot, j in enumerate(keep):
             trees[j] = self.tree(host[slot], roots[j], depths[live.index(j)], rows[j])
-        for j in live:
-            rows[j].lookup_len = 0
-        for j in keep if self.lookup else ():
-            context = rows[j].prompt + rows[j].out_ids + [roots[j]]
-            trees[j], rows[j].lookup_len = with_lookup(trees[j], context, min(rows[j].lookup_k or self.lookup, rows[j].budget - 1))
+        if self.lookup:  # each row's context is on the host already: no device read
+            for j in live:
+                rows[j].lookup_len = 0
+            for j in keep:
+                context = rows[j].prompt + rows[j].out_ids + [roots[j]]
+                trees[j], rows[j].lookup_len = with_lookup(trees[j], context, min(rows[j].lookup_k or self.lookup, rows[j].budget - 1))
         trees = [trees[j] for j in live]
         width = max(len(t) for t in trees)
         ids = torch.from_numpy(right_aligned([t.tokens for t in trees], width)).to(self.run.device)

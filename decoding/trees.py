@@ -321,26 +321,24 @@ def right_aligned(rows: list[list[int]], width: int) -> np.ndarray:
 # and is verified in the same forward pass: no model work beyond its nodes, and greedy
 # verification keeps the output the base model's greedy output.
 MAX_NGRAM = 3  # the longest context suffix matched (transformers' prompt lookup: 2 by default)
-MIN_NGRAM = 1  # the shortest
 LOOKUP_RANK = MAX_RANKS  # a grafted node's rank: after every head guess among its siblings
 
 
-def context_draft(context: list[int], k: int, max_ngram: int | None = None) -> list[int]:
+def context_draft(context: list[int], k: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the context's longest
-    matching suffix (``max_ngram`` tokens, default ``MAX_NGRAM``, down to one); [] when none occurs."""
+    matching suffix (``MAX_NGRAM`` tokens down to one); [] when none occurs. Host lists only."""
     if k < 1 or len(context) < 2:
         return []
     seq = np.asarray(context, dtype=np.int64)
-    for n in range(min(max_ngram or MAX_NGRAM, len(seq) - 1), MIN_NGRAM - 1, -1):
-        suffix = seq[-n:]
+    for n in range(min(MAX_NGRAM, len(seq) - 1), 0, -1):
         starts = np.arange(len(seq) - n)  # earlier windows only: the suffix itself starts at len - n
         hit = np.ones(len(starts), dtype=bool)
         for i in range(n):
-            hit &= seq[starts + i] == suffix[i]
+            hit &= seq[starts + i] == seq[len(seq) - n + i]
         found = np.flatnonzero(hit)
         if found.size:
-            after = found[-1] + n  # the latest occurrence: the most recent phrasing
-            return seq[after:after + k].tolist()
+            after = int(found[-1]) + n  # the latest occurrence: the most recent phrasing
+            return context[after:after + k]
     return []
 
 

@@ -80,7 +80,10 @@ def remove_stale_staging(parent: Path, name: str) -> None:
         if not pid.isdigit() or _pid_alive(int(pid)) or tmp.is_symlink():
             continue
         if kind == "aside" and not os.path.lexists(target):
-            os.rename(tmp, target)  # nothing at the destination: the old output returns whole
+            try:  # nothing at the destination: the old output returns whole
+                os.rename(tmp, target)
+            except OSError:  # a file or a non-empty dir appeared there meanwhile (rename refuses both): leave them
+                pass
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 
