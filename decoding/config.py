@@ -79,9 +79,9 @@ class Speculation:
         "whole vocabulary, so greedy and sampled output stay exact); 0 = the whole vocabulary; default: the size "
         "recorded beside the heads (draft_vocab.json), else the whole vocabulary")})
     lookup: int = field(default=0, metadata={"help": (
-        "greedy speculative: also verify up to K tokens copied from the context (prompt lookup decoding): those "
+        "speculative / typical: also verify up to K tokens copied from the context (prompt lookup decoding): those "
         "that followed the latest earlier occurrence of its last 1-3 tokens, one more branch beside the heads' "
-        "chain or tree, in the same forward pass; 0 = off")})
+        "chain or tree, in the same forward pass (greedy and sampled output stay exact); 0 = off")})
     typical_eps: float = field(default=0.09, metadata={"help": "typical acceptance: posterior threshold eps"})
     typical_delta: float = field(default=0.3, metadata={"help": "typical acceptance: entropy factor delta"})
 
@@ -219,10 +219,10 @@ class DecodeConfig:
         if not 0 <= self.speculation.lookup <= MAX_TREE_NODES:
             raise UsageError(f"--lookup must be in [0, {MAX_TREE_NODES}], got {self.speculation.lookup}",
                              "0 turns it off; transformers' prompt lookup drafts 10 tokens")
-        if self.speculation.lookup and (self.mode != "speculative" or not self.sampling.greedy):
-            raise UsageError(f"--lookup verifies a branch copied from the context under greedy verification: it needs "
-                             f"--mode speculative --greedy, not --mode {self.mode}{'' if self.sampling.greedy else ' sampling'}",
-                             "add --greedy (and --mode speculative), or drop --lookup")
+        if self.speculation.lookup and self.mode not in ("speculative", "typical"):
+            raise UsageError(f"--lookup adds a branch copied from the context for verification to judge: it needs "
+                             f"--mode speculative or typical, not {self.mode} (DynaMo's back-off keeps no verification)",
+                             "pass --mode speculative, or drop --lookup")
         if str(self.trees.tree_nodes) != "auto":
             try:
                 nodes = int(self.trees.tree_nodes)

@@ -327,6 +327,8 @@ RUNS = {  # settings -> host reads after the prompts' pass (the first token; a t
     "static tree greedy with lookup": (dict(mode="speculative", greedy=True, tree="static", tree_nodes="4", lookup=3), 2, 2),
     "static tree sampled": (dict(mode="speculative", tree="static", tree_nodes="4"), 2, 3),
     "dynamic tree typical": (dict(mode="typical", tree="dynamic", tree_nodes="4"), 2, 3),
+    "chain sampled with lookup": (dict(mode="speculative", lookup=3), 2, 3),  # the lookup branch reads no device data
+    "dynamic tree typical with lookup": (dict(mode="typical", tree="dynamic", tree_nodes="4", lookup=3), 2, 3),
 }
 
 

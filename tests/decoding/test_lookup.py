@@ -1,9 +1,13 @@
-"""Prompt lookup branches (decoding/trees.py): the context draft, the graft, and greedy output
-that stays transformers' with the lookup branch on."""
+"""Prompt lookup branches (decoding/trees.py): the context draft, the graft, greedy output that
+stays transformers' with the lookup branch on, and sampled output that keeps the base's law."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
+from scipy.stats import chisquare
 
 from multitoken.base.errors import UsageError
 from multitoken.decoding.config import DecodeConfig
@@ -11,7 +15,7 @@ from multitoken.decoding.engine import generate
 from multitoken.decoding.trees import LOOKUP_RANK, Tree, adapt_lookup, context_draft, graft, with_lookup
 
 from .conftest import attach
-from .test_exactness import hf_greedy
+from .test_exactness import hf_greedy, merge_small_cells
 
 
 def test_context_draft_takes_the_latest_occurrence_of_the_longest_suffix():
@@ -47,16 +51,17 @@ def test_branch_length_follows_what_was_kept():
     assert adapt_lookup(6, 6, 2, 8) == 5 and adapt_lookup(1, 1, 0, 8) == 1  # not all kept: one less, at least 1
 
 
-def test_lookup_needs_greedy_trees():
-    for bad in (dict(mode="speculative"), dict(mode="speculative", tree="static"),
-                dict(mode="typical", tree="static", greedy=True), dict(mode="dynamic", greedy=True)):
-        with pytest.raises(UsageError, match="--lookup"):
+def test_lookup_needs_verification():
+    for bad in (dict(mode="dynamic"), dict(mode="dynamic", greedy=True), dict(mode="ar")):
+        with pytest.raises(UsageError, match="--lookup .* needs --mode speculative or typical"):
             DecodeConfig(lookup=4, **bad).validate()
     for bad in (-1, 257):
         with pytest.raises(UsageError, match=r"--lookup must be in \[0, 256\]"):
             DecodeConfig(mode="speculative", greedy=True, lookup=bad).validate()
     DecodeConfig(mode="speculative", greedy=True, tree="static", lookup=4).validate()
     DecodeConfig(mode="speculative", greedy=True, lookup=4).validate()  # a chain: the heads' path plus the lookup one
+    DecodeConfig(mode="speculative", lookup=4).validate()  # sampled: the walk judges the branch's tokens as point masses
+    DecodeConfig(mode="typical", tree="dynamic", tree_nodes="4", lookup=4).validate()
 
 
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
@@ -82,3 +87,58 @@ def test_greedy_with_lookup_equals_generate_and_goes_past_the_heads(tiny_backbon
     assert [r.token_ids for r in batch] == refs
     plain = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=40, tree=tree, **nodes)
     assert sum(generate(model, ids, plain).trace.forward_passes for ids in prompts) > passes
+
+
+def exact_triples(backbone, prompt: list[int], penalty: float) -> torch.Tensor:
+    """p(x1, x2, x3 | prompt) under the repetition penalty # -> [V, V, V]."""
+    v = backbone.vocab_size
+
+    def dist(ids):
+        logits = backbone.model(torch.tensor([ids])).logits[0, -1].float()
+        seen = torch.zeros(v, dtype=torch.bool)
+        seen[ids] = True
+        return torch.softmax(logits - math.log(penalty) * seen, -1)  # [V]
+
+    with torch.no_grad():
+        p1 = dist(prompt)
+        return torch.stack([torch.stack([p1[a] * dist(prompt + [a])[b] * dist(prompt + [a, b])
+                                         for b in range(v)]) for a in range(v)])
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_sampled_with_lookup_matches_the_base_distribution(small_vocab_backbone, tree):
+    """On a 4-token vocabulary every suffix repeats, so each step grafts a copied run of up to
+    two tokens beside the head's guess; the first three sampled tokens keep the base's law (with
+    the penalty), while copied tokens are both kept and rejected."""
+    model = attach(small_vocab_backbone, "medusa", n_future=2)
+    with torch.no_grad():  # the head clearly different from the base: its guess is often wrong
+        model.heads.blocks[0][0].linear.weight.normal_(0, 1.0)
+    prompt, v, runs = [0, 3, 1, 2, 0, 3, 1], small_vocab_backbone.vocab_size, 600
+    nodes = {} if tree == "chain" else {"tree_nodes": "3"}
+    counts, looked, deepest = torch.zeros(v, v, v), 0, 0
+    for seed in range(runs):
+        res = generate(model, prompt, DecodeConfig(mode="speculative", temperature=1.0, top_k=v, max_new_tokens=3, seed=seed,
+                                                   stop_at_eos=False, tree=tree, lookup=2, **nodes))
+        a, b, c = res.token_ids
+        counts[a, b, c] += 1
+        looked += res.trace.lookup_tokens
+        deepest = max(deepest, max(res.trace.accepted_lengths))
+    expected = exact_triples(small_vocab_backbone, prompt, 1.1) * runs
+    stat = chisquare(*merge_small_cells(counts.flatten(), expected.flatten()))
+    assert stat.pvalue > 1e-3, (counts, expected)
+    assert looked > 20 and deepest == 2  # the branch's tokens were kept, past the head's one draft
+    assert looked < 2 * runs  # and rejected too
+
+
+def test_typical_and_batched_sampled_runs_take_the_branch(small_vocab_backbone):
+    """Typical acceptance walks the grafted tree too, and batched sampled rows draw their own
+    branches: on the 4-token model's peaked text the copied runs are kept past the head's draft."""
+    model = attach(small_vocab_backbone, "medusa", n_future=2)
+    rows = [[0, 3, 1, 2, 0, 3, 1], [2, 1, 0, 3, 2, 1]]
+    for mode in ("typical", "speculative"):
+        cfg = DecodeConfig(mode=mode, temperature=1.0, top_k=4, max_new_tokens=40, tree="dynamic", tree_nodes="3",
+                           lookup=4, seed=1, stop_at_eos=False)
+        batch = generate(model, rows, cfg)
+        assert all(len(r.token_ids) == 40 for r in batch)
+        assert sum(r.trace.lookup_tokens for r in batch) > 0, mode
+        assert max(max(r.trace.accepted_lengths) for r in batch) > model.n_future - 1, mode
