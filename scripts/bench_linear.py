@@ -1,5 +1,6 @@
 """CPU linears for decoding: torch's stock ``F.linear`` against weights prepacked for oneDNN
-(``--cpu-linear packed``, pipeline/model/cpu_linear.py), side by side in one process.
+(``--cpu-linear packed``, pipeline/model/cpu_linear.py) and the compiled rows kernel
+(``--cpu-linear rows``, rows_kernel.py; where it builds), side by side in one process.
 
 Three parts, each printed as a table and written to the JSON:
 
@@ -44,7 +45,8 @@ from multitoken.pipeline.model.model import MultiTokenModel
 from bench_common import best_of
 from bench_decode import SHAPES
 
-KINDS = (cpu_linear.STOCK, cpu_linear.PACKED)
+# the compiled rows kernel where it builds here (rows_kernel.py), beside oneDNN's and torch's
+KINDS = (cpu_linear.STOCK, cpu_linear.PACKED) + ((cpu_linear.ROWS,) if cpu_linear.rows_usable() else ())
 SMOL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
 PROMPT = "The results of the study show that"
@@ -100,10 +102,12 @@ def _cached(model, context: int):
 
 @torch.inference_mode()
 def step_costs(stock, rows: int, context: int, reps: int) -> dict:
-    """ms per forward of M = 1..rows tokens, stock and packed (a packed deep copy), interleaved."""
-    packed = copy.deepcopy(stock)
-    swapped = cpu_linear.pack(packed)
-    models = {cpu_linear.STOCK: stock, cpu_linear.PACKED: packed}
+    """ms per forward of M = 1..rows tokens, stock and packed (a packed deep copy per packed
+    kind), interleaved."""
+    models = {cpu_linear.STOCK: stock}
+    for kind in KINDS[1:]:
+        models[kind] = copy.deepcopy(stock)
+        swapped = cpu_linear.pack(models[kind], kind)
     caches = {kind: _cached(m, context) for kind, m in models.items()}
     best = {(kind, m): float("inf") for kind in KINDS for m in range(1, rows + 1)}
     gen = torch.Generator().manual_seed(1)

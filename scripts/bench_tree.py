@@ -11,7 +11,8 @@ Layer heads draft over their draft vocabulary where the heads dir records one (d
 ``--whole-vocab-rows`` adds two rows with drafts over the whole vocabulary, for comparison.
 ``--lookup K`` adds the chain and the trees with a prompt lookup branch (``chain+lookup``,
 ``static_N+lookup``, ``dynamic_N+lookup``), beside transformers' own prompt lookup row;
-``--rows`` keeps only the methods named.
+``--sampled`` adds sampled rows (DynaMo's settings; lossless speculative sampling against our
+``ar`` sampling and transformers'); ``--rows`` keeps only the methods named.
 
 Each repetition runs the methods interleaved and the best repetition counts (the machine may be
 shared); tokens per forward do not depend on the load, ``--tpf-only`` measures only them (one
@@ -63,12 +64,18 @@ def parse_args(argv=None):
                         "(--draft-vocab 0), beside the same rows with the heads' draft vocabulary (draft_vocab.json)")
     p.add_argument("--lookup", type=int, default=0,
                    help="also the greedy trees with a prompt lookup branch of up to K tokens (--lookup K): rows chain+lookup "
-                        "(the heads' chain as a 2-node static tree), static_B+lookup and dynamic_B+lookup")
+                        "(the heads' chain as a 2-node static tree), static_B+lookup and dynamic_B+lookup (with --sampled "
+                        "the sampled rows' +lookup too)")
+    p.add_argument("--sampled", action="store_true",
+                   help="also sampled rows at DynaMo's settings (temperature 0.7, top-k 50, repetition penalty 1.1): "
+                        "transformers' sampling (hf_sample; its penalty in logit form), our ar_sample, and lossless "
+                        "sampled speculative decoding: sampled_chain, sampled_dynamic_B (with --lookup also their +lookup "
+                        "rows); each against ar_sample (x ar), no identity check")
     p.add_argument("--rows", nargs="+", default=None,
                    help="only these methods (labels as printed, e.g. chain chain+lookup dynamic_auto); hf_greedy always runs: "
                         "the reference every row is compared with")
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded stories260K rows")
-    p.add_argument("--cpu-linear", nargs="+", default=["packed"], choices=("packed", "stock"),
+    p.add_argument("--cpu-linear", nargs="+", default=["rows"], choices=("rows", "packed", "stock"),
                    help="the kernels of every row, transformers' included (the same model object); several: "
                         "the SmolLM2 rows once per choice, each model loaded anew, x HF against the first choice's")
     return p.parse_args(argv)
@@ -98,11 +105,35 @@ def methods(model, args, table=None) -> dict:
         for tree in ("static", "dynamic"):
             for b in args.budgets:
                 rows[f"{tree}_{b}+lookup"] = our_runner(model, DecodeConfig(**look, tree=tree, tree_nodes=str(b)), None)
+    if args.sampled:
+        rows.update(sampled_methods(model, args))
     if args.whole_vocab_rows:
         chain = dict(drafter="auto" if table is not None else "independent")
         rows["chain_whole_vocab"] = our_runner(model, DecodeConfig(**cfg, **chain, draft_vocab=0), table)
         rows[f"dynamic_{args.budgets[0]}_whole_vocab"] = our_runner(
             model, DecodeConfig(**cfg, tree="dynamic", tree_nodes=str(args.budgets[0]), drafter="independent", draft_vocab=0), None)
+    return rows
+
+
+SAMPLE = dict(temperature=0.7, top_k=50, repetition_penalty=1.1)  # DynaMo's sampling settings
+
+
+def sampled(label: str) -> bool:
+    return label in ("hf_sample", "ar_sample") or label.startswith("sampled_")
+
+
+def sampled_methods(model, args) -> dict:
+    """Sampled rows: transformers' and our one-token sampling, the sampled chain and dynamic
+    trees (lossless rejection sampling), with a lookup branch where --lookup is given."""
+    new = args.max_new_tokens
+    rows = {} if args.tpf_only else {"hf_sample": hf_runner(model, False, new, SAMPLE),
+                                     "ar_sample": our_runner(model, DecodeConfig(mode="ar", max_new_tokens=new, **SAMPLE), None)}
+    spec = dict(mode="speculative", max_new_tokens=new, drafter="independent", **SAMPLE)
+    shapes = {"sampled_chain": {}, **{f"sampled_dynamic_{b}": dict(tree="dynamic", tree_nodes=str(b)) for b in args.budgets}}
+    for label, shape in shapes.items():
+        rows[label] = our_runner(model, DecodeConfig(**spec, **shape), None)
+        if args.lookup:
+            rows[f"{label}+lookup"] = our_runner(model, DecodeConfig(**spec, **shape, lookup=args.lookup), None)
     return rows
 
 
@@ -115,13 +146,14 @@ def bench(name, model, heads_label, prompts, args, table=None) -> dict:
     # the warm-up run of each method (auto's one-off timing of the verify step included) is off the clock
     best = best_of({label: (lambda run: lambda: over_prompts(run, ids))(run) for label, run in runners.items()},
                    1 if args.tpf_only else args.reps, warm_up=not args.tpf_only)
-    # greedy rows all give the base's argmax text: transformers' where it ran, else the first row's
-    reference = best["hf_greedy" if "hf_greedy" in best else next(iter(best))]["outputs"]
+    # greedy rows all give the base's argmax text: transformers' where it ran, else the first greedy row's
+    greedy = [label for label in best if not sampled(label)]
+    reference = best["hf_greedy" if "hf_greedy" in best else greedy[0]]["outputs"] if greedy else None
     rows = {}
     for label, r in best.items():
         tokens = sum(len(o) for o in r["outputs"])
         row = {"tokens": tokens, "wall_s": round(r["wall_s"], 4), "tokens_per_s": round(tokens / r["wall_s"], 1),
-               "identical": r["outputs"] == reference}
+               "identical": None if sampled(label) else r["outputs"] == reference}
         if r["traces"][0] is not None:
             fw = sum(t.forward_passes for t in r["traces"])
             row.update(forward_passes=fw, tokens_per_forward=round(tokens / fw, 3),
@@ -130,18 +162,30 @@ def bench(name, model, heads_label, prompts, args, table=None) -> dict:
     if "hf_greedy" in rows:
         for row in rows.values():
             row["speedup_vs_hf_greedy"] = round(row["tokens_per_s"] / rows["hf_greedy"]["tokens_per_s"], 3)
-    return {"model": name, "heads": heads_label, "n": model.n_future, "prompts": prompts, "methods": rows}
+    if "ar_sample" in rows:
+        for label, row in rows.items():
+            if sampled(label):
+                row["speedup_vs_ar_sample"] = round(row["tokens_per_s"] / rows["ar_sample"]["tokens_per_s"], 3)
+    return {"model": name, "heads": heads_label, "n": model.n_future, "prompts": prompts, "methods": rows,
+            "_outputs": {label: r["outputs"] for label, r in best.items()}}
+
+
+def first_kernels(m: dict, other: str | None) -> str:
+    """`` / True`` where a row also equals the first kernels' transformers text (--cpu-linear A B)."""
+    same = m.get("identical_to_" + other[len("speedup_vs_"):]) if other else None
+    return "" if same is None else f" / {same}"
 
 
 def print_table(r: dict) -> None:
     print(f"\n{r['model']}  heads: {r['heads']}  (n = {r['n']})")
     other = next((k for m in r["methods"].values() for k in m if k.startswith("speedup_vs_hf_greedy_")), None)
     extra = f" {'x HF ' + other.rsplit('_', 1)[1]:>12s}" if other else ""
-    print(f"{'method':18s} {'tok/fwd':>8s} {'tok/s':>8s} {'x HF':>6s}{extra} {'nodes':>6s} identical")
+    print(f"{'method':26s} {'tok/fwd':>8s} {'tok/s':>8s} {'x HF':>6s}{extra} {'x ar':>6s} {'nodes':>6s} identical")
     for label, m in r["methods"].items():
         col = f" {m.get(other, float('nan')):12.2f}" if other else ""
-        print(f"{label:18s} {m.get('tokens_per_forward', float('nan')):8.3f} {m['tokens_per_s']:8.1f} "
-              f"{m.get('speedup_vs_hf_greedy', float('nan')):6.2f}{col} {m.get('tree_nodes', '') or '':>6} {m['identical']}")
+        print(f"{label:26s} {m.get('tokens_per_forward', float('nan')):8.3f} {m['tokens_per_s']:8.1f} "
+              f"{m.get('speedup_vs_hf_greedy', float('nan')):6.2f}{col} {m.get('speedup_vs_ar_sample', float('nan')):6.2f} "
+              f"{m.get('tree_nodes', '') or '':>6} {'-' if m['identical'] is None else m['identical']}{first_kernels(m, other)}")
 
 
 def main(argv=None) -> dict:
@@ -164,10 +208,17 @@ def main(argv=None) -> dict:
             record[key] = bench(f"{SMOLLM2} ({kind} linears)", smol, label, list(TABLE7_PROMPTS), args, table)
             del smol
         first = record.get("smollm2", {}).get("methods", {}).get("hf_greedy")
+        first_text = record.get("smollm2", {}).get("_outputs", {}).get("hf_greedy")
         for kind in args.cpu_linear[1:]:  # every row also against the first kernels' transformers
-            for row in record[f"smollm2_{kind}"]["methods"].values():
+            later = record[f"smollm2_{kind}"]
+            for label, row in later["methods"].items():
                 if first:
                     row[f"speedup_vs_hf_greedy_{args.cpu_linear[0]}"] = round(row["tokens_per_s"] / first["tokens_per_s"], 3)
+                if first_text is not None and not sampled(label):
+                    row[f"identical_to_hf_greedy_{args.cpu_linear[0]}"] = later["_outputs"][label] == first_text
+    for part in record.values():
+        if isinstance(part, dict):
+            part.pop("_outputs", None)
     if args.pythia_heads:
         pm, label = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype, args.cpu_linear[0])
         record["pythia_mini"] = bench("pythia-mini", pm, label, PROMPTS["pile"], args)

@@ -23,7 +23,7 @@ from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
 from multitoken.base.tokenizer import load_tokenizer
 from multitoken.base.quiet import quiet_loading
-from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, PACKED
+from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, ROWS
 from multitoken.pipeline.model.quantization import checked_plan
 
 
@@ -59,9 +59,11 @@ class BackboneConfig:
         metadata={"help": "load the backbone in 8-bit or 4-bit (bitsandbytes)", "choices": QUANTIZATIONS},
     )
     threads: int | None = threads_field()  # applied by load_backbone, process-wide
-    cpu_linear: str = field(default=PACKED, metadata={
-        "help": "decoding on the CPU: linears on weights prepacked once for oneDNN (a step over several "
-                "tokens reads each weight once; a row's logits do not depend on how many) or torch's F.linear",
+    cpu_linear: str = field(default=ROWS, metadata={
+        "help": "decoding on the CPU: linears on weights prepacked once for oneDNN (packed: a step over several "
+                "tokens reads each weight once; a row's logits do not depend on how many), in the column blocks of a "
+                "multi-row GEMV compiled here on first use (rows: float32, needs a C++ compiler; else packed), or "
+                "torch's F.linear (stock)",
         "choices": CPU_LINEARS})
 
 

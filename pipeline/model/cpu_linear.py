@@ -1,5 +1,10 @@
 """Prepacked CPU linears for decoding: a step over 2-16 tokens reads each weight once, as a one-token step does.
 
+Two layouts: oneDNN's blocked one (``--cpu-linear packed``) and the column blocks of our own
+compiled multi-row GEMV (``--cpu-linear rows``, float32, rows_kernel.py: built with the machine's
+C++ compiler on first use; where it cannot be, those layers take oneDNN's layout). What follows
+holds for both; the rows kernel's one-row step runs at MKL's GEMV rate, oneDNN's does not.
+
 torch's fp32 ``F.linear`` on the CPU calls MKL, whose cost grows almost linearly with the rows
 for a few rows; oneDNN on a weight reordered once into its blocked layout reads the weight once
 per call whatever the row count (memory-bound), and computes each fp32 row the same way for any
@@ -34,8 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED, STOCK = "packed", "stock"
-CPU_LINEARS = (PACKED, STOCK)
+from multitoken.pipeline.model import rows_kernel
+
+PACKED, ROWS, STOCK = "packed", "rows", "stock"
+CPU_LINEARS = (PACKED, ROWS, STOCK)
+ONEDNN = "onednn"  # the layout of a PACKED layer (and of a ROWS model's bf16 layers)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Smallest weight packed (elements). oneDNN spends ~15 us per call (measured on a [64, 64] layer:
 # 17 us against F.linear's 2 us), about what reading 100k fp32 weights from memory takes: below
@@ -54,8 +62,11 @@ def _say_once(message: str) -> None:
         print(f"multitoken: {message}; CPU linears fall back to F.linear", file=sys.stderr)
 
 
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+def _reorder(weight: torch.Tensor, layout: str = ONEDNN) -> torch.Tensor:
+    """The weight [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor), or in the rows
+    kernel's column blocks [N / L, K, L] (rows_kernel.py)."""
+    if layout == ROWS:
+        return rows_kernel.block_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_HINT)
 
 
@@ -69,6 +80,25 @@ def usable(dtype: torch.dtype = torch.float32) -> bool:
     if dtype not in _STATE["usable"]:
         _STATE["usable"][dtype] = _probe(dtype)
     return _STATE["usable"][dtype]
+
+
+def rows_usable() -> bool:
+    """Whether the compiled rows kernel builds here and agrees with ``F.linear`` (once per process)."""
+    if "rows" not in _STATE["usable"]:
+        _STATE["usable"]["rows"] = _probe_rows()
+    return _STATE["usable"]["rows"]
+
+
+def _probe_rows() -> bool:
+    if rows_kernel.library() is None:
+        return False  # said on stderr by rows_kernel
+    gen = torch.Generator().manual_seed(0)
+    w, b, x = (torch.randn(*s, generator=gen) for s in ((40, 64), (40,), (9, 64)))  # a partial last block
+    y = rows_kernel.rows_linear(x, _reorder(w, ROWS), 40, b)
+    if not torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4):  # sums of 64 products
+        _say_once("the compiled rows kernel disagrees with F.linear")
+        return False
+    return True
 
 
 def _probe(dtype: torch.dtype) -> bool:
@@ -97,11 +127,11 @@ class PackedLinear(nn.Module):
     opaque oneDNN tensor; ``weight`` reads the values back in the plain layout (a fresh copy per
     read, for code that inspects weights; writing to it changes nothing)."""
 
-    def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool):
+    def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool, layout: str = ONEDNN):
         super().__init__()
         object.__setattr__(self, "stock", stock)  # not a submodule: no parameters, no state_dict
         self.in_features, self.out_features = stock.in_features, stock.out_features
-        self.packed, self.shared = packed, shared
+        self.packed, self.shared, self.layout = packed, shared, layout
         self.dense: torch.Tensor | None = None  # set by the fallback
 
     @property
@@ -115,6 +145,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.dense is None and not (torch.is_grad_enabled() and x.requires_grad):
             try:
+                if self.layout == ROWS:
+                    if x.dtype == torch.float32 and x.device.type == "cpu":
+                        return rows_kernel.rows_linear(x, self.packed, self.out_features, self.bias)
+                    raise RuntimeError(f"the rows kernel takes float32 CPU inputs, not {x.dtype} on {x.device.type}")
                 return _packed_linear(x, self.packed, self.bias)
             except RuntimeError as err:
                 _say_once(f"the packed linear failed ({err})")
@@ -124,7 +158,9 @@ class PackedLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [N, K] in the plain layout, exactly (a reorder, no arithmetic)."""
-        return self.stock.weight.detach() if self.shared else self.packed.to_dense()
+        if self.shared:
+            return self.stock.weight.detach()
+        return rows_kernel.dense_weight(self.packed, self.out_features) if self.layout == ROWS else self.packed.to_dense()
 
     def unpacked(self) -> nn.Linear:
         """The stock module with its dense weight back (the same Parameter objects)."""
@@ -135,22 +171,39 @@ class PackedLinear(nn.Module):
     def __deepcopy__(self, memo) -> "PackedLinear":
         stock = copy.deepcopy(self.stock, memo)  # a released weight copies empty; a shared one via memo
         if not self.shared:
-            stock.weight.data = self.packed.to_dense()
-        return _packed(stock, self.shared)
+            stock.weight.data = self.dense_weight()
+        return _packed(stock, self.shared, self.layout)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"packed ({self.layout})")
 
 
-def _packable(module: nn.Module) -> bool:
+def _layout(module: nn.Module, mode: str) -> str | None:
+    """The layout ``mode`` packs ``module`` in, or None where it stays stock: ROWS for float32
+    weights where the compiled kernel runs (``rows``), else oneDNN's where it runs."""
     w = module.weight
-    return (type(module) is nn.Linear and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
-            and w.numel() >= MIN_WEIGHTS and (module.bias is None or module.bias.dtype == w.dtype) and usable(w.dtype))
+    if not (type(module) is nn.Linear and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
+            and w.numel() >= MIN_WEIGHTS and (module.bias is None or module.bias.dtype == w.dtype)):
+        return None
+    if mode == ROWS and w.dtype == torch.float32 and rows_usable():
+        return ROWS
+    return ONEDNN if usable(w.dtype) else None
 
 
-def _packed(stock: nn.Linear, shared: bool) -> PackedLinear:
+def _wanted(packed: PackedLinear, mode: str) -> str:
+    """The layout a packed layer should have under ``mode`` (its dtype kept in ``stock``)."""
+    return ROWS if mode == ROWS and packed.stock.weight.dtype == torch.float32 and rows_usable() else ONEDNN
+
+
+def layout_of(module: nn.Module) -> str | None:
+    """A packed module's layout (None: not packed)."""
+    return module.layout if isinstance(module, PackedLinear) else None
+
+
+def _packed(stock: nn.Linear, shared: bool, layout: str = ONEDNN) -> PackedLinear:
     """``stock`` packed; its weight's storage released unless ``shared`` (the packed copy replaces it)."""
-    packed = PackedLinear(stock, _reorder(stock.weight), shared)
+    packed = PackedLinear(stock, _reorder(stock.weight, layout), shared, layout)
     if not shared:
         stock.weight.data = torch.empty(0, dtype=stock.weight.dtype)
     return packed
@@ -206,19 +259,20 @@ def _trim_heap() -> None:
 
 
 @torch.inference_mode(False)  # decoding packs inside inference mode; the tensors outlive it (training)
-def pack(root: nn.Module) -> int:
-    """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear``; returns how
-    many were swapped (none where the ops are unusable). Idempotent."""
-    found = [(parent, name, child) for parent, name, child in _children(root)
-             if type(child) is nn.Linear and _packable(child)]
+def pack(root: nn.Module, mode: str = PACKED) -> int:
+    """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear`` in the layout
+    ``mode`` asks for (``packed``: oneDNN's; ``rows``: the compiled kernel's for float32); returns
+    how many were swapped (none where the ops are unusable). Idempotent."""
+    found = [(parent, name, child, layout) for parent, name, child in _children(root)
+             if type(child) is nn.Linear and (layout := _layout(child, mode)) is not None]
     counts = _weight_counts(root) if found else {}
     maps = _file_maps() if found else []
-    mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child in found)
+    mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child, _ in found)
     swapped: dict[int, PackedLinear] = {}  # a module held by two parents is packed once
-    for parent, name, child in found:
+    for parent, name, child, layout in found:
         if id(child) not in swapped:
             try:
-                swapped[id(child)] = _packed(child, shared=counts[id(child.weight)] > 1)
+                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, layout)
             except RuntimeError as err:  # this one stays stock
                 _say_once(f"a weight {tuple(child.weight.shape)} could not be packed ({err})")
                 continue
@@ -241,9 +295,12 @@ def unpack(root: nn.Module) -> int:
 
 
 def prepare(root: nn.Module, mode: str) -> int:
-    """The linears ``mode`` asks for (``packed`` or ``stock``); returns how many are packed."""
-    if mode == STOCK:
+    """The linears ``mode`` asks for (``packed``, ``rows`` or ``stock``); returns how many are
+    packed. Layers packed for another mode are unpacked first."""
+    packed = [m for m in root.modules() if isinstance(m, PackedLinear)]
+    if mode == STOCK or any(m.layout != _wanted(m, mode) for m in packed):
         unpack(root)
+    if mode == STOCK:
         return 0
-    pack(root)
+    pack(root, mode)
     return sum(isinstance(m, PackedLinear) for m in root.modules())

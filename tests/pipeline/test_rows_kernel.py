@@ -1,0 +1,124 @@
+"""The compiled rows kernel (pipeline/model/rows_kernel.py, ``--cpu-linear rows``): values
+against F.linear within fp32 rounding, rows bit-identical whatever the row count and threads,
+the exact round trip of its blocks, the mode switches, its build cache, the fallback without a
+compiler, and greedy decoding on it equal to transformers' stock output."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.engine import generate
+from multitoken.pipeline.model import cpu_linear, rows_kernel
+from multitoken.pipeline.model.cpu_linear import ONEDNN, ROWS, PackedLinear
+
+from .test_cpu_linear import _bound, _layers, _model, tied_llama_dir  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.skipif(not cpu_linear.rows_usable(),
+                                reason="needs the compiled rows kernel: an x86-64 CPU and a C++ compiler with OpenMP")
+
+
+def _rows(seq: nn.Sequential) -> PackedLinear:
+    assert cpu_linear.pack(seq, ROWS) == 1 and seq[0].layout == ROWS
+    return seq[0]
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (40, 200), (2048, 64)])  # 96 and 40: a partial last block
+@pytest.mark.parametrize("bias", [True, False])
+def test_rows_equal_f_linear_within_rounding(shape, bias):
+    seq = _layers(*shape, torch.float32, bias)
+    w, b = seq[0].weight.clone(), None if seq[0].bias is None else seq[0].bias.clone()
+    layer = _rows(seq)
+    for rows in (1, 3, 16, rows_kernel.MAX_ROWS, rows_kernel.MAX_ROWS + 6):  # the last: a prompt's batched matmul
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+        got, ref = layer(x), F.linear(x, w, b)
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        assert bool(((got - ref).abs() <= _bound(x, w, b)).all()), rows
+    assert torch.equal(layer.weight, w) and torch.equal(rows_kernel.dense_weight(layer.packed, shape[0]), w)
+    assert layer.packed.shape == (-(-shape[0] // rows_kernel.lanes()), shape[1], rows_kernel.lanes())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_is_bit_identical_whatever_the_rows_and_threads(threads):
+    """Each output is one chain of fused multiply-adds in input order: alone, in any of 1..64
+    rows (2-D or 3-D input), on one thread or two, the same bits."""
+    layer = _rows(_layers(200, 96, torch.float32))  # 7 blocks: uneven shares on two threads
+    x = torch.randn(rows_kernel.MAX_ROWS, 96, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # [64, N] on this process's threads
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 7, 8, 9, 16, 33, 64):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+            assert torch.equal(layer(x[None, :rows]), alone[None, :rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_modes_switch_layouts_and_bf16_stays_onednn():
+    seq = nn.Sequential(_layers(96, 64, torch.float32)[0], _layers(96, 64, torch.bfloat16, seed=1)[0])
+    w = seq[0].weight.clone()
+    assert cpu_linear.prepare(seq, ROWS) == 2
+    assert [m.layout for m in seq] == [ROWS, ONEDNN]  # the kernel is float32 only
+    assert cpu_linear.prepare(seq, cpu_linear.PACKED) == 2 and [m.layout for m in seq] == [ONEDNN, ONEDNN]
+    assert cpu_linear.prepare(seq, ROWS) == 2 and seq[0].layout == ROWS and torch.equal(seq[0].weight, w)
+    copied = copy.deepcopy(seq)
+    x = torch.randn(5, 64)
+    assert copied[0].layout == ROWS and torch.equal(copied[0](x), seq[0](x))
+    assert cpu_linear.prepare(seq, cpu_linear.STOCK) == 0 and type(seq[0]) is nn.Linear and torch.equal(seq[0].weight, w)
+
+
+def test_gradients_go_through_f_linear():
+    seq = _layers(96, 64, torch.float32)
+    w, b = seq[0].weight.clone(), seq[0].bias.clone()
+    layer = _rows(seq)
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert torch.allclose(x.grad, w.sum(0).expand(3, -1), atol=1e-5)  # through F.linear on the dense weight
+    assert torch.equal(layer.bias, b) and bool(((layer(x.detach()) - F.linear(x.detach(), w, b)).abs() <= _bound(x.detach(), w, b)).all())
+
+
+def test_without_a_compiler_rows_falls_back_to_onednn_once_said(monkeypatch, capsys):
+    monkeypatch.setattr(rows_kernel, "_STATE", {"loaded": False, "lib": None, "why": None})
+    monkeypatch.setitem(cpu_linear._STATE, "usable", {})
+    monkeypatch.setattr(rows_kernel, "_compiler", lambda: None)
+    seq = _layers(96, 64, torch.float32)
+    assert cpu_linear.pack(seq, ROWS) == 1 and seq[0].layout == ONEDNN
+    assert cpu_linear.pack(_layers(96, 64, torch.float32), ROWS) == 1
+    err = capsys.readouterr().err
+    assert err.count("rows kernel is unavailable") == 1 and "no C++ compiler found" in err
+
+
+def test_the_build_is_cached_per_machine_and_reused(tmp_path):
+    """The first process compiles into $MULTITOKEN_CACHE/kernels/KEY/, the next loads that file."""
+    code = ("from multitoken.pipeline.model import rows_kernel as r; import sys; "
+            "sys.exit(0 if r.library() is not None else 1)")
+    env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    built = list((tmp_path / "kernels").glob("*/rows_linear.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    assert built[0].stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").rglob("*"))) == 2  # no temp left
+
+
+def test_greedy_on_the_rows_kernel_equals_transformers_stock(tied_llama_dir):
+    """Every linear on the kernel (a tied unembedding keeps its dense embedding): greedy ``ar``,
+    chains and trees give transformers' stock greedy text."""
+    model = _model(tied_llama_dir, cpu_linear=ROWS)
+    bb = model.backbone
+    ids = bb.tokenizer("Once upon a time", return_tensors="pt").input_ids
+    ref = bb.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                            pad_token_id=bb.tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    for extra in (dict(mode="ar"), dict(mode="speculative"), dict(mode="speculative", tree="dynamic", tree_nodes="6")):
+        assert generate(model, ids, DecodeConfig(greedy=True, max_new_tokens=20, **extra)).token_ids == ref, extra
+    layouts = {m.layout for m in model.modules() if isinstance(m, PackedLinear)}
+    assert layouts == {ROWS} and bb.unembedding.shared
