@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ..conftest import build_tiny_llama
 from .train_helpers import make_heads_dir, phrase_corpus
 
 
@@ -15,3 +16,16 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def heads_dir(tiny_llama_dir, tmp_path_factory):
     return make_heads_dir(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "untrained")
+
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    """A tiny Llama with a tied unembedding, like SmolLM2."""
+    from transformers import LlamaForCausalLM
+
+    out = build_tiny_llama(tmp_path_factory.mktemp("tied_llama"), hidden=64, seed=3)
+    model = LlamaForCausalLM.from_pretrained(out)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(out)
+    return out

@@ -18,7 +18,6 @@ from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_ba
 from multitoken.pipeline.model.cpu_linear import PackedLinear
 from multitoken.pipeline.model.model import MultiTokenModel
 
-from ..conftest import build_tiny_llama
 
 pytestmark = pytest.mark.skipif(not cpu_linear.usable(), reason="this torch build has no usable oneDNN packed linear")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -136,19 +135,6 @@ def test_gradients_flow_to_the_input_of_a_frozen_packed_layer():
     x_ref = x.detach().clone().requires_grad_(True)
     F.linear(x_ref, w, b).square().sum().backward()
     assert torch.allclose(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def tied_llama_dir(tmp_path_factory):
-    """A tiny Llama with a tied unembedding, like SmolLM2."""
-    from transformers import LlamaForCausalLM
-
-    out = build_tiny_llama(tmp_path_factory.mktemp("tied_llama"), hidden=64, seed=3)
-    model = LlamaForCausalLM.from_pretrained(out)
-    model.config.tie_word_embeddings = True
-    model.lm_head.weight = model.model.embed_tokens.weight
-    model.save_pretrained(out)
-    return out
 
 
 def _model(base, **config) -> MultiTokenModel:

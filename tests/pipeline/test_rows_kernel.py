@@ -20,7 +20,7 @@ from multitoken.decoding.engine import generate
 from multitoken.pipeline.model import cpu_linear, rows_kernel
 from multitoken.pipeline.model.cpu_linear import ONEDNN, ROWS, PackedLinear
 
-from .test_cpu_linear import _bound, _layers, _model, tied_llama_dir  # noqa: F401 (a fixture)
+from .test_cpu_linear import _bound, _layers, _model
 
 pytestmark = pytest.mark.skipif(not cpu_linear.rows_usable(),
                                 reason="needs the compiled rows kernel: an x86-64 CPU and a C++ compiler with OpenMP")
