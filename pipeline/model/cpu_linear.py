@@ -120,12 +120,14 @@ def _probe(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight lives in oneDNN's blocked layout, for inference.
+    """An ``nn.Linear`` whose weight lives in oneDNN's blocked layout or the rows kernel's column
+    blocks (``layout``), for inference.
 
     ``stock`` is the original module (kept outside the module tree, so the packed model shows
     no parameter here); its weight's storage is released unless ``shared``. ``packed`` is the
-    opaque oneDNN tensor; ``weight`` reads the values back in the plain layout (a fresh copy per
-    read, for code that inspects weights; writing to it changes nothing)."""
+    opaque oneDNN tensor (ONEDNN) or the [N / L, K, L] blocks (ROWS); ``weight`` reads the values
+    back in the plain layout (a fresh copy per read, for code that inspects weights; writing to
+    it changes nothing)."""
 
     def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool, layout: str = ONEDNN):
         super().__init__()
