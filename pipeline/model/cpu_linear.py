@@ -188,14 +188,14 @@ def _layout(module: nn.Module, mode: str) -> str | None:
     if not (type(module) is nn.Linear and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
             and w.numel() >= MIN_WEIGHTS and (module.bias is None or module.bias.dtype == w.dtype)):
         return None
-    if mode == ROWS and w.dtype == torch.float32 and rows_usable():
+    return _layout_for(w.dtype, mode)
+
+
+def _layout_for(dtype: torch.dtype, mode: str) -> str | None:
+    """The layout a packable weight of ``dtype`` takes under ``mode`` (None: no kernel runs here)."""
+    if mode == ROWS and dtype == torch.float32 and rows_usable():
         return ROWS
-    return ONEDNN if usable(w.dtype) else None
-
-
-def _wanted(packed: PackedLinear, mode: str) -> str:
-    """The layout a packed layer should have under ``mode`` (its dtype kept in ``stock``)."""
-    return ROWS if mode == ROWS and packed.stock.weight.dtype == torch.float32 and rows_usable() else ONEDNN
+    return ONEDNN if usable(dtype) else None
 
 
 def layout_of(module: nn.Module) -> str | None:
@@ -300,7 +300,7 @@ def prepare(root: nn.Module, mode: str) -> int:
     """The linears ``mode`` asks for (``packed``, ``rows`` or ``stock``); returns how many are
     packed. Layers packed for another mode are unpacked first."""
     packed = [m for m in root.modules() if isinstance(m, PackedLinear)]
-    if mode == STOCK or any(m.layout != _wanted(m, mode) for m in packed):
+    if mode == STOCK or any(m.layout != _layout_for(m.stock.weight.dtype, mode) for m in packed):  # dtype kept in stock
         unpack(root)
     if mode == STOCK:
         return 0

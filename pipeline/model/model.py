@@ -206,15 +206,18 @@ class MultiTokenModel(nn.Module):
         if key not in built:
             ids = torch.tensor(self._ranking["tokens"][:size], dtype=torch.long)
             built[key] = draft = DraftUnembedding(bb.unembedding, ids.sort().values, bb.vocab_size)
-            if layout is not None:  # the decoding linears are packed: this one too, in their layout
-                cpu_linear.pack(draft, cpu_linear.ROWS if layout == cpu_linear.ROWS else cpu_linear.PACKED)
+            if layout is not None:  # the decoding linears are packed: this one too, as they were
+                cpu_linear.pack(draft, self._cpu_linear())
         return built[key]
 
     def prepare_linears(self) -> int:
         """The decoding linears ``cpu_linear`` asks for: the compiled rows kernel's blocks (the
         default; oneDNN's layout where it cannot be built), oneDNN's, or stock; returns how many
         are packed. Only CPU float weights are packed (cpu_linear.py)."""
-        return cpu_linear.prepare(self, getattr(self.backbone.load_config, "cpu_linear", cpu_linear.ROWS))
+        return cpu_linear.prepare(self, self._cpu_linear())
+
+    def _cpu_linear(self) -> str:
+        return getattr(self.backbone.load_config, "cpu_linear", cpu_linear.ROWS)
 
     def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0,
              lengths: list[int] | None = None, attend: torch.Tensor | None = None,

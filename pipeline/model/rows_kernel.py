@@ -136,6 +136,8 @@ def _build(compiler: str) -> Path:
     lib = out_dir / "rows_linear.so"
     if lib.is_file():
         return lib
+    if os.path.lexists(lib):  # our cache's own name, but not a file we wrote: leave it
+        raise RuntimeError(f"{lib} exists and is not a built kernel: remove it to rebuild")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src, built = Path(tmp) / "rows_linear.cpp", Path(tmp) / "rows_linear.so"

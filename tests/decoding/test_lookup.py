@@ -3,8 +3,6 @@ stays transformers' with the lookup branch on, and sampled output that keeps the
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -16,6 +14,7 @@ from multitoken.decoding.trees import LOOKUP_RANK, Tree, adapt_lookup, context_d
 
 from .conftest import attach
 from .test_exactness import hf_greedy, merge_small_cells
+from .test_tree import exact_penalised
 
 
 def test_context_draft_takes_the_latest_occurrence_of_the_longest_suffix():
@@ -89,22 +88,6 @@ def test_greedy_with_lookup_equals_generate_and_goes_past_the_heads(tiny_backbon
     assert sum(generate(model, ids, plain).trace.forward_passes for ids in prompts) > passes
 
 
-def exact_triples(backbone, prompt: list[int], penalty: float) -> torch.Tensor:
-    """p(x1, x2, x3 | prompt) under the repetition penalty # -> [V, V, V]."""
-    v = backbone.vocab_size
-
-    def dist(ids):
-        logits = backbone.model(torch.tensor([ids])).logits[0, -1].float()
-        seen = torch.zeros(v, dtype=torch.bool)
-        seen[ids] = True
-        return torch.softmax(logits - math.log(penalty) * seen, -1)  # [V]
-
-    with torch.no_grad():
-        p1 = dist(prompt)
-        return torch.stack([torch.stack([p1[a] * dist(prompt + [a])[b] * dist(prompt + [a, b])
-                                         for b in range(v)]) for a in range(v)])
-
-
 @pytest.mark.parametrize("tree", ["chain", "dynamic"])
 def test_sampled_with_lookup_matches_the_base_distribution(small_vocab_backbone, tree):
     """On a 4-token vocabulary every suffix repeats, so each step grafts a copied run of up to
@@ -123,7 +106,7 @@ def test_sampled_with_lookup_matches_the_base_distribution(small_vocab_backbone,
         counts[a, b, c] += 1
         looked += res.trace.lookup_tokens
         deepest = max(deepest, max(res.trace.accepted_lengths))
-    expected = exact_triples(small_vocab_backbone, prompt, 1.1) * runs
+    expected = exact_penalised(small_vocab_backbone, prompt, 1.1, length=3) * runs
     stat = chisquare(*merge_small_cells(counts.flatten(), expected.flatten()))
     assert stat.pvalue > 1e-3, (counts, expected)
     assert looked > 20 and deepest == 2  # the branch's tokens were kept, past the head's one draft

@@ -145,19 +145,22 @@ def test_embedded_heads_accept_more_per_forward_with_a_tree():
 
 
 # sampling --------------------------------------------------------------------------------------
-def exact_pairs_penalised(backbone, prompt: list[int], penalty: float) -> torch.Tensor:
-    """p(x1, x2 | prompt) with DynaMo's repetition penalty # -> [V, V]."""
+def exact_penalised(backbone, prompt: list[int], penalty: float, length: int = 2) -> torch.Tensor:
+    """p(x1, ..., x_length | prompt) with DynaMo's repetition penalty # -> [V] * length."""
     v = backbone.vocab_size
 
     def dist(ids):
         logits = backbone.model(torch.tensor([ids])).logits[0, -1].float()
         seen = torch.zeros(v, dtype=torch.bool)
         seen[ids] = True
-        return torch.softmax(logits - math.log(penalty) * seen, -1)
+        return torch.softmax(logits - math.log(penalty) * seen, -1)  # [V]
+
+    def joint(ids, left):
+        p = dist(ids)
+        return p if left == 1 else torch.stack([p[a] * joint(ids + [a], left - 1) for a in range(v)])
 
     with torch.no_grad():
-        p1 = dist(prompt)
-        return torch.stack([p1[a] * dist(prompt + [a]) for a in range(v)])
+        return joint(list(prompt), length)
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic", "joint"])
@@ -176,7 +179,7 @@ def test_sampled_tree_matches_the_base_distribution(small_vocab_backbone, tree):
         counts[a, b] += 1
         for r, c in res.trace.tree_sibling_ranks.items():
             ranks[r] = ranks.get(r, 0) + c
-    expected = exact_pairs_penalised(small_vocab_backbone, prompt, 1.1) * runs
+    expected = exact_penalised(small_vocab_backbone, prompt, 1.1) * runs
     stat = chisquare(*merge_small_cells(counts.flatten(), expected.flatten()))
     assert stat.pvalue > 1e-3, (counts, expected)
     assert ranks.get(0, 0) > 20 and ranks.get(1, 0) + ranks.get(2, 0) > 20  # siblings past the first were kept
