@@ -123,17 +123,23 @@ class RowHeads:
         return self.out.at(self.out.feats.base, self.anchors)[self.row:self.row + 1, 0]
 
 
+def at_anchors(out, x: torch.Tensor, need: list[int], anchors: tuple[int, ...]) -> torch.Tensor:
+    """Rows ``need`` of ``x`` [B, T - first, ...] (a pass's base outputs), each at its anchor # [R, ...]."""
+    if len(anchors) == 1:  # one row: a plain slice
+        return x[:, anchors[0] - out.first]
+    picked = out.at(x, tuple(a - out.first for a in anchors))[:, 0]  # [B, ...]
+    if len(need) < len(anchors):
+        picked = picked.index_select(0, torch.tensor(need, dtype=torch.long, device=picked.device))
+    return picked
+
+
 def next_tokens(out, rows, need: list[int], anchors: tuple[int, ...]) -> list[int]:
     """A token from the base's target after each row's anchor: greedy takes every row's argmax
     in one call; sampling draws per row from its own generator. One host read either way."""
-    logits = out.base_logits()  # the base's own (not a WHS head 1)
-    if len(anchors) == 1:  # one row: a plain slice
-        scores = logits[:, anchors[0] - out.first]  # [1, V]
-    else:
-        scores = out.at(logits, tuple(a - out.first for a in anchors))[:, 0]  # [B, V]
-        if len(need) < len(anchors):
-            scores = scores.index_select(0, torch.tensor(need, dtype=torch.long, device=scores.device))  # [R, V]
     sampler = rows[need[0]].sampler
+    if sampler.greedy and sampler.penalty == 1:  # the argmax alone (no logits where the model screens it)
+        return at_anchors(out, out.base_argmax(), need, anchors).tolist()
+    scores = at_anchors(out, out.base_logits(), need, anchors)  # the base's own (not a WHS head 1) # [R, V]
     if sampler.greedy:
         seen = torch.stack([rows[j].seen for j in need]) if sampler.penalty != 1 else None
         return penalised_logits(scores, seen, sampler.penalty).argmax(-1).tolist()
@@ -327,7 +333,8 @@ class Trees:
             self.budget, self.shape = self.depth, Shape(tuple(range(-1, self.depth)), tuple(range(self.depth + 1)), (0,) * (self.depth + 1))
         else:
             nodes = parse_nodes(cfg.trees.tree_nodes)
-            self.budget = nodes if nodes is not None else auto_budget(model, self.accuracy, self.depth)
+            argmax = cfg.sampling.greedy and cfg.sampling.penalty == 1  # greedy verification then reads no logits
+            self.budget = nodes if nodes is not None else auto_budget(model, self.accuracy, self.depth, argmax)
             self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget) if cfg.trees.tree == "static" else None
         self.joint = joint_scored(cfg, model.heads, run.table)
         # the joint ranks paths over the joint drafter's candidates (draft_k per head)

@@ -44,6 +44,9 @@ class StepResult(Protocol):
     def base_logits(self) -> torch.Tensor:
         """Base (head 1) logits after positions first..T-1 # [B, T - first, V]."""
 
+    def base_argmax(self) -> torch.Tensor:
+        """Their argmax # [B, T - first] long (computed without the logits where the model can)."""
+
     def at(self, x: torch.Tensor, anchors: tuple[int, ...]) -> torch.Tensor:
         """Row b of ``x`` [B, T, ...] at position anchors[b] # -> [B, 1, ...]."""
 

@@ -214,10 +214,11 @@ def parse_nodes(value) -> int | None:
 _STEP_TIMES: dict[tuple, dict[int, float]] = {}  # (model id, device) -> budget -> seconds per verify step
 
 
-def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5) -> dict[int, float]:
+def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5, argmax: bool = False) -> dict[int, float]:
     """Seconds of one verification forward over 1 + b tree tokens after a ``context``-token cache,
-    per budget b (the median of ``reps``), measured once per model and device in this process."""
-    key = (id(model), str(model.backbone.device))
+    per budget b (the median of ``reps``), measured once per model, device and read in this
+    process (``argmax``: greedy without a penalty reads only the base's argmax; else its logits)."""
+    key = (id(model), str(model.backbone.device), argmax)
     if key in _STEP_TIMES:
         return _STEP_TIMES[key]
     import time
@@ -235,7 +236,7 @@ def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5) ->
         for _ in range(reps):
             start = time.perf_counter()
             out = model.step(ids, caches, attend=attend, offsets=offsets)
-            out.base_logits()
+            out.base_argmax() if argmax else out.base_logits()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             runs.append(time.perf_counter() - start)
@@ -245,10 +246,10 @@ def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5) ->
     return times
 
 
-def auto_budget(model, accuracy: Accuracies, depth: int) -> int:
+def auto_budget(model, accuracy: Accuracies, depth: int, argmax: bool = False) -> int:
     """The budget with the most expected tokens per second: (1 + expected accepted drafts of the
-    static tree) / the measured step time."""
-    times = step_times(model)
+    static tree) / the measured step time (``argmax``: of a step that reads only the base's argmax)."""
+    times = step_times(model, argmax=argmax)
     rate = {b: (1 + expected_accepted(best_first(accuracy.log_scores(depth), b), accuracy.table)) / t
             for b, t in times.items()}
     return max(rate, key=rate.get)

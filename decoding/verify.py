@@ -298,7 +298,7 @@ class Verifier:
         verdicts: list[TreeVerdict | None] = [None] * len(rows)
         if not judged:
             return verdicts
-        if self.argmax_only and self.cfg.sampling.penalty == 1 and len(rows) > 1:
+        if self.argmax_only and self.cfg.sampling.penalty == 1:
             packs = self._greedy_chains(out, p, judged)
         else:
             packs = []
@@ -333,7 +333,7 @@ class Verifier:
         every slot of the step in one call; a row's drafts are its last g slots (right-aligned),
         kept while each equals the argmax after the slot before it # per row [accepted, next,
         drafts...], still on the device."""
-        best = out.base_logits().argmax(-1)  # [B, T - first]
+        best = out.base_argmax()  # [B, T - first]
         width, first = p.ids.shape[1], out.first
         index = torch.tensor(judged, dtype=torch.long, device=best.device)
         g = torch.tensor([p.drafts[j].tokens.numel() for j in judged], device=best.device)  # [R]
@@ -351,13 +351,14 @@ class Verifier:
         """A static tree under greedy verification, every row the same shape (no pads): tokens
         and verdicts in one read for all rows."""
         shape, tokens = p.static, p.ids  # [B, N]
-        logits = out.base_logits()  # [B, N, V]
         at = p.static_at
         if self.cfg.sampling.penalty != 1:  # each node's own context: the row's seen tokens and its path
             attend = p.attend[0]
             seen = torch.stack([tree_seen(row.seen, tokens[j], attend) for j, row in enumerate(rows)])
-            logits = penalised_logits(logits, seen, self.cfg.sampling.penalty)
-        kept = greedy_kept(tokens, logits.argmax(-1), at["parents"], at["level"], at["root"], max(shape.depths))  # [B, 2]
+            best = penalised_logits(out.base_logits(), seen, self.cfg.sampling.penalty).argmax(-1)
+        else:
+            best = out.base_argmax()  # [B, N]
+        kept = greedy_kept(tokens, best, at["parents"], at["level"], at["root"], max(shape.depths))  # [B, 2]
         host = torch.cat([tokens, kept], 1).tolist()  # the step's one read, for every row
         verdicts = []
         for row in host:
@@ -368,23 +369,25 @@ class Verifier:
     def _trees(self, out, p, rows) -> list[TreeVerdict | None]:
         """Each row's verdict (None for a lone root): greedy in one host read for all rows,
         sampled / typical in two."""
-        logits = out.base_logits()  # [B, T, V] (the pass reads from slot 0)
         trees, width = p.trees, p.width
         judged = [j for j, t in enumerate(trees) if len(t) > 1]
         verdicts: list[TreeVerdict | None] = [None] * len(trees)
         if not judged:
             return verdicts
-        if self.greedy_tree:
+        if self.greedy_tree:  # the pass reads from slot 0
             if self.cfg.sampling.penalty != 1:  # each node's own context: the row's seen tokens and its path
                 seen = torch.stack([self._padded_seen(rows[j], trees[j], p.attend[j], width) for j in range(len(trees))])
-                logits = penalised_logits(logits, seen, self.cfg.sampling.penalty)
-            judging = torch.from_numpy(np.stack([t.judging(width) for t in trees], 1)).to(logits.device)  # [4, B, T]
+                best = penalised_logits(out.base_logits(), seen, self.cfg.sampling.penalty).argmax(-1)
+            else:
+                best = out.base_argmax()  # [B, T]
+            judging = torch.from_numpy(np.stack([t.judging(width) for t in trees], 1)).to(best.device)  # [4, B, T]
             tokens, parents, level, root = judging
             depth = max(max(t.depths) for t in trees)
-            kept = greedy_kept(tokens, logits.argmax(-1), parents, level, root > 0, depth).tolist()  # the one read
+            kept = greedy_kept(tokens, best, parents, level, root > 0, depth).tolist()  # the one read
             for j in judged:
                 verdicts[j] = verdict_of(trees[j], *kept[j])
             return verdicts
+        logits = out.base_logits()  # [B, T, V]
         pads = {j: width - len(trees[j]) for j in judged}
         prepared = [self._walk_inputs(logits[j, pads[j]:], trees[j], p.attend[j, pads[j]:, pads[j]:], rows[j]) for j in judged]
         hosts = read_walks([inputs for inputs, _ in prepared])  # read 1

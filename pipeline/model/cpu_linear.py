@@ -135,6 +135,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = stock.in_features, stock.out_features
         self.packed, self.shared, self.layout = packed, shared, layout
         self.dense: torch.Tensor | None = None  # set by the fallback
+        self.screen: dict | None = None  # the argmax screen's int8 copy (rows layout), made on first use
 
     @property
     def weight(self) -> torch.Tensor:
@@ -157,6 +158,19 @@ class PackedLinear(nn.Module):
                 self.dense = self.dense_weight()
         # autograd (a gradient w.r.t. x through a frozen packed layer) or the fallback
         return F.linear(x, self.dense if self.dense is not None else self.dense_weight(), self.bias)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(x).argmax(-1)`` exactly # [..., K] -> [...] long, reading the weight mostly from
+        an int8 copy (rows_kernel.rows_argmax; made on first use, a quarter of the fp32 blocks'
+        size), or None where that does not apply (not the rows layout, a bias, not a float32 CPU
+        input, more rows than the kernel takes): then take ``self(x).argmax(-1)``."""
+        if (self.layout != ROWS or self.dense is not None or self.bias is not None
+                or x.dtype != torch.float32 or x.device.type != "cpu"):
+            return None
+        if self.screen is None:
+            self.screen = rows_kernel.screen_weight(self.packed)
+        found = rows_kernel.rows_argmax(x, self.packed, self.screen, self.out_features)
+        return None if found is None else found[0]
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [N, K] in the plain layout, exactly (a reorder, no arithmetic)."""

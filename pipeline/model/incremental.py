@@ -236,11 +236,11 @@ def _run_heads(model, feats: Features, caches: DecodeCaches, heads_upto: int | N
     return hiddens
 
 
-def next_ids(new_ids: torch.Tensor, base_logits: torch.Tensor, first: int) -> torch.Tensor:
+def next_ids(new_ids: torch.Tensor, base_argmax: torch.Tensor, first: int) -> torch.Tensor:
     """Token t+1 after each new position # [B, T]: the step's own next token before ``first``
-    (a prompt's, known), the base model's argmax from ``first`` on (``base_logits`` [B, T - first, V]):
+    (a prompt's, known), the base model's argmax from ``first`` on (``base_argmax`` [B, T - first]):
     in greedy decoding the very token committed there."""
-    return torch.cat([new_ids[:, 1:first + 1], base_logits.argmax(-1)], dim=1)
+    return torch.cat([new_ids[:, 1:first + 1], base_argmax], dim=1)
 
 
 @torch.no_grad()
@@ -272,7 +272,7 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
         feats = _run_backbone(model, hidden, ctx, caches)
         out = StepOutput(model, feats, {}, first=read_from, clock=clock, draft=caches.draft)
         if model.heads.needs_next_tokens and heads_upto != 1:  # the head layers read token t+1: base logits first
-            feats.next_ids = next_ids(new_ids, out.base_logits(), read_from)
+            feats.next_ids = next_ids(new_ids, out.base_argmax(), read_from)
         out.hiddens = _run_heads(model, feats, caches, heads_upto)
     if caches.valid is not None or (lengths is not None and min(lengths) < new_ids.shape[1]):
         new_valid = ragged.step_valid(lengths or [new_ids.shape[1]] * new_ids.shape[0], new_ids.shape[1])

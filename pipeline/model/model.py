@@ -153,7 +153,7 @@ class MultiTokenModel(nn.Module):
         the first ``next_known`` positions (default: all but the last), the argmax of the base
         hidden states ``base`` [B, T, H] after them (``incremental.next_ids``)."""
         known = input_ids.shape[1] - 1 if next_known is None else min(next_known, input_ids.shape[1] - 1)
-        return next_ids(input_ids, self.backbone.logits(base[:, known:]), known)
+        return next_ids(input_ids, self.backbone.logits(base[:, known:]).argmax(-1), known)
 
     def compute_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                      skip_constant: bool = False) -> LossOutput:

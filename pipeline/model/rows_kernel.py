@@ -42,66 +42,183 @@ from multitoken.embedded import cache_dir
 MAX_ROWS = 64  # rows per call the kernel takes; more go through a batched matmul
 SOURCE = r"""
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
+#include <type_traits>
 #include <omp.h>
 #ifdef __AVX512F__
 constexpr int L = 32, MB = 12;  // outputs per block, rows per register block: 24 zmm of sums
 #else
 constexpr int L = 16, MB = 4;  // AVX2: 8 ymm of sums
 #endif
-constexpr int PREFETCH = 2048;  // floats ahead of the weight read (8 KB)
+constexpr int PREFETCH = 8192;  // bytes ahead of the weight read
 
+// The screen's int8 block: each feature's weights converted once (the compiler would convert them
+// once per row), then the same fused multiply-adds as the float kernel.
 template <int R>
-static inline void rows_block(const float* __restrict x, const float* __restrict wb, float* __restrict out,
-                              int K, int N, int n0) {
+static inline void q8_block(const float* __restrict x, const int8_t* __restrict wb, const float* __restrict scale,
+                            float* __restrict out, int K, int N, int n0) {
+#ifdef __AVX512F__
+    __m512 acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int k = 0; k < K; ++k) {
+        const int8_t* w = wb + (int64_t)k * L;
+        __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+        for (int m = 0; m < R; ++m) {
+            const __m512 xv = _mm512_set1_ps(x[(int64_t)m * K + k]);
+            acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+        }
+    }
+    float sums[L];
+    for (int m = 0; m < R; ++m) {
+        _mm512_storeu_ps(sums, acc[m][0]);
+        _mm512_storeu_ps(sums + 16, acc[m][1]);
+#else
+    __m256 acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int k = 0; k < K; ++k) {
+        const int8_t* w = wb + (int64_t)k * L;
+        __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8))));
+        for (int m = 0; m < R; ++m) {
+            const __m256 xv = _mm256_set1_ps(x[(int64_t)m * K + k]);
+            acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+        }
+    }
+    float sums[L];
+    for (int m = 0; m < R; ++m) {
+        _mm256_storeu_ps(sums, acc[m][0]);
+        _mm256_storeu_ps(sums + 8, acc[m][1]);
+#endif
+        const int width = std::min(L, N - n0);
+        for (int j = 0; j < width; ++j) out[(int64_t)m * N + n0 + j] = sums[j] * scale[n0 + j];
+    }
+}
+
+// W: float (the exact kernel) or int8_t (the argmax screen's copy, times a scale per output)
+template <typename W, int R>
+static inline void rows_block(const float* __restrict x, const W* __restrict wb, const float* __restrict scale,
+                              float* __restrict out, int K, int N, int n0) {
+    if constexpr (std::is_same<W, int8_t>::value) {
+        q8_block<R>(x, wb, scale, out, K, N, n0);
+        return;
+    }
     float acc[R][L];
     for (int m = 0; m < R; ++m)
         for (int j = 0; j < L; ++j) acc[m][j] = 0.0f;
     for (int k = 0; k < K; ++k) {
-        const float* w = wb + (int64_t)k * L;
-        __builtin_prefetch(w + PREFETCH, 0, 3);
-        __builtin_prefetch(w + PREFETCH + 16, 0, 3);
+        const W* w = wb + (int64_t)k * L;
+        __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
+        if (sizeof(W) * L > 64) __builtin_prefetch((const char*)w + PREFETCH + 64, 0, 3);
         for (int m = 0; m < R; ++m) {
             const float xv = x[(int64_t)m * K + k];
-            for (int j = 0; j < L; ++j) acc[m][j] += xv * w[j];
+            for (int j = 0; j < L; ++j) acc[m][j] += xv * (float)w[j];
         }
     }
     const int width = std::min(L, N - n0);
-    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, acc[m], sizeof(float) * width);
+    for (int m = 0; m < R; ++m) {
+        if (scale) {
+            for (int j = 0; j < width; ++j) out[(int64_t)m * N + n0 + j] = acc[m][j] * scale[n0 + j];
+        } else {
+            std::memcpy(out + (int64_t)m * N + n0, acc[m], sizeof(float) * width);
+        }
+    }
 }
 
-static void column_block(const float* x, const float* wb, float* out, int M, int K, int N, int n0) {
+template <typename W>
+static void column_block(const float* x, const W* wb, const float* scale, float* out, int M, int K, int N, int n0) {
     int m = 0;
-    for (; m + MB <= M; m += MB) rows_block<MB>(x + (int64_t)m * K, wb, out + (int64_t)m * N, K, N, n0);
+    for (; m + MB <= M; m += MB) rows_block<W, MB>(x + (int64_t)m * K, wb, scale, out + (int64_t)m * N, K, N, n0);
     const float* xr = x + (int64_t)m * K;
     float* o = out + (int64_t)m * N;
     switch (M - m) {
-        case 1: rows_block<1>(xr, wb, o, K, N, n0); break;
-        case 2: rows_block<2>(xr, wb, o, K, N, n0); break;
-        case 3: rows_block<3>(xr, wb, o, K, N, n0); break;
+        case 1: rows_block<W, 1>(xr, wb, scale, o, K, N, n0); break;
+        case 2: rows_block<W, 2>(xr, wb, scale, o, K, N, n0); break;
+        case 3: rows_block<W, 3>(xr, wb, scale, o, K, N, n0); break;
 #ifdef __AVX512F__
-        case 4: rows_block<4>(xr, wb, o, K, N, n0); break;
-        case 5: rows_block<5>(xr, wb, o, K, N, n0); break;
-        case 6: rows_block<6>(xr, wb, o, K, N, n0); break;
-        case 7: rows_block<7>(xr, wb, o, K, N, n0); break;
-        case 8: rows_block<8>(xr, wb, o, K, N, n0); break;
-        case 9: rows_block<9>(xr, wb, o, K, N, n0); break;
-        case 10: rows_block<10>(xr, wb, o, K, N, n0); break;
-        case 11: rows_block<11>(xr, wb, o, K, N, n0); break;
+        case 4: rows_block<W, 4>(xr, wb, scale, o, K, N, n0); break;
+        case 5: rows_block<W, 5>(xr, wb, scale, o, K, N, n0); break;
+        case 6: rows_block<W, 6>(xr, wb, scale, o, K, N, n0); break;
+        case 7: rows_block<W, 7>(xr, wb, scale, o, K, N, n0); break;
+        case 8: rows_block<W, 8>(xr, wb, scale, o, K, N, n0); break;
+        case 9: rows_block<W, 9>(xr, wb, scale, o, K, N, n0); break;
+        case 10: rows_block<W, 10>(xr, wb, scale, o, K, N, n0); break;
+        case 11: rows_block<W, 11>(xr, wb, scale, o, K, N, n0); break;
 #endif
         default: break;
     }
+}
+
+template <typename W>
+static void blocks(const float* x, const W* wp, const float* scale, float* out, int M, int K, int N) {
+    const int count = (N + L - 1) / L;
+    const int threads = std::min(omp_get_max_threads(), count);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int b = 0; b < count; ++b) column_block<W>(x, wp + (int64_t)b * K * L, scale, out, M, K, N, b * L);
 }
 
 extern "C" int rows_lanes() { return L; }
 
 // x [M, K], wp [ceil(N / L), K, L] (zero-padded past N), out [M, N]
 extern "C" void rows_linear(const float* x, const float* wp, float* out, int M, int K, int N) {
-    const int blocks = (N + L - 1) / L;
-    const int threads = std::min(omp_get_max_threads(), blocks);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int b = 0; b < blocks; ++b) column_block(x, wp + (int64_t)b * K * L, out, M, K, N, b * L);
+    blocks<float>(x, wp, nullptr, out, M, K, N);
+}
+
+// The screen's logits alone: x [M, K] times the int8 blocks q, each output times its scale.
+extern "C" void rows_screened(const float* x, const int8_t* q, const float* scale, float* out, int M, int K, int N) {
+    blocks<int8_t>(x, q, scale, out, M, K, N);
+}
+
+// The exact kernel's logit of output v for row x [K]: the same chain, one product per feature in order.
+static inline float exact_at(const float* x, const float* wp, int K, int v) {
+    const float* w = wp + (int64_t)(v / L) * K * L + v % L;
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) acc += x[k] * w[(int64_t)k * L];
+    return acc;
+}
+
+// The exact kernel's argmax over N outputs of each row of x [M, K] (the first on ties), reading the
+// int8 copy q [ceil(N / L), K, L] (times scale [N]) in full and the fp32 blocks wp only at the
+// outputs whose screened value, within err[n] * |x|_1 of its exact one, can reach the best.
+// approx [M, N]: scratch. Returns how many outputs were computed exactly, or -1 if x is not finite.
+extern "C" int64_t rows_argmax(const float* x, const int8_t* q, const float* scale, const float* err,
+                               const float* wp, float* approx, int64_t* best, int M, int K, int N) {
+    blocks<int8_t>(x, q, scale, approx, M, K, N);
+    int64_t picked = 0;
+    for (int m = 0; m < M; ++m) {
+        const float* xr = x + (int64_t)m * K;
+        const float* a = approx + (int64_t)m * N;
+        double l1 = 0.0;
+        for (int k = 0; k < K; ++k) l1 += std::fabs((double)xr[k]);
+        const float s = (float)(l1 * (1.0 + 4.0 * FLT_EPSILON));  // |x|_1, rounded up
+        float lo = -INFINITY, big = 0.0f;  // lo: the best screened value less its bound; no exact maximum lies below it
+#pragma omp simd reduction(max : lo, big)
+        for (int v = 0; v < N; ++v) {
+            lo = std::max(lo, a[v] - s * err[v]);
+            big = std::max(big, std::fabs(a[v]) + s * err[v]);
+        }
+        if (!std::isfinite(s) || !std::isfinite(big)) return -1;
+        const float floor = lo - 4.0f * FLT_EPSILON * big;  // both sides' float rounding (each <= 2 eps big) with room
+        float top = 0.0f;
+        int64_t at = -1;
+        for (int v = 0; v < N; ++v) {
+            if (a[v] + s * err[v] < floor) continue;
+            const float e = exact_at(xr, wp, K, v);
+            if (std::isnan(e)) return -1;
+            ++picked;
+            if (at < 0 || e > top) top = e, at = v;
+        }
+        best[m] = at;
+    }
+    return picked;
 }
 """
 
@@ -172,6 +289,10 @@ def _load():
         return None, f"{type(err).__name__}: {err}"
     lib.rows_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.rows_linear.restype = None
+    lib.rows_argmax.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
+    lib.rows_argmax.restype = ctypes.c_int64
+    lib.rows_screened.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.rows_screened.restype = None
     return lib, None
 
 
@@ -209,3 +330,51 @@ def rows_linear(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: torch.Tens
     if bias is not None:
         out.add_(bias)  # out is this call's own tensor
     return out.reshape(*x.shape[:-1], n)
+
+
+# The argmax screen -------------------------------------------------------------------------------
+# Greedy decoding reads only the argmax of the unembedding, the largest weight of a small model
+# (SmolLM2: 49,152 x 576, a fifth of a step's reads). An int8 copy (one scale per output) gives
+# every logit within a bound of the exact kernel's; only the outputs whose bound reaches the best
+# are computed exactly, from the fp32 blocks, by the same chain: the argmax is the exact kernel's,
+# bit for bit, at a quarter of the reads.
+U = 2.0 ** -24  # fp32 unit roundoff
+SCREEN_CHUNK = 256  # blocks quantised at a time (bounds peak memory while building)
+
+
+def screen_weight(blocked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The screen's copy of ``blocked`` [B, K, L]: int8 blocks, a scale per output, and per output
+    ``err``, the most its screened logit can differ from the exact kernel's per unit of |x|_1."""
+    _, k, _ = blocked.shape
+    gamma = k * U / (1 - k * U)  # an fp32 chain of k fused multiply-adds: error <= gamma * sum |x_i w_i|
+    parts = {"q": [], "scale": [], "err": []}
+    for chunk in blocked.split(SCREEN_CHUNK):  # [c, K, L]
+        amax = chunk.abs().amax(1)  # [c, L]
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        q = torch.round(chunk / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        w, dq = chunk.double(), q.double() * scale.double()[:, None]
+        quant = (dq - w).abs().amax(1)  # [c, L] largest rounding of a weight
+        reach = torch.maximum(w.abs().amax(1), dq.abs().amax(1))  # bounds |w_i| and |q_i s|
+        # |screened - exact| <= |x|_1 (quant + 2 gamma reach + u reach): the rounding of each
+        # weight, of both chains and of the final scaling; 1% spare covers the bound's own arithmetic
+        err = ((quant + (2 * gamma + 1.01 * U) * reach) * 1.01 + 1e-30).float()
+        parts["q"].append(q)
+        parts["scale"].append(scale.reshape(-1))
+        parts["err"].append(torch.nextafter(err, torch.tensor(float("inf"))).reshape(-1))
+    return {name: torch.cat(chunks).contiguous() for name, chunks in parts.items()}
+
+
+def rows_argmax(x: torch.Tensor, blocked: torch.Tensor, screen: dict, n: int) -> tuple[torch.Tensor, int] | None:
+    """The argmax over the ``n`` outputs of ``rows_linear(x, blocked, n, None)`` (the first on
+    ties) # x [..., K] -> [...] long, and how many outputs were computed exactly; None where the
+    screen does not apply (more than ``MAX_ROWS`` rows, a non-finite input): take that argmax."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()  # [M, K]
+    m = rows.shape[0]
+    if not 0 < m <= MAX_ROWS:
+        return None
+    approx, best = torch.empty(m, n, dtype=torch.float32), torch.empty(m, dtype=torch.long)
+    picked = _STATE["lib"].rows_argmax(rows.data_ptr(), screen["q"].data_ptr(), screen["scale"].data_ptr(),
+                                       screen["err"].data_ptr(), blocked.data_ptr(), approx.data_ptr(),
+                                       best.data_ptr(), m, k, n)
+    return None if picked < 0 else (best.reshape(x.shape[:-1]), picked)

@@ -9,6 +9,7 @@ from collections import Counter
 import torch
 
 from multitoken.adapters.base import Features
+from multitoken.pipeline.model.cpu_linear import PackedLinear
 from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, apply, plan_for
 
 
@@ -48,7 +49,7 @@ class StepOutput:
         self.first = first  # positions before it are never read: no logits for them (a prompt's)
         self.model_s = 0.0
         self.unembed_rows: Counter = Counter()  # rows per unembedding call -> calls
-        self._base = self._logits = None
+        self._base = self._logits = self._argmax = None
         self._head_logits: dict[int, dict[int, torch.Tensor]] = {}  # position -> head -> [B, V]
 
     @property
@@ -61,6 +62,30 @@ class StepOutput:
         if self._logits is None:
             self._unembed_base()
         return self._logits
+
+    def base_argmax(self) -> torch.Tensor:
+        """The base's argmax after positions first..T-1 # [B, T - first] long: all greedy decoding
+        without a repetition penalty reads. Where the unembedding screens it (the rows kernel,
+        ``PackedLinear.argmax``: the same argmax, bit for bit, mostly from an int8 copy) no logits
+        are made; otherwise the logits' argmax."""
+        if self._argmax is None:
+            if self._logits is None:
+                self._argmax = self._screened_argmax()
+            if self._argmax is None:
+                self._argmax = self.base_logits().argmax(-1)
+        return self._argmax
+
+    def _screened_argmax(self) -> torch.Tensor | None:
+        head = self.model.backbone.unembedding
+        if not isinstance(head, PackedLinear):
+            return None
+        rows = self.feats.base[:, self.first:]  # [B, T - first, H]
+        start = self.clock()
+        best = head.argmax(rows)  # [B, T - first] or None: not screened
+        self.model_s += self.clock() - start
+        if best is not None:
+            self.unembed_rows[rows.shape[0] * rows.shape[1]] += 1
+        return best
 
     def _unembed(self, rows: torch.Tensor, draft: bool = False) -> torch.Tensor:
         """One unembedding call, timed and counted # [B, R, H] -> [B, R, V]; ``draft``: head
@@ -91,7 +116,7 @@ class StepOutput:
     def _head_row(self, index: int, pos: int) -> torch.Tensor:
         """Logits of layer head ``index`` at ``pos`` # [B, V]; the first read at ``pos``
         unembeds every layer head there in one call."""
-        if self._logits is None:
+        if self._logits is None and self._argmax is None:
             self._unembed_base()  # the base is always read first; this may bring the heads along
         if pos not in self._head_logits:
             heads = sorted(self.hiddens)

@@ -122,3 +122,93 @@ def test_greedy_on_the_rows_kernel_equals_transformers_stock(tied_llama_dir):
         assert generate(model, ids, DecodeConfig(greedy=True, max_new_tokens=20, **extra)).token_ids == ref, extra
     layouts = {m.layout for m in model.modules() if isinstance(m, PackedLinear)}
     assert layouts == {ROWS} and bb.unembedding.shared
+    assert bb.unembedding.screen is not None  # greedy read the argmax screen, not the logits
+
+
+# The argmax screen (rows_kernel.rows_argmax) ----------------------------------------------------
+def _screened(w: torch.Tensor):
+    blocked = rows_kernel.block_weight(w)
+    return blocked, rows_kernel.screen_weight(blocked)
+
+
+def _hidden(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Rows like a final hidden state: one massive feature (SmolLM2's reaches ~44 of a norm of 44)."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    x[:, 5] *= 40
+    return x
+
+
+@pytest.mark.parametrize("shape", [(1000, 96), (4133, 64)])  # 4133: a partial last block
+def test_screened_logits_stay_within_their_bound(shape):
+    """The int8 logits differ from the exact kernel's by at most |x|_1 * err per output, on
+    weights of wide range (tiny, zero and large rows)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-6, 1, n)[:, None]
+    w[3] = 0
+    blocked, screen = _screened(w)
+    for rows in (1, 3, 12, 13, rows_kernel.MAX_ROWS):  # 12: one full register block; 13: one more row
+        x = _hidden(rows, k, rows)
+        approx = torch.empty(rows, n)
+        rows_kernel.library().rows_screened(x.data_ptr(), screen["q"].data_ptr(), screen["scale"].data_ptr(),
+                                            approx.data_ptr(), rows, k, n)
+        exact = rows_kernel.rows_linear(x, blocked, n, None)
+        assert bool(((approx - exact).abs() <= x.abs().sum(1, keepdim=True) * screen["err"][:n]).all()), rows
+    assert screen["q"].dtype == torch.int8 and screen["q"].shape == blocked.shape
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 12, 16, rows_kernel.MAX_ROWS])
+def test_screened_argmax_is_the_exact_kernels(rows):
+    """Random weights, and near-ties: outputs that differ from the best by a few ulps in exact
+    arithmetic (many outputs computed exactly, decided by the kernel's own rounding) and exact
+    duplicates (the first index wins, as torch.argmax's)."""
+    k = 96
+    gen = torch.Generator().manual_seed(rows)
+    plain = torch.randn(3000, k, generator=gen) * 0.1
+    near = plain.clone()
+    near[100:400] = near[7] * (1 + torch.randn(300, 1, generator=gen) * 1e-7)  # 300 rows within ~1e-7 of row 7
+    near[2999] = near[7]  # an exact duplicate, after it
+    for w in (plain, near):
+        blocked, screen = _screened(w)
+        x = _hidden(rows, k, rows)
+        x[0] = near[7] * 10  # a row aimed at the near-tied outputs
+        got, picked = rows_kernel.rows_argmax(x, blocked, screen, 3000)
+        assert torch.equal(got, rows_kernel.rows_linear(x, blocked, 3000, None).argmax(-1))
+        assert rows <= picked < rows * 3000
+    assert picked > 100  # the near-ties were settled by exact chains, not by the screen
+
+
+def test_screen_declines_what_it_cannot_settle():
+    blocked, screen = _screened(torch.randn(500, 64))
+    assert rows_kernel.rows_argmax(torch.randn(rows_kernel.MAX_ROWS + 1, 64), blocked, screen, 500) is None
+    bad = torch.randn(2, 64)
+    bad[1, 3] = float("nan")
+    assert rows_kernel.rows_argmax(bad, blocked, screen, 500) is None
+
+
+def test_packed_linear_argmax_only_where_it_is_exact():
+    """The rows layout without a bias screens (and equals the logits' argmax, 2-D and 3-D); a
+    bias or oneDNN's layout answers None (the caller takes the logits)."""
+    layer = _rows(_layers(3000, 96, torch.float32, bias=False))
+    x = _hidden(6, 96, 0).reshape(2, 3, 96)
+    assert layer.screen is None
+    assert torch.equal(layer.argmax(x), layer(x).argmax(-1)) and layer.screen["q"].dtype == torch.int8
+    assert layer.argmax(x[0]).shape == (3,)
+    assert _rows(_layers(3000, 96, torch.float32, bias=True)).argmax(x) is None
+    seq = _layers(3000, 96, torch.float32, bias=False)
+    assert cpu_linear.pack(seq) == 1 and seq[0].argmax(x) is None
+
+
+@pytest.mark.parametrize("kernel", [ROWS, cpu_linear.STOCK])
+def test_a_steps_base_argmax_is_its_logits_argmax(tied_llama_dir, kernel):
+    """``StepOutput.base_argmax`` screens on the rows kernel (no logits made) and takes the
+    logits' argmax elsewhere; the same tokens either way, over a prompt's last row and a 5-token step."""
+    model = _model(tied_llama_dir, cpu_linear=kernel)
+    caches = model.new_caches()
+    ids = torch.randint(0, model.backbone.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for new, first in ((ids, 11), (ids[:, :5], 0)):
+            out = model.step(new, caches, read_from=first)
+            best = out.base_argmax()
+            assert (out._logits is None) == (kernel == ROWS) and best.shape == (1, new.shape[1] - first)
+            assert torch.equal(best, out.base_logits().argmax(-1))
