@@ -104,6 +104,14 @@ def anchor_scores(out, i: int, anchors: tuple[int, ...]) -> torch.Tensor:
     return out.anchor_head_log_probs(i, anchors)
 
 
+def anchor_argmax(out, i: int, anchors: tuple[int, ...]) -> torch.Tensor:
+    """Head i's argmax at every row's anchor # [B] long (layer heads: without their logits where
+    the model can)."""
+    if i in out.hiddens:
+        return out.anchor_head_argmax(i, anchors)
+    return anchor_scores(out, i, anchors).argmax(-1)
+
+
 class RowHeads:
     """Row ``row``'s head scores at its anchor, each read on first use # i -> [V] (the heads of
     every row are computed together, in one call per head)."""
@@ -295,7 +303,7 @@ def chain(run, drafter):
                 drafts[s] = drafter(RowHeads(out, j, anchors, gs[s] + 1, cand), firsts[s], gs[s], rows[j], run)
         elif drafting and drafter is independent_drafts and cfg.sampling.greedy and cfg.sampling.penalty == 1:
             # greedy drafts without a penalty are each head's argmax at the anchor: all rows per head at once
-            best = torch.stack([anchor_scores(out, i, anchors).argmax(-1) for i in range(1, max(gs) + 1)], 1)  # [B, g]
+            best = torch.stack([anchor_argmax(out, i, anchors) for i in range(1, max(gs) + 1)], 1)  # [B, g]
             for s in drafting:
                 drafts[s] = Drafts(best[live[s], :gs[s]], None)
         else:

@@ -56,6 +56,10 @@ class StepResult(Protocol):
     def anchor_head_log_probs(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
         """Head ``index``'s log-distribution at each row's anchor # [B, V] float32."""
 
+    def anchor_head_argmax(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
+        """Layer head ``index``'s argmax at each row's anchor # [B] long (computed without the
+        logits where the model can)."""
+
 
 @runtime_checkable
 class Backbone(Protocol):

@@ -95,6 +95,14 @@ class DraftUnembedding(nn.Module):
     def size(self) -> int:
         return self.ids.numel()
 
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The token of the best logit # [..., H] -> [...] long, exactly ``forward(rows).argmax(-1)``
+        (``ids`` ascend, so the first index on ties is the same token), from the packed
+        projection's argmax screen; None where it has none (then take the logits)."""
+        screen = getattr(self.proj, "argmax", None)  # a PackedLinear's (cpu_linear.py); nn.Linear has none
+        best = screen(rows) if screen is not None else None
+        return None if best is None else self.ids[best]
+
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         part = self.proj(rows)  # [..., N]
         out = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]

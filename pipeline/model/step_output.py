@@ -10,6 +10,7 @@ import torch
 
 from multitoken.adapters.base import Features
 from multitoken.pipeline.model.cpu_linear import PackedLinear
+from multitoken.pipeline.model.draft_vocab import DraftUnembedding
 from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, apply, plan_for
 
 
@@ -155,6 +156,29 @@ class StepOutput:
     def anchor_hidden(self, pos: int) -> torch.Tensor:
         """Base hidden state at ``pos`` (what CP experts condition on) # [B, H]."""
         return self.feats.base[:, pos]
+
+    def anchor_head_argmax(self, index: int, anchors: tuple[int, ...]) -> torch.Tensor:
+        """Layer head ``index``'s argmax at each row's anchor # [B] long (greedy drafts read no
+        more): every layer head's in one screened call where their unembedding has the argmax
+        screen (the rows kernel), else the logits' argmax."""
+        key = ("argmax", anchors)
+        if key not in self._head_logits:
+            self._head_logits[key] = self._screened_heads(anchors)
+        found = self._head_logits[key]
+        return found[index] if found is not None else self.anchor_head_logits(index, anchors).argmax(-1)
+
+    def _screened_heads(self, anchors: tuple[int, ...]) -> dict[int, torch.Tensor] | None:
+        if len(set(anchors)) == 1 and anchors[0] in self._head_logits:
+            return None  # their logits came with the base's call: read those
+        unembedding = self.draft if self.draft is not None else self.model.backbone.unembedding
+        if not isinstance(unembedding, (PackedLinear, DraftUnembedding)):
+            return None
+        heads = sorted(self.hiddens)
+        rows = torch.cat([self.at(self.hiddens[i], anchors) for i in heads], dim=1)  # [B, L, H]
+        start = self.clock()
+        best = unembedding.argmax(rows)  # [B, L] token ids, or None: not screened
+        self.model_s += self.clock() - start
+        return None if best is None else {i: best[:, j] for j, i in enumerate(heads)}
 
     # Batched decoding: every row reads its heads at its own anchor --------------------------
     def at(self, x: torch.Tensor, anchors: tuple[int, ...]) -> torch.Tensor:

@@ -212,3 +212,23 @@ def test_a_steps_base_argmax_is_its_logits_argmax(tied_llama_dir, kernel):
             best = out.base_argmax()
             assert (out._logits is None) == (kernel == ROWS) and best.shape == (1, new.shape[1] - first)
             assert torch.equal(best, out.base_logits().argmax(-1))
+
+
+def test_greedy_drafts_argmax_is_their_logits_argmax(tied_llama_dir):
+    """The layer heads' argmax at the anchor, screened on the rows kernel, over the whole
+    vocabulary and over a draft vocabulary (token ids, the first on ties as the logits give)."""
+    from multitoken.pipeline.model.draft_vocab import DraftUnembedding
+
+    model = _model(tied_llama_dir, cpu_linear=ROWS)
+    bb = model.backbone
+    ids = torch.randint(0, bb.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        out = model.step(ids, model.new_caches(), read_from=8)
+        for i in sorted(out.hiddens):
+            got = out.anchor_head_argmax(i, (8,))
+            assert out._head_logits[("argmax", (8,))] is not None  # screened, no logits made
+            assert torch.equal(got, out.anchor_head_logits(i, (8,)).argmax(-1))
+        draft = DraftUnembedding(bb.unembedding, torch.arange(0, bb.vocab_size, 3), bb.vocab_size)
+        assert cpu_linear.pack(draft, ROWS) == 1
+        rows = out.hiddens[sorted(out.hiddens)[0]]  # [1, 9, H]
+        assert torch.equal(draft.argmax(rows), draft(rows).argmax(-1))
