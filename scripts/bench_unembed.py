@@ -4,6 +4,10 @@ on pythia-160m / 410m shapes (random fp32 weights: cost only). Decoding no longe
 fixed rule: pipeline/model/unembed_plan.py measures the same forms per backbone, dtype and thread
 count when a row count is first needed (bench_decode.py records that plan).
 
+Where the compiled rows kernel builds (``--cpu-linear rows``, the default), ``rows_kernel`` times its
+logits and ``rows_argmax`` the argmax screen greedy decoding reads instead (the same argmax: an
+int8 copy read in full, the tokens near the best computed exactly; ``rows_exact`` counts those).
+
 As a reference for what the machine can do, ``compiled_loop`` times a plain numba loop (one dot
 product per row and token, fastmath; needs the ``[fast]`` extra): where it is far below
 ``linear``, the BLAS's skinny GEMM, not the memory, sets the cost. ``--pythia-mini-heads DIR``
@@ -28,7 +32,9 @@ import numpy
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"pythia-160m": (50304, 768), "pythia-410m": (50304, 1024), "pythia-mini": (50304, 128)}
+from multitoken.pipeline.model import cpu_linear, rows_kernel
+
+SHAPES = {"pythia-160m": (50304, 768), "pythia-410m": (50304, 1024), "pythia-mini": (50304, 128), "smollm2": (49152, 576)}
 
 
 def compiled_loop():
@@ -123,9 +129,12 @@ def main(argv=None) -> dict:
     record = {"machine": {"platform": platform.platform(), "threads": args.threads, "loadavg_start": list(os.getloadavg()),
                           "torch": torch.__version__}, "results": {}}
     loop = compiled_loop()
+    kernel = cpu_linear.rows_usable()
     for shape in args.shapes.split(","):
         v, h = SHAPES[shape]
         w = torch.randn(v, h) * 0.02
+        blocked = rows_kernel.block_weight(w) if kernel else None
+        screen = rows_kernel.screen_weight(blocked) if kernel else None
         rows_out = {}
         for r in map(int, args.rows.split(",")):
             x = torch.randn(r, h)
@@ -136,7 +145,14 @@ def main(argv=None) -> dict:
             }
             if loop is not None:
                 rows_out[r]["compiled_loop"] = per_call_ms(lambda: loop(x, w), args.reps)
-            print(f"{shape:12s} rows {r}: " + "  ".join(f"{k} {ms:7.2f} ms" for k, ms in rows_out[r].items()), flush=True)
+            if kernel:
+                rows_out[r]["rows_kernel"] = per_call_ms(lambda: rows_kernel.rows_linear(x, blocked, v, None), args.reps)
+                rows_out[r]["rows_argmax"] = per_call_ms(lambda: rows_kernel.rows_argmax(x, blocked, screen, v), args.reps)
+                best, exact = rows_kernel.rows_argmax(x, blocked, screen, v)
+                assert torch.equal(best, rows_kernel.rows_linear(x, blocked, v, None).argmax(-1))
+                rows_out[r]["rows_exact"] = exact
+            print(f"{shape:12s} rows {r}: " + "  ".join(f"{k} {ms:7.2f}" + ("" if k == "rows_exact" else " ms")
+                                                        for k, ms in rows_out[r].items()), flush=True)
         record["results"][shape] = rows_out
     if args.pythia_mini_heads:
         record["pythia_mini_decode"] = decode_rows(args.pythia_mini_heads, args.max_new_tokens, 3)

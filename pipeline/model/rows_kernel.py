@@ -79,7 +79,7 @@ static inline void q8_block(const float* __restrict x, const int8_t* __restrict 
     for (int m = 0; m < R; ++m) {
         _mm512_storeu_ps(sums, acc[m][0]);
         _mm512_storeu_ps(sums + 16, acc[m][1]);
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc[R][2];
     for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int k = 0; k < K; ++k) {
@@ -97,6 +97,16 @@ static inline void q8_block(const float* __restrict x, const int8_t* __restrict 
     for (int m = 0; m < R; ++m) {
         _mm256_storeu_ps(sums, acc[m][0]);
         _mm256_storeu_ps(sums + 8, acc[m][1]);
+#else  // no AVX2: plain loops, the weights converted once per feature
+    float acc[R][L] = {};
+    for (int k = 0; k < K; ++k) {
+        float wf[L];
+        for (int j = 0; j < L; ++j) wf[j] = (float)wb[(int64_t)k * L + j];
+        for (int m = 0; m < R; ++m)
+            for (int j = 0; j < L; ++j) acc[m][j] += x[(int64_t)m * K + k] * wf[j];
+    }
+    for (int m = 0; m < R; ++m) {
+        const float* sums = acc[m];
 #endif
         const int width = std::min(L, N - n0);
         for (int j = 0; j < width; ++j) out[(int64_t)m * N + n0 + j] = sums[j] * scale[n0 + j];

@@ -110,6 +110,41 @@ def test_the_build_is_cached_per_machine_and_reused(tmp_path):
     assert built[0].stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").rglob("*"))) == 2  # no temp left
 
 
+ISA_CHECK = """
+import sys, torch
+from multitoken.pipeline.model import rows_kernel as rk
+stock = rk._flags
+rk._flags = lambda: stock() + sys.argv[1:]
+assert rk.library() is not None, rk._STATE["why"]
+gen = torch.Generator().manual_seed(0)
+w = torch.randn(1000, 96, generator=gen) * 0.1
+w[9] = w[2]
+blocked = rk.block_weight(w)
+screen = rk.screen_weight(blocked)
+for m in (1, 3, 4, 5, 13, 64):
+    x = torch.randn(m, 96, generator=gen)
+    x[:, 1] *= 40
+    logits = rk.rows_linear(x, blocked, 1000, None)
+    assert bool(((logits - x @ w.T).abs() <= 97 * 2.0 ** -23 * (x.abs() @ w.abs().T)).all()), m
+    assert torch.equal(rk.rows_argmax(x, blocked, screen, 1000)[0], logits.argmax(-1)), m
+    approx = torch.empty(m, 1000)
+    rk.library().rows_screened(x.data_ptr(), screen["q"].data_ptr(), screen["scale"].data_ptr(), approx.data_ptr(), m, 96, 1000)
+    assert bool(((approx - logits).abs() <= x.abs().sum(1, keepdim=True) * screen["err"][:1000]).all()), m
+print(rk.lanes())
+"""
+
+
+@pytest.mark.parametrize("isa", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]], ids=["avx2", "plain"])
+def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, isa):
+    """The AVX2 and the plain-loop builds (machines without AVX512, or without AVX2), built here
+    with those instruction sets turned off: logits within fp32 rounding, the screen's argmax
+    the exact one."""
+    env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", ISA_CHECK, *isa], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "16"  # 16 lanes without AVX512
+
+
 def test_greedy_on_the_rows_kernel_equals_transformers_stock(tied_llama_dir):
     """Every linear on the kernel (a tied unembedding keeps its dense embedding): greedy ``ar``,
     chains and trees give transformers' stock greedy text."""
