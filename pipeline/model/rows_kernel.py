@@ -113,55 +113,55 @@ static inline void q8_block(const float* __restrict x, const int8_t* __restrict 
     }
 }
 
-// W: float (the exact kernel) or int8_t (the argmax screen's copy, times a scale per output)
-template <typename W, int R>
-static inline void rows_block(const float* __restrict x, const W* __restrict wb, const float* __restrict scale,
-                              float* __restrict out, int K, int N, int n0) {
-    if constexpr (std::is_same<W, int8_t>::value) {
-        q8_block<R>(x, wb, scale, out, K, N, n0);
-        return;
-    }
+// The exact kernel's block: R rows' sums of L outputs, one fused multiply-add per feature in order.
+template <int R>
+static inline void rows_block(const float* __restrict x, const float* __restrict wb, float* __restrict out,
+                              int K, int N, int n0) {
     float acc[R][L];
     for (int m = 0; m < R; ++m)
         for (int j = 0; j < L; ++j) acc[m][j] = 0.0f;
     for (int k = 0; k < K; ++k) {
-        const W* w = wb + (int64_t)k * L;
+        const float* w = wb + (int64_t)k * L;
         __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
-        if (sizeof(W) * L > 64) __builtin_prefetch((const char*)w + PREFETCH + 64, 0, 3);
+        __builtin_prefetch((const char*)w + PREFETCH + 64, 0, 3);
         for (int m = 0; m < R; ++m) {
             const float xv = x[(int64_t)m * K + k];
-            for (int j = 0; j < L; ++j) acc[m][j] += xv * (float)w[j];
+            for (int j = 0; j < L; ++j) acc[m][j] += xv * w[j];
         }
     }
     const int width = std::min(L, N - n0);
-    for (int m = 0; m < R; ++m) {
-        if (scale) {
-            for (int j = 0; j < width; ++j) out[(int64_t)m * N + n0 + j] = acc[m][j] * scale[n0 + j];
-        } else {
-            std::memcpy(out + (int64_t)m * N + n0, acc[m], sizeof(float) * width);
-        }
+    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, acc[m], sizeof(float) * width);
+}
+
+// W: float (the exact kernel) or int8_t (the argmax screen's copy, times a scale per output)
+template <typename W, int R>
+static inline void block(const float* x, const W* wb, const float* scale, float* out, int K, int N, int n0) {
+    if constexpr (std::is_same<W, int8_t>::value) {
+        q8_block<R>(x, wb, scale, out, K, N, n0);
+    } else {
+        rows_block<R>(x, wb, out, K, N, n0);
     }
 }
 
 template <typename W>
 static void column_block(const float* x, const W* wb, const float* scale, float* out, int M, int K, int N, int n0) {
     int m = 0;
-    for (; m + MB <= M; m += MB) rows_block<W, MB>(x + (int64_t)m * K, wb, scale, out + (int64_t)m * N, K, N, n0);
+    for (; m + MB <= M; m += MB) block<W, MB>(x + (int64_t)m * K, wb, scale, out + (int64_t)m * N, K, N, n0);
     const float* xr = x + (int64_t)m * K;
     float* o = out + (int64_t)m * N;
     switch (M - m) {
-        case 1: rows_block<W, 1>(xr, wb, scale, o, K, N, n0); break;
-        case 2: rows_block<W, 2>(xr, wb, scale, o, K, N, n0); break;
-        case 3: rows_block<W, 3>(xr, wb, scale, o, K, N, n0); break;
+        case 1: block<W, 1>(xr, wb, scale, o, K, N, n0); break;
+        case 2: block<W, 2>(xr, wb, scale, o, K, N, n0); break;
+        case 3: block<W, 3>(xr, wb, scale, o, K, N, n0); break;
 #ifdef __AVX512F__
-        case 4: rows_block<W, 4>(xr, wb, scale, o, K, N, n0); break;
-        case 5: rows_block<W, 5>(xr, wb, scale, o, K, N, n0); break;
-        case 6: rows_block<W, 6>(xr, wb, scale, o, K, N, n0); break;
-        case 7: rows_block<W, 7>(xr, wb, scale, o, K, N, n0); break;
-        case 8: rows_block<W, 8>(xr, wb, scale, o, K, N, n0); break;
-        case 9: rows_block<W, 9>(xr, wb, scale, o, K, N, n0); break;
-        case 10: rows_block<W, 10>(xr, wb, scale, o, K, N, n0); break;
-        case 11: rows_block<W, 11>(xr, wb, scale, o, K, N, n0); break;
+        case 4: block<W, 4>(xr, wb, scale, o, K, N, n0); break;
+        case 5: block<W, 5>(xr, wb, scale, o, K, N, n0); break;
+        case 6: block<W, 6>(xr, wb, scale, o, K, N, n0); break;
+        case 7: block<W, 7>(xr, wb, scale, o, K, N, n0); break;
+        case 8: block<W, 8>(xr, wb, scale, o, K, N, n0); break;
+        case 9: block<W, 9>(xr, wb, scale, o, K, N, n0); break;
+        case 10: block<W, 10>(xr, wb, scale, o, K, N, n0); break;
+        case 11: block<W, 11>(xr, wb, scale, o, K, N, n0); break;
 #endif
         default: break;
     }
