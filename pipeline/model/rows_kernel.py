@@ -56,61 +56,58 @@ constexpr int L = 16, MB = 4;  // AVX2: 8 ymm of sums
 #endif
 constexpr int PREFETCH = 8192;  // bytes ahead of the weight read
 
-// The screen's int8 block: each feature's weights converted once (the compiler would convert them
-// once per row), then the same fused multiply-adds as the float kernel.
+// The screen's int8 block: each feature's L weights converted once to two float vectors (the
+// compiler would convert them once per row), then the same fused multiply-adds as the float kernel.
+#if defined(__AVX512F__)
+using vec = __m512;  // L / 2 floats
+static inline vec cvt8(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline vec bcast(float v) { return _mm512_set1_ps(v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec zero() { return _mm512_setzero_ps(); }
+static inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+#define SCREEN_VECTORS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+static inline vec cvt8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+static inline vec bcast(float v) { return _mm256_set1_ps(v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec zero() { return _mm256_setzero_ps(); }
+static inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+#define SCREEN_VECTORS 1
+#endif
+
 template <int R>
 static inline void q8_block(const float* __restrict x, const int8_t* __restrict wb, const float* __restrict scale,
                             float* __restrict out, int K, int N, int n0) {
-#ifdef __AVX512F__
-    __m512 acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    float sums[R][L];
+#ifdef SCREEN_VECTORS
+    constexpr int H = L / 2;
+    vec acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
     for (int k = 0; k < K; ++k) {
         const int8_t* w = wb + (int64_t)k * L;
         __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+        const vec w0 = cvt8(w), w1 = cvt8(w + H);
         for (int m = 0; m < R; ++m) {
-            const __m512 xv = _mm512_set1_ps(x[(int64_t)m * K + k]);
-            acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+            const vec xv = bcast(x[(int64_t)m * K + k]);
+            acc[m][0] = vfma(xv, w0, acc[m][0]);
+            acc[m][1] = vfma(xv, w1, acc[m][1]);
         }
     }
-    float sums[L];
-    for (int m = 0; m < R; ++m) {
-        _mm512_storeu_ps(sums, acc[m][0]);
-        _mm512_storeu_ps(sums + 16, acc[m][1]);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int k = 0; k < K; ++k) {
-        const int8_t* w = wb + (int64_t)k * L;
-        __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8))));
-        for (int m = 0; m < R; ++m) {
-            const __m256 xv = _mm256_set1_ps(x[(int64_t)m * K + k]);
-            acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
-        }
-    }
-    float sums[L];
-    for (int m = 0; m < R; ++m) {
-        _mm256_storeu_ps(sums, acc[m][0]);
-        _mm256_storeu_ps(sums + 8, acc[m][1]);
-#else  // no AVX2: plain loops, the weights converted once per feature
-    float acc[R][L] = {};
+    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + H, acc[m][1]);
+#else  // no AVX2: plain loops
+    for (int m = 0; m < R; ++m)
+        for (int j = 0; j < L; ++j) sums[m][j] = 0.0f;
     for (int k = 0; k < K; ++k) {
         float wf[L];
         for (int j = 0; j < L; ++j) wf[j] = (float)wb[(int64_t)k * L + j];
         for (int m = 0; m < R; ++m)
-            for (int j = 0; j < L; ++j) acc[m][j] += x[(int64_t)m * K + k] * wf[j];
+            for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
     }
-    for (int m = 0; m < R; ++m) {
-        const float* sums = acc[m];
 #endif
-        const int width = std::min(L, N - n0);
-        for (int j = 0; j < width; ++j) out[(int64_t)m * N + n0 + j] = sums[j] * scale[n0 + j];
-    }
+    const int width = std::min(L, N - n0);
+    for (int m = 0; m < R; ++m)
+        for (int j = 0; j < width; ++j) out[(int64_t)m * N + n0 + j] = sums[m][j] * scale[n0 + j];
 }
 
 // The exact kernel's block: R rows' sums of L outputs, one fused multiply-add per feature in order.

@@ -52,6 +52,7 @@ class StepOutput:
         self.unembed_rows: Counter = Counter()  # rows per unembedding call -> calls
         self._base = self._logits = self._argmax = None
         self._head_logits: dict[int, dict[int, torch.Tensor]] = {}  # position -> head -> [B, V]
+        self._head_argmax: dict[tuple, dict[int, torch.Tensor] | None] = {}  # anchors -> head -> [B] (None: not screened)
 
     @property
     def length(self) -> int:
@@ -71,20 +72,21 @@ class StepOutput:
         are made; otherwise the logits' argmax."""
         if self._argmax is None:
             if self._logits is None:
-                self._argmax = self._screened_argmax()
+                self._argmax = self._screen(self.model.backbone.unembedding, self.feats.base[:, self.first:])
             if self._argmax is None:
                 self._argmax = self.base_logits().argmax(-1)
         return self._argmax
 
-    def _screened_argmax(self) -> torch.Tensor | None:
-        head = self.model.backbone.unembedding
-        if not isinstance(head, PackedLinear):
+    def _screen(self, unembedding: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of ``unembedding``'s logits of ``rows`` [B, R, H] # -> [B, R] token ids,
+        through its argmax screen (the rows kernel's), timed, and counted as a call over the whole
+        vocabulary (``_unembed``'s rule); None where it has none."""
+        if not isinstance(unembedding, (PackedLinear, DraftUnembedding)):
             return None
-        rows = self.feats.base[:, self.first:]  # [B, T - first, H]
         start = self.clock()
-        best = head.argmax(rows)  # [B, T - first] or None: not screened
+        best = unembedding.argmax(rows)
         self.model_s += self.clock() - start
-        if best is not None:
+        if best is not None and unembedding is self.model.backbone.unembedding:
             self.unembed_rows[rows.shape[0] * rows.shape[1]] += 1
         return best
 
@@ -161,23 +163,17 @@ class StepOutput:
         """Layer head ``index``'s argmax at each row's anchor # [B] long (greedy drafts read no
         more): every layer head's in one screened call where their unembedding has the argmax
         screen (the rows kernel), else the logits' argmax."""
-        key = ("argmax", anchors)
-        if key not in self._head_logits:
-            self._head_logits[key] = self._screened_heads(anchors)
-        found = self._head_logits[key]
+        if anchors not in self._head_argmax:
+            self._head_argmax[anchors] = self._screened_heads(anchors)
+        found = self._head_argmax[anchors]
         return found[index] if found is not None else self.anchor_head_logits(index, anchors).argmax(-1)
 
     def _screened_heads(self, anchors: tuple[int, ...]) -> dict[int, torch.Tensor] | None:
         if len(set(anchors)) == 1 and anchors[0] in self._head_logits:
             return None  # their logits came with the base's call: read those
-        unembedding = self.draft if self.draft is not None else self.model.backbone.unembedding
-        if not isinstance(unembedding, (PackedLinear, DraftUnembedding)):
-            return None
         heads = sorted(self.hiddens)
         rows = torch.cat([self.at(self.hiddens[i], anchors) for i in heads], dim=1)  # [B, L, H]
-        start = self.clock()
-        best = unembedding.argmax(rows)  # [B, L] token ids, or None: not screened
-        self.model_s += self.clock() - start
+        best = self._screen(self.draft if self.draft is not None else self.model.backbone.unembedding, rows)  # [B, L]
         return None if best is None else {i: best[:, j] for j, i in enumerate(heads)}
 
     # Batched decoding: every row reads its heads at its own anchor --------------------------

@@ -261,7 +261,7 @@ def test_greedy_drafts_argmax_is_their_logits_argmax(tied_llama_dir):
         out = model.step(ids, model.new_caches(), read_from=8)
         for i in sorted(out.hiddens):
             got = out.anchor_head_argmax(i, (8,))
-            assert out._head_logits[("argmax", (8,))] is not None  # screened, no logits made
+            assert out._head_argmax[(8,)] is not None  # screened, no logits made
             assert torch.equal(got, out.anchor_head_logits(i, (8,)).argmax(-1))
         draft = DraftUnembedding(bb.unembedding, torch.arange(0, bb.vocab_size, 3), bb.vocab_size)
         assert cpu_linear.pack(draft, ROWS) == 1
