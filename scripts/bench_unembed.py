@@ -7,6 +7,9 @@ count when a row count is first needed (bench_decode.py records that plan).
 Where the compiled rows kernel builds (``--cpu-linear rows``, the default), ``rows_kernel`` times its
 logits and ``rows_argmax`` the argmax screen greedy decoding reads instead (the same argmax: an
 int8 copy read in full, the tokens near the best computed exactly; ``rows_exact`` counts those).
+``rows_q8_grid`` times the logits of the same weight put on a Q8_0 grid (as a GGUF's embedding is)
+and read from its codes (grid_weights.py; asserted bit-identical to the kernel's float blocks of
+that weight).
 
 As a reference for what the machine can do, ``compiled_loop`` times a plain numba loop (one dot
 product per row and token, fastmath; needs the ``[fast]`` extra): where it is far below
@@ -32,7 +35,7 @@ import numpy
 import torch
 import torch.nn.functional as F
 
-from multitoken.pipeline.model import cpu_linear, rows_kernel
+from multitoken.pipeline.model import cpu_linear, grid_weights, rows_kernel
 
 SHAPES = {"pythia-160m": (50304, 768), "pythia-410m": (50304, 1024), "pythia-mini": (50304, 128), "smollm2": (49152, 576)}
 
@@ -115,6 +118,14 @@ def per_call_ms(fn, reps: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def on_q8(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [V, H] quantized to Q8_0 (blocks of 32 inputs, a float16 scale each) and dequantized."""
+    b = w.reshape(w.shape[0], -1, grid_weights.QK)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.round(b / torch.where(d > 0, d, 1.0)).clamp(-127, 127) + 0.0  # +0.0: integer codes, no -0.0
+    return (q * d).reshape(w.shape)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
@@ -135,6 +146,8 @@ def main(argv=None) -> dict:
         w = torch.randn(v, h) * 0.02
         blocked = rows_kernel.block_weight(w) if kernel else None
         screen = rows_kernel.screen_weight(blocked) if kernel else None
+        grid = on_q8(w) if kernel and cpu_linear.grids_on() else None
+        codes = grid_weights.pack_grid(*grid_weights.find_grid(grid)) if grid is not None else None
         rows_out = {}
         for r in map(int, args.rows.split(",")):
             x = torch.randn(r, h)
@@ -151,6 +164,10 @@ def main(argv=None) -> dict:
                 best, exact = rows_kernel.rows_argmax(x, blocked, screen, v)
                 assert torch.equal(best, rows_kernel.rows_linear(x, blocked, v, None).argmax(-1))
                 rows_out[r]["rows_exact"] = exact
+            if codes is not None:
+                rows_out[r]["rows_q8_grid"] = per_call_ms(lambda: grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None), args.reps)
+                same = rows_kernel.rows_linear(x, rows_kernel.block_weight(grid), v, None)
+                assert torch.equal(grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None).view(torch.int32), same.view(torch.int32))
             print(f"{shape:12s} rows {r}: " + "  ".join(f"{k} {ms:7.2f}" + ("" if k == "rows_exact" else " ms")
                                                         for k, ms in rows_out[r].items()), flush=True)
         record["results"][shape] = rows_out

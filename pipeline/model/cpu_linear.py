@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multitoken.pipeline.model import rows_kernel
+from multitoken.pipeline.model import grid_weights, rows_kernel
 
 PACKED, ROWS, STOCK = "packed", "rows", "stock"
 CPU_LINEARS = (PACKED, ROWS, STOCK)
@@ -56,18 +57,28 @@ ROW_HINT = 16
 _STATE: dict = {"usable": {}, "warned": False}  # usable: dtype -> bool, probed once per process
 
 
+def grids_on() -> bool:
+    """Whether the rows layout keeps weights found on a Q4_1 / Q8_0 grid as their codes
+    (grid_weights.py; exact, so on by default; ``MULTITOKEN_GRID=0`` keeps float32 blocks, to measure)."""
+    return os.environ.get("MULTITOKEN_GRID", "1") != "0" and rows_usable() and _STATE["usable"].get("grid", False)
+
+
 def _say_once(message: str) -> None:
     if not _STATE["warned"]:
         _STATE["warned"] = True
         print(f"multitoken: {message}; CPU linears fall back to F.linear", file=sys.stderr)
 
 
-def _reorder(weight: torch.Tensor, layout: str = ONEDNN) -> torch.Tensor:
+def _reorder(weight: torch.Tensor, layout: str = ONEDNN) -> tuple[torch.Tensor, int | None]:
     """The weight [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor), or in the rows
-    kernel's column blocks [N / L, K, L] (rows_kernel.py)."""
+    kernel's: its grid codes where it lies on a Q4_1 / Q8_0 grid (grid_weights.py; the kind
+    second), else column blocks [N / L, K, L] (rows_kernel.py)."""
     if layout == ROWS:
-        return rows_kernel.block_weight(weight)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_HINT)
+        found = grid_weights.find_grid(weight.detach()) if grids_on() else None
+        if found is not None:
+            return grid_weights.pack_grid(*found), found[0]
+        return rows_kernel.block_weight(weight), None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_HINT), None
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -94,10 +105,11 @@ def _probe_rows() -> bool:
         return False  # said on stderr by rows_kernel
     gen = torch.Generator().manual_seed(0)
     w, b, x = (torch.randn(*s, generator=gen) for s in ((40, 64), (40,), (9, 64)))  # a partial last block
-    y = rows_kernel.rows_linear(x, _reorder(w, ROWS), 40, b)
+    y = rows_kernel.rows_linear(x, rows_kernel.block_weight(w), 40, b)
     if not torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4):  # sums of 64 products
         _say_once("the compiled rows kernel disagrees with F.linear")
         return False
+    _STATE["usable"]["grid"] = grid_weights.probe()
     return True
 
 
@@ -108,7 +120,7 @@ def _probe(dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     w, b, x = (torch.randn(*s, generator=gen).to(dtype) for s in ((32, 64), (32,), (3, 64)))
     try:
-        y = _packed_linear(x, _reorder(w), b)
+        y = _packed_linear(x, _reorder(w)[0], b)
     except (RuntimeError, AttributeError) as err:  # op missing (AttributeError) or failing
         _say_once(f"the oneDNN packed linear is unavailable in {dtype} ({type(err).__name__}: {err})")
         return False
@@ -129,11 +141,11 @@ class PackedLinear(nn.Module):
     back in the plain layout (a fresh copy per read, for code that inspects weights; writing to
     it changes nothing)."""
 
-    def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool, layout: str = ONEDNN):
+    def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool, layout: str = ONEDNN, grid: int | None = None):
         super().__init__()
         object.__setattr__(self, "stock", stock)  # not a submodule: no parameters, no state_dict
         self.in_features, self.out_features = stock.in_features, stock.out_features
-        self.packed, self.shared, self.layout = packed, shared, layout
+        self.packed, self.shared, self.layout, self.grid = packed, shared, layout, grid
         self.dense: torch.Tensor | None = None  # set by the fallback
         self.screen: dict | None = None  # the argmax screen's int8 copy (rows layout), made on first use
 
@@ -149,6 +161,8 @@ class PackedLinear(nn.Module):
         if self.dense is None and not (torch.is_grad_enabled() and x.requires_grad):
             try:
                 if self.layout == ROWS:
+                    if x.dtype == torch.float32 and x.device.type == "cpu" and self.grid:
+                        return grid_weights.grid_linear(x, self.packed, self.grid, self.out_features, self.bias)
                     if x.dtype == torch.float32 and x.device.type == "cpu":
                         return rows_kernel.rows_linear(x, self.packed, self.out_features, self.bias)
                     raise RuntimeError(f"the rows kernel takes float32 CPU inputs, not {x.dtype} on {x.device.type}")
@@ -163,8 +177,11 @@ class PackedLinear(nn.Module):
         """``self(x).argmax(-1)`` exactly # [..., K] -> [...] long, reading the weight mostly from
         an int8 copy (rows_kernel.rows_argmax; made on first use, a quarter of the fp32 blocks'
         size), or None where that does not apply (not the rows layout, a bias, not a float32 CPU
-        input, more rows than the kernel takes): then take ``self(x).argmax(-1)``."""
-        if (self.layout != ROWS or self.dense is not None or self.bias is not None
+        input, more rows than the kernel takes): then take ``self(x).argmax(-1)``. Grid codes
+        (Q8_0: a quarter of float32 reads, as the screen) give the logits' argmax directly."""
+        if self.grid and self.dense is None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self(x).argmax(-1)
+        if (self.grid or self.layout != ROWS or self.dense is not None or self.bias is not None
                 or x.dtype != torch.float32 or x.device.type != "cpu"):
             return None
         if self.screen is None:
@@ -176,6 +193,8 @@ class PackedLinear(nn.Module):
         """The weight [N, K] in the plain layout, exactly (a reorder, no arithmetic)."""
         if self.shared:
             return self.stock.weight.detach()
+        if self.grid:
+            return grid_weights.dense_grid(self.packed, self.grid, self.out_features)
         return rows_kernel.dense_weight(self.packed, self.out_features) if self.layout == ROWS else self.packed.to_dense()
 
     def unpacked(self) -> nn.Linear:
@@ -191,8 +210,9 @@ class PackedLinear(nn.Module):
         return _packed(stock, self.shared, self.layout)
 
     def extra_repr(self) -> str:
+        grid = f", {grid_weights.NAMES[self.grid]} grid" if self.grid else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"packed ({self.layout})")
+                f"packed ({self.layout}{grid})")
 
 
 def _layout(module: nn.Module, mode: str) -> str | None:
@@ -219,7 +239,8 @@ def layout_of(module: nn.Module) -> str | None:
 
 def _packed(stock: nn.Linear, shared: bool, layout: str = ONEDNN) -> PackedLinear:
     """``stock`` packed; its weight's storage released unless ``shared`` (the packed copy replaces it)."""
-    packed = PackedLinear(stock, _reorder(stock.weight, layout), shared, layout)
+    packed, grid = _reorder(stock.weight, layout)
+    packed = PackedLinear(stock, packed, shared, layout, grid)
     if not shared:
         stock.weight.data = torch.empty(0, dtype=stock.weight.dtype)
     return packed

@@ -11,9 +11,11 @@ product per input feature in order (one fused multiply-add each), and prefetches
 ~8 KB ahead. Each output is then the same chain of operations whatever the row count, the row's
 place in the call and the thread count: a verification step's logits are bit-identical to a
 one-token step's. Past ``MAX_ROWS`` rows (a prompt's pass) a batched matmul over the same
-blocks takes over (compute-bound there; its rounding differs, as any GEMM's would).
+blocks takes over (compute-bound there; its rounding differs, as any GEMM's would). Weights
+stored narrower than float32 without loss (a GGUF base's Q4_1 / Q8_0 codes, 16-bit floats) are
+decoded in the same blocks by the same chain: grid_weights.py.
 
-Build: the C++ below with the machine's C++ compiler (``$CXX``, else ``c++`` / ``g++``),
+Build: the C++ of rows_kernel.cpp with the machine's C++ compiler (``$CXX``, else ``c++`` / ``g++``),
 ``-O3 -march=native -fopenmp`` (x86-64 only), into the cache (``$MULTITOKEN_CACHE/kernels``,
 keyed by the source, the flags, the compiler's version and the CPU's feature flags, so a cache
 shared between machines never loads a binary built for another CPU), written atomically; about
@@ -40,194 +42,7 @@ import torch
 from multitoken.embedded import cache_dir
 
 MAX_ROWS = 64  # rows per call the kernel takes; more go through a batched matmul
-SOURCE = r"""
-#include <algorithm>
-#include <cfloat>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <immintrin.h>
-#include <type_traits>
-#include <omp.h>
-#ifdef __AVX512F__
-constexpr int L = 32, MB = 12;  // outputs per block, rows per register block: 24 zmm of sums
-#else
-constexpr int L = 16, MB = 4;  // AVX2: 8 ymm of sums
-#endif
-constexpr int PREFETCH = 8192;  // bytes ahead of the weight read
-
-// The screen's int8 block: each feature's L weights converted once to two float vectors (the
-// compiler would convert them once per row), then the same fused multiply-adds as the float kernel.
-#if defined(__AVX512F__)
-using vec = __m512;  // L / 2 floats
-static inline vec cvt8(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
-static inline vec bcast(float v) { return _mm512_set1_ps(v); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec zero() { return _mm512_setzero_ps(); }
-static inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
-#define SCREEN_VECTORS 1
-#elif defined(__AVX2__) && defined(__FMA__)
-using vec = __m256;
-static inline vec cvt8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
-static inline vec bcast(float v) { return _mm256_set1_ps(v); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vec zero() { return _mm256_setzero_ps(); }
-static inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
-#define SCREEN_VECTORS 1
-#endif
-
-template <int R>
-static inline void q8_block(const float* __restrict x, const int8_t* __restrict wb, const float* __restrict scale,
-                            float* __restrict out, int K, int N, int n0) {
-    float sums[R][L];
-#ifdef SCREEN_VECTORS
-    constexpr int H = L / 2;
-    vec acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
-    for (int k = 0; k < K; ++k) {
-        const int8_t* w = wb + (int64_t)k * L;
-        __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
-        const vec w0 = cvt8(w), w1 = cvt8(w + H);
-        for (int m = 0; m < R; ++m) {
-            const vec xv = bcast(x[(int64_t)m * K + k]);
-            acc[m][0] = vfma(xv, w0, acc[m][0]);
-            acc[m][1] = vfma(xv, w1, acc[m][1]);
-        }
-    }
-    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + H, acc[m][1]);
-#else  // no AVX2: plain loops
-    for (int m = 0; m < R; ++m)
-        for (int j = 0; j < L; ++j) sums[m][j] = 0.0f;
-    for (int k = 0; k < K; ++k) {
-        float wf[L];
-        for (int j = 0; j < L; ++j) wf[j] = (float)wb[(int64_t)k * L + j];
-        for (int m = 0; m < R; ++m)
-            for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
-    }
-#endif
-    const int width = std::min(L, N - n0);
-    for (int m = 0; m < R; ++m)
-        for (int j = 0; j < width; ++j) out[(int64_t)m * N + n0 + j] = sums[m][j] * scale[n0 + j];
-}
-
-// The exact kernel's block: R rows' sums of L outputs, one fused multiply-add per feature in order.
-template <int R>
-static inline void rows_block(const float* __restrict x, const float* __restrict wb, float* __restrict out,
-                              int K, int N, int n0) {
-    float acc[R][L];
-    for (int m = 0; m < R; ++m)
-        for (int j = 0; j < L; ++j) acc[m][j] = 0.0f;
-    for (int k = 0; k < K; ++k) {
-        const float* w = wb + (int64_t)k * L;
-        __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
-        __builtin_prefetch((const char*)w + PREFETCH + 64, 0, 3);
-        for (int m = 0; m < R; ++m) {
-            const float xv = x[(int64_t)m * K + k];
-            for (int j = 0; j < L; ++j) acc[m][j] += xv * w[j];
-        }
-    }
-    const int width = std::min(L, N - n0);
-    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, acc[m], sizeof(float) * width);
-}
-
-// W: float (the exact kernel) or int8_t (the argmax screen's copy, times a scale per output)
-template <typename W, int R>
-static inline void block(const float* x, const W* wb, const float* scale, float* out, int K, int N, int n0) {
-    if constexpr (std::is_same<W, int8_t>::value) {
-        q8_block<R>(x, wb, scale, out, K, N, n0);
-    } else {
-        rows_block<R>(x, wb, out, K, N, n0);
-    }
-}
-
-template <typename W>
-static void column_block(const float* x, const W* wb, const float* scale, float* out, int M, int K, int N, int n0) {
-    int m = 0;
-    for (; m + MB <= M; m += MB) block<W, MB>(x + (int64_t)m * K, wb, scale, out + (int64_t)m * N, K, N, n0);
-    const float* xr = x + (int64_t)m * K;
-    float* o = out + (int64_t)m * N;
-    switch (M - m) {
-        case 1: block<W, 1>(xr, wb, scale, o, K, N, n0); break;
-        case 2: block<W, 2>(xr, wb, scale, o, K, N, n0); break;
-        case 3: block<W, 3>(xr, wb, scale, o, K, N, n0); break;
-#ifdef __AVX512F__
-        case 4: block<W, 4>(xr, wb, scale, o, K, N, n0); break;
-        case 5: block<W, 5>(xr, wb, scale, o, K, N, n0); break;
-        case 6: block<W, 6>(xr, wb, scale, o, K, N, n0); break;
-        case 7: block<W, 7>(xr, wb, scale, o, K, N, n0); break;
-        case 8: block<W, 8>(xr, wb, scale, o, K, N, n0); break;
-        case 9: block<W, 9>(xr, wb, scale, o, K, N, n0); break;
-        case 10: block<W, 10>(xr, wb, scale, o, K, N, n0); break;
-        case 11: block<W, 11>(xr, wb, scale, o, K, N, n0); break;
-#endif
-        default: break;
-    }
-}
-
-template <typename W>
-static void blocks(const float* x, const W* wp, const float* scale, float* out, int M, int K, int N) {
-    const int count = (N + L - 1) / L;
-    const int threads = std::min(omp_get_max_threads(), count);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int b = 0; b < count; ++b) column_block<W>(x, wp + (int64_t)b * K * L, scale, out, M, K, N, b * L);
-}
-
-extern "C" int rows_lanes() { return L; }
-
-// x [M, K], wp [ceil(N / L), K, L] (zero-padded past N), out [M, N]
-extern "C" void rows_linear(const float* x, const float* wp, float* out, int M, int K, int N) {
-    blocks<float>(x, wp, nullptr, out, M, K, N);
-}
-
-// The screen's logits alone: x [M, K] times the int8 blocks q, each output times its scale.
-extern "C" void rows_screened(const float* x, const int8_t* q, const float* scale, float* out, int M, int K, int N) {
-    blocks<int8_t>(x, q, scale, out, M, K, N);
-}
-
-// The exact kernel's logit of output v for row x [K]: the same chain, one product per feature in order.
-static inline float exact_at(const float* x, const float* wp, int K, int v) {
-    const float* w = wp + (int64_t)(v / L) * K * L + v % L;
-    float acc = 0.0f;
-    for (int k = 0; k < K; ++k) acc += x[k] * w[(int64_t)k * L];
-    return acc;
-}
-
-// The exact kernel's argmax over N outputs of each row of x [M, K] (the first on ties), reading the
-// int8 copy q [ceil(N / L), K, L] (times scale [N]) in full and the fp32 blocks wp only at the
-// outputs whose screened value, within err[n] * |x|_1 of its exact one, can reach the best.
-// approx [M, N]: scratch. Returns how many outputs were computed exactly, or -1 if x is not finite.
-extern "C" int64_t rows_argmax(const float* x, const int8_t* q, const float* scale, const float* err,
-                               const float* wp, float* approx, int64_t* best, int M, int K, int N) {
-    blocks<int8_t>(x, q, scale, approx, M, K, N);
-    int64_t picked = 0;
-    for (int m = 0; m < M; ++m) {
-        const float* xr = x + (int64_t)m * K;
-        const float* a = approx + (int64_t)m * N;
-        double l1 = 0.0;
-        for (int k = 0; k < K; ++k) l1 += std::fabs((double)xr[k]);
-        const float s = (float)(l1 * (1.0 + 4.0 * FLT_EPSILON));  // |x|_1, rounded up
-        float lo = -INFINITY, big = 0.0f;  // lo: the best screened value less its bound; no exact maximum lies below it
-#pragma omp simd reduction(max : lo, big)
-        for (int v = 0; v < N; ++v) {
-            lo = std::max(lo, a[v] - s * err[v]);
-            big = std::max(big, std::fabs(a[v]) + s * err[v]);
-        }
-        if (!std::isfinite(s) || !std::isfinite(big)) return -1;
-        const float floor = lo - 4.0f * FLT_EPSILON * big;  // both sides' float rounding (each <= 2 eps big) with room
-        float top = 0.0f;
-        int64_t at = -1;
-        for (int v = 0; v < N; ++v) {
-            if (a[v] + s * err[v] < floor) continue;
-            const float e = exact_at(xr, wp, K, v);
-            if (std::isnan(e)) return -1;
-            ++picked;
-            if (at < 0 || e > top) top = e, at = v;
-        }
-        best[m] = at;
-    }
-    return picked;
-}
-"""
+SOURCE = (Path(__file__).parent / "rows_kernel.cpp").read_text()  # the C++ (package data)
 
 _STATE: dict = {"loaded": False, "lib": None, "why": None}
 
@@ -300,6 +115,8 @@ def _load():
     lib.rows_argmax.restype = ctypes.c_int64
     lib.rows_screened.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     lib.rows_screened.restype = None
+    lib.grid_linear.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 3
+    lib.grid_linear.restype = None
     return lib, None
 
 

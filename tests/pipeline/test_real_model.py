@@ -121,6 +121,25 @@ def test_greedy_equals_transformers_on_smollm2(smol_model, tree):
     assert tokens / passes > (1.2 if tree == "chain" else 1.4)
 
 
+def test_the_gguf_bases_linears_decode_from_their_codes(smol_model):
+    """SmolLM2's GGUF holds its linears as Q4_1 and its embedding as Q8_0: on the rows kernel
+    (the default) every decoder linear keeps its Q4_1 codes and the tied unembedding its Q8_0
+    ones, and the dense weights read back bit for bit (the tests above: the same greedy text)."""
+    from multitoken.pipeline.model.cpu_linear import PackedLinear, grids_on
+    from multitoken.pipeline.model.grid_weights import Q4, Q8
+
+    if not grids_on():
+        pytest.skip("needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
+    smol_model.new_caches()  # packs, once
+    bb = smol_model.backbone
+    layers = [m for m in bb.model.model.layers.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 7 * 30 and {m.grid for m in layers} == {Q4} and bb.unembedding.grid == Q8
+    stock = bb.model.model.embed_tokens.weight  # the tied embedding's dense copy, kept for the lookup
+    assert torch.equal(bb.unembedding.dense_weight().view(torch.int32), stock.detach().view(torch.int32))
+    q4 = layers[0]
+    assert q4.packed.numel() * 8 == q4.in_features * q4.out_features * 5  # bytes: 5 bits a weight, not 32
+
+
 @pytest.fixture(scope="module")
 def smol_conditioned(smol_dir):
     from multitoken.embedded import SMOLLM2_CONDITIONED

@@ -130,6 +130,8 @@ for m in (1, 3, 4, 5, 13, 64):
     approx = torch.empty(m, 1000)
     rk.library().rows_screened(x.data_ptr(), screen["q"].data_ptr(), screen["scale"].data_ptr(), approx.data_ptr(), m, 96, 1000)
     assert bool(((approx - logits).abs() <= x.abs().sum(1, keepdim=True) * screen["err"][:1000]).all()), m
+from multitoken.pipeline.model import grid_weights
+assert grid_weights.probe()  # Q4_1 / Q8_0 codes: the float blocks' logits bit for bit
 print(rk.lanes())
 """
 
@@ -138,7 +140,7 @@ print(rk.lanes())
 def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, isa):
     """The AVX2 and the plain-loop builds (machines without AVX512, or without AVX2), built here
     with those instruction sets turned off: logits within fp32 rounding, the screen's argmax
-    the exact one."""
+    the exact one, grid codes decoded to the float blocks' logits."""
     env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", ISA_CHECK, *isa], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,192 @@
+"""Exact narrow storage for float32 weights: a weight whose values all lie on a Q4_1 or Q8_0 grid
+(a GGUF base once transformers has dequantized it) or are all bfloat16 / float16 values (a 16-bit
+checkpoint or heads loaded in float32) is kept as those codes, and the rows kernel
+(rows_kernel.py) decodes them on the fly.
+
+Why: a decoding step is bound by reading the weights. transformers loads a quantized GGUF by
+dequantizing it to float32, and every step then reads 32 bits per weight where the file held 5
+(Q4_1) or 8.5 (Q8_0); a bfloat16 checkpoint in float32 reads twice its bits. Each block of 32
+weights of an output is ``d * q + m`` (Q4_1: codes q in 0..15, d and m float16) or ``d * q``
+(Q8_0: q in -127..127, d float16). ``d * q`` is exact in float32 (11 + 8 significant bits), so
+decoding is one rounding, the very one the dequantization made; 16-bit floats widen exactly.
+The kernel thus sees the same float32 weights and adds the same fused multiply-adds in the same
+order as the float32 blocks: its logits are bit-identical to theirs
+(tests/pipeline/test_grid_weights.py).
+
+Nothing is assumed from the file: ``find_grid`` recovers ``d``, ``m`` and the codes from the
+float32 values and keeps them only if they reproduce every weight bit for bit; any other weight
+(float32 values, a LoRA-merged one) keeps its float32 blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from multitoken.pipeline.model import rows_kernel
+
+QK = 32  # inputs per grid block (GGUF's Q4_1 / Q8_0 block)
+Q4, Q8, BF16, F16 = 4, 8, 16, 17  # the kinds, as the kernel's grid_linear takes them
+NAMES = {Q4: "Q4_1", Q8: "Q8_0", BF16: "bfloat16", F16: "float16"}
+HALVES = {BF16: torch.bfloat16, F16: torch.float16}  # 16-bit floats: the float blocks' layout, 2 bytes each
+CHUNK_ROWS = 4096  # outputs checked at a time (bounds the peak memory of the search)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.view(torch.int32) == b.view(torch.int32)
+
+
+def _half_steps(d: torch.Tensor, steps: int) -> torch.Tensor:
+    """``d`` (float16, >= 0) moved ``steps`` representable values up (negative: down), floored at 0."""
+    bits = d.view(torch.int16).to(torch.int32) + steps
+    return bits.clamp(0, 0x7BFF).to(torch.int16).view(torch.float16)
+
+
+def _q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """w [R, T, QK] fp32 -> (d [R, T] fp16, q [R, T, QK] int8) reproducing every bit, or None."""
+    amax = w.abs().amax(-1)  # [R, T]: d * 127 where the block's largest code is +-127
+    d = (amax / 127).half()
+    scale = d.float().unsqueeze(-1)
+    q = torch.where(scale > 0, torch.round(w / torch.where(scale > 0, scale, 1.0)), 0.0)
+    if not bool((q.abs() <= 127).all()):
+        return None
+    q = q.to(torch.int8)  # checked as stored (a -0.0 weight is no code's)
+    return (d, q) if bool(_same_bits(scale * q.float(), w).all()) else None
+
+
+def _q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """w [R, T, QK] fp32 -> (d, m [R, T] fp16, q [R, T, QK] uint8 in 0..15) reproducing every
+    bit, or None. m is the block's least weight (its code 0); d is float16 next to
+    (max - m) / 15 (its code 15), the one of three neighbours that reproduces the block."""
+    m = w.amin(-1)  # [R, T]
+    if not bool(_same_bits(m.half().float(), m).all()):
+        return None
+    first = ((w.amax(-1) - m) / 15).half()
+    found = torch.zeros_like(m, dtype=torch.bool)
+    d_best, q_best = first.clone(), torch.zeros_like(w, dtype=torch.uint8)
+    for steps in (0, -1, 1):
+        d = _half_steps(first, steps)
+        scale = d.float().unsqueeze(-1)
+        q = torch.where(scale > 0, torch.round((w - m.unsqueeze(-1)) / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(0, 15)
+        q = q.to(torch.uint8)  # checked as stored
+        ok = _same_bits(scale * q.float() + m.unsqueeze(-1), w).all(-1) & ~found  # [R, T]
+        d_best = torch.where(ok, d, d_best)
+        q_best = torch.where(ok.unsqueeze(-1), q, q_best)
+        found |= ok
+    return (d_best, m.half(), q_best) if bool(found.all()) else None
+
+
+GRIDS = {Q4: _q4, Q8: _q8}
+
+
+def _blocks_of(weight: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    return weight[start:start + rows].reshape(-1, weight.shape[1] // QK, QK)  # [R, T, QK]
+
+
+def find_grid(weight: torch.Tensor) -> tuple[int, list[tuple]] | None:
+    """The kind (Q4 or Q8, the smaller that fits) and the codes of a float32 ``weight`` [N, K] on
+    one grid throughout (per chunk of ``CHUNK_ROWS`` outputs), or None. A float checkpoint fails
+    on its first 64 rows, at little cost."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not n:
+        return None
+    for kind, search in GRIDS.items() if k % QK == 0 else ():
+        if search(_blocks_of(weight, 0, 64)) is None:
+            continue
+        parts = []
+        for start in range(0, n, CHUNK_ROWS):
+            if (found := search(_blocks_of(weight, start, CHUNK_ROWS))) is None:
+                break
+            parts.append(found)
+        else:
+            return kind, parts
+    for kind, dtype in HALVES.items():  # a 16-bit checkpoint loaded in float32 (trained heads, say)
+        if bool(_same_bits(weight[:64].to(dtype).float(), weight[:64]).all()) and bool(_same_bits(weight.to(dtype).float(), weight).all()):
+            return kind, [weight]
+    return None
+
+
+def _by_blocks(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, ...] per output, zero-padded to whole column blocks -> [B, width, ...]."""
+    pad = -t.shape[0] % width
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.reshape(-1, width, *t.shape[1:])
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def pack_grid(kind: int, parts: list[tuple]) -> torch.Tensor:
+    """The codes of ``find_grid`` in the kernel's chunks # -> [B, K / QK, bytes] uint8: per column
+    block of L outputs and QK inputs, d [L] fp16, (Q4) m [L] fp16, then the codes: Q4, per input
+    L / 2 bytes (output j in byte j's low nibble, output j + L / 2 in its high one); Q8, L int8."""
+    if kind in HALVES:
+        return _as_bytes(rows_kernel.block_weight(parts[0]).to(HALVES[kind])).flatten(2)  # [B, K, 2L]
+    width = rows_kernel.lanes()
+    fields = [torch.cat(f) for f in zip(*parts)]  # d [N, T], (m [N, T],) q [N, T, QK]
+    scales = [_as_bytes(_by_blocks(f, width).transpose(1, 2)) for f in fields[:-1]]  # [B, T, L] fp16 -> [B, T, 2L]
+    codes = _by_blocks(fields[-1], width).permute(0, 2, 3, 1)  # [B, T, QK, L]
+    if kind == Q4:
+        half = width // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)  # [B, T, QK, L / 2]
+    codes = _as_bytes(codes).flatten(2)  # [B, T, QK * bytes per input]
+    return torch.cat([*scales, codes], dim=-1).contiguous()
+
+
+def dense_grid(packed: torch.Tensor, kind: int, n: int) -> torch.Tensor:
+    """The float32 weight [N, K] back from ``pack_grid``'s chunks, exactly (d q + m: d q is exact)."""
+    if kind in HALVES:
+        return rows_kernel.dense_weight(packed.view(HALVES[kind]).float(), n)
+    blocks, chunks, _ = packed.shape
+    width = rows_kernel.lanes()
+    d = packed[..., :2 * width].contiguous().view(torch.float16).float()  # [B, T, L]
+    if kind == Q4:
+        m = packed[..., 2 * width:4 * width].contiguous().view(torch.float16).float()
+        codes = packed[..., 4 * width:].reshape(blocks, chunks, QK, width // 2)
+        q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [B, T, QK, L]
+    else:
+        m = torch.zeros_like(d)
+        q = packed[..., 2 * width:].contiguous().view(torch.int8).reshape(blocks, chunks, QK, width).float()
+    w = q * d.unsqueeze(2) + m.unsqueeze(2)  # [B, T, QK, L]
+    return w.permute(0, 3, 1, 2).reshape(blocks * width, chunks * QK)[:n].contiguous()
+
+
+def grid_linear(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] fp32 -> [..., N] from the codes; past ``rows_kernel.MAX_ROWS`` rows (a prompt's
+    pass) through the dense weight, decoded for that call."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()  # [M, K]
+    m = rows.shape[0]
+    if m <= rows_kernel.MAX_ROWS:
+        out = torch.empty(m, n, dtype=torch.float32)
+        rows_kernel.library().grid_linear(rows.data_ptr(), packed.data_ptr(), kind, out.data_ptr(), m, k, n)
+        if bias is not None:
+            out.add_(bias)
+    else:
+        out = torch.nn.functional.linear(rows, dense_grid(packed, kind, n), bias)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def probe() -> bool:
+    """Whether the kernel's grid blocks reproduce the float32 blocks bit for bit here (a weight of
+    each kind with a partial last block, 1 and 13 rows); once per process, from cpu_linear."""
+    gen = torch.Generator().manual_seed(0)
+    d = torch.rand(40, 2, 1, generator=gen).half().float() / 64
+    m = -torch.rand(40, 2, 1, generator=gen).half().float()
+    q4 = torch.randint(0, 16, (40, 2, QK), generator=gen).float()
+    q8 = torch.randint(-127, 128, (40, 2, QK), generator=gen).float()
+    q4[..., :2], q8[..., 0] = torch.tensor([0.0, 15.0]), 127.0  # each block's extreme codes
+    half = torch.randn(40, 2 * QK, generator=gen)
+    for kind, w in ((Q4, (q4 * d + m).reshape(40, 2 * QK)), (Q8, (q8 * d).reshape(40, 2 * QK)),
+                    (BF16, half.bfloat16().float()), (F16, half.half().float())):
+        found = find_grid(w)
+        if found is None or found[0] != kind:
+            return False
+        packed = pack_grid(*found)
+        for rows in (1, 13):
+            x = torch.randn(rows, 2 * QK, generator=gen)
+            got = grid_linear(x, packed, found[0], 40, None)
+            if not torch.equal(got.view(torch.int32), rows_kernel.rows_linear(x, rows_kernel.block_weight(w), 40, None).view(torch.int32)):
+                return False
+    return True

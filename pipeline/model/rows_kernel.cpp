@@ -1,0 +1,365 @@
+// The compiled rows kernel (rows_kernel.py builds this file with the machine's C++ compiler): a
+// multi-row GEMV over column blocks of L outputs, the argmax screen's int8 blocks, and the exact
+// narrow storage of grid_weights.py (Q4_1 / Q8_0 codes, 16-bit floats).
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <type_traits>
+#include <omp.h>
+#ifdef __AVX512F__
+constexpr int L = 32, MB = 12;  // outputs per block, rows per register block: 24 zmm of sums
+#else
+constexpr int L = 16, MB = 4;  // AVX2: 8 ymm of sums
+#endif
+constexpr int PREFETCH = 8192;  // bytes ahead of the weight read
+
+// The screen's int8 block: each feature's L weights converted once to two float vectors (the
+// compiler would convert them once per row), then the same fused multiply-adds as the float kernel.
+#if defined(__AVX512F__)
+using vec = __m512;  // L / 2 floats
+static inline vec cvt8(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline vec bcast(float v) { return _mm512_set1_ps(v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec zero() { return _mm512_setzero_ps(); }
+static inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+#define SCREEN_VECTORS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+static inline vec cvt8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+static inline vec bcast(float v) { return _mm256_set1_ps(v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec zero() { return _mm256_setzero_ps(); }
+static inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+#define SCREEN_VECTORS 1
+#endif
+
+// Exact grids (Q4_1 / Q8_0 codes, read as they were stored): per column block, chunks of QK
+// features, each [d: L halves][m: L halves, Q4 only][codes: QK x (L/2 bytes, Q4: byte j holds
+// outputs j and j + L/2 in its low and high nibble) or QK x L int8 (Q8)].
+constexpr int QK = 32;
+struct Q4 {};
+struct Q8 {};
+struct BF16 {};  // 16-bit floats, one per weight in the float blocks' layout [N / L, K, L]
+struct F16 {};
+static inline float half_to_float(uint16_t h) {  // exact; for the plain build (no F16C)
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    float v = exp == 0 ? std::ldexp((float)man, -24) : exp == 31 ? (man ? NAN : INFINITY) : std::ldexp((float)(man | 1024), (int)exp - 25);
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+    std::memcpy(&v, &bits, 4);
+    return v;
+}
+#if defined(__AVX512F__)
+static inline vec halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline void nibbles(const uint8_t* p, vec& lo, vec& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+static inline vec bf16s(const uint8_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#define GRID_VECTORS 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline vec halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline void nibbles(const uint8_t* p, vec& lo, vec& hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+static inline vec bf16s(const uint8_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#define GRID_VECTORS 1
+#endif
+
+// Bytes of one chunk of QK features for a column block, per weight type.
+template <typename W> constexpr int64_t chunk_bytes() { return std::is_same<W, Q4>::value ? 20 * L : 34 * L; }
+
+// 16-bit floats widen exactly (bfloat16: the high half of a float32): the float kernel's chain.
+template <typename W, int R>
+static inline void half_block(const float* __restrict x, const uint8_t* __restrict wb, float* __restrict out,
+                              int K, int N, int n0) {
+    constexpr bool bf = std::is_same<W, BF16>::value;
+    constexpr int H = L / 2;
+    float sums[R][L];
+#ifdef GRID_VECTORS
+    vec acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
+    for (int k = 0; k < K; ++k) {
+        const uint8_t* p = wb + (int64_t)k * L * 2;
+        __builtin_prefetch((const char*)p + PREFETCH, 0, 3);
+        const vec w0 = bf ? bf16s(p) : halves(p), w1 = bf ? bf16s(p + H * 2) : halves(p + H * 2);
+        for (int m = 0; m < R; ++m) {
+            const vec xv = bcast(x[(int64_t)m * K + k]);
+            acc[m][0] = vfma(xv, w0, acc[m][0]);
+            acc[m][1] = vfma(xv, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + H, acc[m][1]);
+#else
+    for (int m = 0; m < R; ++m)
+        for (int j = 0; j < L; ++j) sums[m][j] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+        float wf[L];
+        for (int j = 0; j < L; ++j) {
+            uint16_t h;
+            std::memcpy(&h, wb + ((int64_t)k * L + j) * 2, 2);
+            uint32_t bits = (uint32_t)h << 16;
+            if (bf) std::memcpy(&wf[j], &bits, 4);
+            else wf[j] = half_to_float(h);
+        }
+        for (int m = 0; m < R; ++m)
+            for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
+    }
+#endif
+    const int width = std::min(L, N - n0);
+    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, sums[m], sizeof(float) * width);
+}
+
+// R rows' sums of L outputs from grid codes: each feature's L weights decoded exactly (d q + m,
+// d q exact in fp32), then the float kernel's fused multiply-adds in the same order, so the
+// logits are bit-identical to the float blocks' of the same weights.
+template <typename W, int R>
+static inline void grid_block(const float* __restrict x, const uint8_t* __restrict wb, float* __restrict out,
+                              int K, int N, int n0) {
+    constexpr bool q4 = std::is_same<W, Q4>::value;
+    constexpr int H = L / 2;
+    float sums[R][L];
+#ifdef GRID_VECTORS
+    vec acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
+    for (int t = 0; t < K / QK; ++t) {
+        const uint8_t* c = wb + t * chunk_bytes<W>();
+        const vec d0 = halves(c), d1 = halves(c + H * 2);
+        const vec m0 = q4 ? halves(c + L * 2) : zero(), m1 = q4 ? halves(c + L * 2 + H * 2) : zero();
+        const uint8_t* codes = c + (q4 ? 4 * L : 2 * L);
+        for (int i = 0; i < QK; ++i) {
+            const int k = t * QK + i;
+            vec w0, w1;
+            if constexpr (q4) {
+                const uint8_t* p = codes + i * H;
+                __builtin_prefetch((const char*)p + PREFETCH, 0, 3);
+                nibbles(p, w0, w1);
+                w0 = vfma(w0, d0, m0), w1 = vfma(w1, d1, m1);
+            } else {
+                const int8_t* p = (const int8_t*)codes + i * L;
+                __builtin_prefetch((const char*)p + PREFETCH, 0, 3);
+                w0 = vmul(cvt8(p), d0), w1 = vmul(cvt8(p + H), d1);
+            }
+            for (int m = 0; m < R; ++m) {
+                const vec xv = bcast(x[(int64_t)m * K + k]);
+                acc[m][0] = vfma(xv, w0, acc[m][0]);
+                acc[m][1] = vfma(xv, w1, acc[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + H, acc[m][1]);
+#else  // plain loops
+    for (int m = 0; m < R; ++m)
+        for (int j = 0; j < L; ++j) sums[m][j] = 0.0f;
+    for (int t = 0; t < K / QK; ++t) {
+        const uint8_t* c = wb + t * chunk_bytes<W>();
+        float d[L], mn[L];
+        for (int j = 0; j < L; ++j) {
+            uint16_t h;
+            std::memcpy(&h, c + 2 * j, 2);
+            d[j] = half_to_float(h);
+            std::memcpy(&h, c + 2 * L + 2 * j, 2);
+            mn[j] = q4 ? half_to_float(h) : 0.0f;
+        }
+        const uint8_t* codes = c + (q4 ? 4 * L : 2 * L);
+        for (int i = 0; i < QK; ++i) {
+            float wf[L];
+            for (int j = 0; j < L; ++j) {
+                const float q = q4 ? (float)((codes[i * H + j % H] >> (j < H ? 0 : 4)) & 15) : (float)(int8_t)codes[i * L + j];
+                wf[j] = d[j] * q + mn[j];  // d q is exact: one rounding, as d q + m fused
+            }
+            const int k = t * QK + i;
+            for (int m = 0; m < R; ++m)
+                for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
+        }
+    }
+#endif
+    const int width = std::min(L, N - n0);
+    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, sums[m], sizeof(float) * width);
+}
+
+template <int R>
+static inline void q8_block(const float* __restrict x, const int8_t* __restrict wb, const float* __restrict scale,
+                            float* __restrict out, int K, int N, int n0) {
+    float sums[R][L];
+#ifdef SCREEN_VECTORS
+    constexpr int H = L / 2;
+    vec acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
+    for (int k = 0; k < K; ++k) {
+        const int8_t* w = wb + (int64_t)k * L;
+        __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
+        const vec w0 = cvt8(w), w1 = cvt8(w + H);
+        for (int m = 0; m < R; ++m) {
+            const vec xv = bcast(x[(int64_t)m * K + k]);
+            acc[m][0] = vfma(xv, w0, acc[m][0]);
+            acc[m][1] = vfma(xv, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + H, acc[m][1]);
+#else  // no AVX2: plain loops
+    for (int m = 0; m < R; ++m)
+        for (int j = 0; j < L; ++j) sums[m][j] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+        float wf[L];
+        for (int j = 0; j < L; ++j) wf[j] = (float)wb[(int64_t)k * L + j];
+        for (int m = 0; m < R; ++m)
+            for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
+    }
+#endif
+    const int width = std::min(L, N - n0);
+    for (int m = 0; m < R; ++m)
+        for (int j = 0; j < width; ++j) out[(int64_t)m * N + n0 + j] = sums[m][j] * scale[n0 + j];
+}
+
+// The exact kernel's block: R rows' sums of L outputs, one fused multiply-add per feature in order.
+template <int R>
+static inline void rows_block(const float* __restrict x, const float* __restrict wb, float* __restrict out,
+                              int K, int N, int n0) {
+    float acc[R][L];
+    for (int m = 0; m < R; ++m)
+        for (int j = 0; j < L; ++j) acc[m][j] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+        const float* w = wb + (int64_t)k * L;
+        __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
+        __builtin_prefetch((const char*)w + PREFETCH + 64, 0, 3);
+        for (int m = 0; m < R; ++m) {
+            const float xv = x[(int64_t)m * K + k];
+            for (int j = 0; j < L; ++j) acc[m][j] += xv * w[j];
+        }
+    }
+    const int width = std::min(L, N - n0);
+    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, acc[m], sizeof(float) * width);
+}
+
+// W: float (the exact kernel) or int8_t (the argmax screen's copy, times a scale per output)
+template <typename W, int R>
+static inline void block(const float* x, const W* wb, const float* scale, float* out, int K, int N, int n0) {
+    if constexpr (std::is_same<W, int8_t>::value) {
+        q8_block<R>(x, wb, scale, out, K, N, n0);
+    } else if constexpr (std::is_same<W, float>::value) {
+        rows_block<R>(x, wb, out, K, N, n0);
+    } else if constexpr (std::is_same<W, BF16>::value || std::is_same<W, F16>::value) {
+        half_block<W, R>(x, (const uint8_t*)wb, out, K, N, n0);
+    } else {
+        grid_block<W, R>(x, (const uint8_t*)wb, out, K, N, n0);
+    }
+}
+
+// Bytes of one column block of K features.
+template <typename W> static inline int64_t column_bytes(int K) {
+    if constexpr (std::is_same<W, float>::value || std::is_same<W, int8_t>::value) return (int64_t)K * L * sizeof(W);
+    else if constexpr (std::is_same<W, BF16>::value || std::is_same<W, F16>::value) return (int64_t)K * L * 2;
+    else return (int64_t)(K / QK) * chunk_bytes<W>();
+}
+
+template <typename W>
+static void column_block(const float* x, const W* wb, const float* scale, float* out, int M, int K, int N, int n0) {
+    int m = 0;
+    for (; m + MB <= M; m += MB) block<W, MB>(x + (int64_t)m * K, wb, scale, out + (int64_t)m * N, K, N, n0);
+    const float* xr = x + (int64_t)m * K;
+    float* o = out + (int64_t)m * N;
+    switch (M - m) {
+        case 1: block<W, 1>(xr, wb, scale, o, K, N, n0); break;
+        case 2: block<W, 2>(xr, wb, scale, o, K, N, n0); break;
+        case 3: block<W, 3>(xr, wb, scale, o, K, N, n0); break;
+#ifdef __AVX512F__
+        case 4: block<W, 4>(xr, wb, scale, o, K, N, n0); break;
+        case 5: block<W, 5>(xr, wb, scale, o, K, N, n0); break;
+        case 6: block<W, 6>(xr, wb, scale, o, K, N, n0); break;
+        case 7: block<W, 7>(xr, wb, scale, o, K, N, n0); break;
+        case 8: block<W, 8>(xr, wb, scale, o, K, N, n0); break;
+        case 9: block<W, 9>(xr, wb, scale, o, K, N, n0); break;
+        case 10: block<W, 10>(xr, wb, scale, o, K, N, n0); break;
+        case 11: block<W, 11>(xr, wb, scale, o, K, N, n0); break;
+#endif
+        default: break;
+    }
+}
+
+template <typename W>
+static void blocks(const float* x, const W* wp, const float* scale, float* out, int M, int K, int N) {
+    const int count = (N + L - 1) / L;
+    const int threads = std::min(omp_get_max_threads(), count);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int b = 0; b < count; ++b)
+        column_block<W>(x, (const W*)((const char*)wp + b * column_bytes<W>(K)), scale, out, M, K, N, b * L);
+}
+
+extern "C" int rows_lanes() { return L; }
+
+// x [M, K], wp [ceil(N / L), K, L] (zero-padded past N), out [M, N]
+extern "C" void rows_linear(const float* x, const float* wp, float* out, int M, int K, int N) {
+    blocks<float>(x, wp, nullptr, out, M, K, N);
+}
+
+// x [M, K] times grid codes -> out [M, N]; kind 4: Q4_1, 8: Q8_0 (K a multiple of QK), 16:
+// bfloat16, 17: float16.
+extern "C" void grid_linear(const float* x, const uint8_t* wp, int kind, float* out, int M, int K, int N) {
+    if (kind == 4) blocks<Q4>(x, (const Q4*)wp, nullptr, out, M, K, N);
+    else if (kind == 8) blocks<Q8>(x, (const Q8*)wp, nullptr, out, M, K, N);
+    else if (kind == 16) blocks<BF16>(x, (const BF16*)wp, nullptr, out, M, K, N);
+    else if (kind == 17) blocks<F16>(x, (const F16*)wp, nullptr, out, M, K, N);
+}
+
+// The screen's logits alone: x [M, K] times the int8 blocks q, each output times its scale.
+extern "C" void rows_screened(const float* x, const int8_t* q, const float* scale, float* out, int M, int K, int N) {
+    blocks<int8_t>(x, q, scale, out, M, K, N);
+}
+
+// The exact kernel's logit of output v for row x [K]: the same chain, one product per feature in order.
+static inline float exact_at(const float* x, const float* wp, int K, int v) {
+    const float* w = wp + (int64_t)(v / L) * K * L + v % L;
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) acc += x[k] * w[(int64_t)k * L];
+    return acc;
+}
+
+// The exact kernel's argmax over N outputs of each row of x [M, K] (the first on ties), reading the
+// int8 copy q [ceil(N / L), K, L] (times scale [N]) in full and the fp32 blocks wp only at the
+// outputs whose screened value, within err[n] * |x|_1 of its exact one, can reach the best.
+// approx [M, N]: scratch. Returns how many outputs were computed exactly, or -1 if x is not finite.
+extern "C" int64_t rows_argmax(const float* x, const int8_t* q, const float* scale, const float* err,
+                               const float* wp, float* approx, int64_t* best, int M, int K, int N) {
+    blocks<int8_t>(x, q, scale, approx, M, K, N);
+    int64_t picked = 0;
+    for (int m = 0; m < M; ++m) {
+        const float* xr = x + (int64_t)m * K;
+        const float* a = approx + (int64_t)m * N;
+        double l1 = 0.0;
+        for (int k = 0; k < K; ++k) l1 += std::fabs((double)xr[k]);
+        const float s = (float)(l1 * (1.0 + 4.0 * FLT_EPSILON));  // |x|_1, rounded up
+        float lo = -INFINITY, big = 0.0f;  // lo: the best screened value less its bound; no exact maximum lies below it
+#pragma omp simd reduction(max : lo, big)
+        for (int v = 0; v < N; ++v) {
+            lo = std::max(lo, a[v] - s * err[v]);
+            big = std::max(big, std::fabs(a[v]) + s * err[v]);
+        }
+        if (!std::isfinite(s) || !std::isfinite(big)) return -1;
+        const float floor = lo - 4.0f * FLT_EPSILON * big;  // both sides' float rounding (each <= 2 eps big) with room
+        float top = 0.0f;
+        int64_t at = -1;
+        for (int v = 0; v < N; ++v) {
+            if (a[v] + s * err[v] < floor) continue;
+            const float e = exact_at(xr, wp, K, v);
+            if (std::isnan(e)) return -1;
+            ++picked;
+            if (at < 0 || e > top) top = e, at = v;
+        }
+        best[m] = at;
+    }
+    return picked;
+}

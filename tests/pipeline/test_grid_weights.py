@@ -1,0 +1,145 @@
+"""Exact low-bit grids (pipeline/model/grid_weights.py): weights on a Q4_1 / Q8_0 grid (a GGUF
+base, dequantized) are found, kept as their codes and decoded by the rows kernel to logits
+bit-identical to the float32 blocks'; anything off the grid keeps the float32 blocks; greedy
+decoding on a grid model equals transformers' stock output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.engine import generate
+from multitoken.pipeline.model import cpu_linear, grid_weights, rows_kernel
+from multitoken.pipeline.model.cpu_linear import ROWS, PackedLinear
+from multitoken.pipeline.model.grid_weights import BF16, F16, Q4, Q8, QK
+
+from ..conftest import build_tiny_llama
+from .test_cpu_linear import _model
+
+pytestmark = pytest.mark.skipif(not cpu_linear.grids_on(),
+                                reason="needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
+
+
+def on_q4(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] quantized to Q4_1 and dequantized as GGUF readers do: d q + m in float32."""
+    b = w.float().reshape(w.shape[0], -1, QK)
+    m = b.amin(-1, keepdim=True).half().float()
+    d = ((b.amax(-1, keepdim=True) - m) / 15).half().float()
+    q = torch.round((b - m) / torch.where(d > 0, d, 1.0)).clamp(0, 15) + 0.0
+    return (q * d + m).reshape(w.shape)
+
+
+def on_q8(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] quantized to Q8_0 and dequantized: d q in float32."""
+    b = w.float().reshape(w.shape[0], -1, QK)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.round(b / torch.where(d > 0, d, 1.0)).clamp(-127, 127) + 0.0  # integer codes: no -0.0
+    return (q * d).reshape(w.shape)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[:, 3] *= 30  # outliers: blocks of different ranges
+    w[7, :QK] = 0.25  # a constant block (d = 0 on Q4_1)
+    return w
+
+
+GRIDS = [(Q4, on_q4, 5 / 8), (Q8, on_q8, 34 / 32), (BF16, lambda w: w.bfloat16().float(), 2), (F16, lambda w: w.half().float(), 2)]
+
+
+@pytest.mark.parametrize("kind, grid, size", GRIDS, ids=["q4_1", "q8_0", "bf16", "f16"])
+def test_grid_codes_give_the_float_blocks_logits_bit_for_bit(kind, grid, size):
+    w = grid(_weight(1000, 96, 0))  # 1000: a partial last column block
+    found = grid_weights.find_grid(w)
+    assert found is not None and found[0] == kind
+    packed = grid_weights.pack_grid(*found)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-1000 // rows_kernel.lanes()) * rows_kernel.lanes() * 96 * size
+    assert torch.equal(_bits(grid_weights.dense_grid(packed, kind, 1000)), _bits(w))
+    blocked = rows_kernel.block_weight(w)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 3, 12, 13, rows_kernel.MAX_ROWS):
+        x = torch.randn(rows, 96, generator=gen)
+        got = grid_weights.grid_linear(x, packed, kind, 1000, None)
+        assert torch.equal(_bits(got), _bits(rows_kernel.rows_linear(x, blocked, 1000, None))), rows
+    x = torch.randn(rows_kernel.MAX_ROWS + 3, 96, generator=gen)  # a prompt's pass: the decoded dense weight
+    assert torch.allclose(grid_weights.grid_linear(x, packed, kind, 1000, None), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_weights_off_every_grid_keep_float_blocks(monkeypatch):
+    monkeypatch.setattr(grid_weights, "CHUNK_ROWS", 64)
+    w = _weight(200, 64, 2)
+    assert grid_weights.find_grid(w) is None  # plain float32
+    assert grid_weights.find_grid(on_q4(w)[:, :40].contiguous()) is None  # Q4_1 values, K not a multiple of 32
+    near = w.bfloat16().float()
+    near[150, 5] = torch.nextafter(near[150, 5], torch.tensor(1.0))  # one float32 value past the first 64 rows
+    assert grid_weights.find_grid(near) is None
+    late = on_q4(w)
+    late[150, 5] = torch.nextafter(late[150, 5], torch.tensor(1.0))  # one weight off, past the first chunk
+    assert grid_weights.find_grid(late) is None
+    mixed = on_q4(w)
+    mixed[100:] = on_q8(w[100:])  # Q8_0 past the first chunk: one grid throughout, or none
+    assert grid_weights.find_grid(mixed) is None
+
+
+def test_a_packed_grid_layer_round_trips_and_answers_argmax():
+    layer = nn.Linear(96, 3000, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(on_q8(_weight(3000, 96, 4)))
+    stock = layer.weight.detach().clone()
+    seq = nn.Sequential(layer)
+    assert cpu_linear.pack(seq, ROWS) == 1
+    packed = seq[0]
+    assert packed.grid == Q8 and packed.packed.dtype == torch.uint8 and "Q8_0 grid" in repr(packed)
+    assert torch.equal(_bits(packed.weight), _bits(stock))
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(packed.argmax(x), packed(x).argmax(-1)) and packed.screen is None
+    assert cpu_linear.unpack(seq) == 1 and torch.equal(_bits(seq[0].weight), _bits(stock))
+
+
+def test_grids_can_be_turned_off_for_measuring(monkeypatch):
+    monkeypatch.setenv("MULTITOKEN_GRID", "0")
+    layer = nn.Linear(96, 3000, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(on_q4(_weight(3000, 96, 6)))
+    seq = nn.Sequential(layer)
+    assert cpu_linear.pack(seq, ROWS) == 1 and seq[0].grid is None and seq[0].packed.dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def grid_llama_dir(tmp_path_factory):
+    """A tiny tied Llama as a Q4_1 GGUF base loads: every linear on Q4_1, the embedding on Q8_0."""
+    from transformers import LlamaForCausalLM
+
+    out = build_tiny_llama(tmp_path_factory.mktemp("grid_llama"), hidden=64, seed=3)
+    model = LlamaForCausalLM.from_pretrained(out)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module is not model.lm_head:
+                module.weight.copy_(on_q4(module.weight))
+        model.model.embed_tokens.weight.copy_(on_q8(model.model.embed_tokens.weight))
+    model.save_pretrained(out)
+    return out
+
+
+def test_greedy_on_grid_codes_equals_transformers_stock(grid_llama_dir, monkeypatch):
+    """Every linear packed (the tiny layers too) as its grid's codes: greedy ``ar``, chains and
+    trees give transformers' stock greedy text on the dequantized float32 model."""
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)
+    model = _model(grid_llama_dir, cpu_linear=ROWS)
+    bb = model.backbone
+    ids = bb.tokenizer("Once upon a time", return_tensors="pt").input_ids
+    ref = bb.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                            pad_token_id=bb.tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    for extra in (dict(mode="ar"), dict(mode="speculative"), dict(mode="speculative", tree="dynamic", tree_nodes="6")):
+        assert generate(model, ids, DecodeConfig(greedy=True, max_new_tokens=20, **extra)).token_ids == ref, extra
+    grids = {m.grid for m in bb.model.modules() if isinstance(m, PackedLinear)}
+    assert grids == {Q4, Q8} and bb.unembedding.grid == Q8
