@@ -153,18 +153,17 @@ def dense_grid(packed: torch.Tensor, kind: int, n: int) -> torch.Tensor:
 
 
 def grid_linear(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] fp32 -> [..., N] from the codes; past ``rows_kernel.MAX_ROWS`` rows (a prompt's
-    pass) through the dense weight, decoded for that call."""
+    """x [..., K] fp32 -> [..., N] from the codes, ``rows_kernel.MAX_ROWS`` rows per kernel call
+    (a prompt's pass too: no dense copy is ever made, and every row's logits are a step's)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()  # [M, K]
-    m = rows.shape[0]
-    if m <= rows_kernel.MAX_ROWS:
-        out = torch.empty(m, n, dtype=torch.float32)
-        rows_kernel.library().grid_linear(rows.data_ptr(), packed.data_ptr(), kind, out.data_ptr(), m, k, n)
-        if bias is not None:
-            out.add_(bias)
-    else:
-        out = torch.nn.functional.linear(rows, dense_grid(packed, kind, n), bias)
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    lib = rows_kernel.library()
+    for start in range(0, rows.shape[0], rows_kernel.MAX_ROWS):
+        part = rows[start:start + rows_kernel.MAX_ROWS]
+        lib.grid_linear(part.data_ptr(), packed.data_ptr(), kind, out[start:].data_ptr(), part.shape[0], k, n)
+    if bias is not None:
+        out.add_(bias)
     return out.reshape(*x.shape[:-1], n)
 
 

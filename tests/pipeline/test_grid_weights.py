@@ -68,8 +68,11 @@ def test_grid_codes_give_the_float_blocks_logits_bit_for_bit(kind, grid, size):
         x = torch.randn(rows, 96, generator=gen)
         got = grid_weights.grid_linear(x, packed, kind, 1000, None)
         assert torch.equal(_bits(got), _bits(rows_kernel.rows_linear(x, blocked, 1000, None))), rows
-    x = torch.randn(rows_kernel.MAX_ROWS + 3, 96, generator=gen)  # a prompt's pass: the decoded dense weight
-    assert torch.allclose(grid_weights.grid_linear(x, packed, kind, 1000, None), x @ w.T, rtol=1e-4, atol=1e-4)
+    bias = torch.randn(1000, generator=gen)
+    assert torch.equal(_bits(grid_weights.grid_linear(x, packed, kind, 1000, bias)), _bits(rows_kernel.rows_linear(x, blocked, 1000, bias)))
+    x = torch.randn(2 * rows_kernel.MAX_ROWS + 3, 96, generator=gen)  # a prompt's pass: 64 rows per call
+    assert torch.equal(_bits(grid_weights.grid_linear(x, packed, kind, 1000, None)[-3:]),
+                       _bits(rows_kernel.rows_linear(x[-3:], blocked, 1000, None)))
 
 
 def test_weights_off_every_grid_keep_float_blocks(monkeypatch):
