@@ -46,6 +46,7 @@ from bench_common import best_of
 from bench_decode import SHAPES
 
 # the compiled rows kernel where it builds here (rows_kernel.py), beside oneDNN's and torch's
+ROWS_FLOAT = "rows_f32"  # step rows: the rows kernel with grid codes turned off (MULTITOKEN_GRID=0)
 KINDS = (cpu_linear.STOCK, cpu_linear.PACKED) + ((cpu_linear.ROWS,) if cpu_linear.rows_usable() else ())
 SMOL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
@@ -108,13 +109,21 @@ def step_costs(stock, rows: int, context: int, reps: int) -> dict:
     for kind in KINDS[1:]:
         models[kind] = copy.deepcopy(stock)
         swapped = cpu_linear.pack(models[kind], kind)
+    if any(getattr(m, "grid", None) for m in models.get(cpu_linear.ROWS, stock).modules()):
+        models[ROWS_FLOAT] = copy.deepcopy(stock)  # the rows kernel on float32 blocks: what the grids are worth
+        os.environ["MULTITOKEN_GRID"] = "0"
+        try:
+            cpu_linear.pack(models[ROWS_FLOAT], cpu_linear.ROWS)
+        finally:
+            del os.environ["MULTITOKEN_GRID"]
+    kinds = list(models)
     caches = {kind: _cached(m, context) for kind, m in models.items()}
-    best = {(kind, m): float("inf") for kind in KINDS for m in range(1, rows + 1)}
+    best = {(kind, m): float("inf") for kind in kinds for m in range(1, rows + 1)}
     gen = torch.Generator().manual_seed(1)
     for rep in range(reps + 1):  # the first pass is the untimed warm-up
         for m in range(1, rows + 1):
             x = torch.randint(0, stock.config.vocab_size, (1, m), generator=gen)
-            for kind in KINDS:
+            for kind in kinds:
                 start = time.perf_counter()
                 models[kind](x, past_key_values=caches[kind], use_cache=True)
                 if rep:
@@ -123,7 +132,7 @@ def step_costs(stock, rows: int, context: int, reps: int) -> dict:
     one = best[cpu_linear.STOCK, 1]
     return {"packed_linears": swapped, "stock_1_token_ms": round(1000 * one, 3),
             **{kind: {m: {"ms": round(1000 * best[kind, m], 3), "x_stock_1": round(best[kind, m] / one, 3)}
-                      for m in range(1, rows + 1)} for kind in KINDS}}
+                      for m in range(1, rows + 1)} for kind in kinds}}
 
 
 def bench_steps(args) -> dict:
@@ -236,7 +245,7 @@ def print_report(record: dict) -> None:
               f"({r['stock_1_token_ms']} ms; {r['packed_linears']} linears packed)")
         rows = sorted(r[cpu_linear.STOCK], key=int)
         print(f"{'M':>8s} " + " ".join(f"{m:>6}" for m in rows))
-        for kind in KINDS:
+        for kind in [k for k in r if isinstance(r[k], dict)]:
             print(f"{kind:>8s} " + " ".join(f"{r[kind][m]['x_stock_1']:6.2f}" for m in rows))
     for key, rows in record.get("generate", {}).items():
         print(f"\ngenerate {key} ({record['max_new_tokens']} tokens):")

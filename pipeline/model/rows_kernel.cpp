@@ -57,9 +57,11 @@ static inline float half_to_float(uint16_t h) {  // exact; for the plain build (
 static inline vec halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline void nibbles(const uint8_t* p, vec& lo, vec& hi) {
+    // a 16-entry table lookup (vpermps reads an index's low 4 bits): no mask, no conversion
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    lo = _mm512_permutexvar_ps(v, codes);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), codes);
 }
 static inline vec bf16s(const uint8_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
