@@ -193,6 +193,7 @@ def test_a_batched_tree_step_reads_the_device_as_often_for_every_batch_size(tiny
     model = attach(tiny_backbones["llama"], "replicated")
     prompts = encode(model.backbone)[:rows]
     cfg = DecodeConfig(mode=mode, greedy=greedy, max_new_tokens=12, stop_at_eos=False, tree=tree, tree_nodes="6")
+    model.prepare_linears()  # packing the CPU linears reads their weights, once per model, before any step
     reads, on_device = [], []
     plain = Trees.__call__
 
