@@ -62,8 +62,9 @@ class BackboneConfig:
     cpu_linear: str = field(default=ROWS, metadata={
         "help": "decoding on the CPU: linears on weights prepacked once for oneDNN (packed: a step over several "
                 "tokens reads each weight once; a row's logits do not depend on how many), in the column blocks of a "
-                "multi-row GEMV compiled here on first use (rows: float32, needs a C++ compiler; else packed), or "
-                "torch's F.linear (stock)",
+                "multi-row GEMV compiled here on first use (rows: float32, needs a C++ compiler; else packed; weights "
+                "that are exactly a GGUF's Q4_1 / Q8_0 codes or 16-bit floats are read as those codes, the same "
+                "logits), or torch's F.linear (stock)",
         "choices": CPU_LINEARS})
 
 
