@@ -2,7 +2,8 @@
 
 Two layouts: oneDNN's blocked one (``--cpu-linear packed``) and the column blocks of our own
 compiled multi-row GEMV (``--cpu-linear rows``, float32, rows_kernel.py: built with the machine's
-C++ compiler on first use; where it cannot be, those layers take oneDNN's layout). What follows
+C++ compiler on first use; where it cannot be, those layers take oneDNN's layout; a weight that is
+exactly a GGUF's Q4_1 / Q8_0 codes or 16-bit floats keeps those codes, grid_weights.py). What follows
 holds for both; the rows kernel's one-row step runs at MKL's GEMV rate, oneDNN's does not.
 
 torch's fp32 ``F.linear`` on the CPU calls MKL, whose cost grows almost linearly with the rows
