@@ -31,8 +31,9 @@ HALVES = {BF16: torch.bfloat16, F16: torch.float16}  # 16-bit floats: the float 
 CHUNK_ROWS = 4096  # outputs checked at a time (bounds the peak memory of the search)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.view(torch.int32) == b.view(torch.int32)
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a -0.0 is not a 0.0): one comparison in C++, no element-wise mask."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def _half_steps(d: torch.Tensor, steps: int) -> torch.Tensor:
@@ -43,36 +44,44 @@ def _half_steps(d: torch.Tensor, steps: int) -> torch.Tensor:
 
 def _q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """w [R, T, QK] fp32 -> (d [R, T] fp16, q [R, T, QK] int8) reproducing every bit, or None."""
-    amax = w.abs().amax(-1)  # [R, T]: d * 127 where the block's largest code is +-127
-    d = (amax / 127).half()
-    scale = d.float().unsqueeze(-1)
-    q = torch.where(scale > 0, torch.round(w / torch.where(scale > 0, scale, 1.0)), 0.0)
-    if not bool((q.abs() <= 127).all()):
+    d = (w.abs().amax(-1, keepdim=True) / 127).half()  # [R, T, 1]: d * 127 where the largest code is +-127
+    scale = d.float()
+    q = torch.round(w / scale.masked_fill(scale == 0, 1.0))  # a block of zeros: codes 0
+    if not bool(q.abs().amax() <= 127):
         return None
     q = q.to(torch.int8)  # checked as stored (a -0.0 weight is no code's)
-    return (d, q) if bool(_same_bits(scale * q.float(), w).all()) else None
+    return (d.squeeze(-1), q) if _same(q.float() * scale, w) else None
+
+
+def _q4_codes(w: torch.Tensor, m: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of the blocks w [R, T, QK] for m, d [R, T, 1] and whether each block is reproduced # [R, T]."""
+    scale = d.float()
+    q = torch.round((w - m) / scale.masked_fill(scale == 0, 1.0)).clamp_(0, 15).to(torch.uint8)
+    rec = q.float() * scale + m  # d q exact: one rounding, as the dequantization's
+    if _same(rec, w):
+        return q, torch.ones(w.shape[:-1], dtype=torch.bool)
+    return q, (rec.view(torch.int32) == w.view(torch.int32)).all(-1)
 
 
 def _q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """w [R, T, QK] fp32 -> (d, m [R, T] fp16, q [R, T, QK] uint8 in 0..15) reproducing every
     bit, or None. m is the block's least weight (its code 0); d is float16 next to
-    (max - m) / 15 (its code 15), the one of three neighbours that reproduces the block."""
-    m = w.amin(-1)  # [R, T]
-    if not bool(_same_bits(m.half().float(), m).all()):
+    (max - m) / 15 (its code 15): that value, else the neighbour below or above it that
+    reproduces the block."""
+    m = w.amin(-1, keepdim=True)  # [R, T, 1]
+    if not _same(m.half().float(), m):
         return None
-    first = ((w.amax(-1) - m) / 15).half()
-    found = torch.zeros_like(m, dtype=torch.bool)
-    d_best, q_best = first.clone(), torch.zeros_like(w, dtype=torch.uint8)
-    for steps in (0, -1, 1):
-        d = _half_steps(first, steps)
-        scale = d.float().unsqueeze(-1)
-        q = torch.where(scale > 0, torch.round((w - m.unsqueeze(-1)) / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(0, 15)
-        q = q.to(torch.uint8)  # checked as stored
-        ok = _same_bits(scale * q.float() + m.unsqueeze(-1), w).all(-1) & ~found  # [R, T]
-        d_best = torch.where(ok, d, d_best)
-        q_best = torch.where(ok.unsqueeze(-1), q, q_best)
-        found |= ok
-    return (d_best, m.half(), q_best) if bool(found.all()) else None
+    d = ((w.amax(-1, keepdim=True) - m) / 15).half()
+    q, ok = _q4_codes(w, m, d)
+    for steps in (-1, 1):
+        if bool(ok.all()):
+            break
+        bad = (~ok).nonzero(as_tuple=True)  # the blocks to try again
+        d_try = _half_steps(d[bad], steps)  # [n, 1]
+        q_try, ok_try = _q4_codes(w[bad], m[bad], d_try)
+        fixed = tuple(i[ok_try] for i in bad)
+        d[fixed], q[fixed], ok[fixed] = d_try[ok_try], q_try[ok_try], True
+    return (d.squeeze(-1), m.squeeze(-1).half(), q) if bool(ok.all()) else None
 
 
 GRIDS = {Q4: _q4, Q8: _q8}
@@ -90,7 +99,7 @@ def find_grid(weight: torch.Tensor) -> tuple[int, list[tuple]] | None:
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not n:
         return None
     for kind, search in GRIDS.items() if k % QK == 0 else ():
-        if search(_blocks_of(weight, 0, 64)) is None:
+        if n > CHUNK_ROWS and search(_blocks_of(weight, 0, 64)) is None:  # a big weight off the grid: said early
             continue
         parts = []
         for start in range(0, n, CHUNK_ROWS):
@@ -100,7 +109,7 @@ def find_grid(weight: torch.Tensor) -> tuple[int, list[tuple]] | None:
         else:
             return kind, parts
     for kind, dtype in HALVES.items():  # a 16-bit checkpoint loaded in float32 (trained heads, say)
-        if bool(_same_bits(weight[:64].to(dtype).float(), weight[:64]).all()) and bool(_same_bits(weight.to(dtype).float(), weight).all()):
+        if _same(weight[:64].to(dtype).float(), weight[:64]) and _same(weight.to(dtype).float(), weight):
             return kind, [weight]
     return None
 
