@@ -94,7 +94,8 @@ def _blocks_of(weight: torch.Tensor, start: int, rows: int) -> torch.Tensor:
 def find_grid(weight: torch.Tensor) -> tuple[int, list[tuple]] | None:
     """The kind (Q4 or Q8, the smaller that fits) and the codes of a float32 ``weight`` [N, K] on
     one grid throughout (per chunk of ``CHUNK_ROWS`` outputs), or None. A float checkpoint fails
-    on its first 64 rows, at little cost."""
+    early, at little cost: its blocks' least weights are not float16 values (past one chunk, its
+    first 64 rows say so)."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not n:
         return None
