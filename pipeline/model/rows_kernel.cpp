@@ -36,6 +36,38 @@ static inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
 #define SCREEN_VECTORS 1
 #endif
 
+// One input feature k of R rows: sums[m] += x[m, k] * w, one fused multiply-add per row and
+// output, in feature order (every block below; the float block's compiled loop does the same).
+#ifdef SCREEN_VECTORS
+template <int R>
+static inline void zero_rows(vec (&acc)[R][2]) {
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
+}
+template <int R>
+static inline void add_feature(vec (&acc)[R][2], const float* x, int K, int k, vec w0, vec w1) {
+    for (int m = 0; m < R; ++m) {
+        const vec xv = bcast(x[(int64_t)m * K + k]);
+        acc[m][0] = vfma(xv, w0, acc[m][0]);
+        acc[m][1] = vfma(xv, w1, acc[m][1]);
+    }
+}
+template <int R>
+static inline void store_rows(vec (&acc)[R][2], float (&sums)[R][L]) {
+    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + L / 2, acc[m][1]);
+}
+#endif
+template <int R>
+static inline void add_feature_plain(float (&sums)[R][L], const float* x, int K, int k, const float* wf) {
+    for (int m = 0; m < R; ++m)
+        for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
+}
+// The block's R rows of L sums into out [M, N] at column n0 (the last block may be partial).
+template <int R>
+static inline void write_rows(const float (&sums)[R][L], float* out, int N, int n0) {
+    const int width = std::min(L, N - n0);
+    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, sums[m], sizeof(float) * width);
+}
+
 // Exact grids (Q4_1 / Q8_0 codes, read as they were stored): per column block, chunks of QK
 // features, each [d: L halves][m: L halves, Q4 only][codes: QK x (L/2 bytes, Q4: byte j holds
 // outputs j and j + L/2 in its low and high nibble) or QK x L int8 (Q8)].
@@ -90,24 +122,18 @@ static inline void half_block(const float* __restrict x, const uint8_t* __restri
                               int K, int N, int n0) {
     constexpr bool bf = std::is_same<W, BF16>::value;
     constexpr int H = L / 2;
-    float sums[R][L];
+    float sums[R][L] = {};
 #ifdef GRID_VECTORS
     vec acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
+    zero_rows<R>(acc);
     for (int k = 0; k < K; ++k) {
         const uint8_t* p = wb + (int64_t)k * L * 2;
         __builtin_prefetch((const char*)p + PREFETCH, 0, 3);
         const vec w0 = bf ? bf16s(p) : halves(p), w1 = bf ? bf16s(p + H * 2) : halves(p + H * 2);
-        for (int m = 0; m < R; ++m) {
-            const vec xv = bcast(x[(int64_t)m * K + k]);
-            acc[m][0] = vfma(xv, w0, acc[m][0]);
-            acc[m][1] = vfma(xv, w1, acc[m][1]);
-        }
+        add_feature<R>(acc, x, K, k, w0, w1);
     }
-    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + H, acc[m][1]);
+    store_rows<R>(acc, sums);
 #else
-    for (int m = 0; m < R; ++m)
-        for (int j = 0; j < L; ++j) sums[m][j] = 0.0f;
     for (int k = 0; k < K; ++k) {
         float wf[L];
         for (int j = 0; j < L; ++j) {
@@ -117,12 +143,10 @@ static inline void half_block(const float* __restrict x, const uint8_t* __restri
             if (bf) std::memcpy(&wf[j], &bits, 4);
             else wf[j] = half_to_float(h);
         }
-        for (int m = 0; m < R; ++m)
-            for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
+        add_feature_plain<R>(sums, x, K, k, wf);
     }
 #endif
-    const int width = std::min(L, N - n0);
-    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, sums[m], sizeof(float) * width);
+    write_rows<R>(sums, out, N, n0);
 }
 
 // R rows' sums of L outputs from grid codes: each feature's L weights decoded exactly (d q + m,
@@ -133,10 +157,10 @@ static inline void grid_block(const float* __restrict x, const uint8_t* __restri
                               int K, int N, int n0) {
     constexpr bool q4 = std::is_same<W, Q4>::value;
     constexpr int H = L / 2;
-    float sums[R][L];
+    float sums[R][L] = {};
 #ifdef GRID_VECTORS
     vec acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
+    zero_rows<R>(acc);
     for (int t = 0; t < K / QK; ++t) {
         const uint8_t* c = wb + t * chunk_bytes<W>();
         const vec d0 = halves(c), d1 = halves(c + H * 2);
@@ -155,17 +179,11 @@ static inline void grid_block(const float* __restrict x, const uint8_t* __restri
                 __builtin_prefetch((const char*)p + PREFETCH, 0, 3);
                 w0 = vmul(cvt8(p), d0), w1 = vmul(cvt8(p + H), d1);
             }
-            for (int m = 0; m < R; ++m) {
-                const vec xv = bcast(x[(int64_t)m * K + k]);
-                acc[m][0] = vfma(xv, w0, acc[m][0]);
-                acc[m][1] = vfma(xv, w1, acc[m][1]);
-            }
+            add_feature<R>(acc, x, K, k, w0, w1);
         }
     }
-    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + H, acc[m][1]);
+    store_rows<R>(acc, sums);
 #else  // plain loops
-    for (int m = 0; m < R; ++m)
-        for (int j = 0; j < L; ++j) sums[m][j] = 0.0f;
     for (int t = 0; t < K / QK; ++t) {
         const uint8_t* c = wb + t * chunk_bytes<W>();
         float d[L], mn[L];
@@ -184,42 +202,33 @@ static inline void grid_block(const float* __restrict x, const uint8_t* __restri
                 wf[j] = d[j] * q + mn[j];  // d q is exact: one rounding, as d q + m fused
             }
             const int k = t * QK + i;
-            for (int m = 0; m < R; ++m)
-                for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
+            add_feature_plain<R>(sums, x, K, k, wf);
         }
     }
 #endif
-    const int width = std::min(L, N - n0);
-    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, sums[m], sizeof(float) * width);
+    write_rows<R>(sums, out, N, n0);
 }
 
 template <int R>
 static inline void q8_block(const float* __restrict x, const int8_t* __restrict wb, const float* __restrict scale,
                             float* __restrict out, int K, int N, int n0) {
-    float sums[R][L];
+    float sums[R][L] = {};
 #ifdef SCREEN_VECTORS
     constexpr int H = L / 2;
     vec acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = zero();
+    zero_rows<R>(acc);
     for (int k = 0; k < K; ++k) {
         const int8_t* w = wb + (int64_t)k * L;
         __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
         const vec w0 = cvt8(w), w1 = cvt8(w + H);
-        for (int m = 0; m < R; ++m) {
-            const vec xv = bcast(x[(int64_t)m * K + k]);
-            acc[m][0] = vfma(xv, w0, acc[m][0]);
-            acc[m][1] = vfma(xv, w1, acc[m][1]);
-        }
+        add_feature<R>(acc, x, K, k, w0, w1);
     }
-    for (int m = 0; m < R; ++m) store(sums[m], acc[m][0]), store(sums[m] + H, acc[m][1]);
+    store_rows<R>(acc, sums);
 #else  // no AVX2: plain loops
-    for (int m = 0; m < R; ++m)
-        for (int j = 0; j < L; ++j) sums[m][j] = 0.0f;
     for (int k = 0; k < K; ++k) {
         float wf[L];
         for (int j = 0; j < L; ++j) wf[j] = (float)wb[(int64_t)k * L + j];
-        for (int m = 0; m < R; ++m)
-            for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
+        add_feature_plain<R>(sums, x, K, k, wf);
     }
 #endif
     const int width = std::min(L, N - n0);
@@ -243,8 +252,7 @@ static inline void rows_block(const float* __restrict x, const float* __restrict
             for (int j = 0; j < L; ++j) acc[m][j] += xv * w[j];
         }
     }
-    const int width = std::min(L, N - n0);
-    for (int m = 0; m < R; ++m) std::memcpy(out + (int64_t)m * N + n0, acc[m], sizeof(float) * width);
+    write_rows<R>(acc, out, N, n0);
 }
 
 // W: float (the exact kernel) or int8_t (the argmax screen's copy, times a scale per output)

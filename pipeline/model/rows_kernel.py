@@ -42,7 +42,7 @@ import torch
 from multitoken.embedded import cache_dir
 
 MAX_ROWS = 64  # rows per call the kernel takes; more go through a batched matmul
-SOURCE = (Path(__file__).parent / "rows_kernel.cpp").read_text()  # the C++ (package data)
+SOURCE = Path(__file__).parent / "rows_kernel.cpp"  # the C++ (package data), read when the kernel is built
 
 _STATE: dict = {"loaded": False, "lib": None, "why": None}
 
@@ -70,7 +70,8 @@ def _flags() -> list[str]:
 def _build(compiler: str) -> Path:
     """The shared library, compiled into the cache unless a build for this key is there."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    key = hashlib.sha256("\0".join([SOURCE, " ".join(_flags()), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    source = SOURCE.read_text()
+    key = hashlib.sha256("\0".join([source, " ".join(_flags()), version, _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels" / key
     lib = out_dir / "rows_linear.so"
     if lib.is_file():
@@ -80,7 +81,7 @@ def _build(compiler: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src, built = Path(tmp) / "rows_linear.cpp", Path(tmp) / "rows_linear.so"
-        src.write_text(SOURCE)
+        src.write_text(source)
         done = subprocess.run([compiler, *_flags(), str(src), "-o", str(built)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")

@@ -9,14 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.engine import generate
 from multitoken.pipeline.model import cpu_linear, grid_weights, rows_kernel
 from multitoken.pipeline.model.cpu_linear import ROWS, PackedLinear
 from multitoken.pipeline.model.grid_weights import BF16, F16, Q4, Q8, QK
 
-from ..conftest import build_tiny_llama
+from .conftest import build_tied_llama
 from .test_cpu_linear import _model
+from .test_rows_kernel import assert_greedy_equals_stock
 
 pytestmark = pytest.mark.skipif(not cpu_linear.grids_on(),
                                 reason="needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
@@ -118,19 +117,14 @@ def test_grids_can_be_turned_off_for_measuring(monkeypatch):
 @pytest.fixture(scope="module")
 def grid_llama_dir(tmp_path_factory):
     """A tiny tied Llama as a Q4_1 GGUF base loads: every linear on Q4_1, the embedding on Q8_0."""
-    from transformers import LlamaForCausalLM
-
-    out = build_tiny_llama(tmp_path_factory.mktemp("grid_llama"), hidden=64, seed=3)
-    model = LlamaForCausalLM.from_pretrained(out)
-    model.config.tie_word_embeddings = True
-    model.lm_head.weight = model.model.embed_tokens.weight
-    with torch.no_grad():
+    @torch.no_grad()
+    def on_grids(model):
         for module in model.modules():
             if isinstance(module, nn.Linear) and module is not model.lm_head:
                 module.weight.copy_(on_q4(module.weight))
         model.model.embed_tokens.weight.copy_(on_q8(model.model.embed_tokens.weight))
-    model.save_pretrained(out)
-    return out
+
+    return build_tied_llama(tmp_path_factory.mktemp("grid_llama"), on_grids)
 
 
 def test_greedy_on_grid_codes_equals_transformers_stock(grid_llama_dir, monkeypatch):
@@ -139,10 +133,6 @@ def test_greedy_on_grid_codes_equals_transformers_stock(grid_llama_dir, monkeypa
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)
     model = _model(grid_llama_dir, cpu_linear=ROWS)
     bb = model.backbone
-    ids = bb.tokenizer("Once upon a time", return_tensors="pt").input_ids
-    ref = bb.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                            pad_token_id=bb.tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
-    for extra in (dict(mode="ar"), dict(mode="speculative"), dict(mode="speculative", tree="dynamic", tree_nodes="6")):
-        assert generate(model, ids, DecodeConfig(greedy=True, max_new_tokens=20, **extra)).token_ids == ref, extra
+    assert_greedy_equals_stock(model)
     grids = {m.grid for m in bb.model.modules() if isinstance(m, PackedLinear)}
     assert grids == {Q4, Q8} and bb.unembedding.grid == Q8

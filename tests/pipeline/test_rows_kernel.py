@@ -147,16 +147,22 @@ def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, isa):
     assert done.stdout.split()[-1] == "16"  # 16 lanes without AVX512
 
 
-def test_greedy_on_the_rows_kernel_equals_transformers_stock(tied_llama_dir):
-    """Every linear on the kernel (a tied unembedding keeps its dense embedding): greedy ``ar``,
-    chains and trees give transformers' stock greedy text."""
-    model = _model(tied_llama_dir, cpu_linear=ROWS)
+def assert_greedy_equals_stock(model) -> None:
+    """Greedy ``ar``, chain and dynamic tree give transformers' stock greedy text (20 tokens)."""
     bb = model.backbone
     ids = bb.tokenizer("Once upon a time", return_tensors="pt").input_ids
     ref = bb.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                             pad_token_id=bb.tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
     for extra in (dict(mode="ar"), dict(mode="speculative"), dict(mode="speculative", tree="dynamic", tree_nodes="6")):
         assert generate(model, ids, DecodeConfig(greedy=True, max_new_tokens=20, **extra)).token_ids == ref, extra
+
+
+def test_greedy_on_the_rows_kernel_equals_transformers_stock(tied_llama_dir):
+    """Every linear on the kernel (a tied unembedding keeps its dense embedding): greedy ``ar``,
+    chains and trees give transformers' stock greedy text."""
+    model = _model(tied_llama_dir, cpu_linear=ROWS)
+    bb = model.backbone
+    assert_greedy_equals_stock(model)
     layouts = {m.layout for m in model.modules() if isinstance(m, PackedLinear)}
     assert layouts == {ROWS} and bb.unembedding.shared
     assert bb.unembedding.screen is not None  # greedy read the argmax screen, not the logits
