@@ -16,6 +16,18 @@ constexpr int L = 16, MB = 4;  // AVX2: 8 ymm of sums
 #endif
 constexpr int PREFETCH = 8192;  // bytes ahead of the weight read
 
+// a * b + c, fused (one rounding) wherever the CPU has FMA. Spelled out, not left to the
+// compiler: whether it contracts a * b + c depends on the loop and the tuning (GCC's znver
+// tuning avoids FMA chains in reductions such as exact_at's), and every chain here must round
+// the same way for the screen's exact recount and the rows' logits to agree bit for bit.
+static inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 // The screen's int8 block: each feature's L weights converted once to two float vectors (the
 // compiler would convert them once per row), then the same fused multiply-adds as the float kernel.
 #if defined(__AVX512F__)
@@ -25,6 +37,7 @@ static inline vec bcast(float v) { return _mm512_set1_ps(v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec zero() { return _mm512_setzero_ps(); }
 static inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec load(const float* p) { return _mm512_loadu_ps(p); }
 #define SCREEN_VECTORS 1
 #elif defined(__AVX2__) && defined(__FMA__)
 using vec = __m256;
@@ -33,11 +46,12 @@ static inline vec bcast(float v) { return _mm256_set1_ps(v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec zero() { return _mm256_setzero_ps(); }
 static inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec load(const float* p) { return _mm256_loadu_ps(p); }
 #define SCREEN_VECTORS 1
 #endif
 
 // One input feature k of R rows: sums[m] += x[m, k] * w, one fused multiply-add per row and
-// output, in feature order (every block below; the float block's compiled loop does the same).
+// output, in feature order (every block below).
 #ifdef SCREEN_VECTORS
 template <int R>
 static inline void zero_rows(vec (&acc)[R][2]) {
@@ -59,7 +73,7 @@ static inline void store_rows(vec (&acc)[R][2], float (&sums)[R][L]) {
 template <int R>
 static inline void add_feature_plain(float (&sums)[R][L], const float* x, int K, int k, const float* wf) {
     for (int m = 0; m < R; ++m)
-        for (int j = 0; j < L; ++j) sums[m][j] += x[(int64_t)m * K + k] * wf[j];
+        for (int j = 0; j < L; ++j) sums[m][j] = madd(x[(int64_t)m * K + k], wf[j], sums[m][j]);
 }
 // The block's R rows of L sums into out [M, N] at column n0 (the last block may be partial).
 template <int R>
@@ -240,19 +254,22 @@ static inline void q8_block(const float* __restrict x, const int8_t* __restrict 
 template <int R>
 static inline void rows_block(const float* __restrict x, const float* __restrict wb, float* __restrict out,
                               int K, int N, int n0) {
-    float acc[R][L];
-    for (int m = 0; m < R; ++m)
-        for (int j = 0; j < L; ++j) acc[m][j] = 0.0f;
+    float sums[R][L] = {};
+#ifdef SCREEN_VECTORS
+    constexpr int H = L / 2;
+    vec acc[R][2];
+    zero_rows<R>(acc);
     for (int k = 0; k < K; ++k) {
         const float* w = wb + (int64_t)k * L;
         __builtin_prefetch((const char*)w + PREFETCH, 0, 3);
         __builtin_prefetch((const char*)w + PREFETCH + 64, 0, 3);
-        for (int m = 0; m < R; ++m) {
-            const float xv = x[(int64_t)m * K + k];
-            for (int j = 0; j < L; ++j) acc[m][j] += xv * w[j];
-        }
+        add_feature<R>(acc, x, K, k, load(w), load(w + H));
     }
-    write_rows<R>(acc, out, N, n0);
+    store_rows<R>(acc, sums);
+#else
+    for (int k = 0; k < K; ++k) add_feature_plain<R>(sums, x, K, k, wb + (int64_t)k * L);
+#endif
+    write_rows<R>(sums, out, N, n0);
 }
 
 // W: float (the exact kernel) or int8_t (the argmax screen's copy, times a scale per output)
@@ -334,7 +351,7 @@ extern "C" void rows_screened(const float* x, const int8_t* q, const float* scal
 static inline float exact_at(const float* x, const float* wp, int K, int v) {
     const float* w = wp + (int64_t)(v / L) * K * L + v % L;
     float acc = 0.0f;
-    for (int k = 0; k < K; ++k) acc += x[k] * w[(int64_t)k * L];
+    for (int k = 0; k < K; ++k) acc = madd(x[k], w[(int64_t)k * L], acc);
     return acc;
 }
 
