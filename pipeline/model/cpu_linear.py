@@ -159,15 +159,17 @@ class PackedLinear(nn.Module):
         return self.stock.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if self.dense is None and not (torch.is_grad_enabled() and x.requires_grad):
+        # kept lean: a SmolLM2 step calls ~200 of these, and each microsecond here is 0.2 ms a step
+        if self.dense is None and not (x.requires_grad and torch.is_grad_enabled()):
+            bias = self.stock.bias
             try:
                 if self.layout == ROWS:
-                    if x.dtype == torch.float32 and x.device.type == "cpu" and self.grid:
-                        return grid_weights.grid_linear(x, self.packed, self.grid, self.out_features, self.bias)
-                    if x.dtype == torch.float32 and x.device.type == "cpu":
-                        return rows_kernel.rows_linear(x, self.packed, self.out_features, self.bias)
+                    if x.dtype == torch.float32 and x.is_cpu:
+                        if self.grid:
+                            return grid_weights.grid_linear(x, self.packed, self.grid, self.out_features, bias)
+                        return rows_kernel.rows_linear(x, self.packed, self.out_features, bias)
                     raise RuntimeError(f"the rows kernel takes float32 CPU inputs, not {x.dtype} on {x.device.type}")
-                return _packed_linear(x, self.packed, self.bias)
+                return _packed_linear(x, self.packed, bias)
             except RuntimeError as err:
                 _say_once(f"the packed linear failed ({err})")
                 self.dense = self.dense_weight()

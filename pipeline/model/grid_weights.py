@@ -166,15 +166,18 @@ def grid_linear(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, bias: 
     """x [..., K] fp32 -> [..., N] from the codes, ``rows_kernel.MAX_ROWS`` rows per kernel call
     (a prompt's pass too: no dense copy is ever made, and every row's logits are a step's)."""
     k = x.shape[-1]
-    rows = x.reshape(-1, k).contiguous()  # [M, K]
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    lib = rows_kernel.library()
-    for start in range(0, rows.shape[0], rows_kernel.MAX_ROWS):
-        part = rows[start:start + rows_kernel.MAX_ROWS]
-        lib.grid_linear(part.data_ptr(), packed.data_ptr(), kind, out[start:].data_ptr(), part.shape[0], k, n)
+    x = x if x.is_contiguous() else x.contiguous()  # rows [M, K] in memory
+    m = x.numel() // k
+    out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)  # rows [M, N] in memory
+    call = rows_kernel.library().grid_linear
+    # a decoding step: one call on the tensors as they are (a SmolLM2 step makes ~200 of these,
+    # so no reshape or slice objects on this path)
+    for start in range(0, m, rows_kernel.MAX_ROWS):
+        part = min(rows_kernel.MAX_ROWS, m - start)
+        call(x.data_ptr() + 4 * start * k, packed.data_ptr(), kind, out.data_ptr() + 4 * start * n, part, k, n)
     if bias is not None:
         out.add_(bias)
-    return out.reshape(*x.shape[:-1], n)
+    return out
 
 
 def probe() -> bool:

@@ -145,16 +145,16 @@ def dense_weight(blocked: torch.Tensor, n: int) -> torch.Tensor:
 def rows_linear(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] fp32 -> [..., N]: the kernel up to ``MAX_ROWS`` rows, a batched matmul past it."""
     k = x.shape[-1]
-    rows = x.reshape(-1, k).contiguous()  # [M, K]
-    m = rows.shape[0]
-    if m <= MAX_ROWS:
-        out = torch.empty(m, n, dtype=torch.float32)
-        _STATE["lib"].rows_linear(rows.data_ptr(), blocked.data_ptr(), out.data_ptr(), m, k, n)
+    x = x if x.is_contiguous() else x.contiguous()  # rows [M, K] in memory
+    m = x.numel() // k
+    if m <= MAX_ROWS:  # a decoding step: no reshape on this path (a step makes ~200 calls)
+        out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
+        _STATE["lib"].rows_linear(x.data_ptr(), blocked.data_ptr(), out.data_ptr(), m, k, n)
     else:  # a prompt's pass: [B, M, K] @ [B, K, L] over the blocks
-        out = torch.matmul(rows, blocked).transpose(0, 1).reshape(m, -1)[:, :n]
+        out = torch.matmul(x.reshape(m, k), blocked).transpose(0, 1).reshape(m, -1)[:, :n].reshape(*x.shape[:-1], n)
     if bias is not None:
         out.add_(bias)  # out is this call's own tensor
-    return out.reshape(*x.shape[:-1], n)
+    return out
 
 
 # The argmax screen -------------------------------------------------------------------------------
