@@ -9,7 +9,8 @@ logits and ``rows_argmax`` the argmax screen greedy decoding reads instead (the 
 int8 copy read in full, the tokens near the best computed exactly; ``rows_exact`` counts those).
 ``rows_q8_grid`` times the logits of the same weight put on a Q8_0 grid (as a GGUF's embedding is)
 and read from its codes (grid_weights.py; asserted bit-identical to the kernel's float blocks of
-that weight).
+that weight); ``rows_q8_argmax`` the exact argmax greedy steps take from those codes (the int16
+screen, grid_screen.cpp; AVX512-VNNI builds).
 
 As a reference for what the machine can do, ``compiled_loop`` times a plain numba loop (one dot
 product per row and token, fastmath; needs the ``[fast]`` extra): where it is far below
@@ -148,6 +149,7 @@ def main(argv=None) -> dict:
         screen = rows_kernel.screen_weight(blocked) if kernel else None
         grid = on_q8(w) if kernel and cpu_linear.grids_on() else None
         codes = grid_weights.pack_grid(*grid_weights.find_grid(grid)) if grid is not None else None
+        l1 = grid_weights.grid_l1(codes, v) if codes is not None else None
         rows_out = {}
         for r in map(int, args.rows.split(",")):
             x = torch.randn(r, h)
@@ -168,6 +170,9 @@ def main(argv=None) -> dict:
                 rows_out[r]["rows_q8_grid"] = per_call_ms(lambda: grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None), args.reps)
                 same = rows_kernel.rows_linear(x, rows_kernel.block_weight(grid), v, None)
                 assert torch.equal(grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None).view(torch.int32), same.view(torch.int32))
+                if grid_weights.grid_argmax(x, codes, v, l1) is not None:  # AVX512-VNNI builds
+                    rows_out[r]["rows_q8_argmax"] = per_call_ms(lambda: grid_weights.grid_argmax(x, codes, v, l1), args.reps)
+                    assert torch.equal(grid_weights.grid_argmax(x, codes, v, l1), same.argmax(-1))
             print(f"{shape:12s} rows {r}: " + "  ".join(f"{k} {ms:7.2f}" + ("" if k == "rows_exact" else " ms")
                                                         for k, ms in rows_out[r].items()), flush=True)
         record["results"][shape] = rows_out

@@ -180,9 +180,16 @@ class PackedLinear(nn.Module):
         """``self(x).argmax(-1)`` exactly # [..., K] -> [...] long, reading the weight mostly from
         an int8 copy (rows_kernel.rows_argmax; made on first use, a quarter of the fp32 blocks'
         size), or None where that does not apply (not the rows layout, a bias, not a float32 CPU
-        input, more rows than the kernel takes): then take ``self(x).argmax(-1)``. Grid codes
-        (Q8_0: a quarter of float32 reads, as the screen) give the logits' argmax directly."""
+        input, more rows than the kernel takes): then take ``self(x).argmax(-1)``. Q8_0 grid codes
+        (a GGUF's unembedding) are screened by int16 dot products (grid_screen.cpp, where the CPU
+        has AVX512-VNNI), other codes give the logits' argmax directly."""
         if self.grid and self.dense is None and x.dtype == torch.float32 and x.device.type == "cpu":
+            if self.grid == grid_weights.Q8 and self.bias is None:
+                if self.screen is None:
+                    self.screen = {"l1": grid_weights.grid_l1(self.packed, self.out_features)}
+                found = grid_weights.grid_argmax(x, self.packed, self.out_features, self.screen["l1"])
+                if found is not None:
+                    return found
             return self(x).argmax(-1)
         if (self.grid or self.layout != ROWS or self.dense is not None or self.bias is not None
                 or x.dtype != torch.float32 or x.device.type != "cpu"):

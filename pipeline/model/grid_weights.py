@@ -13,6 +13,10 @@ The kernel thus sees the same float32 weights and adds the same fused multiply-a
 order as the float32 blocks: its logits are bit-identical to theirs
 (tests/pipeline/test_grid_weights.py).
 
+Greedy steps read only the argmax of the unembedding: on a Q8_0 grid (a GGUF's tied embedding)
+``grid_argmax`` takes it from int16 dot products and recounts exactly only the outputs that can
+reach the best (grid_screen.cpp), the same argmax as the logits'.
+
 Nothing is assumed from the file: ``find_grid`` recovers ``d``, ``m`` and the codes from the
 float32 values and keeps them only if they reproduce every weight bit for bit; any other weight
 (float32 values, a LoRA-merged one) keeps its float32 blocks.
@@ -178,6 +182,36 @@ def grid_linear(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, bias: 
     if bias is not None:
         out.add_(bias)
     return out
+
+
+# The exact argmax of a Q8_0 grid (grid_screen.cpp): greedy steps need only the argmax of the
+# unembedding, and the int16 screen finds it from integer dot products, recounting exactly only
+# the outputs within the screen's bound of the best.
+def grid_l1(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Per output of a Q8_0 ``pack_grid``, sum_k |w_kv| rounded up # -> [N] fp32: the screen's bound
+    scales with it."""
+    blocks, chunks, _ = packed.shape
+    width = rows_kernel.lanes()
+    d = packed[..., :2 * width].contiguous().view(torch.float16).double().abs()  # [B, T, L]
+    q = packed[..., 2 * width:].contiguous().view(torch.int8).reshape(blocks, chunks, QK, width)
+    l1 = (d * q.abs().sum(2).double()).sum(1).reshape(-1)[:n]  # [N]
+    return torch.nextafter(l1.float(), torch.tensor(float("inf")))
+
+
+def grid_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, l1: torch.Tensor) -> torch.Tensor | None:
+    """``grid_linear(x, packed, Q8, n, None).argmax(-1)`` exactly (the first on ties) # [..., K] ->
+    [...] long; None where the screen does not apply here (no AVX512-VNNI, more than
+    ``MAX_ROWS`` rows, a non-finite input or logit): then take that argmax."""
+    k = x.shape[-1]
+    x = x if x.is_contiguous() else x.contiguous()  # rows [M, K] in memory
+    m = x.numel() // k
+    if not 0 < m <= rows_kernel.MAX_ROWS:
+        return None
+    xq, s = torch.empty(m, k, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
+    approx, best = torch.empty(m, n, dtype=torch.float32), torch.empty(x.shape[:-1], dtype=torch.long)
+    picked = rows_kernel.library().grid_argmax(x.data_ptr(), packed.data_ptr(), l1.data_ptr(), xq.data_ptr(), s.data_ptr(),
+                                               approx.data_ptr(), best.data_ptr(), m, k, n)
+    return None if picked < 0 else best
 
 
 def probe() -> bool:

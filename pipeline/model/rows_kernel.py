@@ -15,7 +15,7 @@ blocks takes over (compute-bound there; its rounding differs, as any GEMM's woul
 stored narrower than float32 without loss (a GGUF base's Q4_1 / Q8_0 codes, 16-bit floats) are
 decoded in the same blocks by the same chain: grid_weights.py.
 
-Build: the C++ of rows_kernel.cpp with the machine's C++ compiler (``$CXX``, else ``c++`` / ``g++``),
+Build: the C++ of rows_kernel.cpp (and grid_screen.cpp after it) with the machine's C++ compiler (``$CXX``, else ``c++`` / ``g++``),
 ``-O3 -march=native -fopenmp`` (x86-64 only), into the cache (``$MULTITOKEN_CACHE/kernels``,
 keyed by the source, the flags, the compiler's version and the CPU's feature flags, so a cache
 shared between machines never loads a binary built for another CPU), written atomically; about
@@ -42,7 +42,9 @@ import torch
 from multitoken.embedded import cache_dir
 
 MAX_ROWS = 64  # rows per call the kernel takes; more go through a batched matmul
-SOURCE = Path(__file__).parent / "rows_kernel.cpp"  # the C++ (package data), read when the kernel is built
+# The C++ (package data), read when the kernel is built: one translation unit, in this order
+# (grid_screen.cpp uses rows_kernel.cpp's layout and helpers).
+SOURCES = tuple(Path(__file__).parent / name for name in ("rows_kernel.cpp", "grid_screen.cpp"))
 
 _STATE: dict = {"loaded": False, "lib": None, "why": None}
 
@@ -70,7 +72,7 @@ def _flags() -> list[str]:
 def _build(compiler: str) -> Path:
     """The shared library, compiled into the cache unless a build for this key is there."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    source = SOURCE.read_text()
+    source = "\n".join(path.read_text() for path in SOURCES)
     key = hashlib.sha256("\0".join([source, " ".join(_flags()), version, _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels" / key
     lib = out_dir / "rows_linear.so"
@@ -118,6 +120,8 @@ def _load():
     lib.rows_screened.restype = None
     lib.grid_linear.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 3
     lib.grid_linear.restype = None
+    lib.grid_argmax.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
+    lib.grid_argmax.restype = ctypes.c_int64
     return lib, None
 
 

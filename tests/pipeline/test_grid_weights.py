@@ -21,6 +21,17 @@ pytestmark = pytest.mark.skipif(not cpu_linear.grids_on(),
                                 reason="needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return flag in f.read().split()
+    except OSError:
+        return False
+
+
+VNNI = _cpu_has("avx512_vnni")  # the int16 screen's instructions (grid_screen.cpp); else it declines
+
+
 def on_q4(w: torch.Tensor) -> torch.Tensor:
     """``w`` [N, K] quantized to Q4_1 and dequantized as GGUF readers do: d q + m in float32."""
     b = w.float().reshape(w.shape[0], -1, QK)
@@ -101,8 +112,53 @@ def test_a_packed_grid_layer_round_trips_and_answers_argmax():
     assert packed.grid == Q8 and packed.packed.dtype == torch.uint8 and "Q8_0 grid" in repr(packed)
     assert torch.equal(_bits(packed.weight), _bits(stock))
     x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(packed.argmax(x), packed(x).argmax(-1)) and packed.screen is None
+    assert torch.equal(packed.argmax(x), packed(x).argmax(-1))
+    assert (packed.screen is not None) == VNNI  # the int16 screen's bound, made on first use
     assert cpu_linear.unpack(seq) == 1 and torch.equal(_bits(seq[0].weight), _bits(stock))
+
+
+def _near_tied_q8(n: int, k: int, seed: int) -> torch.Tensor:
+    """A Q8_0 weight whose outputs 100..399 lie within an ulp-sized step of output 7 (each one
+    code moved by one, or a block's d by one float16 step) and whose last output repeats 7."""
+    gen = torch.Generator().manual_seed(seed)
+    b = _weight(n, k, seed).reshape(n, -1, QK)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.round(b / d).clamp(-127, 127)
+    q[100:400], d[100:400] = q[7], d[7]
+    rows = torch.arange(100, 400)
+    at = (rows, torch.randint(0, k // QK, (300,), generator=gen), torch.randint(0, QK, (300,), generator=gen))
+    q[at] += (torch.randint(0, 2, (300,), generator=gen) * 2 - 1) * (q[at].abs() < 120)  # each block keeps its +-127
+    d[rows[::7], 0] = torch.nextafter(d[rows[::7], 0].half(), torch.tensor(1.0, dtype=torch.float16)).float()
+    q[n - 1], d[n - 1] = q[7], d[7]
+    return (q * d).reshape(n, k) + 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, rows_kernel.MAX_ROWS])
+def test_the_int16_screen_gives_the_codes_argmax_exactly(rows):
+    """grid_argmax equals the argmax of grid_linear's logits (the first on ties), on random codes
+    and on near-ties that only the exact recount can settle; where the build has no AVX512-VNNI
+    it declines (None) and callers take the logits' argmax."""
+    k, n = 96, 3001  # 3001: a partial last column block
+    for seed, w in enumerate((on_q8(_weight(n, k, 9)), _near_tied_q8(n, k, 10))):
+        found = grid_weights.find_grid(w)
+        assert found is not None and found[0] == Q8
+        packed = grid_weights.pack_grid(*found)
+        l1 = grid_weights.grid_l1(packed, n)
+        assert bool((l1.double() >= w.double().abs().sum(1)).all())  # rounded up
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + seed))
+        x[:, 3] *= 20  # a wide range: the int16 grid's step follows the largest entry
+        x[0] = w[7] * 10  # aimed at the near-tied outputs
+        got = grid_weights.grid_argmax(x, packed, n, l1)
+        if not VNNI:
+            assert got is None
+            continue
+        logits = grid_weights.grid_linear(x, packed, Q8, n, None)
+        assert torch.equal(got, logits.argmax(-1)), seed
+        if seed == 1:
+            assert int(got[0]) in (7, *range(100, 400), n - 1) and int(got[0]) != n - 1  # a duplicate never beats the first
+    bad = x.clone()
+    bad[0, 5] = float("nan")
+    assert grid_weights.grid_argmax(bad, packed, n, l1) is None
 
 
 def test_grids_can_be_turned_off_for_measuring(monkeypatch):

@@ -132,6 +132,12 @@ for m in (1, 3, 4, 5, 13, 64):
     assert bool(((approx - logits).abs() <= x.abs().sum(1, keepdim=True) * screen["err"][:1000]).all()), m
 from multitoken.pipeline.model import grid_weights
 assert grid_weights.probe()  # Q4_1 / Q8_0 codes: the float blocks' logits bit for bit
+d = (torch.rand(40, 2, 1, generator=gen) / 64).half().float()
+q = torch.randint(-127, 128, (40, 2, 32), generator=gen).float()
+q[..., 0] = 127  # each block's largest code: d is found from it
+found = grid_weights.find_grid((q * d).reshape(40, 64))
+packed = grid_weights.pack_grid(*found)
+assert grid_weights.grid_argmax(torch.randn(3, 64), packed, 40, grid_weights.grid_l1(packed, 40)) is None  # no AVX512: declines
 print(rk.lanes())
 """
 
