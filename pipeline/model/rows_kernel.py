@@ -15,10 +15,11 @@ blocks takes over (compute-bound there; its rounding differs, as any GEMM's woul
 stored narrower than float32 without loss (a GGUF base's Q4_1 / Q8_0 codes, 16-bit floats) are
 decoded in the same blocks by the same chain: grid_weights.py.
 
-Build: the C++ of rows_kernel.cpp (and grid_screen.cpp after it) with the machine's C++ compiler (``$CXX``, else ``c++`` / ``g++``),
-``-O3 -march=native -fopenmp`` (x86-64 only), into the cache (``$MULTITOKEN_CACHE/kernels``,
-keyed by the source, the flags, the compiler's version and the CPU's feature flags, so a cache
-shared between machines never loads a binary built for another CPU), written atomically; about
+Build: the C++ of rows_kernel.cpp (and grid_screen.cpp after it) with the machine's C++ compiler
+(``$CXX``, else ``c++`` / ``g++``), ``-O3 -march=native -fopenmp`` (x86-64 only), into the
+cache (``$MULTITOKEN_CACHE/kernels``, keyed by the sources, the flags, the compiler's version and
+the CPU's feature flags, so a cache shared between machines never loads a binary built for
+another CPU), written atomically; about
 a second, once. OpenMP threads come from torch's own runtime (its ``libgomp`` is already loaded
 when this loads), so ``torch.set_num_threads`` sets them. Without a compiler, or on any build or
 load error, ``library()`` returns None after one line on stderr, and callers keep oneDNN's or
