@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,37 @@ def test_generate_json_is_one_clean_line():
     lines = r.stdout.splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["token_ids"]
     assert "Loading weights" not in r.stderr and "Warning" not in r.stderr and "%|" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "--prompt", "Hi"], "positional argument"),  # no prefix match: --prompts would ask for --out
+    (["generate", "--max-new", "3", "Hi"], "did you mean --max-new-tokens?"),
+    (["generate", "Hi", "there"], "unexpected argument 'there'"),
+    (["stats", "build", "--outt", "x"], "did you mean --out"),
+])
+def test_unknown_flags_are_one_usage_error_with_a_fix(argv, says, capsys):
+    from multitoken.pipeline.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "error: " in err and "fix: " in err and says in err, err
+
+
+def _documented_commands():
+    """(file, command, flag) for every ``multitoken COMMAND --flag`` the docs, README and Makefile show."""
+    root = Path(__file__).resolve().parents[1]
+    for path in [root / "README.md", root / "Makefile", root / "CONTRIBUTING.md", *sorted((root / "docs").glob("*.md"))]:
+        text = path.read_text().replace("\\\n", " ")
+        for m in re.finditer(r"(?:^|[`\s/])multitoken ((?:stats )?[a-z]+)([^`\n]*)", text):
+            rest = re.split(r"&&|\||;", m.group(2))[0]  # one command, not what a shell line chains after it
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest):
+                yield path.name, m.group(1), flag
+
+
+def test_documented_commands_use_flags_that_exist():
+    """Flags are matched whole (no prefixes), so a doc's abbreviation or a renamed flag would fail a user."""
+    documented = list(_documented_commands())
+    assert len(documented) > 50
+    wrong = [(f, c, flag) for f, c, flag in documented
+             if c in PARSERS and flag not in {s for a in PARSERS[c]._actions for s in a.option_strings}]
+    assert not wrong, wrong

@@ -65,7 +65,7 @@ def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
     """The subparser of ``name``: its help, one flag per field of each dataclass in ``configs``,
     and ``run(args)`` as its action. Called by the command's own ``register``."""
     summary = COMMANDS[name][1]
-    parser = sub.add_parser(name, help=summary, description=DESCRIPTIONS.get(name, summary))
+    parser = sub.add_parser(name, help=summary, description=DESCRIPTIONS.get(name, summary), allow_abbrev=False)
     for config in configs:
         add_dataclass_args(parser, config)
     if run is not None:
@@ -93,9 +93,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command`` (None: none) gets its full flags."""
     from importlib.metadata import version
 
+    # allow_abbrev off: argparse would otherwise take a prefix as the flag it starts (--prompt as
+    # --prompts, --head as --heads) and answer about a flag the user never typed
     parser = argparse.ArgumentParser(
         prog="multitoken",
         description="Make causal LMs emit several tokens per forward pass.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"multitoken {version('multitoken')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -103,7 +106,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             importlib.import_module(module).register(sub)
         else:
-            sub.add_parser(name, help=summary)
+            sub.add_parser(name, help=summary, allow_abbrev=False)
     return parser
 
 
@@ -119,12 +122,40 @@ def _packaged_folders(args: argparse.Namespace) -> None:
             setattr(args, flag, resolve_base(value))  # the mapping --base embedded:NAME takes
 
 
+# Flags users type from other tools' habits, and where that value goes here.
+HINTS = {("generate", "--prompt"): 'the text to continue is the positional argument: multitoken generate "Once upon a time"'}
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+
+def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> UsageError:
+    """The first argument the command does not take, and the nearest flags it does."""
+    import difflib
+
+    command, sub = args.command, _subcommand(parser, args.command)
+    if getattr(args, "stats_command", None):  # stats build / merge / info
+        command, sub = f"{command} {args.stats_command}", _subcommand(sub, args.stats_command)
+    flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--")]
+    word = unknown[0].split("=")[0]
+    if not word.startswith("-"):
+        return UsageError(f"unexpected argument {unknown[0]!r}", f"see multitoken {command} --help")
+    near = difflib.get_close_matches(word, flags, n=2, cutoff=0.6)
+    fix = HINTS.get((command, word)) or (f"did you mean {' or '.join(near)}? (multitoken {command} --help)" if near
+                                          else f"see multitoken {command} --help")
+    return UsageError(f"unknown flag {word}", fix)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_dependencies()
     command = next((a for a in argv if not a.startswith("-")), None)  # no option takes a value before it
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    args, unknown = parser.parse_known_args(argv)
     try:
+        if unknown:
+            raise _unknown(parser, args, unknown)
         _packaged_folders(args)
         args.func(args)
     except MultitokenError as err:
