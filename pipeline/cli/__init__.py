@@ -126,17 +126,15 @@ def _packaged_folders(args: argparse.Namespace) -> None:
 HINTS = {("generate", "--prompt"): 'the text to continue is the positional argument: multitoken generate "Once upon a time"'}
 
 
-def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
-
-
 def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> UsageError:
     """The first argument the command does not take, and the nearest flags it does."""
     import difflib
 
-    command, sub = args.command, _subcommand(parser, args.command)
-    if getattr(args, "stats_command", None):  # stats build / merge / info
-        command, sub = f"{command} {args.stats_command}", _subcommand(sub, args.stats_command)
+    names, sub = [], parser
+    while chosen := next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None):
+        names.append(getattr(args, chosen.dest))  # the command, then its own subcommand (stats build)
+        sub = chosen.choices[names[-1]]
+    command = " ".join(names)
     flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--")]
     word = unknown[0].split("=")[0]
     if not word.startswith("-"):

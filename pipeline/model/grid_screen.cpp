@@ -34,7 +34,7 @@ static inline __m512i output_order(int h) {
 }
 
 template <int R>
-static void screen_block(const int16_t* __restrict xq, const float* __restrict s, const uint8_t* __restrict wb,
+static void screen_block(const int16_t* __restrict xq, const float* __restrict amax, const uint8_t* __restrict wb,
                          float* __restrict approx, int K, int N, int n0) {
     const __m512i lo_at = unpacked_outputs(0), hi_at = unpacked_outputs(4);
     alignas(64) float acc[R][L] = {};  // float sums in unpack order, updated once per chunk
@@ -67,28 +67,19 @@ static void screen_block(const int16_t* __restrict xq, const float* __restrict s
     const int width = std::min(L, N - n0);
     for (int m = 0; m < R; ++m) {
         alignas(64) float row[L];
-        const __m512 scale = _mm512_set1_ps(s[m]);
+        const __m512 scale = _mm512_set1_ps(amax[m] / XQ_MAX);  // the int16 grid's step
         for (int h = 0; h < 2; ++h)
             _mm512_store_ps(row + 16 * h, _mm512_mul_ps(scale, _mm512_permutex2var_ps(_mm512_load_ps(acc[m]), output_order(h), _mm512_load_ps(acc[m] + 16))));
         std::memcpy(approx + (int64_t)m * N + n0, row, sizeof(float) * width);
     }
 }
 
-static void screen_rows(const int16_t* xq, const float* s, const uint8_t* wb, float* approx, int M, int K, int N, int n0) {
-    int m = 0;
-    for (; m + SCREEN_ROWS <= M; m += SCREEN_ROWS)
-        screen_block<SCREEN_ROWS>(xq + (int64_t)m * K, s + m, wb, approx + (int64_t)m * N, K, N, n0);
-    const int16_t* xr = xq + (int64_t)m * K;
-    float* a = approx + (int64_t)m * N;
-    switch (M - m) {
-        case 1: screen_block<1>(xr, s + m, wb, a, K, N, n0); break;
-        case 2: screen_block<2>(xr, s + m, wb, a, K, N, n0); break;
-        case 3: screen_block<3>(xr, s + m, wb, a, K, N, n0); break;
-        case 4: screen_block<4>(xr, s + m, wb, a, K, N, n0); break;
-        case 5: screen_block<5>(xr, s + m, wb, a, K, N, n0); break;
-        default: break;
-    }
+static void screen_rows(const int16_t* xq, const float* amax, const uint8_t* wb, float* approx, int M, int K, int N, int n0) {
+    row_blocks<SCREEN_ROWS>(M, [&](auto rows, int m) {
+        screen_block<decltype(rows)::value>(xq + (int64_t)m * K, amax + m, wb, approx + (int64_t)m * N, K, N, n0);
+    });
 }
+
 
 // The grid kernel's logit of output v for row x [K] (grid_block<Q8>'s chain, one lane of it).
 static inline float grid_exact_at(const float* x, const uint8_t* wp, int K, int v) {
@@ -108,35 +99,32 @@ static inline float grid_exact_at(const float* x, const uint8_t* wp, int K, int 
 #endif
 
 // The argmax over N outputs of each row of x [M, K] times the Q8_0 grid wp (the first on ties),
-// from the int16 screen and exact recounts. l1 [N]: sum_k |w_kv|, rounded up; xq [M, K], s [M],
-// approx [M, N]: scratch. Returns how many outputs were recounted, -1 if x is not finite or a
+// from the int16 screen and exact recounts. l1 [N]: sum_k |w_kv|, rounded up; xq [M, K], amax [M]
+// (each row's max |x|), approx [M, N]: scratch. Returns how many outputs were recounted, -1 if x is not finite or a
 // recount is not, -2 where this build has no AVX512-VNNI (the caller takes the logits' argmax).
-extern "C" int64_t grid_argmax(const float* x, const uint8_t* wp, const float* l1, int16_t* xq, float* s,
+extern "C" int64_t grid_argmax(const float* x, const uint8_t* wp, const float* l1, int16_t* xq, float* amax,
                                float* approx, int64_t* best, int M, int K, int N) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (K % QK != 0) return -2;
     for (int m = 0; m < M; ++m) {
         const float* xr = x + (int64_t)m * K;
-        float amax = 0.0f;
-        for (int k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-        if (!std::isfinite(amax)) return -1;
-        s[m] = amax / XQ_MAX;
-        const float inv = amax > 0.0f ? XQ_MAX / amax : 0.0f;
+        amax[m] = 0.0f;
+        for (int k = 0; k < K; ++k) amax[m] = std::max(amax[m], std::fabs(xr[k]));
+        if (!std::isfinite(amax[m])) return -1;
+        const float inv = amax[m] > 0.0f ? XQ_MAX / amax[m] : 0.0f;
         for (int k = 0; k < K; ++k) xq[(int64_t)m * K + k] = (int16_t)std::max(-XQ_MAX, std::min(XQ_MAX, (int)std::lrintf(xr[k] * inv)));
     }
     const int count = (N + L - 1) / L;
     const int threads = std::min(omp_get_max_threads(), count);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int b = 0; b < count; ++b)
-        screen_rows(xq, s, wp + (int64_t)b * (K / QK) * chunk_bytes<Q8>(), approx, M, K, N, b * L);
+        screen_rows(xq, amax, wp + (int64_t)b * (K / QK) * chunk_bytes<Q8>(), approx, M, K, N, b * L);
     constexpr float u = FLT_EPSILON / 2;
     int64_t picked = 0;
     for (int m = 0; m < M; ++m) {
         const float* xr = x + (int64_t)m * K;
         const float* a = approx + (int64_t)m * N;
-        float amax = 0.0f;
-        for (int k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-        const float beta = 2.0f * amax * (0.51f / XQ_MAX + (K + K / QK + 8) * u);
+        const float beta = 2.0f * amax[m] * (0.51f / XQ_MAX + (K + K / QK + 8) * u);
         float lo = -INFINITY;
         for (int v = 0; v < N; ++v) lo = std::max(lo, a[v] - beta * l1[v]);
         float top = 0.0f;
@@ -152,7 +140,16 @@ extern "C" int64_t grid_argmax(const float* x, const uint8_t* wp, const float* l
     }
     return picked;
 #else
-    (void)x, (void)wp, (void)l1, (void)xq, (void)s, (void)approx, (void)best, (void)M, (void)K, (void)N;
+    (void)x, (void)wp, (void)l1, (void)xq, (void)amax, (void)approx, (void)best, (void)M, (void)K, (void)N;
     return -2;
+#endif
+}
+
+// Whether this build has the screen (AVX512-VNNI): callers skip its scratch where it has not.
+extern "C" int grid_screen_built() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
 #endif
 }

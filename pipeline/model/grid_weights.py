@@ -153,17 +153,22 @@ def dense_grid(packed: torch.Tensor, kind: int, n: int) -> torch.Tensor:
     if kind in HALVES:
         return rows_kernel.dense_weight(packed.view(HALVES[kind]).float(), n)
     blocks, chunks, _ = packed.shape
+    d, m, q = _fields(packed, kind)
+    w = q.float() * d.unsqueeze(2) + m.unsqueeze(2)  # [B, T, QK, L]
+    return w.permute(0, 3, 1, 2).reshape(blocks * d.shape[-1], chunks * QK)[:n].contiguous()
+
+
+def _fields(packed: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 / Q8_0 ``pack_grid``'s d, m [B, T, L] (float32, exact) and codes q [B, T, QK, L] (as stored:
+    uint8 / int8)."""
+    blocks, chunks, _ = packed.shape
     width = rows_kernel.lanes()
     d = packed[..., :2 * width].contiguous().view(torch.float16).float()  # [B, T, L]
     if kind == Q4:
         m = packed[..., 2 * width:4 * width].contiguous().view(torch.float16).float()
         codes = packed[..., 4 * width:].reshape(blocks, chunks, QK, width // 2)
-        q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [B, T, QK, L]
-    else:
-        m = torch.zeros_like(d)
-        q = packed[..., 2 * width:].contiguous().view(torch.int8).reshape(blocks, chunks, QK, width).float()
-    w = q * d.unsqueeze(2) + m.unsqueeze(2)  # [B, T, QK, L]
-    return w.permute(0, 3, 1, 2).reshape(blocks * width, chunks * QK)[:n].contiguous()
+        return d, m, torch.cat([codes & 15, codes >> 4], dim=-1)
+    return d, torch.zeros_like(d), packed[..., 2 * width:].contiguous().view(torch.int8).reshape(blocks, chunks, QK, width)
 
 
 def grid_linear(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -190,11 +195,8 @@ def grid_linear(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, bias: 
 def grid_l1(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Per output of a Q8_0 ``pack_grid``, sum_k |w_kv| rounded up # -> [N] fp32: the screen's bound
     scales with it."""
-    blocks, chunks, _ = packed.shape
-    width = rows_kernel.lanes()
-    d = packed[..., :2 * width].contiguous().view(torch.float16).double().abs()  # [B, T, L]
-    q = packed[..., 2 * width:].contiguous().view(torch.int8).reshape(blocks, chunks, QK, width)
-    l1 = (d * q.abs().sum(2).double()).sum(1).reshape(-1)[:n]  # [N]
+    d, _, q = _fields(packed, Q8)
+    l1 = (d.double().abs() * q.abs().sum(2)).sum(1).reshape(-1)[:n]  # [N]: integer sums of the codes
     return torch.nextafter(l1.float(), torch.tensor(float("inf")))
 
 
@@ -205,12 +207,13 @@ def grid_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, l1: torch.Tensor)
     k = x.shape[-1]
     x = x if x.is_contiguous() else x.contiguous()  # rows [M, K] in memory
     m = x.numel() // k
-    if not 0 < m <= rows_kernel.MAX_ROWS:
+    lib = rows_kernel.library()
+    if not (0 < m <= rows_kernel.MAX_ROWS and lib.grid_screen_built()):
         return None
-    xq, s = torch.empty(m, k, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
+    xq, amax = torch.empty(m, k, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
     approx, best = torch.empty(m, n, dtype=torch.float32), torch.empty(x.shape[:-1], dtype=torch.long)
-    picked = rows_kernel.library().grid_argmax(x.data_ptr(), packed.data_ptr(), l1.data_ptr(), xq.data_ptr(), s.data_ptr(),
-                                               approx.data_ptr(), best.data_ptr(), m, k, n)
+    picked = lib.grid_argmax(x.data_ptr(), packed.data_ptr(), l1.data_ptr(), xq.data_ptr(), amax.data_ptr(),
+                             approx.data_ptr(), best.data_ptr(), m, k, n)
     return None if picked < 0 else best
 
 

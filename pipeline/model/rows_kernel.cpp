@@ -293,29 +293,29 @@ template <typename W> static inline int64_t column_bytes(int K) {
     else return (int64_t)(K / QK) * chunk_bytes<W>();
 }
 
-template <typename W>
-static void column_block(const float* x, const W* wb, const float* scale, float* out, int M, int K, int N, int n0) {
-    int m = 0;
-    for (; m + MB <= M; m += MB) block<W, MB>(x + (int64_t)m * K, wb, scale, out + (int64_t)m * N, K, N, n0);
-    const float* xr = x + (int64_t)m * K;
-    float* o = out + (int64_t)m * N;
-    switch (M - m) {
-        case 1: block<W, 1>(xr, wb, scale, o, K, N, n0); break;
-        case 2: block<W, 2>(xr, wb, scale, o, K, N, n0); break;
-        case 3: block<W, 3>(xr, wb, scale, o, K, N, n0); break;
-#ifdef __AVX512F__
-        case 4: block<W, 4>(xr, wb, scale, o, K, N, n0); break;
-        case 5: block<W, 5>(xr, wb, scale, o, K, N, n0); break;
-        case 6: block<W, 6>(xr, wb, scale, o, K, N, n0); break;
-        case 7: block<W, 7>(xr, wb, scale, o, K, N, n0); break;
-        case 8: block<W, 8>(xr, wb, scale, o, K, N, n0); break;
-        case 9: block<W, 9>(xr, wb, scale, o, K, N, n0); break;
-        case 10: block<W, 10>(xr, wb, scale, o, K, N, n0); break;
-        case 11: block<W, 11>(xr, wb, scale, o, K, N, n0); break;
-#endif
-        default: break;
+// f(R, m) for the rows m .. m + R - 1 of M: blocks of B rows, then one block of the rest (R a
+// compile-time constant, std::integral_constant, so each row count gets its own unrolled block).
+template <int R, typename F>
+static inline void rest_rows(int r, int m, F& f) {
+    if constexpr (R > 0) {
+        if (r == R) f(std::integral_constant<int, R>{}, m);
+        else rest_rows<R - 1>(r, m, f);
     }
 }
+template <int B, typename F>
+static inline void row_blocks(int M, F&& f) {
+    int m = 0;
+    for (; m + B <= M; m += B) f(std::integral_constant<int, B>{}, m);
+    rest_rows<B - 1>(M - m, m, f);
+}
+
+template <typename W>
+static void column_block(const float* x, const W* wb, const float* scale, float* out, int M, int K, int N, int n0) {
+    row_blocks<MB>(M, [&](auto rows, int m) {
+        block<W, decltype(rows)::value>(x + (int64_t)m * K, wb, scale, out + (int64_t)m * N, K, N, n0);
+    });
+}
+
 
 template <typename W>
 static void blocks(const float* x, const W* wp, const float* scale, float* out, int M, int K, int N) {

@@ -123,6 +123,7 @@ def _load():
     lib.grid_linear.restype = None
     lib.grid_argmax.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
     lib.grid_argmax.restype = ctypes.c_int64
+    lib.grid_screen_built.restype = ctypes.c_int
     return lib, None
 
 

@@ -21,15 +21,7 @@ pytestmark = pytest.mark.skipif(not cpu_linear.grids_on(),
                                 reason="needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return flag in f.read().split()
-    except OSError:
-        return False
-
-
-VNNI = _cpu_has("avx512_vnni")  # the int16 screen's instructions (grid_screen.cpp); else it declines
+VNNI = "avx512_vnni" in rows_kernel._cpu_flags().split()  # the int16 screen's instructions (grid_screen.cpp); else it declines
 
 
 def on_q4(w: torch.Tensor) -> torch.Tensor:
