@@ -80,8 +80,11 @@ class StepOutput:
     def _screen(self, unembedding: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
         """The argmax of ``unembedding``'s logits of ``rows`` [B, R, H] # -> [B, R] token ids,
         through its argmax screen (the rows kernel's), timed, and counted as a call over the whole
-        vocabulary (``_unembed``'s rule); None where it has none."""
+        vocabulary (``_unembed``'s rule); None where it has none, or where the backbone's plan
+        measured the logits cheaper for this many rows."""
         if not isinstance(unembedding, (PackedLinear, DraftUnembedding)):
+            return None
+        if isinstance(unembedding, PackedLinear) and not plan_for(unembedding, rows).screens(rows.shape[0] * rows.shape[1]):
             return None
         start = self.clock()
         best = unembedding.argmax(rows)

@@ -17,7 +17,7 @@ from torch import nn
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.pipeline.model import cpu_linear, rows_kernel
+from multitoken.pipeline.model import cpu_linear, rows_kernel, unembed_plan
 from multitoken.pipeline.model.cpu_linear import ONEDNN, ROWS, PackedLinear
 
 from .test_cpu_linear import _bound, _layers, _model
@@ -248,10 +248,40 @@ def test_packed_linear_argmax_only_where_it_is_exact():
     assert cpu_linear.pack(seq) == 1 and seq[0].argmax(x) is None
 
 
-@pytest.mark.parametrize("kernel", [ROWS, cpu_linear.STOCK])
-def test_a_steps_base_argmax_is_its_logits_argmax(tied_llama_dir, kernel):
-    """``StepOutput.base_argmax`` screens on the rows kernel (no logits made) and takes the
-    logits' argmax elsewhere; the same tokens either way, over a prompt's last row and a 5-token step."""
+def _screen_plan(monkeypatch, screen_s: float) -> None:
+    """Every unembedding's plan: the logits 1 s for any row count, the argmax screen ``screen_s``."""
+    plan = unembed_plan.UnembedPlan(lambda rows: {r: {unembed_plan.LINEAR: 1.0, unembed_plan.ARGMAX: screen_s} for r in rows})
+    monkeypatch.setattr(unembed_plan, "PINNED", plan)
+
+
+def test_the_plan_screens_where_the_screen_is_cheaper():
+    """``screens`` compares the screen with the cheapest logits form; ``form`` and ``cost`` never
+    take the screen for a logits form; nothing measured (an accelerator) or no screen: screen."""
+    table = {3: {"linear": 2.0, "transposed": 1.5, "argmax": 1.0}, 9: {"linear": 2.0, "argmax": 2.5}, 12: {"linear": 2.0}}
+    plan = unembed_plan.UnembedPlan(lambda rows: {r: table[r] for r in rows})
+    assert plan.screens(3) and not plan.screens(9) and plan.screens(12)
+    assert (plan.form(3), plan.cost(3), plan.form(9), plan.cost(9)) == ("transposed", 1.5, "linear", 2.0)
+    assert unembed_plan.UnembedPlan().screens(9)
+
+
+def test_the_measured_plan_times_a_screen_beside_the_logits():
+    """A packed rows-kernel unembedding's plan holds the screen's time per row count (its
+    first measurement builds the screen); a plain Linear's has none (it has no screen)."""
+    layer = _rows(_layers(3000, 96, torch.float32, bias=False))
+    x = _hidden(9, 96, 0)
+    plan = unembed_plan.plan_for(layer, x)
+    plan.screens(9)
+    assert set(plan.table[9]) == {unembed_plan.LINEAR, unembed_plan.ARGMAX} and layer.screen is not None
+    plain = unembed_plan.plan_for(nn.Linear(96, 3000, bias=False), x)
+    assert plain.screens(9) and unembed_plan.ARGMAX not in plain.table[9]  # nothing to weigh: the caller finds no screen
+
+
+@pytest.mark.parametrize("kernel, screen_s", [(ROWS, 0.5), (ROWS, 2.0), (cpu_linear.STOCK, 0.5)])
+def test_a_steps_base_argmax_is_its_logits_argmax(tied_llama_dir, kernel, screen_s, monkeypatch):
+    """``StepOutput.base_argmax`` screens on the rows kernel where its plan finds the screen
+    cheaper (no logits made) and takes the logits' argmax elsewhere; the same tokens either way,
+    over a prompt's last row and a 5-token step."""
+    _screen_plan(monkeypatch, screen_s)
     model = _model(tied_llama_dir, cpu_linear=kernel)
     caches = model.new_caches()
     ids = torch.randint(0, model.backbone.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -259,15 +289,16 @@ def test_a_steps_base_argmax_is_its_logits_argmax(tied_llama_dir, kernel):
         for new, first in ((ids, 11), (ids[:, :5], 0)):
             out = model.step(new, caches, read_from=first)
             best = out.base_argmax()
-            assert (out._logits is None) == (kernel == ROWS) and best.shape == (1, new.shape[1] - first)
+            assert (out._logits is None) == (kernel == ROWS and screen_s < 1) and best.shape == (1, new.shape[1] - first)
             assert torch.equal(best, out.base_logits().argmax(-1))
 
 
-def test_greedy_drafts_argmax_is_their_logits_argmax(tied_llama_dir):
+def test_greedy_drafts_argmax_is_their_logits_argmax(tied_llama_dir, monkeypatch):
     """The layer heads' argmax at the anchor, screened on the rows kernel, over the whole
     vocabulary and over a draft vocabulary (token ids, the first on ties as the logits give)."""
     from multitoken.pipeline.model.draft_vocab import DraftUnembedding
 
+    _screen_plan(monkeypatch, 0.5)
     model = _model(tied_llama_dir, cpu_linear=ROWS)
     bb = model.backbone
     ids = torch.randint(0, bb.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
