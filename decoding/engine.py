@@ -246,8 +246,11 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
         row.trace.wall_s = clock() - t0
         row.trace.new_tokens = len(row.out_ids)
 
+    start = clock()
+    caches = model.new_caches(run.cfg.speculation.draft_vocab)  # packs the CPU linears on a model's first run
     t0 = clock()
-    caches = model.new_caches(run.cfg.speculation.draft_vocab)
+    for row in rows:
+        row.trace.prepare_s = t0 - start
     lengths = [len(row.prompt) for row in rows]
     width = max(lengths)
     out = forward(left_pad([torch.tensor(row.prompt) for row in rows], width, "cpu").to(run.device), width - 1, lengths)

@@ -39,6 +39,7 @@ class Trace:
     wall_s: float = 0.0
     model_s: float = 0.0  # forward passes + head distributions
     prefill_s: float = 0.0  # the prompt's forward pass (part of model_s)
+    prepare_s: float = 0.0  # before the first pass: the CPU linears packed (once per model load); not in wall_s
     stats_order_cap: int = 0  # heads read capped at the stats' highest order (0: no cap)
     dynamic_kernel: Counter = field(default_factory=Counter)  # grids built per path: dense | numpy | numba
     device: str = "cpu"  # where the model ran
@@ -78,7 +79,8 @@ class Trace:
             f"mode {self.mode}: {self.new_tokens} tokens in {self.forward_passes} forward passes "
             f"({self.tokens_per_forward:.2f} tokens/forward), {self.wall_s:.3f} s ({self.tokens_per_s:.1f} tokens/s), "
             f"repetition penalty {self.repetition_penalty:g}",
-            f"time: model {self.model_s:.3f} s, decoding logic {self.decoding_s:.3f} s",
+            f"time: model {self.model_s:.3f} s, decoding logic {self.decoding_s:.3f} s"
+            + (f"; before it, {self.prepare_s:.3f} s packing the linears (once per model load)" if self.prepare_s >= 0.01 else ""),
         ]
         if self.accepted_lengths:
             lines.append("accepted drafts per verification: " + _hist(self.accepted_lengths))

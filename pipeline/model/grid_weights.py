@@ -50,18 +50,26 @@ def _q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """w [R, T, QK] fp32 -> (d [R, T] fp16, q [R, T, QK] int8) reproducing every bit, or None."""
     d = (w.abs().amax(-1, keepdim=True) / 127).half()  # [R, T, 1]: d * 127 where the largest code is +-127
     scale = d.float()
-    q = torch.round(w / scale.masked_fill(scale == 0, 1.0))  # a block of zeros: codes 0
-    if not bool(q.abs().amax() <= 127):
+    t = w.mul(_inverse(scale)).round_()  # a block of zeros: codes 0
+    if not bool(t.abs().amax() <= 127):
         return None
-    q = q.to(torch.int8)  # checked as stored (a -0.0 weight is no code's)
-    return (d.squeeze(-1), q) if _same(q.float() * scale, w) else None
+    q = t.to(torch.int8)
+    return (d.squeeze(-1), q) if _same(q.float().mul_(scale), w) else None  # checked as stored (a -0.0 weight is no code's)
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale (1 where 0): codes are found by multiplying, a quarter of a division's time.
+    ``x * (1 / d)`` and ``x / d`` differ by an ulp or two, far less than the half step that would
+    round a weight on the grid to another code; every code is checked by rebuilding the weight
+    bit for bit either way."""
+    return scale.masked_fill(scale == 0, 1.0).reciprocal_()
 
 
 def _q4_codes(w: torch.Tensor, m: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes of the blocks w [R, T, QK] for m, d [R, T, 1] and whether each block is reproduced # [R, T]."""
     scale = d.float()
-    q = torch.round((w - m) / scale.masked_fill(scale == 0, 1.0)).clamp_(0, 15).to(torch.uint8)
-    rec = q.float() * scale + m  # d q exact: one rounding, as the dequantization's
+    q = torch.sub(w, m).mul_(_inverse(scale)).round_().clamp_(0, 15).to(torch.uint8)  # in place: one temporary
+    rec = q.float().mul_(scale).add_(m)  # from the codes as stored; d q exact: one rounding, as the dequantization's
     if _same(rec, w):
         return q, torch.ones(w.shape[:-1], dtype=torch.bool)
     return q, (rec.view(torch.int32) == w.view(torch.int32)).all(-1)

@@ -23,6 +23,18 @@ def test_speculative_trace_is_consistent(tiny_backbones):
     assert "tokens/forward" in t.summary()
 
 
+def test_packing_the_linears_is_timed_apart_from_the_run(tiny_backbones):
+    """A model's first run packs its CPU linears: that time is the trace's ``prepare_s``, not
+    part of ``wall_s`` (tokens per second count decoding); a second run packs nothing."""
+    model = attach(tiny_backbones["llama"], "replicated")
+    model.train().eval()  # the stock linears back (train), heads in eval mode: the next run packs them again
+    cfg = DecodeConfig(mode="speculative", max_new_tokens=8, stop_at_eos=False, greedy=True)
+    first = generate(model, [1, 5, 9], cfg).trace
+    again = generate(model, [1, 5, 9], cfg).trace
+    assert first.prepare_s > 0 and again.prepare_s < first.prepare_s
+    assert first.model_s <= first.wall_s and "packing the linears" not in again.summary()
+
+
 def test_dynamic_trace_counts_orders_and_backoffs(tiny_backbones):
     model = attach(tiny_backbones["llama"], "replicated")
     res = generate(model, [1, 5, 9], DecodeConfig(mode="dynamic", eps_b=0.3, max_new_tokens=30, stop_at_eos=False),
