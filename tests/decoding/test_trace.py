@@ -35,6 +35,23 @@ def test_packing_the_linears_is_timed_apart_from_the_run(tiny_backbones):
     assert first.model_s <= first.wall_s and "packing the linears" not in again.summary()
 
 
+def test_what_a_step_unembeds_inside_is_counted_once(tiny_backbones, monkeypatch):
+    """Conditioned heads read the base's argmax inside the step (token t+1): its unembedding
+    is in the forward's time, and must not be added to the model time a second time. Each
+    unembedding is made to take 20 ms, so a double count would put model time above wall time."""
+    import time
+
+    from multitoken.pipeline.model import step_output, unembed_plan
+
+    slow = step_output.unembed
+    monkeypatch.setattr(step_output, "unembed", lambda bb, rows: (time.sleep(0.02), slow(bb, rows))[1])
+    monkeypatch.setattr(unembed_plan, "PINNED", unembed_plan.UnembedPlan(
+        lambda rows: {r: {unembed_plan.LINEAR: 1.0, unembed_plan.ARGMAX: 2.0} for r in rows}))  # logits, no screen
+    model = attach(tiny_backbones["llama"], "conditioned")
+    t = generate(model, [1, 5, 9], DecodeConfig(mode="speculative", max_new_tokens=12, stop_at_eos=False, greedy=True)).trace
+    assert 0.02 * t.forward_passes <= t.model_s <= t.wall_s
+
+
 def test_dynamic_trace_counts_orders_and_backoffs(tiny_backbones):
     model = attach(tiny_backbones["llama"], "replicated")
     res = generate(model, [1, 5, 9], DecodeConfig(mode="dynamic", eps_b=0.3, max_new_tokens=30, stop_at_eos=False),
