@@ -18,7 +18,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 
 from multitoken.pipeline.model.backbone import BackboneConfig
-from multitoken.embedded import shipped
+from multitoken.embedded import shipped, shipped_heads
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import config_dict, save_resolved_config
 from multitoken.base.errors import UsageError
@@ -31,7 +31,7 @@ from multitoken.pipeline.cli.args import dataclass_from_args
 @dataclass
 class GenerateConfig:
     prompt: str = field(default="", metadata={"positional": True, "nargs": "?", "help": "text to continue (or --prompts FILE)"})
-    heads: str | None = field(default=None, metadata={"help": "heads dir, or embedded:NAME for one the package ships (default: the embedded heads with the embedded base)"})
+    heads: str | None = field(default=None, metadata={"help": "heads dir, or embedded:NAME for one the package ships (default: the heads shipped for the base: the embedded ones; for the fetched SmolLM2 its token-conditioned heads in speculative / typical mode, its replicated heads otherwise)"})
     stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir (or embedded:NAME) for dynamic masking (default: the embedded stats with the embedded base)"})
     json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
     prompts: str | None = field(default=None, metadata={"help": "prompts file (one per line, or jsonl with 'prompt'/'text'): decode them all, writing --out"})
@@ -47,12 +47,13 @@ def register(sub) -> None:
     base_from_heads(parser)
 
 
-def _load(cfg: GenerateConfig, base_cfg: BackboneConfig):
+def _load(cfg: GenerateConfig, base_cfg: BackboneConfig, mode: str):
     """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
-    without ``--heads``, the embedded heads on the embedded base, else the base alone."""
+    without ``--heads``, the heads shipped for the base and ``mode`` (``shipped_heads``), else the
+    base alone."""
     from multitoken.pipeline.model.assets import load_base_only, load_model  # lazy: torch
 
-    heads = cfg.heads or shipped(base_cfg.base, 0)
+    heads = cfg.heads or shipped_heads(base_cfg.base, mode)
     if heads is None:
         return load_base_only(base_cfg), None
     return load_model(heads, **dataclasses.asdict(base_cfg))
@@ -123,7 +124,7 @@ def run(args) -> None:
     decode.validate()  # the flags alone, before a model loads; the model's bounds below
     fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
     base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
-    model, heads = _load(cfg, base_cfg)
+    model, heads = _load(cfg, base_cfg, decode.mode)
     stats = cfg.stats or shipped(base_cfg.base, 1)
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
@@ -177,7 +178,7 @@ def _generate_file(cfg: GenerateConfig, decode, base_cfg: BackboneConfig, texts:
     from multitoken.decoding.engine import generate_batch  # lazy: torch
     from multitoken.decoding.config import check_context, stats_order_cap  # lazy: torch
 
-    model, heads = _load(cfg, base_cfg)
+    model, heads = _load(cfg, base_cfg, decode.mode)
     stats = cfg.stats or shipped(base_cfg.base, 1)
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,

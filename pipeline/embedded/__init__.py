@@ -91,3 +91,18 @@ def shipped(name: str, which: int) -> str | None:
     assets = shipped_assets(name)
     return str(assets[which]) if assets and assets[which].is_dir() else None
 
+
+VERIFYING_MODES = ("speculative", "typical")  # modes whose drafts the base verifies
+
+
+def shipped_heads(name: str, mode: str) -> str | None:
+    """The heads shipped for the base ``name`` to decode in ``mode``: for the fetched SmolLM2 the
+    token-conditioned heads where the base verifies drafts (the better drafts: held-out top-1
+    0.565 / 0.370 against 0.463 / 0.297; greedy chains on DynaMo's Table 7 prompts, 128 tokens:
+    1.81 against 1.62 tokens per forward), the replicated ones elsewhere (DynaMo's text repeats
+    less with them, docs/benchmarks.md); ``shipped(name, 0)`` for any other base."""
+    heads = shipped(name, 0)
+    if heads and mode in VERIFYING_MODES and Path(heads) == SMOLLM2_HEADS and SMOLLM2_CONDITIONED.is_dir():
+        return str(SMOLLM2_CONDITIONED)
+    return heads
+

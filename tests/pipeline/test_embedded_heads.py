@@ -64,3 +64,19 @@ def test_shipped_heads_speed_up_greedy_speculative_decoding(model):
         assert res.token_ids == hf[0, ids.shape[1]:].tolist()
         tokens, forwards = tokens + len(res.token_ids), forwards + res.trace.forward_passes - 1  # prefill excluded
     assert tokens / forwards > 2.0
+
+
+def test_the_default_heads_follow_the_mode_on_the_fetched_smollm2(tmp_path, monkeypatch):
+    """Without --heads, ``generate`` takes the heads shipped for its base: on the fetched SmolLM2
+    the token-conditioned ones where drafts are verified, the replicated ones for DynaMo and
+    ``ar``; the embedded base has one set for every mode; another base, none."""
+    from multitoken import embedded
+
+    monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path))
+    smollm2 = embedded.fetched_dir(embedded.SMOLLM2)
+    smollm2.mkdir(parents=True)  # where `multitoken fetch smollm2` converts it (only the path is read here)
+    for mode, heads in (("speculative", embedded.SMOLLM2_CONDITIONED), ("typical", embedded.SMOLLM2_CONDITIONED),
+                        ("dynamic", embedded.SMOLLM2_HEADS), ("ar", embedded.SMOLLM2_HEADS)):
+        assert embedded.shipped_heads(f"fetched:{embedded.SMOLLM2}", mode) == str(heads)
+        assert embedded.shipped_heads(embedded.default_base(), mode) == str(HEADS)
+    assert embedded.shipped_heads(str(tmp_path), "speculative") is None
