@@ -237,7 +237,6 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
                             lengths=lengths if min(lengths) < ids.shape[1] else None, attend=attend, offsets=offsets,
                             clock=clock)
         spent = clock() - start
-        result.model_s = 0.0  # what the step unembedded inside (conditioned heads' token t+1) is in spent already
         for row in batch:
             row.trace.model_s += spent
             row.trace.forward_passes += 1

@@ -65,7 +65,7 @@ def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
     """The subparser of ``name``: its help, one flag per field of each dataclass in ``configs``,
     and ``run(args)`` as its action. Called by the command's own ``register``."""
     summary = COMMANDS[name][1]
-    parser = sub.add_parser(name, help=summary, description=DESCRIPTIONS.get(name, summary), allow_abbrev=False)
+    parser = sub.add_parser(name, help=summary, description=DESCRIPTIONS.get(name, summary))
     for config in configs:
         add_dataclass_args(parser, config)
     if run is not None:
@@ -89,24 +89,27 @@ def threads_for_batches(parser: argparse.ArgumentParser) -> None:
     set_default(parser, "threads", THREADS_BATCHES, threads_field(THREADS_BATCHES).metadata)
 
 
+class Parser(argparse.ArgumentParser):
+    """Flags matched whole: argparse would otherwise take a prefix as the flag it starts (--prompt
+    as --prompts, --head as --heads) and answer about a flag the user never typed. Subcommands'
+    parsers are of the class of the parser they hang from (``add_subparsers``), so every level."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command`` (None: none) gets its full flags."""
     from importlib.metadata import version
 
-    # allow_abbrev off: argparse would otherwise take a prefix as the flag it starts (--prompt as
-    # --prompts, --head as --heads) and answer about a flag the user never typed
-    parser = argparse.ArgumentParser(
-        prog="multitoken",
-        description="Make causal LMs emit several tokens per forward pass.",
-        allow_abbrev=False,
-    )
+    parser = Parser(prog="multitoken", description="Make causal LMs emit several tokens per forward pass.")
     parser.add_argument("--version", action="version", version=f"multitoken {version('multitoken')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, summary) in COMMANDS.items():
         if name == command:
             importlib.import_module(module).register(sub)
         else:
-            sub.add_parser(name, help=summary, allow_abbrev=False)
+            sub.add_parser(name, help=summary)
     return parser
 
 

@@ -72,22 +72,26 @@ def portable_base(name: str) -> str:
     return name
 
 
-def shipped_assets(name: str) -> tuple[Path, Path] | None:
-    """``(heads, stats)`` the package ships for the base ``name`` (the embedded default, or the
-    fetched SmolLM2 checkpoint), None for any other base: they fit no other."""
+def shipped_assets(name: str) -> tuple[Path, Path, Path] | None:
+    """``(heads, stats, drafting heads)`` the package ships for the base ``name`` (the embedded
+    default, or the fetched SmolLM2 checkpoint), None for any other base: they fit no other. The
+    drafting heads serve the modes whose drafts the base verifies: for SmolLM2 its
+    token-conditioned heads (held-out top-1 0.565 / 0.370 against the replicated heads' 0.463 /
+    0.297; greedy chains on DynaMo's Table 7 prompts, 128 tokens: 1.81 against 1.62 tokens per
+    forward); the replicated ones serve DynaMo, whose text repeats less with them."""
     path = Path(resolve_base(str(name))).expanduser()
     if not path.exists():
         return None
     if path.resolve() == DEFAULT_BASE:
-        return EMBEDDED_HEADS, EMBEDDED_STATS
+        return EMBEDDED_HEADS, EMBEDDED_STATS, EMBEDDED_HEADS
     if path.resolve() == fetched_dir(SMOLLM2).resolve():
-        return SMOLLM2_HEADS, SMOLLM2_STATS
+        return SMOLLM2_HEADS, SMOLLM2_STATS, SMOLLM2_CONDITIONED
     return None
 
 
 def shipped(name: str, which: int) -> str | None:
-    """The heads (0) or stats (1) directory shipped for the base ``name``, when the package
-    holds it; None for any other base."""
+    """The heads (0), stats (1) or drafting heads (2) directory shipped for the base ``name``,
+    when the package holds it; None for any other base."""
     assets = shipped_assets(name)
     return str(assets[which]) if assets and assets[which].is_dir() else None
 
@@ -96,13 +100,6 @@ VERIFYING_MODES = ("speculative", "typical")  # modes whose drafts the base veri
 
 
 def shipped_heads(name: str, mode: str) -> str | None:
-    """The heads shipped for the base ``name`` to decode in ``mode``: for the fetched SmolLM2 the
-    token-conditioned heads where the base verifies drafts (the better drafts: held-out top-1
-    0.565 / 0.370 against 0.463 / 0.297; greedy chains on DynaMo's Table 7 prompts, 128 tokens:
-    1.81 against 1.62 tokens per forward), the replicated ones elsewhere (DynaMo's text repeats
-    less with them, docs/benchmarks.md); ``shipped(name, 0)`` for any other base."""
-    heads = shipped(name, 0)
-    if heads and mode in VERIFYING_MODES and Path(heads) == SMOLLM2_HEADS and SMOLLM2_CONDITIONED.is_dir():
-        return str(SMOLLM2_CONDITIONED)
-    return heads
+    """The heads shipped for the base ``name`` to decode in ``mode`` (``shipped_assets``)."""
+    return shipped(name, 2 if mode in VERIFYING_MODES else 0)
 

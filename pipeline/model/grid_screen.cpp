@@ -80,7 +80,6 @@ static void screen_rows(const int16_t* xq, const float* amax, const uint8_t* wb,
     });
 }
 
-
 // The grid kernel's logit of output v for row x [K] (grid_block<Q8>'s chain, one lane of it).
 static inline float grid_exact_at(const float* x, const uint8_t* wp, int K, int v) {
     const uint8_t* col = wp + (int64_t)(v / L) * (K / QK) * chunk_bytes<Q8>();

@@ -273,6 +273,7 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
         out = StepOutput(model, feats, {}, first=read_from, clock=clock, draft=caches.draft)
         if model.heads.needs_next_tokens and heads_upto != 1:  # the head layers read token t+1: base logits first
             feats.next_ids = next_ids(new_ids, out.base_argmax(), read_from)
+            out.model_s = 0.0  # unembedded inside the step: in the caller's time of the step already
         out.hiddens = _run_heads(model, feats, caches, heads_upto)
     if caches.valid is not None or (lengths is not None and min(lengths) < new_ids.shape[1]):
         new_valid = ragged.step_valid(lengths or [new_ids.shape[1]] * new_ids.shape[0], new_ids.shape[1])
