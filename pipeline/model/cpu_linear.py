@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multitoken.pipeline.model import grid_weights, rows_kernel
+from multitoken.pipeline.model import cpu_features, grid_weights, rows_kernel
 
 PACKED, ROWS, STOCK = "packed", "rows", "stock"
 CPU_LINEARS = (PACKED, ROWS, STOCK)
@@ -118,6 +118,9 @@ def _probe(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         _say_once("this torch build has no oneDNN")
         return False
+    if dtype == torch.bfloat16 and not cpu_features.features().onednn_bf16:  # torch's oneDNN would refuse
+        _say_once(f"the oneDNN packed linear is unavailable in {dtype} ({cpu_features.features().lacks('onednn_bf16')})")
+        return False
     gen = torch.Generator().manual_seed(0)
     w, b, x = (torch.randn(*s, generator=gen).to(dtype) for s in ((32, 64), (32,), (3, 64)))
     try:
@@ -181,10 +184,11 @@ class PackedLinear(nn.Module):
         an int8 copy (rows_kernel.rows_argmax; made on first use, a quarter of the fp32 blocks'
         size), or None where that does not apply (not the rows layout, a bias, not a float32 CPU
         input, more rows than the kernel takes): then take ``self(x).argmax(-1)``. Q8_0 grid codes
-        (a GGUF's unembedding) are screened by int16 dot products (grid_screen.cpp, where the CPU
-        has AVX512-VNNI), other codes give the logits' argmax directly."""
+        (a GGUF's unembedding) are screened by int16 dot products (grid_screen.cpp, where the
+        kernel was built with AVX512-VNNI: only there is the screen's bound made), other codes
+        give the logits' argmax directly."""
         if self.grid and self.dense is None and x.dtype == torch.float32 and x.device.type == "cpu":
-            if self.grid == grid_weights.Q8 and self.bias is None:
+            if self.grid == grid_weights.Q8 and self.bias is None and grid_weights.screen_built():
                 if self.screen is None:
                     self.screen = {"l1": grid_weights.grid_l1(self.packed, self.out_features)}
                 found = grid_weights.grid_argmax(x, self.packed, self.out_features, self.screen["l1"])

@@ -208,6 +208,11 @@ def grid_l1(packed: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nextafter(l1.float(), torch.tensor(float("inf")))
 
 
+def screen_built() -> bool:
+    """Whether the kernel has the int16 screen (built with AVX512-VNNI: cpu_features.py)."""
+    return bool(rows_kernel.library().grid_screen_built())
+
+
 def grid_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, l1: torch.Tensor) -> torch.Tensor | None:
     """``grid_linear(x, packed, Q8, n, None).argmax(-1)`` exactly (the first on ties) # [..., K] ->
     [...] long; None where the screen does not apply here (no AVX512-VNNI, more than
@@ -215,9 +220,9 @@ def grid_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, l1: torch.Tensor)
     k = x.shape[-1]
     x = x if x.is_contiguous() else x.contiguous()  # rows [M, K] in memory
     m = x.numel() // k
-    lib = rows_kernel.library()
-    if not (0 < m <= rows_kernel.MAX_ROWS and lib.grid_screen_built()):
+    if not (0 < m <= rows_kernel.MAX_ROWS and screen_built()):
         return None
+    lib = rows_kernel.library()
     xq, amax = torch.empty(m, k, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
     approx, best = torch.empty(m, n, dtype=torch.float32), torch.empty(x.shape[:-1], dtype=torch.long)
     picked = lib.grid_argmax(x.data_ptr(), packed.data_ptr(), l1.data_ptr(), xq.data_ptr(), amax.data_ptr(),

@@ -16,10 +16,11 @@ stored narrower than float32 without loss (a GGUF base's Q4_1 / Q8_0 codes, 16-b
 decoded in the same blocks by the same chain: grid_weights.py.
 
 Build: the C++ of rows_kernel.cpp (and grid_screen.cpp after it) with the machine's C++ compiler
-(``$CXX``, else ``c++`` / ``g++``), ``-O3 -march=native -fopenmp`` (x86-64 only), into the
-cache (``$MULTITOKEN_CACHE/kernels``, keyed by the sources, the flags, the compiler's version and
-the CPU's feature flags, so a cache shared between machines never loads a binary built for
-another CPU), written atomically; about
+(``$CXX``, else ``c++`` / ``g++``), ``-O3 -march=native -fopenmp`` (x86-64 only; with
+``MULTITOKEN_CPU_FEATURES`` set, the instructions above its level turned off: cpu_features.py),
+into the cache (``$MULTITOKEN_CACHE/kernels``, keyed by the sources, the flags, the level, the
+compiler's version and the CPU's feature flags, so a cache shared between machines never loads a
+binary built for another CPU, nor a forced build a native one), written atomically; about
 a second, once. OpenMP threads come from torch's own runtime (its ``libgomp`` is already loaded
 when this loads), so ``torch.set_num_threads`` sets them. Without a compiler, or on any build or
 load error, ``library()`` returns None after one line on stderr, and callers keep oneDNN's or
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 from multitoken.embedded import cache_dir
+from multitoken.pipeline.model import cpu_features
 
 MAX_ROWS = 64  # rows per call the kernel takes; more go through a batched matmul
 # The C++ (package data), read when the kernel is built: one translation unit, in this order
@@ -57,24 +59,17 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), so a cached build is never loaded on another CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
 def _flags() -> list[str]:
-    return ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+    """The compiler's flags: this CPU's instructions, less those above ``MULTITOKEN_CPU_FEATURES``."""
+    return ["-O3", *cpu_features.kernel_flags(), "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 
 
 def _build(compiler: str) -> Path:
     """The shared library, compiled into the cache unless a build for this key is there."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     source = "\n".join(path.read_text() for path in SOURCES)
-    key = hashlib.sha256("\0".join([source, " ".join(_flags()), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, " ".join(_flags()), cpu_features.level(), version,
+                                     cpu_features.cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels" / key
     lib = out_dir / "rows_linear.so"
     if lib.is_file():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from multitoken.pipeline.model import cpu_linear, grid_weights, rows_kernel
+from multitoken.pipeline.model import cpu_features, cpu_linear, grid_weights, rows_kernel
 from multitoken.pipeline.model.cpu_linear import ROWS, PackedLinear
 from multitoken.pipeline.model.grid_weights import BF16, F16, Q4, Q8, QK
 
@@ -21,7 +21,14 @@ pytestmark = pytest.mark.skipif(not cpu_linear.grids_on(),
                                 reason="needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
 
 
-VNNI = "avx512_vnni" in rows_kernel._cpu_flags().split()  # the int16 screen's instructions (grid_screen.cpp); else it declines
+# The int16 screen's instructions (grid_screen.cpp), as the capability probe the kernel's build
+# follows reports them (MULTITOKEN_CPU_FEATURES=avx2 or avx512 turns them off); else it declines.
+VNNI = cpu_features.features().vnni
+
+
+def test_the_build_has_the_screen_where_the_probe_says():
+    """The kernel was compiled for what the probe reports: its lanes and its screen."""
+    assert grid_weights.screen_built() == VNNI and rows_kernel.lanes() == cpu_features.features().lanes()
 
 
 def on_q4(w: torch.Tensor) -> torch.Tensor:
@@ -105,7 +112,7 @@ def test_a_packed_grid_layer_round_trips_and_answers_argmax():
     assert torch.equal(_bits(packed.weight), _bits(stock))
     x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(5))
     assert torch.equal(packed.argmax(x), packed(x).argmax(-1))
-    assert (packed.screen is not None) == VNNI  # the int16 screen's bound, made on first use
+    assert (packed.screen is not None) == VNNI  # the int16 screen's bound, made on first use, only where it runs
     assert cpu_linear.unpack(seq) == 1 and torch.equal(_bits(seq[0].weight), _bits(stock))
 
 

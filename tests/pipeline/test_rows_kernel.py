@@ -17,7 +17,7 @@ from torch import nn
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.pipeline.model import cpu_linear, rows_kernel, unembed_plan
+from multitoken.pipeline.model import cpu_features, cpu_linear, rows_kernel, unembed_plan
 from multitoken.pipeline.model.cpu_linear import ONEDNN, ROWS, PackedLinear
 
 from .test_cpu_linear import _bound, _layers, _model
@@ -98,24 +98,28 @@ def test_without_a_compiler_rows_falls_back_to_onednn_once_said(monkeypatch, cap
 
 
 def test_the_build_is_cached_per_machine_and_reused(tmp_path):
-    """The first process compiles into $MULTITOKEN_CACHE/kernels/KEY/, the next loads that file."""
+    """The first process compiles into $MULTITOKEN_CACHE/kernels/KEY/, the next loads that file;
+    a build forced by ``MULTITOKEN_CPU_FEATURES`` goes to another key (the native one is kept)."""
     code = ("from multitoken.pipeline.model import rows_kernel as r; import sys; "
             "sys.exit(0 if r.library() is not None else 1)")
-    env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path)}
+    env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path), cpu_features.ENV: "native"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     built = list((tmp_path / "kernels").glob("*/rows_linear.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     assert built[0].stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").rglob("*"))) == 2  # no temp left
+    subprocess.run([sys.executable, "-c", code], env={**env, cpu_features.ENV: "avx2"}, check=True, timeout=300)
+    assert len(list((tmp_path / "kernels").glob("*/rows_linear.so"))) == 2  # a forced build has a key of its own
 
 
 ISA_CHECK = """
 import sys, torch
-from multitoken.pipeline.model import rows_kernel as rk
-stock = rk._flags
-rk._flags = lambda: stock() + sys.argv[1:]
+from multitoken.pipeline.model import cpu_features, rows_kernel as rk
+features = cpu_features.features()
+assert features.level == sys.argv[1], features
 assert rk.library() is not None, rk._STATE["why"]
+assert rk.lanes() == features.lanes() and bool(rk.library().grid_screen_built()) == features.vnni, features
 gen = torch.Generator().manual_seed(0)
 w = torch.randn(1000, 96, generator=gen) * 0.1
 w[9] = w[2]
@@ -137,20 +141,23 @@ q = torch.randint(-127, 128, (40, 2, 32), generator=gen).float()
 q[..., 0] = 127  # each block's largest code: d is found from it
 found = grid_weights.find_grid((q * d).reshape(40, 64))
 packed = grid_weights.pack_grid(*found)
-assert grid_weights.grid_argmax(torch.randn(3, 64), packed, 40, grid_weights.grid_l1(packed, 40)) is None  # no AVX512: declines
-print(rk.lanes())
+assert grid_weights.grid_argmax(torch.randn(3, 64), packed, 40, grid_weights.grid_l1(packed, 40)) is None  # no VNNI: declines
+print(" ".join(rk._flags()), rk.lanes())
 """
 
 
-@pytest.mark.parametrize("isa", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]], ids=["avx2", "plain"])
-def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, isa):
-    """The AVX2 and the plain-loop builds (machines without AVX512, or without AVX2), built here
-    with those instruction sets turned off: logits within fp32 rounding, the screen's argmax
-    the exact one, grid codes decoded to the float blocks' logits."""
-    env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", ISA_CHECK, *isa], env=env, capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("level, flags", [("avx512", "-mno-avx512vnni"), ("avx2", "-mno-avx512f"), ("plain", "-mno-avx2")])
+def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, level, flags):
+    """The builds ``MULTITOKEN_CPU_FEATURES`` asks for (AVX512 without VNNI, AVX2, plain loops),
+    built here with those instruction sets turned off, each into a cache entry of its own: the
+    probe says what the build has (lanes, no screen), logits within fp32 rounding, the screen's
+    argmax the exact one, grid codes decoded to the float blocks' logits."""
+    env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path), cpu_features.ENV: level}
+    done = subprocess.run([sys.executable, "-c", ISA_CHECK, level], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-1] == "16"  # 16 lanes without AVX512
+    assert flags in done.stdout.split()
+    wide = level == "avx512" and "avx512f" in cpu_features.cpu_flags().split()
+    assert done.stdout.split()[-1] == ("32" if wide else "16")  # 16 lanes without AVX512
 
 
 def assert_greedy_equals_stock(model) -> None:
