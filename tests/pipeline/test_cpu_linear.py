@@ -13,7 +13,7 @@ from torch import nn
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.pipeline.model import cpu_linear
+from multitoken.pipeline.model import cpu_features, cpu_linear
 from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
 from multitoken.pipeline.model.cpu_linear import PackedLinear
 from multitoken.pipeline.model.model import MultiTokenModel
@@ -21,6 +21,12 @@ from multitoken.pipeline.model.model import MultiTokenModel
 
 pytestmark = pytest.mark.skipif(not cpu_linear.usable(), reason="this torch build has no usable oneDNN packed linear")
 DTYPES = [torch.float32, torch.bfloat16]
+BF16 = cpu_features.features().onednn_bf16  # the capability probe the code asks: oneDNN's bf16 linear runs here
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear takes ``dtype`` on this CPU (bf16: else F.linear, said once)."""
+    return dtype == torch.float32 or BF16
 
 
 def _layers(n: int, k: int, dtype: torch.dtype, bias: bool = True, seed: int = 0) -> nn.Sequential:
@@ -46,9 +52,13 @@ def _packed(seq: nn.Sequential) -> PackedLinear:
 @pytest.mark.parametrize("shape", [(96, 64), (512, 32), (64, 200)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_equals_f_linear_within_rounding(dtype, shape, bias):
+    """Where oneDNN runs ``dtype`` the layer is packed; elsewhere (bf16 without AVX512) it stays
+    a stock ``nn.Linear``: F.linear's values either way."""
     seq = _layers(*shape, dtype, bias)
     w, b = seq[0].weight.clone(), None if seq[0].bias is None else seq[0].bias.clone()
-    layer = _packed(seq)
+    assert cpu_linear.pack(seq) == packs(dtype)
+    layer = seq[0]
+    assert type(layer) is (PackedLinear if packs(dtype) else nn.Linear)
     for rows in (1, 3, 16):
         x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
         got, ref = layer(x), F.linear(x, w, b)
@@ -77,14 +87,35 @@ def test_fp32_rows_do_not_depend_on_the_row_count(shape, threads):
 
 def test_bf16_rows_agree_across_row_counts_within_rounding():
     """bf16 rows are not bit-identical across row counts everywhere (CPUs without AVX512-BF16
-    block the rows differently), only within the rounding bound."""
+    block the rows differently), only within the rounding bound; where oneDNN has no bf16
+    (no AVX512) the layer stays stock and F.linear's rows are held to the same bound."""
     seq = _layers(2048, 64, torch.bfloat16)
     w, b = seq[0].weight.clone(), seq[0].bias.clone()
-    layer = _packed(seq)
+    assert cpu_linear.pack(seq) == BF16
+    layer = seq[0]
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(16)]).float()
     for rows in range(2, 17):
         assert bool(((layer(x[:rows]).float() - alone[:rows]).abs() <= 2 * _bound(x[:rows], w, b)).all())
+
+
+def test_bf16_packs_where_onednn_runs_it_else_falls_back_once_said(monkeypatch, capsys):
+    """The probe's answer decides: oneDNN's layout where it runs bf16; elsewhere every bf16 layer
+    stays stock after one line on stderr naming the missing feature (float32 still packs)."""
+    monkeypatch.setitem(cpu_linear._STATE, "usable", {})
+    monkeypatch.setitem(cpu_linear._STATE, "warned", False)
+    first, second, fp32 = _layers(96, 64, torch.bfloat16), _layers(96, 64, torch.bfloat16, seed=1), _layers(96, 64, torch.float32)
+    assert cpu_linear.pack(first) == cpu_linear.pack(second) == BF16 and cpu_linear.pack(fp32) == 1
+    assert cpu_linear.usable(torch.bfloat16) == BF16
+    err = capsys.readouterr().err
+    if BF16:
+        assert first[0].layout == cpu_linear.ONEDNN and err == ""
+        return
+    assert type(first[0]) is nn.Linear and type(second[0]) is nn.Linear and first[0].weight.numel() == 96 * 64
+    assert err.splitlines() == [
+        "multitoken: the oneDNN packed linear is unavailable in torch.bfloat16 "
+        f"({cpu_features.features().lacks('onednn_bf16')}); CPU linears fall back to F.linear"]
+    assert "AVX512 (BW, VL, DQ) or AVX-NE-CONVERT" in err
 
 
 def test_a_failing_op_falls_back_to_f_linear_once_said(monkeypatch, capsys):

@@ -20,7 +20,7 @@ from multitoken.decoding.engine import generate
 from multitoken.pipeline.model import cpu_features, cpu_linear, rows_kernel, unembed_plan
 from multitoken.pipeline.model.cpu_linear import ONEDNN, ROWS, PackedLinear
 
-from .test_cpu_linear import _bound, _layers, _model
+from .test_cpu_linear import BF16, _bound, _layers, _model
 
 pytestmark = pytest.mark.skipif(not cpu_linear.rows_usable(),
                                 reason="needs the compiled rows kernel: an x86-64 CPU and a C++ compiler with OpenMP")
@@ -64,12 +64,15 @@ def test_a_row_is_bit_identical_whatever_the_rows_and_threads(threads):
 
 
 def test_modes_switch_layouts_and_bf16_stays_onednn():
+    """float32 takes the kernel's layout under ``rows``; bf16 keeps oneDNN's where oneDNN runs
+    bf16 (the probe's answer), else stays stock (F.linear)."""
     seq = nn.Sequential(_layers(96, 64, torch.float32)[0], _layers(96, 64, torch.bfloat16, seed=1)[0])
     w = seq[0].weight.clone()
-    assert cpu_linear.prepare(seq, ROWS) == 2
-    assert [m.layout for m in seq] == [ROWS, ONEDNN]  # the kernel is float32 only
-    assert cpu_linear.prepare(seq, cpu_linear.PACKED) == 2 and [m.layout for m in seq] == [ONEDNN, ONEDNN]
-    assert cpu_linear.prepare(seq, ROWS) == 2 and seq[0].layout == ROWS and torch.equal(seq[0].weight, w)
+    bf16 = ONEDNN if BF16 else None
+    assert cpu_linear.prepare(seq, ROWS) == 1 + BF16
+    assert [cpu_linear.layout_of(m) for m in seq] == [ROWS, bf16]  # the kernel is float32 only
+    assert cpu_linear.prepare(seq, cpu_linear.PACKED) == 1 + BF16 and [cpu_linear.layout_of(m) for m in seq] == [ONEDNN, bf16]
+    assert cpu_linear.prepare(seq, ROWS) == 1 + BF16 and seq[0].layout == ROWS and torch.equal(seq[0].weight, w)
     copied = copy.deepcopy(seq)
     x = torch.randn(5, 64)
     assert copied[0].layout == ROWS and torch.equal(copied[0](x), seq[0](x))
