@@ -11,7 +11,7 @@ CONSTRAINTS = constraints.txt
 PIP = $(VENV)/bin/python -m pip -q
 STAMP = $(VENV)/.multitoken-installed
 
-.PHONY: demo demo-real smollm2 test test-gpu test-all clean-venv
+.PHONY: demo demo-real smollm2 test test-avx2 test-gpu test-all clean-venv
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ smollm2: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+# The CPU kernel and linear tests as a CPU without AVX512 runs them (AMD Zen 1-3, Intel Haswell to
+# Comet Lake), on any machine: the capability probe forced to AVX2 (pipeline/model/cpu_features.py),
+# so the rows kernel is compiled with -mno-avx512f (its own cache entry), without the AVX512-VNNI
+# screen, oneDNN is capped at AVX2 and bfloat16 layers keep F.linear. CI runs it after `make test`.
+CPU_TESTS = tests/pipeline/test_cpu_features.py tests/pipeline/test_cpu_linear.py tests/pipeline/test_rows_kernel.py \
+	tests/pipeline/test_grid_weights.py tests/pipeline/test_draft_vocab.py
+test-avx2: $(STAMP)
+	MULTITOKEN_CPU_FEATURES=avx2 $(VENV)/bin/python -m pytest -q $(CPU_TESTS)
 
 # The GPU suite: exactness (greedy == transformers generate, every head type, both architectures,
 # fp32 / bf16 / 4-bit / 8-bit), chi-square, seeds and bench_decode.py on CUDA. Install a CUDA torch
