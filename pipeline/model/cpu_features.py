@@ -90,6 +90,8 @@ class Features:
                 "onednn_bf16": "AVX512 (BW, VL, DQ) or AVX-NE-CONVERT"}[feature]
         if self.level != NATIVE:
             return f"needs {need}; {ENV}={self.level} reports a CPU below it"
+        if feature == "onednn_bf16" and os.environ.get("ONEDNN_MAX_CPU_ISA"):
+            return f"needs {need}; ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} caps oneDNN below it"
         return f"needs {need}, which this CPU lacks"
 
 
