@@ -64,7 +64,8 @@ CONVERTED = OutputKind("convert", "a converted model", "conversion.json",
 CHECKPOINTS = OutputKind("checkpoints", "training checkpoints", None, ("step-[0-9]*",))
 CORPUS = OutputKind("corpus", "a corpus written by multitoken distill", None)
 GENERATIONS = OutputKind("generations", "generations written by multitoken generate", None)
-KINDS = {k.kind: k for k in (HEADS, STATS, STATS_WORK, EVAL, SWEEP, CONVERTED, CHECKPOINTS, CORPUS, GENERATIONS)}
+RECIPE = OutputKind("recipe", "a heads build (multitoken build-heads)", None, ("distill", "heads-*", "report"))
+KINDS = {k.kind: k for k in (HEADS, STATS, STATS_WORK, EVAL, SWEEP, CONVERTED, CHECKPOINTS, CORPUS, GENERATIONS, RECIPE)}
 FILE_KINDS = {"distill": CORPUS, "generate": GENERATIONS}  # single-file outputs, by command
 CONFIG_SUFFIX = ".config.json"  # the resolved config beside a single-file output
 

@@ -26,6 +26,7 @@ COMMANDS = {
     "convert-llama2c": ("multitoken.pipeline.cli.cmd_convert", "convert a llama2.c .bin checkpoint to a Hugging Face Llama"),
     "attach": ("multitoken.pipeline.cli.cmd_attach", "create an untrained heads dir for a base model"),
     "train": ("multitoken.pipeline.cli.cmd_train", "train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)"),
+    "build-heads": ("multitoken.pipeline.cli.cmd_build_heads", "the whole recipe: distil the base, train every head type, measure, write heads dirs"),
     "distill": ("multitoken.pipeline.cli.cmd_distill", "sample a self-distillation corpus (jsonl) from the base model"),
     "stats": ("multitoken.pipeline.cli.cmd_stats", "co-occurrence statistics: build, merge, info"),
     "eval": ("multitoken.pipeline.cli.cmd_eval", "PPL_n, PPL_1:n, PPL_d, top-k, marginalization baseline, logit lens"),
@@ -48,6 +49,10 @@ DESCRIPTIONS = {
     "train": "Train the heads of a heads dir on a dataset: heads only (frozen base), jointly with LoRA on the "
              "base, heads first then jointly, or with DynaMo's three learning rates. Checkpoints let a killed "
              "run resume (--resume); the trained heads are written to --out at the end.",
+    "build-heads": "From a base to shipped-quality heads in one command: the base continues prompts cut from --data "
+                   "(greedy and sampled) into token shards, every head type of --heads trains on them at once (heads "
+                   "only), and each is measured on continuations of --heldout prompts (rank_accuracy.json, "
+                   "draft_vocab.json). Every stage resumes where a killed run stopped: rerun the same command.",
     "distill": "Sample a training corpus (jsonl) from the base model itself, for bases whose training data is "
                "not at hand (as Medusa does).",
     "stats": "Co-occurrence statistics of a corpus (counts of token pairs and triples) for dynamic decoding: "

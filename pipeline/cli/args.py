@@ -35,6 +35,7 @@ TITLES = {
     "TrainConfig": "training",
     "DataConfig": "data",
     "DistillConfig": "sampling the corpus",
+    "RecipeConfig": "the recipe",
     "EvalConfig": "evaluation",
     "SweepConfig": "sweep",
     "BuildConfig": "counting",

@@ -1,0 +1,154 @@
+"""``multitoken build-heads``: one recipe from a base to shipped-quality heads dirs.
+
+Stages, each resumable (a finished stage's output is reused, a killed one redone):
+1. prompts: ``prompt_len``-token windows of the ``--data`` text (training) and of the
+   ``--heldout`` text (evaluation), none shared;
+2. distil: the base continues every prompt by ``new_tokens`` (greedy, every
+   ``sample_every``-th batch sampled) into token shards (``distill/train``, ``distill/heldout``),
+   until ``tokens`` new tokens exist or ``distill_seconds`` run out;
+3. train: every head type of ``heads`` at once on the training shards, heads only, the frozen
+   trunk run once per batch (``recipe_train``), for ``epochs`` passes or ``train_seconds``;
+4. measure: held-out top-1 / top-5 of every head and each draft head's accuracy per rank
+   (``rank_accuracy.json``, what ``--tree static`` reads), and the training text's token ranking
+   (``draft_vocab.json``, the drafts' vocabulary);
+5. write ``heads-TYPE/`` (a heads dir each) and ``report/build_report.json`` (text size, times,
+   machine, accuracies) under ``--out``.
+On a GPU the whole recipe runs in one call (``scripts/gpu_build_heads.sh``).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from multitoken.adapters.registry import registered_heads
+from multitoken.base.atomic import atomic_write_text
+from multitoken.base.errors import UsageError
+from multitoken.decoding.trees import MAX_RANKS, accuracy_record
+from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, ranking_record
+from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.train import recipe_data as rdata
+from multitoken.pipeline.train import recipe_train as rtrain
+
+HEAD_TYPES = ("replicated", "medusa", "conditioned")
+REPORT = "report/build_report.json"  # inside a work dir of the output's record (see cmd_build_heads)
+
+
+@dataclass
+class RecipeConfig:
+    """Drives ``multitoken build-heads``."""
+
+    data: tuple[str, ...] = field(default=(), metadata={"help": "text files (.txt, or .jsonl with a text field) the training prompts are cut from"})
+    heldout: tuple[str, ...] = field(default=(), metadata={"help": "text files for the held-out prompts (none of their windows is trained on)"})
+    out: str | None = field(default=None, metadata={"help": "output folder: the shards, one heads dir per type, the build report"})
+    heads: tuple[str, ...] = field(default=HEAD_TYPES, metadata={"help": "head types to train"})
+    n_future: int = field(default=3, metadata={"help": "tokens each head set predicts (head 1 is the base)"})
+    tokens: int = field(default=2_000_000, metadata={"help": "new tokens to distil for training"})
+    heldout_prompts: int = field(default=200, metadata={"help": "held-out prompts (continued greedily)"})
+    prompt_len: int = field(default=16, metadata={"help": "tokens per prompt"})
+    prompt_stride: int = field(default=4, metadata={"help": "tokens between two training prompts' starts"})
+    new_tokens: int = field(default=64, metadata={"help": "tokens the base adds to each prompt"})
+    sample_every: int = field(default=2, metadata={"help": "every N-th batch sampled (temperature 0.7, top-k 50); 0: all greedy"})
+    distill_batch: int = field(default=64, metadata={"help": "prompts continued at once"})
+    shard_rows: int = field(default=1024, metadata={"help": "continuations per shard (the unit of resumption)"})
+    epochs: float = field(default=1.0, metadata={"help": "passes over the distilled text"})
+    batch_rows: int = field(default=16, metadata={"help": "continuations per training step"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW, warm-up then cosine)"})
+    warmup: int = field(default=50, metadata={"help": "warm-up steps"})
+    distill_seconds: float = field(default=0.0, metadata={"help": "stop distilling after this long (0: no limit)"})
+    train_seconds: float = field(default=0.0, metadata={"help": "fit training into this long (0: no limit)"})
+    compute_dtype: str = field(default="float32", metadata={"help": "float32, or bfloat16 autocast (GPUs, CPUs with native bf16)",
+                                                            "choices": ("float32", "bfloat16")})
+    draft_vocab: int = field(default=8192, metadata={"help": "tokens the drafts score by default (draft_vocab.json's size)"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+
+
+def validate(cfg: RecipeConfig) -> None:
+    if not cfg.data or not cfg.heldout:
+        raise UsageError("build-heads needs training and held-out text", "pass --data FILE... and --heldout FILE...")
+    for path in (*cfg.data, *cfg.heldout):
+        if not Path(path).is_file():
+            raise UsageError(f"{path!r} is not a file", "pass text files (.txt or .jsonl)")
+    unknown = [h for h in cfg.heads if h not in registered_heads()]
+    if unknown:
+        raise UsageError(f"unknown head type {unknown[0]!r}", f"use some of: {', '.join(registered_heads())}")
+    if cfg.n_future < 2 or cfg.tokens < 1 or cfg.new_tokens < 1 or cfg.prompt_len < 2 or cfg.batch_rows < 1:
+        raise UsageError("--n-future must be >= 2, and --tokens, --new-tokens, --batch-rows >= 1, --prompt-len >= 2")
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _head_config(kind: str, n: int) -> dict:
+    cfg = {"head_type": kind, "n_future": n}
+    return {**cfg, "init": "copy"} if kind in ("replicated", "conditioned", "whs") else cfg
+
+
+def distill_stage(backbone, cfg: RecipeConfig, out: Path, log) -> dict:
+    tok = backbone.tokenizer
+    held = rdata.window_prompts(tok, [Path(p) for p in cfg.heldout], cfg.prompt_len, cfg.prompt_len, seed=1)[: cfg.heldout_prompts]
+    rows_wanted = -(-cfg.tokens // cfg.new_tokens)
+    train = rdata.window_prompts(tok, [Path(p) for p in cfg.data], cfg.prompt_len, cfg.prompt_stride, seed=cfg.seed,
+                                 exclude={tuple(r) for r in held.tolist()})
+    log(f"prompts: {len(train):,} training windows of {cfg.prompt_len} tokens, {len(held):,} held out")
+    if len(train) < rows_wanted:
+        log(f"distill: the data holds {len(train):,} prompts, {rows_wanted:,} wanted; each is continued once")
+    train = train[:rows_wanted]
+    budget = cfg.distill_seconds or None
+    held_rec = rdata.distill_shards(backbone, held, out / "distill" / "heldout", cfg.new_tokens, cfg.shard_rows,
+                                    cfg.distill_batch, 0, cfg.seed + 1, log=log)
+    train_rec = rdata.distill_shards(backbone, train, out / "distill" / "train", cfg.new_tokens, cfg.shard_rows,
+                                     cfg.distill_batch, cfg.sample_every, cfg.seed, seconds=budget, log=log)
+    return {"heldout": held_rec, "train": train_rec, "prompts_available": int(len(train))}
+
+
+def build(backbone, cfg: RecipeConfig, log=print) -> dict:
+    """Run every stage into ``cfg.out``; returns the build report."""
+    out = Path(cfg.out)
+    started = time.time()
+    report = {"config": asdict(cfg), "machine": machine(), "base": backbone.name, "stages": {}}
+    report["stages"]["distill"] = distill_stage(backbone, cfg, out, log)
+    report["stages"]["distill"]["seconds_total"] = round(time.time() - started, 1)
+    train = rdata.read_shards(out / "distill" / "train")
+    held = rdata.read_shards(out / "distill" / "heldout")
+    report["text"] = {"train_rows": int(train["ids"].shape[0]), "train_tokens": int(train["valid"].sum()),
+                      "heldout_rows": int(held["ids"].shape[0]), "heldout_tokens": int(held["valid"].sum())}
+    log(f"text: {report['text']}")
+    counts = torch.bincount(train["ids"][train["valid"]], minlength=backbone.vocab_size)
+    ranking = ranking_record(counts, cfg.draft_vocab, "the recipe's self-distilled training text (multitoken build-heads)")
+    todo = [k for k in cfg.heads if not (out / f"heads-{k}" / "heads_config.json").is_file()]
+    torch.manual_seed(cfg.seed)
+    sets = [rtrain.HeadSet(k, MultiTokenModel.attach(backbone, _head_config(k, cfg.n_future)), cfg.lr) for k in todo]
+    if sets:
+        t0 = time.time()
+        run = rtrain.train_sets(backbone, sets, train, epochs=cfg.epochs, batch_rows=cfg.batch_rows, warmup=cfg.warmup,
+                                seconds=cfg.train_seconds or None, dtype=cfg.compute_dtype, chunk=4096, seed=cfg.seed, log=log)
+        report["stages"]["train"] = {k: v for k, v in run.items() if k != "history"}
+        report["stages"]["train"]["heads"] = todo
+        for s in sets:
+            acc = rtrain.rank_accuracy(backbone, s.model, held, 32, cfg.compute_dtype, MAX_RANKS)
+            record = {"head": _head_config(s.name, cfg.n_future), "heldout": acc["summary"],
+                      "train": report["stages"]["train"], "text": report["text"], "machine": report["machine"],
+                      "history": [{k: v for k, v in h.items() if k.startswith(s.name + "/") or "/" not in k} for h in run["history"]]}
+            extra = {"rank_accuracy.json": json.dumps(accuracy_record(acc["ranks"], acc["counts"]), indent=2) + "\n",
+                     "train_metrics.json": json.dumps(record, indent=2) + "\n"}
+            if s.model.heads.num_head_layers:  # layer heads unembed drafts through the base's matrix
+                extra[DRAFT_VOCAB_FILE] = json.dumps(ranking) + "\n"
+            s.model.save_heads(out / f"heads-{s.name}", extra=extra, command="build-heads")
+            log(f"heads-{s.name}: held-out {acc['summary']}")
+        report["stages"]["train"]["seconds_total"] = round(time.time() - t0, 1)
+    report["heldout"] = {k: json.loads((out / f"heads-{k}" / "train_metrics.json").read_text())["heldout"] for k in cfg.heads}
+    report["seconds"] = round(time.time() - started, 1)
+    (out / REPORT).parent.mkdir(exist_ok=True)
+    atomic_write_text(out / REPORT, json.dumps(report, indent=2) + "\n")
+    return report

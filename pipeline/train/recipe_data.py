@@ -1,0 +1,151 @@
+"""The recipe's text: prompts cut from a corpus, continued by the base, kept as token shards.
+
+The Medusa-2 / DynaMo recipe: the base continues prompts taken from public text, so the heads
+learn what the base itself says next. Every prompt has the same length and every continuation
+the same number of new tokens, so a batch needs no padding and every row the same length.
+
+Shards are the unit of work and of resumption: shard k holds the continuations of prompts
+``[k * rows, (k + 1) * rows)``, drawn with a generator seeded by (seed, k), and is written
+atomically (``shard-00007.safetensors``: ``ids`` [n, T] int32, ``valid`` [n, T] uint8, where a
+head's loss may look). A killed run re-reads the finished shards and continues with the first
+missing one. Only token ids are kept: training recomputes the frozen trunk's states, which on
+an accelerator costs less than reading them back from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from multitoken.base.errors import DataError
+
+SHARD = "shard-{:05d}.safetensors"
+
+
+# Prompts ----------------------------------------------------------------------------------
+def paragraphs(path: Path):
+    """A text file's prose blocks: jsonl rows' ``text``, else lines (blank-line blocks for
+    text whose lines are verse); markup and headings left out, wikitext's tokenisation undone."""
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".jsonl":
+        blocks = [json.loads(line).get("text", "") for line in raw.splitlines() if line.strip()]
+    else:
+        lines = [line.strip() for line in raw.splitlines()]
+        filled = [line for line in lines if line]
+        if sum(len(line) < 60 for line in filled) > 0.5 * max(len(filled), 1):  # verse: blank-line blocks
+            blocks = "\n".join(lines).split("\n\n")
+        else:
+            blocks = filled
+    for block in blocks:
+        block = " ".join(block.split())
+        if block and not block.startswith(("=", "<")):
+            yield _clean_wikitext(block)
+
+
+def _clean_wikitext(text: str) -> str:
+    """Undo wikitext-2's word tokenisation (`` @-@ ``, `` , ``) so prompts read as prose."""
+    text = re.sub(r" @(.)@ ", r"\1", text)
+    text = re.sub(r" ([,.;:!?)'])", r"\1", text)
+    return re.sub(r"\( ", "(", text).replace(" n't", "n't")
+
+
+def window_prompts(tokenizer, files: list[Path], length: int, stride: int, seed: int,
+                   exclude: set[tuple[int, ...]] | None = None) -> torch.Tensor:
+    """Distinct ``length``-token windows every ``stride`` tokens inside each paragraph (cut at
+    ``<unk>``), none in ``exclude``, shuffled by ``seed`` # [P, length]."""
+    seen, rows = set(exclude or ()), []
+    for path in files:
+        for block in paragraphs(Path(path)):
+            for piece in block.split("<unk>"):
+                ids = tokenizer(piece.strip()).input_ids
+                for start in range(0, len(ids) - length + 1, stride):
+                    window = tuple(ids[start:start + length])
+                    if window not in seen:
+                        seen.add(window)
+                        rows.append(window)
+    if not rows:
+        raise DataError(f"no {length}-token prompt in {', '.join(map(str, files))}",
+                        "pass text files with paragraphs of at least that many tokens")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(rows, dtype=torch.long)[order]
+
+
+# Continuations ----------------------------------------------------------------------------
+@torch.inference_mode()
+def continue_rows(backbone, prompts: torch.Tensor, new_tokens: int, sample: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` [B, P] continued by ``new_tokens`` (greedy, or sampled at temperature 0.7 /
+    top-k 50) -> ids [B, T], valid [B, T] (T = P + new; targets from the prompt's last token on,
+    up to a row's first EOS)."""
+    eos = backbone.tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    prompts = prompts.to(backbone.device)
+    options = dict(do_sample=True, temperature=0.7, top_k=50) if sample else dict(do_sample=False)
+    ids = backbone.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, pad_token_id=eos if eos is not None else 0,
+                                  **options)  # [B, T]
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    if eos is not None:
+        after = (ids == eos) & (torch.arange(ids.shape[1], device=ids.device) >= prompts.shape[1])
+        valid &= after.cumsum(1) == 0
+    valid[:, : prompts.shape[1] - 1] = False  # the public text is not what the base says
+    return ids.cpu(), valid.cpu()
+
+
+def write_shard(path: Path, ids: torch.Tensor, valid: torch.Tensor, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({"ids": ids.to(torch.int32).contiguous(), "valid": valid.to(torch.uint8).contiguous()}, str(tmp),
+              metadata={k: str(v) for k, v in meta.items()})
+    os.replace(tmp, path)
+
+
+def read_shards(folder: Path) -> dict[str, torch.Tensor]:
+    """Every finished shard of ``folder``, in order: ids [N, T] int64, valid [N, T] bool."""
+    from safetensors.torch import load_file
+
+    parts = [load_file(str(p)) for p in sorted(folder.glob("shard-*.safetensors"))]
+    if not parts:
+        raise DataError(f"{folder} holds no shard", "run the distillation stage first")
+    return {"ids": torch.cat([p["ids"] for p in parts]).long(), "valid": torch.cat([p["valid"] for p in parts]).bool()}
+
+
+def distill_shards(backbone, prompts: torch.Tensor, folder: Path, new_tokens: int, rows: int, batch: int,
+                   sample_every: int, seed: int, seconds: float | None = None, log=print) -> dict:
+    """Continue ``prompts`` into shards of ``rows`` rows under ``folder`` (every
+    ``sample_every``-th batch sampled, 0: all greedy), skipping finished shards; stop early
+    after ``seconds``. Returns the stage's record."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n_shards = -(-len(prompts) // rows)
+    started, made, tokens = time.time(), 0, 0
+    for k in range(n_shards):
+        path = folder / SHARD.format(k)
+        if path.is_file():
+            continue
+        if seconds is not None and time.time() - started > seconds:
+            log(f"distill: time budget reached after {made} new shard(s)")
+            break
+        part = prompts[k * rows:(k + 1) * rows]
+        ids, valid, shown = [], [], time.time()
+        for j, at in enumerate(range(0, len(part), batch)):
+            sample = sample_every > 0 and j % sample_every == sample_every - 1
+            got = continue_rows(backbone, part[at:at + batch], new_tokens, sample, seed * 100_003 + k * 1009 + j)
+            ids.append(got[0])
+            valid.append(got[1])
+            if time.time() - shown > 10:  # a line every ~10 s inside a long shard
+                shown = time.time()
+                log(f"distill {folder.name}: shard {k + 1}/{n_shards}, {at + len(got[0]):,}/{len(part):,} rows")
+        write_shard(path, torch.cat(ids), torch.cat(valid), {"shard": k, "seed": seed, "new_tokens": new_tokens})
+        made += 1
+        tokens += len(part) * new_tokens
+        rate = tokens / max(time.time() - started, 1e-9)
+        left = sum(1 for i in range(k + 1, n_shards) if not (folder / SHARD.format(i)).is_file())
+        log(f"distill {folder.name}: shard {k + 1}/{n_shards}, {rate:,.0f} new tokens/s, "
+            f"ETA {left * rows * new_tokens / max(rate, 1e-9):.0f} s")
+    done = sorted(folder.glob("shard-*.safetensors"))
+    return {"shards": len(done), "of": n_shards, "new_tokens_this_run": tokens, "seconds": round(time.time() - started, 1)}

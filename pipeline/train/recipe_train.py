@@ -1,0 +1,138 @@
+"""The recipe's training: several head types at once, heads only, on the distilled shards.
+
+With the backbone frozen, every head type reads the same trunk pass, so one batch's trunk runs
+once (without autograd) and each head set then takes its own loss, backward and AdamW step.
+The loss is each adapter's own (``HeadAdapter.loss``: cross-entropy of head i against token
+t+i over the whole vocabulary, CP's mixture and aux loss where it applies); head 1 is the base
+and is not trained. Learning rates warm up, then follow a cosine to zero over the planned steps;
+a time budget shortens the plan once the first steps are timed, so the schedule still ends.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+
+from multitoken.adapters.base import Features
+
+
+def autocast(device: torch.device, dtype: str):
+    """bfloat16 autocast where asked (on CUDA, or a CPU with native bf16), else nothing."""
+    if dtype != "bfloat16":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def trunk_features(backbone, ids: torch.Tensor, collect: bool) -> Features:
+    """The frozen trunk's pass over ``ids`` [B, T] -> Features ([B, T, H] each), no autograd."""
+    with torch.no_grad():
+        trunk = backbone.run_trunk(ids, collect=collect)
+        base = backbone.final_norm(backbone.run_layer(backbone.layers[-1], trunk.hidden, trunk.ctx))  # [B, T, H]
+    return Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = (step - warmup) / max(total - warmup, 1)
+    return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+class HeadSet:
+    """One head type under training: its model (sharing the backbone), optimizer and LR."""
+
+    def __init__(self, name: str, model, lr: float, weight_decay: float = 0.0):
+        self.name, self.model, self.lr = name, model, lr
+        self.params = [p for p in model.heads.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        model.heads.train()
+
+    def step(self, feats: Features, ids, valid, factor: float, chunk: int, grad_clip: float) -> dict:
+        if self.model.heads.needs_next_tokens:  # token t+1 from the text itself (teacher forcing)
+            feats.next_ids = self.model.next_tokens(ids, feats.base)
+        out = self.model.heads.loss(feats, ids, valid, chunk, skip_constant=True)
+        loss = torch.stack([l.float() for l in out.per_head if l is not None]).sum()
+        if out.aux is not None and hasattr(self.model.heads.config, "aux_weight"):
+            loss = loss + self.model.heads.config.aux_weight * out.aux
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr * factor
+        self.opt.step()
+        feats.next_ids = None
+        return {k: round(v, 4) for k, v in out.metrics.items() if not k.startswith("head1/")}
+
+
+def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batch_rows: int, warmup: int,
+               seconds: float | None, dtype: str, chunk: int, grad_clip: float = 1.0, seed: int = 0,
+               log=print) -> dict:
+    """Train every head set on ``data`` (ids / valid [N, T]) for ``epochs`` passes or until
+    ``seconds`` run out (timed over the first steps, then the plan is cut to fit)."""
+    g = torch.Generator().manual_seed(seed)
+    n_rows = data["ids"].shape[0]
+    total = max(int(epochs * n_rows / batch_rows), 1)
+    collect = any(s.model.heads.needs_layer_states for s in sets)
+    device = backbone.device
+    order, at, step, history = torch.randperm(n_rows, generator=g), 0, 0, []
+    started = time.time()
+    while step < total:
+        if at + batch_rows > n_rows:
+            order, at = torch.randperm(n_rows, generator=g), 0
+        rows = order[at:at + batch_rows]
+        at += batch_rows
+        ids = data["ids"][rows].to(device, non_blocking=True)  # [b, T]
+        valid = data["valid"][rows].to(device, non_blocking=True)
+        factor = lr_factor(step, total, warmup)
+        with autocast(device, dtype):
+            feats = trunk_features(backbone, ids, collect)
+            metrics = {s.name: s.step(feats, ids, valid, factor, chunk, grad_clip) for s in sets}
+        step += 1
+        if step == 20 and seconds is not None:  # the plan must end inside the budget
+            per_step = (time.time() - started) / step
+            total = min(total, max(int(seconds / per_step), step + 1))
+        if step % 50 == 0 or step == total:
+            elapsed = time.time() - started
+            rec = {"step": step, "of": total, "seconds": round(elapsed, 1), "eta_s": round(elapsed / step * (total - step)),
+                   **{f"{name}/{k}": v for name, m in metrics.items() for k, v in m.items()}}
+            history.append(rec)
+            log(rec)
+    for s in sets:
+        s.model.heads.eval()
+    tokens = step * batch_rows * data["ids"].shape[1]
+    return {"steps": step, "planned_steps": int(max(epochs * n_rows / batch_rows, 1)), "epochs": round(step * batch_rows / n_rows, 3),
+            "seconds": round(time.time() - started, 1), "tokens_seen": tokens, "batch_rows": batch_rows, "history": history}
+
+
+@torch.no_grad()
+def rank_accuracy(backbone, model, data: dict, batch_rows: int, dtype: str, max_ranks: int) -> dict:
+    """Every head's top-1 / top-5 over the whole vocabulary on ``data``, head 1 included, and
+    the draft heads' accuracy per rank of their guesses (``rank_accuracy.json``'s counts)."""
+    W = backbone.unembedding.weight
+    n = model.n_future
+    ranks, counts = [[0] * max_ranks for _ in range(n)], [0] * n
+    for start in range(0, data["ids"].shape[0], batch_rows):
+        ids = data["ids"][start:start + batch_rows].to(backbone.device)
+        valid = data["valid"][start:start + batch_rows].to(backbone.device)
+        with autocast(backbone.device, dtype):
+            feats = trunk_features(backbone, ids, model.heads.needs_layer_states)
+            if model.heads.needs_next_tokens:
+                feats.next_ids = model.next_tokens(ids, feats.base)
+            for i in range(n):
+                h = model.heads.hidden(i, feats)  # [b, T, H]
+                off = i + 1
+                ok = valid[:, off:] & valid[:, :-off]  # [b, T - off]
+                rows = h[:, :-off][ok]  # [N, H]
+                target = ids[:, off:][ok]  # [N]
+                top = (rows.float() @ W.float().T).topk(max_ranks, dim=-1).indices  # [N, R]
+                hits = (top == target[:, None]).sum(0).tolist()
+                ranks[i] = [a + b for a, b in zip(ranks[i], hits)]
+                counts[i] += int(target.numel())
+    summary = {f"head{i + 1}/top1": round(ranks[i][0] / max(counts[i], 1), 4) for i in range(n)}
+    summary.update({f"head{i + 1}/top5": round(sum(ranks[i][:5]) / max(counts[i], 1), 4) for i in range(n)})
+    summary["positions"] = counts[0]
+    return {"summary": summary, "ranks": ranks[1:], "counts": counts[1:]}
