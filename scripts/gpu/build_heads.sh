@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The heads recipe on one GPU in one call (`multitoken build-heads`), for a device machine that
+# has torch, transformers and CUDA but neither this package installed nor the network.
+#
+#   bash scripts/gpu/build_heads.sh PAYLOAD OUT [smoke]
+#
+# PAYLOAD holds, in any of its subfolders: gguf-*.whl (transformers reads GGUF with it),
+# model.gguf.part-* (the base's GGUF in parts, joined in name order: a call carries at most
+# 64 MiB), and the text: train/*.txt, heldout/*.txt. OUT receives the heads
+# (heads-TYPE.safetensors, each under 16 MiB), every small file in build.tar.gz, and the log.
+# `smoke` runs the same recipe on the embedded stories260K for a few seconds instead.
+set -euo pipefail
+payload=$(realpath "$1"); out=$(realpath "$2"); mode=${3:-full}
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+site=/tmp/mt-site
+# the package as its import root maps it (pyproject's package-dir), without installing it
+rm -rf "$site"; mkdir -p "$site/multitoken" "$site/multitoken-0.1.0.dist-info"
+for pkg in adapters pipeline stats decoding; do ln -s "$repo/$pkg" "$site/multitoken/$pkg"; done
+ln -s "$repo/pipeline/base" "$site/multitoken/base"; ln -s "$repo/pipeline/embedded" "$site/multitoken/embedded"
+printf 'Metadata-Version: 2.1\nName: multitoken\nVersion: 0.1.0\n' > "$site/multitoken-0.1.0.dist-info/METADATA"
+wheel=$(find "$payload" -name "gguf-*.whl" | head -1)
+if [ -n "$wheel" ]; then "${PY:-python3}" -m pip install -q --no-index --no-deps --target "$site" "$wheel"; fi
+export PYTHONPATH="$site" PYTHONUNBUFFERED=1 TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+"${PY:-python3}" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+work=/tmp/build; mkdir -p "$work"
+run() { "${PY:-python3}" -m multitoken.pipeline.cli build-heads --device "${DEVICE:-cuda}" --compute-dtype "${COMPUTE:-bfloat16}" "$@" 2>&1 | tee -a "$out/build.log"; }
+if [ "$mode" = smoke ]; then
+  run --base embedded:stories260K --data $(find "$payload" -path "*/train/*.txt") --heldout $(find "$payload" -path "*/heldout/*.txt") --out "$work/smoke" \
+      --tokens "${SMOKE_TOKENS:-100000}" --heldout-prompts "${HELDOUT:-64}" --new-tokens 48 --distill-batch 512 --shard-rows 1024 --batch-rows 64 \
+      --train-seconds "${TRAIN_S:-10}" --warmup 10
+else
+  if [ ! -f "$work/model.gguf" ]; then cat $(find "$payload" -name "model.gguf.part-*" | sort) > "$work/model.gguf"; fi
+  if [ -n "${GGUF_SHA256:-}" ] && ! echo "$GGUF_SHA256  $work/model.gguf" | sha256sum -c --quiet; then
+    echo "the joined GGUF is not the one expected (a part missing?): $(ls $(find "$payload" -name 'model.gguf.part-*'))"; rm -f "$work/model.gguf"; exit 3
+  fi
+  run --base "$work/model.gguf" --data $(find "$payload" -path "*/train/*.txt") --heldout $(find "$payload" -path "*/heldout/*.txt") --out "$work/full" \
+      --tokens "${TOKENS:-20300000}" --heldout-prompts "${HELDOUT:-200}" --prompt-stride 2 --new-tokens "${NEW:-136}" --distill-batch "${BATCH:-4096}" \
+      --shard-rows 8192 --batch-rows 128 --lr 1.5e-3 --warmup 100 --epochs 2 \
+      --distill-seconds "${DISTILL_S:-190}" --train-seconds "${TRAIN_S:-170}"
+fi
+dest="$work/$([ "$mode" = smoke ] && echo smoke || echo full)"
+# the heads in bfloat16 (what ships; a file comes back only under 16 MiB), the rest in one archive
+for d in "$dest"/heads-*; do
+  "${PY:-python3}" -c "import sys, torch; from safetensors.torch import load_file, save_file
+save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(sys.argv[1]).items()}, sys.argv[2], metadata={'format': 'pt'})" \
+    "$d/heads.safetensors" "$out/$(basename "$d").safetensors"
+done
+(cd "$dest" && tar czf "$out/build.tar.gz" --exclude=heads.safetensors --exclude=distill .)
+ls -la "$out"

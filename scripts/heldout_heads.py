@@ -1,0 +1,82 @@
+"""Held-out accuracy of heads dirs side by side, on the same text (the measure shipped heads are
+chosen by): the base continues held-out prompts greedily, every heads dir is scored on those
+continuations over the whole vocabulary (top-1 / top-5 per head, accuracy per rank).
+
+The held-out prompts are the ones the shipped SmolLM2 heads were always measured on: the first
+16 tokens of wikitext-2 *test* sentences (none of that file is training text), 64 new tokens.
+
+    python scripts/heldout_heads.py --base fetched:SmolLM2-135M-Instruct \
+        --heads embedded:SmolLM2-135M-Instruct-conditioned /tmp/new/heads-conditioned --out heldout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from multitoken.base.quiet import quiet_dependencies
+from multitoken.decoding.trees import MAX_RANKS
+from multitoken.embedded import resolve_base
+from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.train import recipe_data, recipe_train
+
+FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+
+
+def sentences(path: Path, min_words: int = 10) -> list[str]:
+    return [s for block in recipe_data.paragraphs(path) for s in re.split(r"(?<=[.!?])\s+", block)
+            if len(s.split()) >= min_words and "<unk>" not in s]
+
+
+def prompts(tokenizer, n: int, length: int = 16, seed: int = 1) -> torch.Tensor:
+    seen, rows = set(), []
+    for line in sentences(FIXTURES / "wikitext2_tokens" / "test.txt"):
+        ids = tokenizer(line).input_ids[:length]
+        if len(ids) == length and tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            rows.append(ids)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(rows, dtype=torch.long)[order][:n]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="fetched:SmolLM2-135M-Instruct")
+    p.add_argument("--heads", nargs="+", required=True, help="heads dirs (or embedded:NAME)")
+    p.add_argument("--prompts", type=int, default=200)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=50)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True, help="JSON file")
+    args = p.parse_args()
+    quiet_dependencies()
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    models = [MultiTokenModel.from_pretrained(BackboneConfig(base=args.base, threads=args.threads, cpu_linear="stock"), resolve_base(h))
+              for h in args.heads]
+    bb = models[0].backbone
+    held = prompts(bb.tokenizer, args.prompts)
+    parts = [recipe_data.continue_rows(bb, held[i:i + args.batch], args.new_tokens, False, 0) for i in range(0, len(held), args.batch)]
+    data = {"ids": torch.cat([a for a, _ in parts]), "valid": torch.cat([b for _, b in parts])}
+    rows = {}
+    for name, model in zip(args.heads, models):
+        acc = recipe_train.rank_accuracy(model.backbone, model, data, 25, "float32", MAX_RANKS)
+        rows[name] = acc["summary"]
+        print(name, json.dumps(acc["summary"]), flush=True)
+    record = {"base": args.base, "prompts": len(held), "new_tokens": args.new_tokens, "heldout": rows,
+              "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+              "seconds": round(time.time() - started, 1)}
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
