@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import time
 from pathlib import Path
 
@@ -29,22 +28,6 @@ from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.train import recipe_data, recipe_train
 
 FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
-
-
-def sentences(path: Path, min_words: int = 10) -> list[str]:
-    return [s for block in recipe_data.paragraphs(path) for s in re.split(r"(?<=[.!?])\s+", block)
-            if len(s.split()) >= min_words and "<unk>" not in s]
-
-
-def prompts(tokenizer, n: int, length: int = 16, seed: int = 1) -> torch.Tensor:
-    seen, rows = set(), []
-    for line in sentences(FIXTURES / "wikitext2_tokens" / "test.txt"):
-        ids = tokenizer(line).input_ids[:length]
-        if len(ids) == length and tuple(ids) not in seen:
-            seen.add(tuple(ids))
-            rows.append(ids)
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
-    return torch.tensor(rows, dtype=torch.long)[order][:n]
 
 
 def main() -> int:
@@ -63,7 +46,7 @@ def main() -> int:
     models = [MultiTokenModel.from_pretrained(BackboneConfig(base=args.base, threads=args.threads, cpu_linear="stock"), resolve_base(h))
               for h in args.heads]
     bb = models[0].backbone
-    held = prompts(bb.tokenizer, args.prompts)
+    held = recipe_data.sentence_prompts(bb.tokenizer, [FIXTURES / "wikitext2_tokens" / "test.txt"], 16, seed=1)[: args.prompts]
     parts = [recipe_data.continue_rows(bb, held[i:i + args.batch], args.new_tokens, False, 0) for i in range(0, len(held), args.batch)]
     data = {"ids": torch.cat([a for a, _ in parts]), "valid": torch.cat([b for _, b in parts])}
     rows = {}

@@ -1,8 +1,8 @@
 """``multitoken build-heads``: one recipe from a base to shipped-quality heads dirs.
 
 Stages, each resumable (a finished stage's output is reused, a killed one redone):
-1. prompts: ``prompt_len``-token windows of the ``--data`` text (training) and of the
-   ``--heldout`` text (evaluation), none shared;
+1. prompts: ``prompt_len``-token windows of the ``--data`` text (training), and the first
+   ``prompt_len`` tokens of the ``--heldout`` text's sentences (evaluation), none shared;
 2. distil: the base continues every prompt by ``new_tokens`` (greedy, every
    ``sample_every``-th batch sampled) into token shards (``distill/train``, ``distill/heldout``),
    until ``tokens`` new tokens exist or ``distill_seconds`` run out;
@@ -44,7 +44,7 @@ class RecipeConfig:
     """Drives ``multitoken build-heads``."""
 
     data: tuple[str, ...] = field(default=(), metadata={"help": "text files (.txt, or .jsonl with a text field) the training prompts are cut from"})
-    heldout: tuple[str, ...] = field(default=(), metadata={"help": "text files for the held-out prompts (none of their windows is trained on)"})
+    heldout: tuple[str, ...] = field(default=(), metadata={"help": "text files whose sentences' starts are the held-out prompts (never trained on)"})
     out: str | None = field(default=None, metadata={"help": "output folder: the shards, one heads dir per type, the build report"})
     heads: tuple[str, ...] = field(default=HEAD_TYPES, metadata={"help": "head types to train"})
     n_future: int = field(default=3, metadata={"help": "tokens each head set predicts (head 1 is the base)"})
@@ -96,7 +96,7 @@ def _head_config(kind: str, n: int) -> dict:
 
 def distill_stage(backbone, cfg: RecipeConfig, out: Path, log) -> dict:
     tok = backbone.tokenizer
-    held = rdata.window_prompts(tok, [Path(p) for p in cfg.heldout], cfg.prompt_len, cfg.prompt_len, seed=1)[: cfg.heldout_prompts]
+    held = rdata.sentence_prompts(tok, [Path(p) for p in cfg.heldout], cfg.prompt_len, seed=1)[: cfg.heldout_prompts]
     rows_wanted = -(-cfg.tokens // cfg.new_tokens)
     train = rdata.window_prompts(tok, [Path(p) for p in cfg.data], cfg.prompt_len, cfg.prompt_stride, seed=cfg.seed,
                                  exclude={tuple(r) for r in held.tolist()})

@@ -75,6 +75,27 @@ def window_prompts(tokenizer, files: list[Path], length: int, stride: int, seed:
     return torch.tensor(rows, dtype=torch.long)[order]
 
 
+def sentence_prompts(tokenizer, files: list[Path], length: int, seed: int, min_words: int = 10) -> torch.Tensor:
+    """The first ``length`` tokens of each distinct prose sentence (``<unk>``-free, at least
+    ``min_words`` words), shuffled by ``seed`` # [P, length]: the held-out prompts heads are
+    measured on."""
+    seen, rows = set(), []
+    for path in files:
+        for block in paragraphs(Path(path)):
+            for line in re.split(r"(?<=[.!?])\s+", block):
+                if len(line.split()) < min_words or "<unk>" in line:
+                    continue
+                ids = tokenizer(line).input_ids[:length]
+                if len(ids) == length and tuple(ids) not in seen:
+                    seen.add(tuple(ids))
+                    rows.append(ids)
+    if not rows:
+        raise DataError(f"no sentence of {length}+ tokens in {', '.join(map(str, files))}",
+                        "pass held-out text with sentences of at least that many tokens")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(rows, dtype=torch.long)[order]
+
+
 # Continuations ----------------------------------------------------------------------------
 @torch.inference_mode()
 def continue_rows(backbone, prompts: torch.Tensor, new_tokens: int, sample: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

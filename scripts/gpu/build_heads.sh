@@ -35,8 +35,8 @@ else
     echo "the joined GGUF is not the one expected (a part missing?): $(ls $(find "$payload" -name 'model.gguf.part-*'))"; rm -f "$work/model.gguf"; exit 3
   fi
   run --base "$work/model.gguf" --data $(find "$payload" -path "*/train/*.txt") --heldout $(find "$payload" -path "*/heldout/*.txt") --out "$work/full" \
-      --tokens "${TOKENS:-20300000}" --heldout-prompts "${HELDOUT:-200}" --prompt-stride 2 --new-tokens "${NEW:-136}" --distill-batch "${BATCH:-4096}" \
-      --shard-rows 8192 --batch-rows 128 --lr 1.5e-3 --warmup 100 --epochs 2 \
+      --tokens "${TOKENS:-19000000}" --heldout-prompts "${HELDOUT:-200}" --prompt-stride 1 --new-tokens "${NEW:-64}" --distill-batch "${BATCH:-4096}" \
+      --shard-rows 8192 --batch-rows "${ROWS:-32}" --lr 1e-3 --warmup 100 --epochs 3 \
       --distill-seconds "${DISTILL_S:-190}" --train-seconds "${TRAIN_S:-170}"
 fi
 dest="$work/$([ "$mode" = smoke ] && echo smoke || echo full)"
