@@ -18,7 +18,7 @@ Steps (each skipped when its output already exists in --work-dir):
    per rank -> ``rank_accuracy.json``, which shapes ``--tree static``); rank the training text's
    tokens by frequency -> ``draft_vocab.json`` (the layer heads' drafts score the first
    ``--draft-vocab`` of them);
-5. write the three heads dirs in bfloat16 into the package (``pipeline/embedded/SmolLM2-135M-Instruct-*``)
+5. write the three heads dirs in bfloat16 into the package (``embedded/SmolLM2-135M-Instruct-*``)
    with a build report, and the co-occurrence stats of the distilled text plus the fixtures'
    corpora (``multitoken stats build``, orders 1-3).
 

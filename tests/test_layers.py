@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("adapters", "stats", "decoding", "pipeline")
+FOLDERS = ("base", "embedded", "adapters", "stats", "decoding", "pipeline")
 
 # Module-name prefix -> floor, bottom up (longest prefix wins).
 FLOORS = {
@@ -35,11 +35,6 @@ FLOORS = {
 }
 
 
-# Folders that install under another module name: the bottom floor is not reached through
-# multitoken.pipeline (importing it would run a higher floor's package first).
-RENAMED = {("pipeline", "base"): "base", ("pipeline", "embedded"): "embedded"}
-
-
 def floor(module: str) -> int:
     prefix = max((p for p in FLOORS if module == p or module.startswith(p + ".")), key=len)
     return FLOORS[prefix]
@@ -52,8 +47,6 @@ def modules() -> dict[str, Path]:
             parts = path.relative_to(REPO).with_suffix("").parts
             if "embedded" in parts and path.name != "__init__.py":
                 continue
-            if parts[:2] in RENAMED:  # installed under its own name (pyproject's package-dir)
-                parts = (RENAMED[parts[:2]],) + parts[2:]
             name = ".".join(("multitoken",) + parts).removesuffix(".__init__")
             found[name] = path
     return found

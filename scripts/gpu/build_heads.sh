@@ -15,8 +15,7 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 site=/tmp/mt-site
 # the package as its import root maps it (pyproject's package-dir), without installing it
 rm -rf "$site"; mkdir -p "$site/multitoken" "$site/multitoken-0.1.0.dist-info"
-for pkg in adapters pipeline stats decoding; do ln -s "$repo/$pkg" "$site/multitoken/$pkg"; done
-ln -s "$repo/pipeline/base" "$site/multitoken/base"; ln -s "$repo/pipeline/embedded" "$site/multitoken/embedded"
+for pkg in base embedded adapters stats decoding pipeline; do ln -s "$repo/$pkg" "$site/multitoken/$pkg"; done
 printf 'Metadata-Version: 2.1\nName: multitoken\nVersion: 0.1.0\n' > "$site/multitoken-0.1.0.dist-info/METADATA"
 wheel=$(find "$payload" -name "gguf-*.whl" | head -1)
 if [ -n "$wheel" ]; then "${PY:-python3}" -m pip install -q --no-index --no-deps --target "$site" "$wheel"; fi

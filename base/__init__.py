@@ -3,6 +3,6 @@ resolved-config saving, data reading and packing, tokenizer loading, threads.
 
 It imports nothing of ours outside itself (``multitoken.embedded``, a data package on the same
 floor, aside), and this ``__init__`` imports nothing at all, so ``import multitoken.base.errors``
-stays cheap. It lives in pipeline/base but installs as ``multitoken.base`` (pyproject's
-package-dir), so importing it never runs a higher floor's package (``multitoken.pipeline``).
+stays cheap. Its folder is its import path (``base/`` is ``multitoken.base``), beside the
+floors above it, so importing it never runs a higher floor's package.
 """
