@@ -1,11 +1,16 @@
 """``multitoken build-heads``: distil the base, train every head type, measure, write heads dirs.
 
 Rerunning the same command on the same ``--out`` resumes it: finished shards and heads dirs are
-kept, the rest is done (the output's record lists the folders it may manage)."""
+kept, the rest is done (the output's record lists the folders it may manage). Under
+``torchrun --nproc-per-node N $(which multitoken) build-heads ...`` the processes share the
+shards and every step's rows (gloo on the CPU, NCCL with one GPU per process)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
 from pathlib import Path
 
 from multitoken.base.config_io import resolved_config_text, save_resolved_config
@@ -25,20 +30,32 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
+    import torch  # lazy: torch
+
     from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
-    from multitoken.pipeline.train.recipe import build, validate  # lazy: torch
+    from multitoken.pipeline.train.recipe import _barrier, build, join_ranks, validate  # lazy: torch
 
     cfg = dataclass_from_args(RecipeConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)
     validate(cfg)
-    with claim_output(cfg.out, RECIPE.kind, resume=True, inputs=(bb_cfg.base, *cfg.data, *cfg.heldout)):
+    if bb_cfg.device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one GPU per process
+        bb_cfg = dataclasses.replace(bb_cfg, device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
+        torch.cuda.set_device(torch.device(bb_cfg.device))
+    ranks = join_ranks(torch.device(bb_cfg.device))
+    # rank 0 checks, locks and records the output; the others start once it has
+    claim = claim_output(cfg.out, RECIPE.kind, resume=True, inputs=(bb_cfg.base, *cfg.data, *cfg.heldout)) \
+        if ranks.rank == 0 else contextlib.nullcontext()
+    with claim:
         out = Path(cfg.out)
-        claim_work(out, RECIPE.kind, "build-heads", ("distill", "report", *(f"heads-{k}" for k in cfg.heads)))
-        _same_build(out, cfg, bb_cfg)
-        (out / "report").mkdir(exist_ok=True)
-        save_resolved_config(out / CONFIG, "build-heads", cfg, bb_cfg)
+        if ranks.rank == 0:
+            claim_work(out, RECIPE.kind, "build-heads", ("distill", "report", *(f"heads-{k}" for k in cfg.heads)))
+            _same_build(out, cfg, bb_cfg)
+            (out / "report").mkdir(exist_ok=True)
+            save_resolved_config(out / CONFIG, "build-heads", cfg, bb_cfg)
+        _barrier(ranks)
         report = build(load_backbone(bb_cfg), cfg, log=lambda m: print(m, flush=True))
-    print(json.dumps({"out": cfg.out, "text": report["text"], "heldout": report["heldout"], "seconds": report["seconds"]}))
+    if report is not None:
+        print(json.dumps({"out": cfg.out, "text": report["text"], "heldout": report["heldout"], "seconds": report["seconds"]}))
 
 
 def _same_build(out: Path, cfg: RecipeConfig, bb_cfg: BackboneConfig) -> None:

@@ -19,6 +19,7 @@ On a GPU the whole recipe runs in one call (``scripts/gpu_build_heads.sh``).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,7 +58,8 @@ class RecipeConfig:
     distill_batch: int = field(default=64, metadata={"help": "prompts continued at once"})
     shard_rows: int = field(default=1024, metadata={"help": "continuations per shard (the unit of resumption)"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the distilled text"})
-    batch_rows: int = field(default=16, metadata={"help": "continuations per training step"})
+    batch_rows: int = field(default=16, metadata={"help": "continuations per training step (shared by torchrun's processes)"})
+    micro_batches: int = field(default=1, metadata={"help": "parts each process runs a step's rows in, gradients summed (less memory, same steps)"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW, warm-up then cosine)"})
     warmup: int = field(default=50, metadata={"help": "warm-up steps"})
     distill_seconds: float = field(default=0.0, metadata={"help": "stop distilling after this long (0: no limit)"})
@@ -94,7 +96,7 @@ def _head_config(kind: str, n: int) -> dict:
     return {**cfg, "init": "copy"} if kind in ("replicated", "conditioned", "whs") else cfg
 
 
-def distill_stage(backbone, cfg: RecipeConfig, out: Path, log) -> dict:
+def distill_stage(backbone, cfg: RecipeConfig, out: Path, ranks: rtrain.Ranks, log) -> dict:
     tok = backbone.tokenizer
     held = rdata.sentence_prompts(tok, [Path(p) for p in cfg.heldout], cfg.prompt_len, seed=1)[: cfg.heldout_prompts]
     rows_wanted = -(-cfg.tokens // cfg.new_tokens)
@@ -105,50 +107,89 @@ def distill_stage(backbone, cfg: RecipeConfig, out: Path, log) -> dict:
         log(f"distill: the data holds {len(train):,} prompts, {rows_wanted:,} wanted; each is continued once")
     train = train[:rows_wanted]
     budget = cfg.distill_seconds or None
+    share = dict(rank=ranks.rank, world=ranks.world, log=log)
     held_rec = rdata.distill_shards(backbone, held, out / "distill" / "heldout", cfg.new_tokens, cfg.shard_rows,
-                                    cfg.distill_batch, 0, cfg.seed + 1, log=log)
+                                    cfg.distill_batch, 0, cfg.seed + 1, **share)
     train_rec = rdata.distill_shards(backbone, train, out / "distill" / "train", cfg.new_tokens, cfg.shard_rows,
-                                     cfg.distill_batch, cfg.sample_every, cfg.seed, seconds=budget, log=log)
+                                     cfg.distill_batch, cfg.sample_every, cfg.seed, seconds=budget, **share)
     return {"heldout": held_rec, "train": train_rec, "prompts_available": int(len(train))}
 
 
-def build(backbone, cfg: RecipeConfig, log=print) -> dict:
-    """Run every stage into ``cfg.out``; returns the build report."""
+def join_ranks(device: torch.device) -> rtrain.Ranks:
+    """torchrun's process group (gloo on the CPU, NCCL on GPUs), or one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return rtrain.Ranks()
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rtrain.Ranks(tdist.get_rank(), tdist.get_world_size())
+
+
+def _barrier(ranks: rtrain.Ranks) -> None:
+    if ranks.world > 1:
+        import torch.distributed as tdist
+
+        tdist.barrier()
+
+
+def build(backbone, cfg: RecipeConfig, log=print) -> dict | None:
+    """Run every stage into ``cfg.out``; returns the build report (None on ranks but 0)."""
     out = Path(cfg.out)
     started = time.time()
-    report = {"config": asdict(cfg), "machine": machine(), "base": backbone.name, "stages": {}}
-    report["stages"]["distill"] = distill_stage(backbone, cfg, out, log)
+    ranks = join_ranks(backbone.device)
+    if cfg.batch_rows % (ranks.world * cfg.micro_batches):
+        raise UsageError(f"--batch-rows {cfg.batch_rows} does not split into {ranks.world} process(es) x "
+                         f"{cfg.micro_batches} micro-batch(es)", "pass a multiple of their product")
+    report = {"config": asdict(cfg), "machine": machine(), "base": backbone.name, "processes": ranks.world, "stages": {}}
+    report["stages"]["distill"] = distill_stage(backbone, cfg, out, ranks, log)
+    _barrier(ranks)
     report["stages"]["distill"]["seconds_total"] = round(time.time() - started, 1)
     train = rdata.read_shards(out / "distill" / "train")
     held = rdata.read_shards(out / "distill" / "heldout")
     report["text"] = {"train_rows": int(train["ids"].shape[0]), "train_tokens": int(train["valid"].sum()),
                       "heldout_rows": int(held["ids"].shape[0]), "heldout_tokens": int(held["valid"].sum())}
     log(f"text: {report['text']}")
-    counts = torch.bincount(train["ids"][train["valid"]], minlength=backbone.vocab_size)
-    ranking = ranking_record(counts, cfg.draft_vocab, "the recipe's self-distilled training text (multitoken build-heads)")
     todo = [k for k in cfg.heads if not (out / f"heads-{k}" / "heads_config.json").is_file()]
     torch.manual_seed(cfg.seed)
     sets = [rtrain.HeadSet(k, MultiTokenModel.attach(backbone, _head_config(k, cfg.n_future)), cfg.lr) for k in todo]
     if sets:
         t0 = time.time()
         run = rtrain.train_sets(backbone, sets, train, epochs=cfg.epochs, batch_rows=cfg.batch_rows, warmup=cfg.warmup,
-                                seconds=cfg.train_seconds or None, dtype=cfg.compute_dtype, chunk=4096, seed=cfg.seed, log=log)
+                                seconds=cfg.train_seconds or None, dtype=cfg.compute_dtype, chunk=4096, seed=cfg.seed,
+                                micro_batches=cfg.micro_batches, ranks=ranks, log=log if ranks.rank == 0 else _quiet)
         report["stages"]["train"] = {k: v for k, v in run.items() if k != "history"}
         report["stages"]["train"]["heads"] = todo
-        for s in sets:
-            acc = rtrain.rank_accuracy(backbone, s.model, held, 32, cfg.compute_dtype, MAX_RANKS)
-            record = {"head": _head_config(s.name, cfg.n_future), "heldout": acc["summary"],
-                      "train": report["stages"]["train"], "text": report["text"], "machine": report["machine"],
-                      "history": [{k: v for k, v in h.items() if k.startswith(s.name + "/") or "/" not in k} for h in run["history"]]}
-            extra = {"rank_accuracy.json": json.dumps(accuracy_record(acc["ranks"], acc["counts"]), indent=2) + "\n",
-                     "train_metrics.json": json.dumps(record, indent=2) + "\n"}
-            if s.model.heads.num_head_layers:  # layer heads unembed drafts through the base's matrix
-                extra[DRAFT_VOCAB_FILE] = json.dumps(ranking) + "\n"
-            s.model.save_heads(out / f"heads-{s.name}", extra=extra, command="build-heads")
-            log(f"heads-{s.name}: held-out {acc['summary']}")
+        if ranks.rank == 0:
+            _write_heads(backbone, cfg, out, sets, run, report, train, held, log)
         report["stages"]["train"]["seconds_total"] = round(time.time() - t0, 1)
+    _barrier(ranks)
+    if ranks.rank != 0:
+        return None
     report["heldout"] = {k: json.loads((out / f"heads-{k}" / "train_metrics.json").read_text())["heldout"] for k in cfg.heads}
     report["seconds"] = round(time.time() - started, 1)
     (out / REPORT).parent.mkdir(exist_ok=True)
     atomic_write_text(out / REPORT, json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _quiet(_message) -> None:
+    pass
+
+
+def _write_heads(backbone, cfg: RecipeConfig, out: Path, sets, run: dict, report: dict, train: dict, held: dict, log) -> None:
+    """Measure every trained head set on the held-out text and write its heads dir."""
+    counts = torch.bincount(train["ids"][train["valid"]], minlength=backbone.vocab_size)
+    ranking = ranking_record(counts, cfg.draft_vocab, "the recipe's self-distilled training text (multitoken build-heads)")
+    for s in sets:
+        acc = rtrain.rank_accuracy(backbone, s.model, held, 32, cfg.compute_dtype, MAX_RANKS)
+        record = {"head": _head_config(s.name, cfg.n_future), "heldout": acc["summary"],
+                  "train": report["stages"]["train"], "text": report["text"], "machine": report["machine"],
+                  "history": [{k: v for k, v in h.items() if k.startswith(s.name + "/") or "/" not in k} for h in run["history"]]}
+        extra = {"rank_accuracy.json": json.dumps(accuracy_record(acc["ranks"], acc["counts"]), indent=2) + "\n",
+                 "train_metrics.json": json.dumps(record, indent=2) + "\n"}
+        if s.model.heads.num_head_layers:  # layer heads unembed drafts through the base's matrix
+            extra[DRAFT_VOCAB_FILE] = json.dumps(ranking) + "\n"
+        s.model.save_heads(out / f"heads-{s.name}", extra=extra, command="build-heads")
+        log(f"heads-{s.name}: held-out {acc['summary']}")

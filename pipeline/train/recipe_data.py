@@ -137,14 +137,16 @@ def read_shards(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def distill_shards(backbone, prompts: torch.Tensor, folder: Path, new_tokens: int, rows: int, batch: int,
-                   sample_every: int, seed: int, seconds: float | None = None, log=print) -> dict:
+                   sample_every: int, seed: int, seconds: float | None = None, rank: int = 0, world: int = 1,
+                   log=print) -> dict:
     """Continue ``prompts`` into shards of ``rows`` rows under ``folder`` (every
     ``sample_every``-th batch sampled, 0: all greedy), skipping finished shards; stop early
-    after ``seconds``. Returns the stage's record."""
+    after ``seconds``. Under torchrun rank r makes shards r, r + world, ... Returns the stage's
+    record."""
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = -(-len(prompts) // rows)
     started, made, tokens = time.time(), 0, 0
-    for k in range(n_shards):
+    for k in range(rank, n_shards, world):
         path = folder / SHARD.format(k)
         if path.is_file():
             continue
@@ -165,7 +167,7 @@ def distill_shards(backbone, prompts: torch.Tensor, folder: Path, new_tokens: in
         made += 1
         tokens += len(part) * new_tokens
         rate = tokens / max(time.time() - started, 1e-9)
-        left = sum(1 for i in range(k + 1, n_shards) if not (folder / SHARD.format(i)).is_file())
+        left = sum(1 for i in range(k + world, n_shards, world) if not (folder / SHARD.format(i)).is_file())
         log(f"distill {folder.name}: shard {k + 1}/{n_shards}, {rate:,.0f} new tokens/s, "
             f"ETA {left * rows * new_tokens / max(rate, 1e-9):.0f} s")
     done = sorted(folder.glob("shard-*.safetensors"))

@@ -2,7 +2,8 @@
 
 With the backbone frozen, every head type reads the same trunk pass, so one batch's trunk runs
 once (without autograd) and each head set then takes its own loss, backward and AdamW step.
-The loss is each adapter's own (``HeadAdapter.loss``: cross-entropy of head i against token
+Under ``torchrun`` the ranks share each step's rows and average their gradients (gloo on the
+CPU, NCCL on GPUs). The loss is each adapter's own (``HeadAdapter.loss``: cross-entropy of head i against token
 t+i over the whole vocabulary, CP's mixture and aux loss where it applies); head 1 is the base
 and is not trained. Learning rates warm up, then follow a cosine to zero over the planned steps;
 a time budget shortens the plan once the first steps are timed, so the schedule still ends.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -50,29 +52,66 @@ class HeadSet:
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         model.heads.train()
 
-    def step(self, feats: Features, ids, valid, factor: float, chunk: int, grad_clip: float) -> dict:
+    def backward(self, feats: Features, ids, valid, chunk: int, scale: float) -> dict:
+        """This micro-batch's loss, its gradient (times ``scale``) added to the heads'."""
         if self.model.heads.needs_next_tokens:  # token t+1 from the text itself (teacher forcing)
             feats.next_ids = self.model.next_tokens(ids, feats.base)
         out = self.model.heads.loss(feats, ids, valid, chunk, skip_constant=True)
         loss = torch.stack([l.float() for l in out.per_head if l is not None]).sum()
         if out.aux is not None and hasattr(self.model.heads.config, "aux_weight"):
             loss = loss + self.model.heads.config.aux_weight * out.aux
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * scale).backward()
+        feats.next_ids = None
+        return {k: round(v, 4) for k, v in out.metrics.items() if not k.startswith("head1/")}
+
+    def update(self, factor: float, grad_clip: float, world: int) -> None:
+        """Average the gradient over the ranks (their sum in rank order / world), clip, step."""
+        if world > 1:
+            import torch.distributed as tdist
+
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                tdist.all_reduce(p.grad)
+                p.grad.div_(world)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
         for g in self.opt.param_groups:
             g["lr"] = self.lr * factor
         self.opt.step()
-        feats.next_ids = None
-        return {k: round(v, 4) for k, v in out.metrics.items() if not k.startswith("head1/")}
+        self.opt.zero_grad(set_to_none=True)
+
+
+@dataclass
+class Ranks:
+    """This process's place among torchrun's (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    world: int = 1
+
+    def slice(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[self.rank::self.world]
+
+    def agree(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (a plan all ranks keep)."""
+        if self.world == 1:
+            return value
+        import torch.distributed as tdist
+
+        t = torch.tensor([value], dtype=torch.long)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+        return int(t)
 
 
 def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batch_rows: int, warmup: int,
                seconds: float | None, dtype: str, chunk: int, grad_clip: float = 1.0, seed: int = 0,
-               log=print) -> dict:
+               micro_batches: int = 1, ranks: Ranks | None = None, log=print) -> dict:
     """Train every head set on ``data`` (ids / valid [N, T]) for ``epochs`` passes or until
-    ``seconds`` run out (timed over the first steps, then the plan is cut to fit)."""
+    ``seconds`` run out (timed over the first steps, then the plan is cut to fit). A step's
+    ``batch_rows`` rows are shared by the ranks (rank r takes rows r, r + world, ...), each rank
+    running its share in ``micro_batches`` parts whose gradients add up: one process with
+    ``micro_batches`` = k computes what k ranks of one part each compute, in the same order."""
+    ranks = ranks or Ranks()
     g = torch.Generator().manual_seed(seed)
     n_rows = data["ids"].shape[0]
     total = max(int(epochs * n_rows / batch_rows), 1)
@@ -83,18 +122,22 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
     while step < total:
         if at + batch_rows > n_rows:
             order, at = torch.randperm(n_rows, generator=g), 0
-        rows = order[at:at + batch_rows]
+        mine = ranks.slice(order[at:at + batch_rows])
         at += batch_rows
-        ids = data["ids"][rows].to(device, non_blocking=True)  # [b, T]
-        valid = data["valid"][rows].to(device, non_blocking=True)
+        for part in range(micro_batches):
+            rows = mine[part::micro_batches]
+            ids = data["ids"][rows].to(device, non_blocking=True)  # [b, T]
+            valid = data["valid"][rows].to(device, non_blocking=True)
+            with autocast(device, dtype):
+                feats = trunk_features(backbone, ids, collect)
+                metrics = {s.name: s.backward(feats, ids, valid, chunk, 1.0 / micro_batches) for s in sets}
         factor = lr_factor(step, total, warmup)
-        with autocast(device, dtype):
-            feats = trunk_features(backbone, ids, collect)
-            metrics = {s.name: s.step(feats, ids, valid, factor, chunk, grad_clip) for s in sets}
+        for s in sets:
+            s.update(factor, grad_clip, ranks.world)
         step += 1
-        if step == 20 and seconds is not None:  # the plan must end inside the budget
+        if step == 20 and seconds is not None:  # the plan must end inside the budget, the same on every rank
             per_step = (time.time() - started) / step
-            total = min(total, max(int(seconds / per_step), step + 1))
+            total = ranks.agree(min(total, max(int(seconds / per_step), step + 1)))
         if step % 50 == 0 or step == total:
             elapsed = time.time() - started
             rec = {"step": step, "of": total, "seconds": round(elapsed, 1), "eta_s": round(elapsed / step * (total - step)),
@@ -105,7 +148,8 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
         s.model.heads.eval()
     tokens = step * batch_rows * data["ids"].shape[1]
     return {"steps": step, "planned_steps": int(max(epochs * n_rows / batch_rows, 1)), "epochs": round(step * batch_rows / n_rows, 3),
-            "seconds": round(time.time() - started, 1), "tokens_seen": tokens, "batch_rows": batch_rows, "history": history}
+            "seconds": round(time.time() - started, 1), "tokens_seen": tokens, "batch_rows": batch_rows,
+            "processes": ranks.world, "history": history}
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@
 set -euo pipefail
 payload=$(realpath "$1"); out=$(realpath "$2"); mode=${3:-full}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-site=/tmp/mt-site
+work=${WORK:-/tmp/build}; mkdir -p "$work"  # the build's own folder (shards, heads dirs), kept between calls
+site="$work/site"
 # the package as its import root maps it (pyproject's package-dir), without installing it
 rm -rf "$site"; mkdir -p "$site/multitoken" "$site/multitoken-0.1.0.dist-info"
 for pkg in base embedded adapters stats decoding pipeline; do ln -s "$repo/$pkg" "$site/multitoken/$pkg"; done
@@ -22,7 +23,6 @@ if [ -n "$wheel" ]; then "${PY:-python3}" -m pip install -q --no-index --no-deps
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1 TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 "${PY:-python3}" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-work=/tmp/build; mkdir -p "$work"
 run() { "${PY:-python3}" -m multitoken.pipeline.cli build-heads --device "${DEVICE:-cuda}" --compute-dtype "${COMPUTE:-bfloat16}" "$@" 2>&1 | tee -a "$out/build.log"; }
 if [ "$mode" = smoke ]; then
   run --base embedded:stories260K --data $(find "$payload" -path "*/train/*.txt") --heldout $(find "$payload" -path "*/heldout/*.txt") --out "$work/smoke" \

@@ -29,7 +29,7 @@ def texts(tmp_path_factory):
     """Training text (the start of the Shakespeare fixture) and held-out text (wikitext-2 test)."""
     root = tmp_path_factory.mktemp("texts")
     (root / "train.txt").write_text(fixture("tinyshakespeare", "input.txt").read_text()[:12000])
-    held = [line for line in fixture("wikitext2_tokens", "test.txt").read_text().splitlines() if len(line) > 200][:4]
+    held = [line for line in fixture("wikitext2_tokens", "test.txt").read_text().splitlines() if len(line) > 200][:12]
     (root / "held.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in held) + "\n")
     return root / "train.txt", root / "held.jsonl"
 
@@ -114,7 +114,8 @@ def test_the_gpu_script_runs_the_recipe_on_the_cpu(texts, tmp_path):
     (payload / "heldout" / "b.txt").write_text(json.loads(texts[1].read_text().splitlines()[0])["text"])
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "PY": sys.executable, "DEVICE": "cpu", "COMPUTE": "float32", "SMOKE_TOKENS": "500", "HELDOUT": "4", "TRAIN_S": "2"}
+    env = {**os.environ, "PY": sys.executable, "DEVICE": "cpu", "COMPUTE": "float32", "SMOKE_TOKENS": "500", "HELDOUT": "4", "TRAIN_S": "2",
+           "WORK": str(tmp_path / "work")}
     done = subprocess.run(["bash", str(REPO / "scripts" / "gpu" / "build_heads.sh"), str(payload), str(out), "smoke"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -127,3 +128,28 @@ def test_the_gpu_script_runs_the_recipe_on_the_cpu(texts, tmp_path):
     with tarfile.open(out / "build.tar.gz") as tar:
         names = tar.getnames()
     assert "./report/build_report.json" in names and "./heads-conditioned/rank_accuracy.json" in names
+
+
+def test_two_processes_under_torchrun_train_the_heads_one_process_does(texts, tmp_path):
+    """Two gloo ranks sharing each step's 8 rows end with the heads of one process running the
+    same rows as two micro-batches: gradients (g0 + g1) / 2 either way, bit for bit."""
+    args = ["build-heads", "--data", str(texts[0]), "--heldout", str(texts[1]), "--tokens", "480",
+            "--heldout-prompts", "4", "--prompt-len", "8", "--new-tokens", "12", "--distill-batch", "8",
+            "--shard-rows", "8", "--batch-rows", "8", "--warmup", "2", "--threads", "1", "--heads", "conditioned", "medusa"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "multitoken.pipeline.cli"]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                           "multitoken.pipeline.cli", *args, "--out", str(tmp_path / "two")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = subprocess.run([*cli, *args, "--micro-batches", "2", "--out", str(tmp_path / "one")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    shards = sorted(p.name for p in (tmp_path / "two" / "distill" / "train").iterdir())
+    assert len(shards) == 5 and shards == sorted(p.name for p in (tmp_path / "one" / "distill" / "train").iterdir())
+    for kind in ("conditioned", "medusa"):
+        a = load_file(str(tmp_path / "two" / f"heads-{kind}" / "heads.safetensors"))
+        b = load_file(str(tmp_path / "one" / f"heads-{kind}" / "heads.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), kind
+    report = json.loads((tmp_path / "two" / "report" / "build_report.json").read_text())
+    assert report["processes"] == 2 and report["stages"]["train"]["steps"] == 40 // 8
