@@ -6,8 +6,12 @@ text the base model finds likelier), x a speed measure (tokens per forward pass,
 CPU-time speed-up over ar); each marker shape is one decoding configuration, its colour the
 eps_b (colour bar; eps_b = 1 always emits one token per step, so it sits at x = 1 on the left
 panel); filled markers are of ar's quality on all four criteria (NLL, repetition, distinct-2,
-distinct-3), hollow ones fail at least one. ar is the black star with its interval (and the
-grey band), transformers' sampling generate the black cross. The caption spells out the names.
+distinct-3: each verdict "same", ``pipeline.eval.equivalence``), hollow ones are not. ar is the
+black star with its interval (and the grey band), transformers' sampling generate the black
+cross. The bottom row has one panel per criterion: the paired difference point - ar against
+eps_b with its 95% bootstrap interval over prompts, the grey band the equivalence margin. The
+caption spells out the names. The table's second part gives each difference, its interval and
+its mde (the smallest difference the data could detect).
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def _check_points(cfg, grid: list[float], model, table) -> None:
 
 
 CSV_KEYS = ("tokens_per_forward", "wall_speedup", "cpu_speedup", "nll", "distinct2", "distinct3", "repetition")
-CRITERION_LABELS = {"nll": "NLL", "repetition": "rep", "distinct2": "d2", "distinct3": "d3"}
+CRITERION_LABELS = {"nll": "NLL", "repetition": "rep", "distinct2": "d2", "distinct3": "d3"}  # equivalence.CRITERIA's order
 # the Table 8 abbreviations, in the order the caption explains them
 GLOSSARY = (("CO-0.5", "co-occurrence mask with exponent alpha_c = 0.5"), ("CO", "co-occurrence mask (alpha_c = 1)"),
             ("AT", "adaptive (Otsu) threshold of the joint grid"), ("G-3", "Gaussian blur, kernel 3, before Otsu"))
@@ -99,20 +103,25 @@ def _rows(result: dict) -> list[dict]:
     return [result["ar"]] + ([result["hf_sample"]] if result.get("hf_sample") else []) + result["points"]
 
 
-def to_csv(result: dict) -> str:
-    from multitoken.pipeline.eval.sweep import CRITERIA  # lazy: torch
+TEST_KEYS = (("diff", "diff"), ("lo", "diff_lo"), ("hi", "diff_hi"), ("mde", "mde"))  # vs_ar field, CSV suffix
 
+
+def to_csv(result: dict) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(["config", "eps_b"] + [f"{k}_{s}" for k in CSV_KEYS for s in ("mean", "lo", "hi")]
-                    + ["predicted_wall_speedup", "same_quality"] + [f"{k}_overlaps_ar" for k in CRITERIA])
+                    + ["predicted_wall_speedup", "same_quality"]
+                    + [f"{k}_{s}" for k in CRITERION_LABELS for s in [c for _, c in TEST_KEYS] + ["verdict"]])
     for p in _rows(result):
         row = [p["config"], p.get("eps_b", "")]
         for k in CSV_KEYS:
             ci = p.get(k, {"mean": 1.0, "lo": 1.0, "hi": 1.0})  # ar is its own reference: x1
             row += [f"{ci[s]:.6g}" for s in ("mean", "lo", "hi")]
         row.append(f"{p['theory']['predicted_wall_speedup']:.4g}" if "theory" in p else "")
-        row += [p.get("same_quality", "")] + [p["vs_ar"][k] if "vs_ar" in p else "" for k in CRITERIA]
+        row.append(p.get("same_quality", ""))
+        for k in CRITERION_LABELS:  # ar: no difference from itself
+            test = p["vs_ar"][k] if "vs_ar" in p else None
+            row += [f"{test[f]:.6g}" if test else "" for f, _ in TEST_KEYS] + [test["verdict"] if test else ""]
         writer.writerow(row)
     return buf.getvalue()
 
@@ -123,9 +132,35 @@ def _ci(ci: dict, digits: int = 2) -> str:
 
 
 def _verdict(p: dict) -> str:
-    """``yes`` or the criteria that failed, e.g. ``no: rep,d2``."""
-    failed = [CRITERION_LABELS[k] for k, ok in p["vs_ar"].items() if not ok]
-    return "yes" if not failed else "no: " + ",".join(failed)
+    """``yes`` or the criteria that are not ``same``, by verdict, e.g. ``no: worse rep,d2; undetermined NLL``."""
+    if p["same_quality"]:
+        return "yes"
+    by = {}
+    for k, test in p["vs_ar"].items():
+        if test["verdict"] != "same":
+            by.setdefault(test["verdict"], []).append(CRITERION_LABELS[k])
+    return "no: " + "; ".join(f"{v} {','.join(by[v])}" for v in ("worse", "better", "undetermined") if v in by)
+
+
+def _difference(test: dict) -> str:
+    """``+0.012 [-0.030,+0.051] 0.061`` (difference, interval, mde); ``!`` after an mde above the margin."""
+    flag = "!" if test["mde"] > test["margin"] or test["mde"] != test["mde"] else " "
+    return f"{test['diff']:+.3f} [{test['lo']:+.3f},{test['hi']:+.3f}] {test['mde']:.3f}{flag}"
+
+
+def _differences(result: dict) -> list[str]:
+    """The second table: per point and criterion, the paired difference from ar, its interval and mde."""
+    rows = [("hf-sample", "", result["hf_sample"])] if result.get("hf_sample") else []
+    rows = [(p["config"], f"{p['eps_b']:.2f}", p) for p in result["points"]] + rows
+    margins = {k: rows[0][2]["vs_ar"][k]["margin"] for k in CRITERION_LABELS} if rows else {}
+    lines = ["", "point - ar, paired by prompt and seed: difference [95% bootstrap interval over prompts] mde "
+             "(smallest difference detectable at 80% power; ! = above the margin: too little data for a difference that size)",
+             f"{'config':<14} {'eps_b':>5} " + " ".join(f"{CRITERION_LABELS[k] + f' (margin ±{m:g})':<29}" for k, m in margins.items())]
+    lines += [f"{name:<14} {eps:>5} " + " ".join(f"{_difference(p['vs_ar'][k]):<29}" for k in CRITERION_LABELS) for name, eps, p in rows]
+    least = result.get("quality_test", {}).get("min_prompts", 0)
+    if len(result["prompts"]) < least:
+        lines.append(f"{len(result['prompts'])} prompts: every verdict is undetermined below {least} (the prompts are the sample size)")
+    return lines
 
 
 def format_table(result: dict) -> str:
@@ -134,7 +169,7 @@ def format_table(result: dict) -> str:
             f"{'dist-2':>6} {'dist-3':>6} {'rep':>5}  same quality?")
     lines = [f"{len(result['prompts'])} prompts x {result['seeds']} seeds, 95% intervals; ar reference: "
              f"NLL {_ci(ar['nll'], 3)}, {ar['sec_per_token']['mean'] * 1e3:.2f} ms/token",
-             f"same quality = {result.get('same_quality_rule', 'NLL interval overlaps ar')}", "", head]
+             f"same quality = {result['same_quality_rule']}", "", head]
 
     def quality(p: dict) -> str:
         return (f"{_ci(p['nll'], 2):>11} {p['distinct2']['mean']:>6.3f} {p['distinct3']['mean']:>6.3f} "
@@ -152,6 +187,7 @@ def format_table(result: dict) -> str:
         lines.append("hf-sample: transformers' generate(do_sample=True) at the same temperature, top-k and penalty value; "
                      "its penalty is the logit form (logit / penalty if > 0, else x penalty, before temperature and "
                      "top-k), ours DynaMo's (probability / penalty after them)")
+    lines += _differences(result)
     sq = result["same_quality_speedup"]
     lines.append("")
     if sq is None:
@@ -175,9 +211,12 @@ def caption(names) -> str:
         if abbr in rest.split("+"):
             used.append(f"{abbr} = {meaning}")
             rest = rest.replace(abbr, "")
-    return ("; ".join(used) + ".\nColour = eps_b. Filled = same quality as ar (NLL, repetition, distinct-2 and distinct-3 "
-            "95% intervals all overlap ar's), hollow = not;\nringed = the same-quality point; larger marker = smaller eps_b (equal points nest). "
-            f"Bars = 95% intervals. Left panel: configurations drawn side by side, {DODGE:g} tokens/forward apart.")
+    return ("; ".join(used) + ".\nTop: colour = eps_b. Filled = same quality as ar (NLL, repetition, distinct-2 and distinct-3 all 'same': "
+            "the paired point - ar 95% bootstrap interval within the margin), hollow = not;\nringed = the same-quality point; "
+            "larger marker = smaller eps_b (equal points nest). Bars = 95% intervals. Left panel: configurations drawn side by side, "
+            f"{DODGE:g} tokens/forward apart.\nBottom: per metric, point - ar (same prompt and seed) against eps_b, bars = 95% "
+            "bootstrap interval over prompts; grey band = the equivalence margin; filled = 'same' on that metric; "
+            "mde = smallest difference detectable at 80% power.")
 
 
 def plot_sweep(result: dict, path: str | Path) -> Path:
@@ -196,7 +235,8 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     cmap, norm = plt.get_cmap("viridis"), Normalize(0.0, 1.0)
     # tokens per forward takes few distinct values: configurations side by side, not on top of each other
     dodge = {name: (i - (len(names) - 1) / 2) * DODGE for i, name in enumerate(names)}
-    fig, axes = plt.subplots(1, 3, figsize=(14, 5.6), dpi=150, sharey=True)
+    fig = plt.figure(figsize=(14, 10), dpi=150)
+    axes = fig.add_gridspec(1, 3, left=0.06, right=0.9, top=0.95, bottom=0.57, wspace=0.08).subplots(sharey=True)
     # small eps_b first and largest: points at the same place nest as rings, every colour visible
     points = sorted(result["points"], key=lambda p: p["eps_b"])
     for ax, (key, label) in zip(axes, PANELS):
@@ -230,9 +270,38 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     note = "none" if sq is None else f"{sq['config']} eps_b {sq['eps_b']:g}: {sq['tokens_per_forward']:.2f} tok/fwd, x{sq['wall_clock']:.2f} wall, x{sq['cpu_time']:.2f} CPU"
     fig.suptitle(f"eps_b sweep: {Path(result['base']).name} — same-quality point: {note}", fontsize=9)
     fig.text(0.01, 0.01, caption(names), fontsize=7.5, va="bottom", ha="left", wrap=True)
-    fig.subplots_adjust(left=0.06, right=0.9, top=0.92, bottom=0.19, wspace=0.08)
-    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=fig.add_axes([0.915, 0.19, 0.012, 0.73]), label="eps_b")
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=fig.add_axes([0.915, 0.57, 0.012, 0.38]), label="eps_b")
+    _plot_differences(fig.add_gridspec(1, 4, left=0.06, right=0.9, top=0.47, bottom=0.15, wspace=0.28).subplots(),
+                      result["points"], names, shape)
     return save_figure(fig, path)
+
+
+DIFF_DODGE = 0.012  # eps_b between configurations on the bottom row
+
+
+def _plot_differences(axes, points: list[dict], names: list[str], shape: dict) -> None:
+    """One panel per criterion: point - ar against eps_b with its bootstrap interval, the margin as a band."""
+    for ax, key in zip(axes, CRITERION_LABELS):
+        tests = [p["vs_ar"][key] for p in points]
+        margin = tests[0]["margin"] if tests else 0.0
+        ax.axhspan(-margin, margin, color="0.9", zorder=0)
+        ax.axhline(0.0, color="0.4", lw=0.8)
+        for i, name in enumerate(names):
+            rows = sorted((p["eps_b"], p["vs_ar"][key]) for p in points if p["config"] == name)
+            dodge = (i - (len(names) - 1) / 2) * DIFF_DODGE
+            xs, ys = [e + dodge for e, _ in rows], [t["diff"] for _, t in rows]
+            ax.plot(xs, ys, "-", color=f"C{i}", lw=0.8, alpha=0.6)
+            for x, (_, t) in zip(xs, rows):
+                low, high = (t["diff"] - t["lo"], t["hi"] - t["diff"]) if t["lo"] == t["lo"] else (0.0, 0.0)  # NaN: no interval
+                ax.errorbar([x], [t["diff"]], yerr=[[low], [high]], fmt=shape[name], ms=4.5, color=f"C{i}", capsize=2, lw=0.9,
+                            mfc=f"C{i}" if t["verdict"] == "same" else "white", zorder=3, label=name if x == xs[0] else None)
+        mdes = [t["mde"] for t in tests if t["mde"] == t["mde"]]
+        power = f"; mde {min(mdes):.3f}-{max(mdes):.3f}" if mdes else "; no mde: 1 prompt"
+        ax.set_title(f"{CRITERION_LABELS[key]}: point - ar (margin ±{margin:g}{power})", fontsize=8)
+        ax.set_xlabel("eps_b")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("paired difference from ar (95% bootstrap interval)")
+    axes[0].legend(fontsize=6, loc="best")
 
 
 def _reference(ax, row: dict, x: float, marker: str, size: float, label: str) -> None:

@@ -84,7 +84,3 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
     sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
     half = float(stdtrit(n - 1, 0.5 + level / 2)) * sd / math.sqrt(n)
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
-
-
-def intervals_overlap(a: dict, b: dict) -> bool:
-    return a["lo"] <= b["hi"] and b["lo"] <= a["hi"]

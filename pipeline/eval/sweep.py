@@ -23,9 +23,12 @@ batched the same way.
 
 ``same_quality_speedup``: among the points of ar's quality, the one with the most tokens per
 forward (its wall-clock speed-up is reported beside it). Of ar's quality = for each of NLL,
-repetition rate, distinct-2 and distinct-3, the point's 95% interval overlaps ar's (one rule for
-all four; ``SAME_QUALITY_RULE``): a point whose text loops fails on repetition / distinct-n even
-when the base model finds its loops likely (low NLL). Each point reports which criteria passed.
+repetition rate, distinct-2 and distinct-3, the paired difference from ar (point - ar on the same
+prompt and seed) has a 95% bootstrap interval over prompts within the metric's equivalence margin
+(``pipeline.eval.equivalence``: the rule, the margins and the power each verdict reports): a point
+whose text loops fails on repetition / distinct-n even when the base model finds its loops
+likely (low NLL). Each point reports, per metric, the difference, its interval, the smallest
+difference the data could detect (mde) and the verdict (same, worse, better or undetermined).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from multitoken.pipeline.eval import metrics as M
+from multitoken.pipeline.eval.equivalence import CRITERIA, SAME_QUALITY_RULE, compare_to_ar, settings
 from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_ratio, walltime_improvement
 from multitoken.decoding.config import DYNAMO_PENALTY, DecodeConfig
 from multitoken.decoding.engine import generate, generate_batch
@@ -64,9 +68,6 @@ TABLE8 = {
 DEFAULT_CONFIG = "CO+AT+G-3"
 DEFAULT_GRID = tuple(i / 10 for i in range(11))  # eps_b 0:1:0.1
 QUALITY = ("nll", "distinct2", "distinct3", "repetition")
-CRITERIA = ("nll", "repetition", "distinct2", "distinct3")  # all must hold for "same quality"
-SAME_QUALITY_RULE = ("NLL, repetition rate, distinct-2 and distinct-3: each metric's 95% interval over the "
-                     "prompt x seed runs overlaps ar's")
 
 
 # The sampling settings every run shares (sweep reads them as they apply to it: no --greedy).
@@ -264,21 +265,18 @@ def theory(point: dict, n_future: int, c: float) -> dict:
     return {"implied_acceptance": a, "predicted_wall_speedup": walltime_improvement(a, g, c)}
 
 
-def quality_vs_ar(point: dict, ar: dict) -> dict[str, bool]:
-    """For each criterion, whether the point's interval overlaps ar's."""
-    return {key: M.intervals_overlap(point[key], ar[key]) for key in CRITERIA}
-
-
 def same_quality(points: list[dict], ar: dict) -> dict | None:
-    """The point with the most tokens per forward that meets every criterion (``SAME_QUALITY_RULE``)."""
-    ok = [p for p in points if all(quality_vs_ar(p, ar).values())]
+    """The point with the most tokens per forward of ar's quality (``same_quality``: all four
+    verdicts ``same``, ``SAME_QUALITY_RULE``), with its paired differences from ar."""
+    ok = [p for p in points if p["same_quality"]]
     if not ok:
         return None
     best = max(ok, key=lambda p: p["tokens_per_forward"]["mean"])
+    tests = {k: {x: best["vs_ar"][k][x] for x in ("diff", "lo", "hi", "mde", "margin", "verdict")} for k in CRITERIA}
     return {"config": best["config"], "eps_b": best["eps_b"], "tokens_per_forward": best["tokens_per_forward"]["mean"],
             "wall_clock": best["wall_speedup"]["mean"], "cpu_time": best["cpu_speedup"]["mean"], "nll": best["nll"]["mean"],
             "ar_nll": ar["nll"]["mean"], "rule": SAME_QUALITY_RULE,
-            "metrics": {k: {"point": best[k]["mean"], "ar": ar[k]["mean"]} for k in CRITERIA}}
+            "metrics": {k: {"point": best[k]["mean"], "ar": ar[k]["mean"], **tests[k]} for k in CRITERIA}}
 
 
 def decode_configs(cfg: SweepConfig, grid: list[float]):
@@ -317,6 +315,7 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
     prompt_ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
     base_cfg, grid_cfgs = decode_configs(cfg, grid)
     pairs = [(i, s) for i in range(len(prompts)) for s in range(cfg.seeds)]
+    clusters = [i for i, _ in pairs]  # run k of every point, ar and hf-sample: prompt clusters[k]
     started = time.perf_counter()
     # Pair-major order: a prompt/seed's ar reference runs just before and just after its grid
     # points and hf-sample, so on a shared machine the load the timings see changes little between them.
@@ -344,17 +343,17 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
     for runs, (name, eps, _) in zip(point_runs, grid_cfgs):
         point = {"config": name, "eps_b": eps, **_summarise(runs, ar_runs)}
         point["theory"] = theory(point, model.n_future, c)
-        points.append(_judged(point, ar))
-    hf = _judged({"config": "hf-sample", **_summarise(hf_runs, ar_runs)}, ar) if hf_runs else None
+        points.append(_judged(point, runs, ar_runs, clusters))
+    hf = _judged({"config": "hf-sample", **_summarise(hf_runs, ar_runs)}, hf_runs, ar_runs, clusters) if hf_runs else None
     sampling = {"temperature": base_cfg.sampling.temperature, "top_k": base_cfg.sampling.top_k, "repetition_penalty": base_cfg.sampling.penalty,
                 "max_new_tokens": base_cfg.max_new_tokens, "seeds": list(range(cfg.seeds))}
     return {"prompts": prompts, "seeds": cfg.seeds, "eps_b": grid, "n_future": model.n_future, "draft_cost_ratio": c,
             "sampling": sampling, "ar": ar, "hf_sample": hf, "points": points, "same_quality_rule": SAME_QUALITY_RULE,
-            "same_quality_speedup": same_quality(points, ar), "seconds": round(time.perf_counter() - started, 2)}
+            "quality_test": settings(), "same_quality_speedup": same_quality(points, ar), "seconds": round(time.perf_counter() - started, 2)}
 
 
-def _judged(point: dict, ar: dict) -> dict:
-    """The point with its comparison to ar: ``vs_ar`` (criterion -> interval overlaps ar's) and
-    ``same_quality`` (all of them)."""
-    vs = quality_vs_ar(point, ar)
-    return {**point, "vs_ar": vs, "same_quality": all(vs.values())}
+def _judged(point: dict, runs: list[dict], ar_runs: list[dict], clusters: list[int]) -> dict:
+    """The point with its comparison to ar: ``vs_ar`` (criterion -> paired difference, interval,
+    mde, margin, verdict: ``compare_to_ar``) and ``same_quality`` (every verdict ``same``)."""
+    vs = compare_to_ar(runs, ar_runs, clusters)
+    return {**point, "vs_ar": vs, "same_quality": all(v["verdict"] == "same" for v in vs.values())}

@@ -2,9 +2,10 @@
 the dynamic PPL_d at several eps_b on held-out text; and the Table 8 ablation curves
 CO + AT + G-3, CO + AT, CO, CO-0.5 + AT + G-3, AT + G-3 of dynamic decoding over an eps_b grid
 on DynaMo's Table 7 prompts, each point judged against plain ``ar`` sampling at the same
-settings by the four-metric same-quality rule (``pipeline.eval.sweep.SAME_QUALITY_RULE``: the
-95% intervals of NLL, repetition rate, distinct-2 and distinct-3 each overlap ar's). DynaMo
-judges quality with GPT-3.5/4 win rates; no LLM judge runs here.
+settings by the four-metric same-quality rule (``pipeline.eval.equivalence.SAME_QUALITY_RULE``:
+for each of NLL, repetition rate, distinct-2 and distinct-3, the paired difference from ar has a
+95% bootstrap interval over prompts within the metric's margin). DynaMo judges quality with
+GPT-3.5/4 win rates; no LLM judge runs here.
 
 Model: the embedded stories260K with its shipped 3-token heads and co-occurrence stats.
 Held-out text: base-model samples drawn with common.HELDOUT_SEED (the shipped heads were
@@ -56,7 +57,8 @@ def main(argv=None) -> dict:
             {"eps_b": point["eps_b"], "tokens_per_forward": point["tokens_per_forward"]["mean"],
              **{k: point[k]["mean"] for k in ("nll", "repetition", "distinct2", "distinct3")},
              "cpu_speedup": point["cpu_speedup"]["mean"], "same_quality": point["same_quality"],
-             "failed": [k for k, ok in point["vs_ar"].items() if not ok]})
+             "failed": {k: v["verdict"] for k, v in point["vs_ar"].items() if v["verdict"] != "same"},
+             "mde": {k: v["mde"] for k, v in point["vs_ar"].items()}})
     best = {name: same_quality([p for p in swept["points"] if p["config"] == name], swept["ar"]) for name in curves}
     ar = {k: swept["ar"][k] for k in ("nll", "repetition", "distinct2", "distinct3")}
     result = {"model": "embedded stories260K + shipped heads (n = 3) and stats", "heads": heads_dir, "ppl": ppl,

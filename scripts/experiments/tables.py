@@ -65,7 +65,7 @@ def dynamo_ppl(d: dict) -> list[str]:
     lines += ["", "| config | " + " | ".join(f"eps_b {p['eps_b']}" for p in next(iter(d["ablation_curves"].values()))) + " | best same-quality point |",
               "|---" * (len(next(iter(d["ablation_curves"].values()))) + 2) + "|"]
     for name, pts in d["ablation_curves"].items():
-        cells = [f"{q['tokens_per_forward']:.2f} tok/fwd, NLL {q['nll']:.2f}" + ("" if q["same_quality"] else f" ✗ ({', '.join(q['failed'])})")
+        cells = [f"{q['tokens_per_forward']:.2f} tok/fwd, NLL {q['nll']:.2f}" + ("" if q["same_quality"] else f" ✗ ({', '.join(f'{k} {v}' for k, v in q['failed'].items())})")
                  for q in pts]
         best = d["same_quality_best"].get(name)
         best_cell = f"eps_b {best['eps_b']}: {best['tokens_per_forward']:.2f} tok/fwd, CPU x{best['cpu_time']:.2f}" if best else "none"

@@ -54,5 +54,3 @@ def test_text_metrics_and_ci():
     ci = M.mean_ci([1.0, 2.0, 3.0])
     # t_{0.975, 2} = 4.302653; sd = 1; half width = 4.302653 / sqrt(3)
     assert ci["mean"] == 2.0 and ci["hi"] - 2.0 == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
-    assert M.intervals_overlap({"lo": 0, "hi": 1}, {"lo": 1, "hi": 2})
-    assert not M.intervals_overlap({"lo": 0, "hi": 1}, {"lo": 1.1, "hi": 2})

@@ -7,9 +7,10 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.base.errors import UsageError
+from multitoken.pipeline.eval.equivalence import CRITERIA, MARGINS, SAME_QUALITY_RULE, VERDICTS
 from multitoken.pipeline.eval.sweep import (
-    TABLE7_PROMPTS, TABLE8, SweepConfig, continuation_nll, decode_configs, parse_grid, quality_vs_ar, read_prompts,
-    run_hf_sample, same_quality, sweep,
+    TABLE7_PROMPTS, TABLE8, SweepConfig, _judged, continuation_nll, decode_configs, parse_grid, read_prompts, run_hf_sample,
+    same_quality, sweep,
 )
 
 
@@ -50,37 +51,58 @@ def test_continuation_nll_is_hf_loss(tiny_model):
     assert continuation_nll(tiny_model.backbone, prompt, new) == pytest.approx(expected, rel=1e-5)
 
 
-def _ci(m, lo=None, hi=None):
-    return {"mean": m, "lo": m if lo is None else lo, "hi": m if hi is None else hi, "n": 3}
+PROMPTS, SEEDS = 10, 2
+CLUSTERS = [p for p in range(PROMPTS) for _ in range(SEEDS)]  # the sweep's prompt-major run order
 
 
-def _pt(tpf, nll_lo, nll_hi, wall=1.0, eps=0.5, config="CO+AT+G-3", rep=(0.0, 0.02), d2=(0.9, 0.95), d3=(0.95, 1.0)):
-    return {"config": config, "eps_b": eps, "tokens_per_forward": _ci(tpf), "wall_speedup": _ci(wall), "cpu_speedup": _ci(wall),
-            "nll": _ci((nll_lo + nll_hi) / 2, nll_lo, nll_hi), "repetition": _ci(sum(rep) / 2, *rep),
-            "distinct2": _ci(sum(d2) / 2, *d2), "distinct3": _ci(sum(d3) / 2, *d3)}
+def _ar_runs(rep=0.01, d2=0.93, d3=0.97, nll=3.0):
+    """ar's runs over 10 prompts x 2 seeds, each metric varying a little from run to run."""
+    wobble = [((i * 7) % 5 - 2) / 2 for i in range(len(CLUSTERS))]  # -1 .. 1, mean 0
+    return [{"nll": nll + 0.1 * w, "repetition": rep + 0.005 * w, "distinct2": d2 + 0.01 * w, "distinct3": d3 + 0.005 * w}
+            for w in wobble]
 
 
-def test_same_quality_picks_fastest_overlapping_point():
-    ar = _pt(1.0, 2.0, 2.4)
-    points = [_pt(1.2, 2.1, 2.5, wall=1.1, eps=0.8), _pt(2.0, 2.3, 2.9, wall=1.4, eps=0.5), _pt(2.9, 3.0, 3.5, eps=0.0)]
-    sq = same_quality(points, ar)
+def _point(ar_runs, tpf, eps=0.5, wall=1.0, config="CO+AT+G-3", **shift):
+    """A judged point whose runs are ar's shifted per metric (``shift``: metric -> added value)."""
+    runs = [{k: v + shift.get(k, 0.0) for k, v in r.items()} for r in ar_runs]
+    summary = {"config": config, "eps_b": eps, "tokens_per_forward": {"mean": tpf}, "wall_speedup": {"mean": wall},
+               "cpu_speedup": {"mean": wall}, **{k: {"mean": sum(r[k] for r in runs) / len(runs)} for k in CRITERIA}}
+    return _judged(summary, runs, ar_runs, CLUSTERS)
+
+
+def _ar_summary(ar_runs):
+    return {k: {"mean": sum(r[k] for r in ar_runs) / len(ar_runs)} for k in CRITERIA}
+
+
+def test_same_quality_picks_the_fastest_point_whose_every_verdict_is_same():
+    ar_runs = _ar_runs()
+    points = [_point(ar_runs, 1.2, eps=0.8, wall=1.1, nll=0.01), _point(ar_runs, 2.0, eps=0.5, wall=1.4, nll=-0.02),
+              _point(ar_runs, 2.9, eps=0.0, nll=0.5)]
+    assert [p["same_quality"] for p in points] == [True, True, False]
+    sq = same_quality(points, _ar_summary(ar_runs))
     assert sq["eps_b"] == 0.5 and sq["tokens_per_forward"] == 2.0 and sq["wall_clock"] == 1.4
-    assert same_quality([_pt(2.9, 3.0, 3.5)], ar) is None
+    assert sq["rule"] == SAME_QUALITY_RULE and sq["metrics"]["nll"]["diff"] == pytest.approx(-0.02)
+    assert sq["metrics"]["nll"]["verdict"] == "same" and sq["metrics"]["nll"]["margin"] == MARGINS["nll"]
+    assert sq["metrics"]["repetition"]["point"] == pytest.approx(sq["metrics"]["repetition"]["ar"])
+    assert same_quality([points[2]], _ar_summary(ar_runs)) is None
+    assert points[2]["vs_ar"]["nll"]["verdict"] == "worse"
 
 
 def test_a_looping_point_with_good_nll_is_not_same_quality():
-    """The issue's case: eps_b = 0 had NLL 2.81 vs ar's 2.99 (inside) but repetition 0.197 vs
-    0.010 and distinct-2 0.57 vs 0.93: its text loops. Each criterion alone must reject."""
-    ar = _pt(1.0, 2.8, 3.2, rep=(0.0, 0.02), d2=(0.90, 0.96), d3=(0.95, 1.0))
-    fine = _pt(1.5, 2.9, 3.1, eps=0.6)
-    looping = _pt(2.9, 2.7, 2.95, eps=0.0, rep=(0.15, 0.25), d2=(0.5, 0.64), d3=(0.6, 0.7))
-    assert same_quality([fine, looping], ar)["eps_b"] == 0.6
-    assert same_quality([looping], ar) is None
-    assert quality_vs_ar(looping, ar) == {"nll": True, "repetition": False, "distinct2": False, "distinct3": False}
-    for key, bad in (("repetition", (0.1, 0.2)), ("distinct2", (0.5, 0.6)), ("distinct3", (0.5, 0.6))):
-        one_bad = _pt(2.9, 2.9, 3.1, **{{"repetition": "rep", "distinct2": "d2", "distinct3": "d3"}[key]: bad})
-        assert same_quality([one_bad], ar) is None, key
-        assert [k for k, ok in quality_vs_ar(one_bad, ar).items() if not ok] == [key]
+    """The issue's case: eps_b = 0 had NLL 2.81 vs ar's 2.99 but repetition 0.197 vs 0.010 and
+    distinct-2 0.57 vs 0.93: its text loops. Each criterion alone must reject."""
+    ar_runs = _ar_runs()
+    fine = _point(ar_runs, 1.5, eps=0.6, nll=0.02)
+    looping = _point(ar_runs, 2.9, eps=0.0, nll=-0.18, repetition=0.187, distinct2=-0.36, distinct3=-0.3)
+    assert same_quality([fine, looping], _ar_summary(ar_runs))["eps_b"] == 0.6
+    assert same_quality([looping], _ar_summary(ar_runs)) is None
+    assert {k: v["verdict"] for k, v in looping["vs_ar"].items()} == {
+        "nll": "better", "repetition": "worse", "distinct2": "worse", "distinct3": "worse"}
+    for key, bad in (("repetition", 0.1), ("distinct2", -0.1), ("distinct3", -0.1), ("nll", 0.2)):
+        one_bad = _point(ar_runs, 2.9, **{key: bad})
+        assert not one_bad["same_quality"], key
+        assert [k for k, v in one_bad["vs_ar"].items() if v["verdict"] != "same"] == [key]
+        assert one_bad["vs_ar"][key]["verdict"] == "worse"
 
 
 def test_ar_reference_uses_the_points_sampling_settings():
@@ -111,8 +133,15 @@ def test_sweep_end_to_end_counts(tiny_model):
     assert by_eps[1.0]["tokens_per_forward"]["mean"] == 1.0
     assert by_eps[0.0]["tokens_per_forward"]["mean"] == pytest.approx(8 / 3)
     assert by_eps[0.0]["nll"]["n"] == 4 and res["ar"]["tokens_per_forward"]["mean"] == 1.0
-    assert set(by_eps[0.0]["vs_ar"]) == {"nll", "repetition", "distinct2", "distinct3"}
-    assert by_eps[0.0]["same_quality"] == all(by_eps[0.0]["vs_ar"].values())
+    assert list(by_eps[0.0]["vs_ar"]) == ["nll", "repetition", "distinct2", "distinct3"]
+    for p in [*res["points"], res["hf_sample"]]:  # 2 prompts: intervals and mde, but fewer than 5 prompts for a verdict
+        for key, test in p["vs_ar"].items():
+            assert test["verdict"] == "undetermined" and (test["prompts"], test["runs"]) == (2, 4), key
+            assert test["lo"] <= test["diff"] <= test["hi"] and test["mde"] >= 0 and test["margin"] == MARGINS[key]
+        assert p["same_quality"] is False
+    assert res["same_quality_speedup"] is None and res["quality_test"]["resamples"] == 2000
+    # the paired difference is the point's mean minus ar's (every run scored on both sides)
+    assert by_eps[0.0]["vs_ar"]["nll"]["diff"] == pytest.approx(by_eps[0.0]["nll"]["mean"] - res["ar"]["nll"]["mean"])
     hf = res["hf_sample"]
     assert hf["config"] == "hf-sample" and hf["nll"]["n"] == 4 and hf["wall_speedup"]["n"] == 4
     assert res["sampling"] == {"temperature": 0.7, "top_k": 50, "repetition_penalty": 1.1, "max_new_tokens": 8, "seeds": [0, 1]}
@@ -121,7 +150,9 @@ def test_sweep_end_to_end_counts(tiny_model):
 
 def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     from multitoken.pipeline.cli import main
+    from multitoken.pipeline.cli.cmd_sweep import CRITERION_LABELS
 
+    assert tuple(CRITERION_LABELS) == CRITERIA  # the CSV's and table's column order is the test's
     heads = tiny_model.save_heads(tmp_path / "heads")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe dog\n")
@@ -134,8 +165,14 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     assert {p["config"] for p in res["points"]} == {"AT+G-3"}  # --stats none: no CO label
     rows = (out / "sweep.csv").read_text().splitlines()
     assert rows[0].startswith("config,eps_b,tokens_per_forward_mean") and "cpu_speedup_lo" in rows[0] and len(rows) == 5
-    assert rows[0].endswith("same_quality,nll_overlaps_ar,repetition_overlaps_ar,distinct2_overlaps_ar,distinct3_overlaps_ar")
+    tail = ",".join(f"{k}_{s}" for k in CRITERIA for s in ("diff", "diff_lo", "diff_hi", "mde", "verdict"))
+    assert rows[0].endswith("predicted_wall_speedup,same_quality," + tail)
     assert [r.split(",")[0] for r in rows[1:]] == ["ar", "hf-sample", "AT+G-3", "AT+G-3"]
+    header, point = rows[0].split(","), dict(zip(rows[0].split(","), rows[3].split(",")))
+    assert all(len(r.split(",")) == len(header) for r in rows)
+    assert point["nll_verdict"] == res["points"][0]["vs_ar"]["nll"]["verdict"] and point["same_quality"] == "False"
+    assert float(point["nll_diff"]) == pytest.approx(res["points"][0]["vs_ar"]["nll"]["diff"], rel=1e-5)
+    assert dict(zip(header, rows[1].split(",")))["nll_verdict"] == ""  # ar: no difference from itself
     assert (out / "sweep.png").stat().st_size > 5000
     saved = json.loads((out / "sweep_config.json").read_text())  # the decoding settings nested, resolved
     decode = saved["SweepConfig"]["decode"]
@@ -145,6 +182,8 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     assert DecodeConfig(**saved["SweepConfig"]["decode"]) == decode_configs(SweepConfig(decode=DecodeConfig(max_new_tokens=6)), [])[0]
     printed = capsys.readouterr().out
     assert "same_quality_speedup" in printed and "hf-sample" in printed and "same quality?" in printed
+    assert "no: undetermined NLL,rep,d2,d3" in printed and "NLL (margin ±0.05)" in printed
+    assert "2 prompts: every verdict is undetermined below 5" in printed
 
 
 def test_ablations_add_one_curve_each(tiny_model):
