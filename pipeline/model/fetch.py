@@ -23,7 +23,7 @@ from pathlib import Path
 
 from multitoken.base.errors import CheckpointError, UsageError
 from multitoken.base.hub import file_sha256, gguf_base
-from multitoken.embedded import fetched_dir
+from multitoken.embedded import FETCHED_PREFIX, fetched_dir
 
 RECORD = "conversion.json"
 
@@ -54,9 +54,18 @@ MODELS = {
 
 
 def known(name: str) -> Fetchable:
-    if name not in MODELS:
-        raise UsageError(f"no fetchable model named {name!r}", f"use one of: {', '.join(sorted(MODELS))}")
-    return MODELS[name]
+    """The model ``name`` names: its NAME (the one ``--base fetched:NAME`` takes, ``fetched:``
+    prefix allowed) or its short alias, in any letter case."""
+    want = name.removeprefix(FETCHED_PREFIX).casefold()
+    for alias, model in MODELS.items():
+        if want in (alias.casefold(), model.name.casefold()):
+            return model
+    raise UsageError(f"no fetchable model named {name!r}", f"use one of: {names()}")
+
+
+def names() -> str:
+    """The fetchable models as the user may name them: ``NAME (alias ALIAS)``."""
+    return ", ".join(f"{m.name} (alias {alias})" for alias, m in sorted(MODELS.items()))
 
 
 def sha256(path: Path) -> str:

