@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from multitoken.base.errors import CheckpointError
+from multitoken.embedded import BASE_FORMS
 
 # A Hub repo id: "name" or "owner/name" (letters, digits, '-', '_', '.'), never a path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -54,7 +55,7 @@ def locate(name: str) -> tuple[str, dict]:
                               "pass the directory holding config.json and the *.safetensors weights, or a .gguf file")
     if looks_like_path(name):
         raise CheckpointError(f"{name!r} not found: no such directory",
-                              "check the path (--base takes a model directory, a Hub id such as EleutherAI/pythia-70m, or embedded:NAME)")
+                              f"check the path (--base takes {BASE_FORMS})")
     return name, _hub_kwargs(name)
 
 

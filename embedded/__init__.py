@@ -30,6 +30,11 @@ EMBEDDED_PREFIX = "embedded:"
 
 FETCHED_PREFIX = "fetched:"
 
+# Every form --base (and BackboneConfig.base) takes, in the words of every command's --help.
+BASE_FORMS = ("a Hub id (EleutherAI/pythia-70m), a local checkpoint dir, embedded:NAME (a model the package "
+              "ships: embedded:stories260K), fetched:NAME (one `multitoken fetch` converted: "
+              "fetched:SmolLM2-135M-Instruct) or a .gguf file")
+
 
 def cache_dir() -> Path:
     """Where ``multitoken fetch`` keeps converted models: ``$MULTITOKEN_CACHE``, else

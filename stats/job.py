@@ -41,7 +41,7 @@ SHARD_KEYS = ("shard", "files", "tokenizer")  # job.json fields that may differ 
 @dataclass
 class BuildConfig:
     out: str | None = field(default=None, metadata={"help": "stats directory to write"})
-    tokenizer: str = field(default_factory=default_base, metadata={"help": "tokenizer (base model dir or Hub id) the corpus is tokenized with (default: the embedded model's)"})
+    tokenizer: str = field(default_factory=default_base, metadata={"help": "the base model whose tokenizer the corpus is tokenized with, named as --base names it (Hub id, dir, embedded:NAME, fetched:NAME, .gguf) (default: embedded:stories260K)"})
     order: int = field(default=3, metadata={"help": "highest n-gram order counted (1-3)"})
     min_count: tuple[int, ...] = field(default=(1,), metadata={"help": "prune n-grams rarer than this at merge: one value for orders 2..N, or one per order 1..N"})
     num_proc: int = field(default=1, metadata={"help": "local worker processes"})

@@ -14,7 +14,7 @@ import sys
 
 from multitoken.base.errors import MultitokenError, UsageError
 from multitoken.base.quiet import quiet_dependencies  # the scripts use the same switch
-from multitoken.embedded import EMBEDDED_PREFIX, packaged_dirs, resolve_base
+from multitoken.embedded import BASE_FORMS, EMBEDDED_PREFIX, packaged_dirs, resolve_base
 from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
@@ -78,8 +78,7 @@ def add_command(sub, name: str, *configs, run=None) -> argparse.ArgumentParser:
     return parser
 
 
-BASE_HELP = ("Hub id, local directory, or embedded:NAME of the base model (default: the base recorded in "
-             "--heads, else the embedded stories260K)")
+BASE_HELP = f"the base model: {BASE_FORMS} (default: the base recorded in --heads, else embedded:stories260K)"
 
 
 def base_from_heads(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from multitoken.embedded import default_base, resolve_base
+from multitoken.embedded import BASE_FORMS, default_base, resolve_base
 from multitoken.base.errors import CheckpointError, UnsupportedModelError, UsageError
 from multitoken.base.hub import locate, source_sha256
 from multitoken.base.dtypes import DTYPES, resolve_dtype
@@ -50,7 +50,7 @@ class BackboneConfig:
 
     base: str = field(
         default_factory=default_base,
-        metadata={"help": "Hub id, local directory, or embedded:NAME of the base model (default: the embedded stories260K)"},
+        metadata={"help": f"the base model: {BASE_FORMS} (default: embedded:stories260K)"},
     )
     dtype: str = field(default="float32", metadata={"help": "weights dtype", "choices": tuple(DTYPES)})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu, cuda, cuda:1"})
@@ -60,11 +60,8 @@ class BackboneConfig:
     )
     threads: int | None = threads_field()  # applied by load_backbone, process-wide
     cpu_linear: str = field(default=ROWS, metadata={
-        "help": "decoding on the CPU: linears on weights prepacked once for oneDNN (packed: a step over several "
-                "tokens reads each weight once; a row's logits do not depend on how many), in the column blocks of a "
-                "multi-row GEMV compiled here on first use (rows: float32, needs a C++ compiler; else packed; weights "
-                "that are exactly a GGUF's Q4_1 / Q8_0 codes or 16-bit floats are read as those codes, the same "
-                "logits), or torch's F.linear (stock)",
+        "help": "CPU linears when decoding: rows (a multi-row kernel compiled here; packed without a C++ compiler), "
+                "packed (oneDNN) or stock (torch's F.linear); details: docs/decoding.md#cpu-linears",
         "choices": CPU_LINEARS})
 
 

@@ -19,6 +19,7 @@ from multitoken.base.config_io import nested
 from multitoken.base.dtypes import DTYPES
 from multitoken.base.errors import UsageError
 from multitoken.base.threads import THREADS_BATCHES, threads_field
+from multitoken.embedded import BASE_FORMS
 from multitoken.pipeline.model.backbone import BackboneConfig
 
 MODES = ("heads", "joint", "warmup")
@@ -35,7 +36,7 @@ MAX_AUX_WEIGHT = 1e3  # the aux loss is O(1): a larger weight only drowns the he
 
 # The base-model flags as training reads them: base and dtype default to the heads dir's record.
 BACKBONE_HELP = {
-    "base": {"help": "base model (default: the one recorded in the heads dir)"},
+    "base": {"help": f"the base model: {BASE_FORMS} (default: the one recorded in the heads dir)"},
     "dtype": {"help": "backbone weights dtype (default: the one recorded in the heads dir)", "choices": tuple(DTYPES)},
     "device": {"help": "torch device (under torchrun, cuda picks cuda:LOCAL_RANK)"},
     "threads": threads_field(THREADS_BATCHES).metadata,
