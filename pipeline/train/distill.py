@@ -25,7 +25,7 @@ FORMATS = ("both", "ids", "text")
 class DistillConfig:
     """Drives ``multitoken distill``."""
 
-    num_tokens: int = field(default=0, metadata={"help": "tokens to sample in total (required, > 0)"})
+    num_tokens: int | None = field(default=None, metadata={"help": "tokens to sample in total (required, > 0)"})
     out: str | None = field(default=None, metadata={"help": "output .jsonl file (written atomically)"})
     batch_size: int = field(default=32, metadata={"help": "samples drawn in parallel"})
     max_new_tokens: int = field(default=256, metadata={"help": "longest sample, in tokens (a sample also ends at EOS)"})
@@ -41,6 +41,8 @@ class DistillConfig:
 
 
 def validate(cfg: DistillConfig, context: int) -> None:
+    if cfg.num_tokens is None:
+        raise UsageError("no --num-tokens given", "pass --num-tokens N, the tokens to sample in total")
     if cfg.num_tokens <= 0:
         raise UsageError(f"--num-tokens must be > 0, got {cfg.num_tokens}")
     if not cfg.out:

@@ -68,6 +68,8 @@ def test_cli_distill_and_errors(stories_dir, tmp_path, capsys):
     assert out.is_file() and (tmp_path / "d.jsonl.config.json").is_file()
     assert main(["distill", "--num-tokens", "0", "--out", str(out)]) == 2
     assert "--num-tokens must be > 0" in capsys.readouterr().err
+    assert main(["distill", "--out", str(out)]) == 2
+    assert "no --num-tokens given" in capsys.readouterr().err
     assert main(["distill", "--num-tokens", "5", "--out", str(out), "--max-new-tokens", "5000",
                  "--base", str(stories_dir)]) == 2
     assert main(["distill", "--num-tokens", "5", "--out", str(tmp_path / "x.jsonl"), "--base", str(tmp_path / "nope")]) == 1
