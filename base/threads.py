@@ -6,8 +6,8 @@ best of 2 interleaved repetitions, tokens/s at 1 / 2 threads): one sequence -- s
 speculative greedy (``generate``'s default mode) 1080 / 992, ar 716 / 769; pythia-mini ar 146 /
 150 -- so ``generate`` and ``sweep`` default to one thread (the fastest for the default mode,
 within 7% elsewhere, and steadier timings on a shared machine); batches -- training steps 10.1k /
-16.7k (stories260K) and 676 / 1174 (pythia-mini) -- so ``train``, ``eval`` and ``distill`` keep
-torch's default (one thread per core).
+16.7k (stories260K) and 676 / 1174 (pythia-mini) -- so ``train``, ``eval``, ``distill`` and
+``attach`` keep torch's default (one thread per core). ``THREADS_RULE`` says so in each --help.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from multitoken.base.errors import UsageError
 
 THREADS_ONE_SEQUENCE = 1
 THREADS_BATCHES = 0
+# The one rule, said in every command's --threads help (docs/cli.md says it too).
+THREADS_RULE = ("commands that decode one sequence at a time (generate, sweep) default to 1, those that run "
+                "batches (train, eval, distill, attach) to 0")
 _TORCH_THREADS = torch.get_num_threads()  # torch's default, read before anything changes it
 
 
@@ -29,7 +32,7 @@ def threads_field(cli_default: int = THREADS_ONE_SEQUENCE):
     is None (torch's setting left as it is) in library use; the command line defaults to
     ``cli_default``."""
     return field(default=None, metadata={
-        "help": "torch CPU threads for this process (0: torch's default, one per core)",
+        "help": f"torch CPU threads for this process (0: torch's default, one per core); {THREADS_RULE}",
         "cli_default": cli_default, "default_help": f"{cli_default}" if cli_default else "0, torch's default"})
 
 

@@ -54,6 +54,7 @@ def test_help_reads_in_plain_words(name):
     assert not re.search(r"default:? \(\d", flat) and "default: ()" not in flat
     assert not re.search(r"seeds? 00\d", flat, re.I), "a paper named by its seed file"
     assert "/embedded/" not in flat, "an install path as a default"
+    assert not re.search(r"required[^()]*\) \(default", flat), "a required input with a default"
     for action in parser._actions:  # required inputs show no default at all
         if action.default in ("", None, ()) and action.help:
             assert "(default: )" not in action.help and "(default: None)" not in action.help
@@ -89,9 +90,11 @@ def test_threads_on_every_command_that_runs_a_model():
     from multitoken.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE
 
     want = {"generate": THREADS_ONE_SEQUENCE, "sweep": THREADS_ONE_SEQUENCE,
-            "train": THREADS_BATCHES, "eval": THREADS_BATCHES, "distill": THREADS_BATCHES}
+            "train": THREADS_BATCHES, "eval": THREADS_BATCHES, "distill": THREADS_BATCHES, "attach": THREADS_BATCHES}
     for name, default in want.items():
         parser = build_parser(name)
+        help_ = " ".join(PARSERS[name].format_help().split())  # one rule, said in every command's help
+        assert "(generate, sweep) default to 1, those that run batches (train, eval, distill, attach) to 0" in help_, name
         assert parser.parse_args([name, "x"] if name == "generate" else [name]).threads == default, name
         assert parser.parse_args([name, "--threads", "3"] + (["x"] if name == "generate" else [])).threads == 3
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.base.config_io import resolved_config_text
 from multitoken.base.outputs import claim_output
-from multitoken.pipeline.cli import add_command
+from multitoken.pipeline.cli import add_command, threads_for_batches
 from multitoken.pipeline.cli.args import add_flag, dataclass_from_args, plain
 
 RESOLVED_CONFIG = "attach_config.json"
@@ -35,6 +35,7 @@ def register(sub) -> None:
     from multitoken.adapters.registry import registered_heads  # lazy: torch
 
     p = add_command(sub, "attach", AttachConfig, BackboneConfig, run=run)
+    threads_for_batches(p)  # copies and initialises layers: not one sequence's decoding
     for action in p._actions:  # the head names are only known once the registry is loaded
         if action.dest == "head":
             action.choices = registered_heads()
