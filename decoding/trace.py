@@ -74,7 +74,10 @@ class Trace:
                  tokens_per_s=self.tokens_per_s)
         return d
 
-    def summary(self) -> str:
+    def summary(self, verbose: bool = False) -> str:
+        """What decoding did: tokens, passes, time; ``verbose`` adds the internals (histograms of
+        accepted drafts, tokens per step and back-offs, the tree's accuracies and kept siblings,
+        how grids were built, rows per unembedding call)."""
         lines = [
             f"mode {self.mode}: {self.new_tokens} tokens in {self.forward_passes} forward passes "
             f"({self.tokens_per_forward:.2f} tokens/forward), {self.wall_s:.3f} s ({self.tokens_per_s:.1f} tokens/s), "
@@ -82,14 +85,16 @@ class Trace:
             f"time: model {self.model_s:.3f} s, decoding logic {self.decoding_s:.3f} s"
             + (f"; before it, {self.prepare_s:.3f} s packing the linears (once per model load)" if self.prepare_s >= 0.01 else ""),
         ]
-        if self.accepted_lengths:
-            lines.append("accepted drafts per verification: " + _hist(self.accepted_lengths))
         if self.tree != "chain":
             lines.append(f"tree {self.tree}, {self.tree_nodes} candidates per step"
-                         + (f", accuracies: {self.tree_accuracies}" if self.tree_accuracies else "")
-                         + (", kept sibling index: " + _hist(self.tree_sibling_ranks) if self.tree_sibling_ranks else ""))
+                         + (f", accuracies: {self.tree_accuracies}" if verbose and self.tree_accuracies else "")
+                         + (", kept sibling index: " + _hist(self.tree_sibling_ranks) if verbose and self.tree_sibling_ranks else ""))
         if self.lookup:
             lines.append(f"prompt lookup (up to {self.lookup} tokens): {self.lookup_tokens} kept tokens drafted by it alone")
+        if not verbose:
+            return "\n".join(lines)
+        if self.accepted_lengths:
+            lines.append("accepted drafts per verification: " + _hist(self.accepted_lengths))
         if self.orders:
             lines.append("tokens per step: " + _hist(self.orders))
         if self.backoffs:

@@ -34,6 +34,7 @@ class GenerateConfig:
     heads: str | None = field(default=None, metadata={"help": "heads dir, or embedded:NAME for one the package ships (default: the heads shipped for the base: the embedded ones; for the fetched SmolLM2 its token-conditioned heads in speculative / typical mode, its replicated heads otherwise)"})
     stats: str | None = field(default=None, metadata={"help": "co-occurrence stats dir (or embedded:NAME) for dynamic masking (default: the embedded stats with the embedded base)"})
     json: bool = field(default=False, metadata={"help": "print one JSON object (token_ids, text, trace) instead of streaming"})
+    verbose: bool = field(default=False, metadata={"help": "the summary on stderr also shows the decoding's internals: accepted drafts, tokens per step and back-offs, how grids were built, rows per unembedding call (--json always holds them)"})
     prompts: str | None = field(default=None, metadata={"help": "prompts file (one per line, or jsonl with 'prompt'/'text'): decode them all, writing --out"})
     batch_size: int = field(default=8, metadata={"help": "with --prompts: rows decoded together (1: one at a time, the same tokens)"})
     out: str | None = field(default=None, metadata={"help": "with --prompts: the jsonl file written (one object per prompt)"})
@@ -144,7 +145,7 @@ def run(args) -> None:
         print(json.dumps(record))
     else:
         streamer.finish()
-        print(result.trace.summary(), file=sys.stderr)
+        print(result.trace.summary(verbose=cfg.verbose), file=sys.stderr)
 
 
 def _check_file_flags(cfg: GenerateConfig) -> None:

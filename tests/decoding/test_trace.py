@@ -21,6 +21,9 @@ def test_speculative_trace_is_consistent(tiny_backbones):
     d = json.loads(json.dumps(res.as_dict()))
     assert d["trace"]["tokens_per_forward"] == round(20 / t.forward_passes, 4)
     assert "tokens/forward" in t.summary()
+    assert "accepted drafts" not in t.summary() and "rows per unembedding call" not in t.summary()  # internals: verbose
+    assert "accepted drafts per verification" in t.summary(verbose=True)
+    assert "rows per unembedding call" in t.summary(verbose=True)
 
 
 def test_packing_the_linears_is_timed_apart_from_the_run(tiny_backbones):

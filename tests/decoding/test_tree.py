@@ -272,7 +272,7 @@ def test_static_tree_reads_the_accuracies_beside_the_heads(tmp_path, tiny_backbo
     (tmp_path / ACCURACY_FILE).write_text(json.dumps({"rank_accuracy": [[0.5, 0.3, 0.1], [0.2, 0.1, 0.05]]}))
     model.heads_dir = str(tmp_path)
     trace = generate(model, ids, cfg).trace
-    assert trace.tree_accuracies == str(tmp_path / ACCURACY_FILE) and "accuracies:" in trace.summary()
+    assert trace.tree_accuracies == str(tmp_path / ACCURACY_FILE) and "accuracies:" in trace.summary(verbose=True)
     acc = read_accuracies(tmp_path, 3)  # a third draft head the file does not cover: the prior's row
     assert acc.table[:2] == [[0.5, 0.3, 0.1], [0.2, 0.1, 0.05]] and acc.table[2] == fallback_accuracies(3).table[2]
     (tmp_path / ACCURACY_FILE).write_text("{not json")
