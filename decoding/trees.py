@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from multitoken.base.atomic import atomic_write_text
+
 ACCURACY_FILE = "rank_accuracy.json"  # written beside the heads by `multitoken eval`
 MAX_RANKS = 32  # guesses per head a tree may take (the shipped heads gain up to rank ~30 at 64+ nodes)
 AUTO_BUDGETS = (4, 8, 16, 32, 64)
@@ -217,9 +219,17 @@ _STEP_TIMES: dict[tuple, dict[int, float]] = {}  # (model id, device) -> budget 
 def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5, argmax: bool = False) -> dict[int, float]:
     """Seconds of one verification forward over 1 + b tree tokens after a ``context``-token cache,
     per budget b (the median of ``reps``), measured once per model, device and read in this
-    process (``argmax``: greedy without a penalty reads only the base's argmax; else its logits)."""
+    process (``argmax``: greedy without a penalty reads only the base's argmax; else its logits).
+    A model with a ``step_times_store`` (``(file, key)``: the key names the machine and the
+    model's shapes) reads them from that JSON file when it holds them, and records them there
+    once measured: once per machine, not once per process."""
     key = (id(model), str(model.backbone.device), argmax)
     if key in _STEP_TIMES:
+        return _STEP_TIMES[key]
+    store = getattr(model, "step_times_store", None)
+    entry = f"{store[1]}|argmax={argmax}|context={context}|budgets={','.join(map(str, budgets))}" if store else None
+    if store and (kept := _read_store(Path(store[0])).get(entry)):
+        _STEP_TIMES[key] = {int(b): float(t) for b, t in kept.items()}
         return _STEP_TIMES[key]
     import time
 
@@ -243,7 +253,30 @@ def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5, ar
             caches.keep(context, [])
         times[b] = float(np.median(runs))
     _STEP_TIMES[key] = times
+    if store:
+        _write_store(Path(store[0]), entry, times)
     return times
+
+
+def _read_store(path: Path) -> dict:
+    """The step times kept in ``path`` (entry -> budget -> seconds); {} when absent or unreadable."""
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def _write_store(path: Path, entry: str, times: dict[int, float]) -> None:
+    """Add ``entry`` to the step times kept in ``path`` (replaced atomically; a cache: a failed
+    write only means measuring again next time)."""
+    kept = _read_store(path)
+    kept[entry] = {str(b): t for b, t in times.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass
 
 
 def auto_budget(model, accuracy: Accuracies, depth: int, argmax: bool = False) -> int:

@@ -1,11 +1,12 @@
 """Decoding with multi-token heads from plain transformers code.
 
-``with_heads(HEADS_DIR)`` returns a decoding method for transformers' own ``generate``::
+``with_heads(HEADS)`` returns a decoding method for transformers' own ``generate``::
 
-    model = AutoModelForCausalLM.from_pretrained(BASE)
+    model = AutoModelForCausalLM.from_pretrained(str(fetched_dir("SmolLM2-135M-Instruct")))
     out = model.generate(ids, max_new_tokens=64, do_sample=False,
-                         custom_generate=with_heads("heads-dir", tree="static"))
+                         custom_generate=with_heads("embedded:SmolLM2-135M-Instruct-conditioned", tree="static"))
 
+``HEADS`` is a heads dir or ``embedded:NAME`` / ``fetched:NAME``, as on the command line.
 transformers prepares the inputs and the generation config as usual and then calls the method
 in place of its own sampling loop (a callable ``custom_generate`` runs no remote code, so no
 ``trust_remote_code``); the method decodes with the heads (``decoding.generate``, every row of a
@@ -14,11 +15,15 @@ tokens, padded with the pad token. Greedy (``do_sample=False``) output is transf
 output token for token. Sampling reads ``temperature``, ``top_k`` and ``repetition_penalty``
 (DynaMo's form: the probability of a token already in the context divided by it) from the
 generation config; other logits processors have no counterpart and are refused. The heads are
-loaded once per model object; the model's linears stay as the caller built them.
+loaded once per model object and heads dir, however many ``with_heads`` calls name them; the
+model's linears stay as the caller built them. A tree's size (``tree_nodes`` auto, the default)
+comes from the verify step's time on this machine, measured once per CPU, thread count and model
+shape and kept in ``STEP_TIMES_FILE`` under the cache (``multitoken.embedded.cache_dir``).
 """
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import torch
@@ -27,6 +32,7 @@ from multitoken.base.errors import UsageError
 from multitoken.base.tokenizer import load_tokenizer
 from multitoken.decoding.engine import generate_batch, prompt_rows
 from multitoken.decoding.config import DecodeConfig
+from multitoken.embedded import cache_dir, resolve_base
 from multitoken.pipeline.model.assets import load_stats
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
 from multitoken.pipeline.model.cpu_linear import STOCK
@@ -35,22 +41,33 @@ from multitoken.pipeline.model.model import MultiTokenModel
 # transformers' processors that the generation config's sampling fields create and that the
 # method applies itself; any other processor (or a user's own) has no counterpart here.
 HANDLED = {"TemperatureLogitsWarper", "TopKLogitsWarper", "RepetitionPenaltyLogitsProcessor"}
+STEP_TIMES_FILE = "step_times.json"  # under cache_dir(): tree verify-step times per machine and model shape
+# The model object's attribute holding (heads dir, stats dir) -> (MultiTokenModel, table): heads
+# attached once per model, whichever with_heads call asks (a README-style call builds a new
+# method every time); on the model itself, so they go when it goes.
+ATTACHED = "_multitoken_heads"
 
 
 def with_heads(heads: str, stats: str | None = None, **decode) -> callable:
-    """A ``custom_generate`` method decoding with the heads in ``heads`` (and co-occurrence
-    ``stats`` for DynaMo / joint drafts); ``decode``: other ``DecodeConfig`` fields (mode,
-    tree, tree_nodes, eps_b, ...)."""
+    """A ``custom_generate`` method decoding with the heads in ``heads`` (a heads dir, or
+    ``embedded:NAME`` / ``fetched:NAME``) and co-occurrence ``stats`` (same forms; DynaMo / joint
+    drafts); ``decode``: other ``DecodeConfig`` fields (mode, tree, tree_nodes, eps_b, ...)."""
+    heads = resolve_base(str(heads))
+    stats = resolve_base(str(stats)) if stats is not None else None
     if not (Path(heads) / "heads_config.json").is_file():
         raise UsageError(f"{heads!r} is not a heads dir (no heads_config.json)",
-                         "pass a directory made by `multitoken attach` / `multitoken train`, or a shipped one")
-    loaded: dict[int, tuple] = {}
+                         "pass a directory made by `multitoken attach` / `multitoken train`, or embedded:NAME for "
+                         "heads the package ships (embedded:stories260K-heads, embedded:SmolLM2-135M-Instruct-conditioned)")
 
     def multitoken_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=False, streamer=None, **model_kwargs) -> torch.LongTensor:
-        if id(model) not in loaded:
-            loaded[id(model)] = _attach(model, heads, stats)
-        mt, table = loaded[id(model)]
+        attached = getattr(model, ATTACHED, None)
+        if attached is None:
+            attached = {}
+            setattr(model, ATTACHED, attached)
+        if (heads, stats) not in attached:
+            attached[(heads, stats)] = _attach(model, heads, stats)
+        mt, table = attached[(heads, stats)]
         extra = sorted({type(p).__name__ for p in logits_processor} - HANDLED)
         if extra:
             raise UsageError(f"with_heads cannot apply {', '.join(extra)}",
@@ -70,7 +87,30 @@ def _attach(model, heads: str, stats: str | None):
     backbone = Backbone(model, load_tokenizer(name), name,
                         BackboneConfig(base=name, dtype=dtype, device=str(model.device), cpu_linear=STOCK))
     mt = MultiTokenModel.from_pretrained(backbone, heads)
+    mt.step_times_store = (cache_dir() / STEP_TIMES_FILE, _machine_and_shape(mt))  # decoding.trees.step_times
     return mt, load_stats(stats, backbone.tokenizer)
+
+
+def _machine_and_shape(mt: MultiTokenModel) -> str:
+    """What a verify step's time depends on: the CPU, torch's threads, the device, the weights'
+    shapes and dtype, the heads. The key of this model's step times in ``STEP_TIMES_FILE``."""
+    shape = mt.backbone.fingerprint()
+    return "|".join([
+        f"cpu={_cpu_name()}", f"threads={torch.get_num_threads()}", f"device={mt.backbone.device}",
+        f"dtype={mt.backbone.model.dtype}", f"linear={mt.backbone.load_config.cpu_linear}",
+        *(f"{k}={shape[k]}" for k in ("model_type", "vocab_size", "hidden_size", "num_layers")),
+        f"heads={mt.config.head_type}x{mt.n_future}"])
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _decode_config(gc, decode: dict, prompt_len: int) -> DecodeConfig:
