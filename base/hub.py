@@ -18,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from multitoken.base.errors import CheckpointError
-from multitoken.embedded import BASE_FORMS
+from multitoken.embedded import BASE_FORMS, FETCHED_PREFIX, SMOLLM2, fetched_dir
 
 # A Hub repo id: "name" or "owner/name" (letters, digits, '-', '_', '.'), never a path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -54,6 +54,8 @@ def locate(name: str) -> tuple[str, dict]:
         raise CheckpointError(f"{name!r} is a file, not a model directory",
                               "pass the directory holding config.json and the *.safetensors weights, or a .gguf file")
     if looks_like_path(name):
+        if unfetched := _not_fetched(path):
+            raise unfetched
         raise CheckpointError(f"{name!r} not found: no such directory",
                               f"check the path (--base takes {BASE_FORMS})")
     return name, _hub_kwargs(name)
@@ -94,8 +96,24 @@ def _hub_kwargs(repo_id: str) -> dict:
     raise CheckpointError(
         f"{repo_id!r} is not a local directory, not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
         f"and the Hub is unreachable ({offline})",
-        "connect to the network to download it once, or pass the directory of a downloaded copy",
+        offline_names(),
     )
+
+
+def offline_names() -> str:
+    """The fix of a Hub id that cannot be reached: the names that work without the Hub."""
+    smollm2 = FETCHED_PREFIX + SMOLLM2
+    fetched = "fetched on this machine" if fetched_dir(SMOLLM2).is_dir() else "after `multitoken fetch smollm2`"
+    return (f"offline, name a model this machine has: {smollm2} ({fetched}), embedded:stories260K "
+            "(shipped in the package) or a local checkpoint dir; online, connect to download it once")
+
+
+def _not_fetched(path: Path) -> CheckpointError | None:
+    """``fetched:NAME`` (resolved to its cache folder) that ``multitoken fetch`` has not made."""
+    if path.parent != fetched_dir("x").parent:
+        return None
+    return CheckpointError(f"{FETCHED_PREFIX}{path.name} is not fetched on this machine (no {path})",
+                           f"run `multitoken fetch {path.name}` once (it needs the network), or name another model")
 
 
 def offline_reason() -> str | None:

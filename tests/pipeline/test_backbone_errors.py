@@ -70,9 +70,12 @@ def test_mistyped_local_path_is_not_found_without_asking_the_hub(tmp_path, spell
 @pytest.mark.parametrize("env, reason", [(OFFLINE, "Hub is unreachable (127.0.0.1"),
                                          ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set")])
 def test_hub_id_offline_fails_fast_with_one_line(tmp_path, env, reason):
-    env = {**env, "HF_HUB_CACHE": str(tmp_path)}
+    env = {**env, "HF_HUB_CACHE": str(tmp_path), "MULTITOKEN_CACHE": str(tmp_path / "mt")}  # SmolLM2 not fetched
     done, _ = _cli("--base", "EleutherAI/pythia-70m", env=env)
     _one_error(done, 1, "'EleutherAI/pythia-70m' is not a local directory, not in the Hugging Face cache", reason)
+    fix = done.stderr.splitlines()[1]  # one line: the names that work offline
+    assert all(name in fix for name in ("fetched:SmolLM2-135M-Instruct", "multitoken fetch smollm2",
+                                        "embedded:stories260K", "local checkpoint dir")), fix
     # Was 25 s of retries. Timed from after `import torch`, which every command pays first (1.5 s
     # on an idle machine of our kind, 3-4 s on a busy one) and which says nothing about the Hub.
     timed = ("import sys, time, torch\n"
@@ -86,6 +89,12 @@ def test_hub_id_offline_fails_fast_with_one_line(tmp_path, env, reason):
     assert done.returncode == 1 and reason in done.stderr, done.stderr[-3000:]
     elapsed = float(done.stdout)
     assert elapsed < 3.0, f"{elapsed:.1f} s"
+
+
+def test_a_fetched_name_not_fetched_yet_says_to_fetch_it(tmp_path):
+    done, _ = _cli("--base", "fetched:SmolLM2-135M-Instruct", env={**OFFLINE, "MULTITOKEN_CACHE": str(tmp_path)})
+    _one_error(done, 1, "fetched:SmolLM2-135M-Instruct is not fetched on this machine")
+    assert "multitoken fetch SmolLM2-135M-Instruct" in done.stderr
 
 
 def test_hub_id_offline_loads_from_the_local_cache(tmp_path, tiny_llama_dir):
