@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from multitoken.base.atomic import atomic_write_text
+from multitoken.base.json_cache import keep_entry, read_entries
 
 ACCURACY_FILE = "rank_accuracy.json"  # written beside the heads by `multitoken eval`
 MAX_RANKS = 32  # guesses per head a tree may take (the shipped heads gain up to rank ~30 at 64+ nodes)
@@ -228,7 +228,7 @@ def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5, ar
         return _STEP_TIMES[key]
     store = getattr(model, "step_times_store", None)
     entry = f"{store[1]}|argmax={argmax}|context={context}|budgets={','.join(map(str, budgets))}" if store else None
-    if store and (kept := _read_store(Path(store[0])).get(entry)):
+    if store and (kept := read_entries(store[0]).get(entry)):
         _STEP_TIMES[key] = {int(b): float(t) for b, t in kept.items()}
         return _STEP_TIMES[key]
     import time
@@ -254,29 +254,8 @@ def step_times(model, budgets=AUTO_BUDGETS, context: int = 64, reps: int = 5, ar
         times[b] = float(np.median(runs))
     _STEP_TIMES[key] = times
     if store:
-        _write_store(Path(store[0]), entry, times)
+        keep_entry(store[0], entry, {str(b): t for b, t in times.items()})
     return times
-
-
-def _read_store(path: Path) -> dict:
-    """The step times kept in ``path`` (entry -> budget -> seconds); {} when absent or unreadable."""
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return kept if isinstance(kept, dict) else {}
-
-
-def _write_store(path: Path, entry: str, times: dict[int, float]) -> None:
-    """Add ``entry`` to the step times kept in ``path`` (replaced atomically; a cache: a failed
-    write only means measuring again next time)."""
-    kept = _read_store(path)
-    kept[entry] = {str(b): t for b, t in times.items()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(kept, indent=1, sort_keys=True) + "\n")
-    except OSError:
-        pass
 
 
 def auto_budget(model, accuracy: Accuracies, depth: int, argmax: bool = False) -> int:
