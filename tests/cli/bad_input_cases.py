@@ -246,7 +246,7 @@ def _option_case(args, message, code=2):
 
 
 def generate_dynamic_top_k_past_opencv_channels(w, d):  # opencv 5 blurs <= 128 channels: was cv2.error
-    return Case(_gen("--mode", "dynamic", "--top-k", "130"), 0, "tokens per step")
+    return Case(_gen("--mode", "dynamic", "--top-k", "130", "--verbose"), 0, "tokens per step")
 
 
 def generate_five_heads_past_the_stats_order(w, d):  # was "rebuild with --order 5" (3 is the maximum)
