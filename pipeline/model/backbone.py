@@ -60,7 +60,7 @@ class BackboneConfig:
     )
     threads: int | None = threads_field()  # applied by load_backbone, process-wide
     cpu_linear: str = field(default=ROWS, metadata={
-        "help": "CPU linears when decoding: rows (a multi-row kernel compiled here; packed without a C++ compiler), "
+        "help": "CPU linears when decoding: rows (a multi-row kernel compiled here; packed where it cannot be built), "
                 "packed (oneDNN) or stock (torch's F.linear); details: docs/decoding.md#cpu-linears",
         "choices": CPU_LINEARS})
 
