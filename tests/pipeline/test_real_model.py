@@ -191,13 +191,14 @@ def test_greedy_batch_rows_equal_transformers_on_smollm2(smol_model, tree):
         assert res.token_ids == hf_greedy(bb, ids, 24), tree
 
 
-def test_transformers_generate_with_the_shipped_heads(smol_dir):
+def test_transformers_generate_with_the_shipped_heads(smol_dir, tmp_path, monkeypatch):
     """The heads from plain transformers code: ``custom_generate=with_heads(...)``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from multitoken.embedded import SMOLLM2_HEADS
     from multitoken.pipeline.model.hf_generate import with_heads
 
+    monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path))  # the tree's step times: not into the user's cache
     model = AutoModelForCausalLM.from_pretrained(smol_dir).eval()
     ids = AutoTokenizer.from_pretrained(smol_dir)(PROMPTS[0], return_tensors="pt").input_ids
     plain = model.generate(ids, max_new_tokens=24, do_sample=False)
