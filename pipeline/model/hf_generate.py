@@ -92,11 +92,12 @@ def _attach(model, heads: str, stats: str | None):
 
 
 def _machine_and_shape(mt: MultiTokenModel) -> str:
-    """What a verify step's time depends on: the CPU, torch's threads, the device, the weights'
-    shapes and dtype, the heads. The key of this model's step times in ``STEP_TIMES_FILE``."""
-    shape = mt.backbone.fingerprint()
+    """What a verify step's time depends on: the CPU, torch's threads (at the first call), the
+    device (a GPU's name too), the weights' shapes and dtype, the linears, the heads. The key of this model's step times in ``STEP_TIMES_FILE``."""
+    shape, device = mt.backbone.fingerprint(), mt.backbone.device
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     return "|".join([
-        f"cpu={_cpu_name()}", f"threads={torch.get_num_threads()}", f"device={mt.backbone.device}",
+        f"cpu={_cpu_name()}", f"threads={torch.get_num_threads()}", f"device={device}{gpu}",
         f"dtype={mt.backbone.model.dtype}", f"linear={mt.backbone.load_config.cpu_linear}",
         *(f"{k}={shape[k]}" for k in ("model_type", "vocab_size", "hidden_size", "num_layers")),
         f"heads={mt.config.head_type}x{mt.n_future}"])
