@@ -7,7 +7,7 @@ speculative greedy (``generate``'s default mode) 1080 / 992, ar 716 / 769; pythi
 150 -- so ``generate`` and ``sweep`` default to one thread (the fastest for the default mode,
 within 7% elsewhere, and steadier timings on a shared machine); batches -- training steps 10.1k /
 16.7k (stories260K) and 676 / 1174 (pythia-mini) -- so ``train``, ``eval``, ``distill`` and
-``attach`` keep torch's default (one thread per core). ``THREADS_RULE`` says so in each --help.
+``attach`` (and ``build-heads``) keep torch's default (one thread per core). ``THREADS_RULE`` says so in each --help.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ THREADS_ONE_SEQUENCE = 1
 THREADS_BATCHES = 0
 # The one rule, said in every command's --threads help (docs/cli.md says it too).
 THREADS_RULE = ("commands that decode one sequence at a time (generate, sweep) default to 1, those that run "
-                "batches (train, eval, distill, attach) to 0")
+                "batches (train, eval, distill, attach, build-heads) to 0")
 _TORCH_THREADS = torch.get_num_threads()  # torch's default, read before anything changes it
 
 

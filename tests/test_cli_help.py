@@ -90,11 +90,12 @@ def test_threads_on_every_command_that_runs_a_model():
     from multitoken.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE
 
     want = {"generate": THREADS_ONE_SEQUENCE, "sweep": THREADS_ONE_SEQUENCE,
-            "train": THREADS_BATCHES, "eval": THREADS_BATCHES, "distill": THREADS_BATCHES, "attach": THREADS_BATCHES}
+            "train": THREADS_BATCHES, "eval": THREADS_BATCHES, "distill": THREADS_BATCHES, "attach": THREADS_BATCHES,
+            "build-heads": THREADS_BATCHES}
     for name, default in want.items():
         parser = build_parser(name)
         help_ = " ".join(PARSERS[name].format_help().split())  # one rule, said in every command's help
-        assert "(generate, sweep) default to 1, those that run batches (train, eval, distill, attach) to 0" in help_, name
+        assert "(generate, sweep) default to 1, those that run batches (train, eval, distill, attach, build-heads) to 0" in help_, name
         assert parser.parse_args([name, "x"] if name == "generate" else [name]).threads == default, name
         assert parser.parse_args([name, "--threads", "3"] + (["x"] if name == "generate" else [])).threads == 3
 
