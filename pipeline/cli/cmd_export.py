@@ -47,8 +47,8 @@ def run(args) -> None:
         from multitoken.pipeline.model.export_medusa import check_exportable, write_medusa  # lazy: torch
         from multitoken.pipeline.model.model import MultiTokenModel  # lazy: torch
 
+        check_exportable(cfg.heads)  # before the (slow) base load
         model = MultiTokenModel.from_pretrained(cfg.base, cfg.heads)
-        check_exportable(model, cfg.heads)
         write_medusa(model, out, lm_heads=cfg.lm_heads)
     print(f"exported {model.n_future - 1} medusa heads ({model.config.num_blocks} block(s) each) of {cfg.heads} "
           f"in vLLM's medusa layout -> {out}")

@@ -53,31 +53,29 @@ _LICENSE_FILES = ("LICENSE", "LICENSE.md", "LICENSE.txt", "LICENCE")
 
 
 # Export ------------------------------------------------------------------------------------
-def check_exportable(model: MultiTokenModel, heads_dir: str) -> None:
-    """One line for heads vLLM's ``medusa`` cannot serve as they were trained."""
-    kind = model.config.head_type
+def check_exportable(heads_dir: str) -> None:
+    """One line for heads vLLM's ``medusa`` cannot serve as they were trained (read from the
+    heads dir's record, before the base loads)."""
+    record = read_heads_config(heads_dir)
+    kind, n = record["head_config"]["head_type"], record["head_config"]["n_future"]
     if kind != "medusa":
         raise UsageError(f"--format medusa exports medusa heads; {heads_dir} holds {kind} heads",
                          "export a heads dir made with `multitoken attach --head medusa` (and trained)")
-    if model.n_future < 2:
+    if n < 2:
         raise UsageError(f"{heads_dir} has no Medusa heads to export (n_future 1: only the base's own head)",
                          "attach medusa heads with --n 2 or more")
-    if model.has_lora:
+    if record.get("lora"):
         raise UsageError(f"the heads in {heads_dir} were trained with a LoRA adapter on the base; vLLM would "
                          "serve them on the untuned base", "train the heads on a frozen base, or merge the adapter into the base first")
-    if any(p.requires_grad for p in model.base_head_parameters()) or _has_base_head(heads_dir):
+    if any(k.startswith(BASE_HEAD_PREFIX) for k in record["shapes"]):
         raise UsageError(f"the heads in {heads_dir} carry a retrained final layer of the base, which vLLM's medusa "
                          "cannot hold", "export heads trained on a frozen base")
-    if getattr(model.backbone.unembedding, "bias", None) is not None:
-        raise UsageError("the base's unembedding has a bias; vLLM's medusa lm heads have none", "export heads of another base")
-
-
-def _has_base_head(heads_dir: str) -> bool:
-    return any(k.startswith(BASE_HEAD_PREFIX) for k in read_heads_config(heads_dir)["shapes"])
 
 
 def vllm_tensors(model: MultiTokenModel, lm_heads: str = "shared") -> dict[str, torch.Tensor]:
     """Our state dict under vLLM's names (same tensors, same dtype), plus the lm head(s)."""
+    if getattr(model.backbone.unembedding, "bias", None) is not None:
+        raise UsageError("the base's unembedding has a bias; vLLM's medusa lm heads have none", "export heads of another base")
     out = {}
     for name, value in model.heads.state_dict().items():
         m = re.fullmatch(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", name)

@@ -5,6 +5,7 @@ layout's reader computes from the files checked by hand; what cannot be represen
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,17 @@ def test_vllm_checkpoint_without_bias_imports_with_zero_bias(trained, tiny_llama
     assert torch.equal(state["blocks.0.0.linear.bias"], torch.zeros(32))
 
 
+def test_bfloat16_checkpoint_onto_a_float32_base(trained, tiny_llama_dir, tmp_path):
+    """The lm head is a bfloat16 copy of the base's float32 unembedding: equal in bfloat16."""
+    model, _ = trained
+    ckpt = _vllm_dir(tmp_path / "v", model)
+    half = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(ckpt / "model.safetensors").items()}
+    save_file(half, ckpt / "model.safetensors")
+    assert main(["import", str(ckpt), "--base", str(tiny_llama_dir), "--out", str(tmp_path / "H")]) == 0
+    state = load_file(tmp_path / "H" / "heads.safetensors")
+    assert torch.equal(state["blocks.0.0.linear.weight"], half["blocks.0.layers.0.weight"].float())
+
+
 @pytest.mark.parametrize("case, message", [
     ("fd-lm-head-differs", "the lm head of Medusa head 1 differs from the base's unembedding"),
     ("fd-config-disagrees", "medusa_num_heads is 5 but medusa_lm_head.safetensors holds 2 heads"),
@@ -212,9 +224,14 @@ def test_import_refuses_in_one_line(trained, tiny_llama_dir, tmp_path, capsys, c
 def test_export_refuses_and_guards_its_output(trained, tiny_llama_dir, tmp_path, capsys):
     model, heads = trained
     assert main(["attach", "--base", str(tiny_llama_dir), "--head", "cp", "--n", "2", "--out", str(tmp_path / "cp")]) == 0
+    lora = tmp_path / "lora-heads"
+    shutil.copytree(heads, lora)
+    record = json.loads((lora / "heads_config.json").read_text())
+    (lora / "heads_config.json").write_text(json.dumps({**record, "lora": "lora"}))
     capsys.readouterr()
     cases = [
         (["--format", "eagle3", "--heads", str(heads)], "export --format eagle3 is not available yet"),
+        (["--heads", str(lora)], "were trained with a LoRA adapter on the base; vLLM would serve them on the untuned base"),
         (["--heads", str(tmp_path / "cp")], "--format medusa exports medusa heads; " + str(tmp_path / "cp") + " holds cp heads"),
     ]
     for argv, message in cases:
