@@ -51,7 +51,8 @@ class OutputKind:
 
 HEADS = OutputKind("heads", "a heads dir", "heads_config.json",
                    ("heads_config.json", "heads.safetensors", "lora", "attach_config.json",
-                    "train_config.json", "train_metrics.json", "rank_accuracy.json", "draft_vocab.json"))
+                    "train_config.json", "train_metrics.json", "rank_accuracy.json", "draft_vocab.json",
+                    "import_config.json"))
 STATS = OutputKind("stats", "a stats dir", "meta.json",
                    ("meta.json", "config.json", "counts[0-9].npy", "keys[0-9].npy", "partials", "merge-parts"))
 STATS_WORK = OutputKind("stats-work", "a stats work dir", None, ("partials", "merge-parts"))
@@ -64,8 +65,13 @@ CONVERTED = OutputKind("convert", "a converted model", "conversion.json",
 CHECKPOINTS = OutputKind("checkpoints", "training checkpoints", None, ("step-[0-9]*",))
 CORPUS = OutputKind("corpus", "a corpus written by multitoken distill", None)
 GENERATIONS = OutputKind("generations", "generations written by multitoken generate", None)
+# No marker: every multitoken that writes this kind records it, and a bare config.json is anyone's
+# (the export still publishes its config.json last: export_medusa.write_medusa).
+MEDUSA_EXPORT = OutputKind("medusa-export", "a Medusa export (multitoken export --format medusa)", None,
+                           ("config.json", "model.safetensors", "README.md", "LICENSE"))
 RECIPE = OutputKind("recipe", "a heads build (multitoken build-heads)", None, ("distill", "heads-*", "report"))
-KINDS = {k.kind: k for k in (HEADS, STATS, STATS_WORK, EVAL, SWEEP, CONVERTED, CHECKPOINTS, CORPUS, GENERATIONS, RECIPE)}
+KINDS = {k.kind: k for k in (HEADS, STATS, STATS_WORK, EVAL, SWEEP, CONVERTED, CHECKPOINTS, CORPUS, GENERATIONS, RECIPE,
+                                   MEDUSA_EXPORT)}
 FILE_KINDS = {"distill": CORPUS, "generate": GENERATIONS}  # single-file outputs, by command
 CONFIG_SUFFIX = ".config.json"  # the resolved config beside a single-file output
 

@@ -31,6 +31,8 @@ COMMANDS = {
     "stats": ("multitoken.pipeline.cli.cmd_stats", "co-occurrence statistics: build, merge, info"),
     "eval": ("multitoken.pipeline.cli.cmd_eval", "PPL_n, PPL_1:n, PPL_d, top-k, marginalization baseline, logit lens"),
     "sweep": ("multitoken.pipeline.cli.cmd_sweep", "dynamic decoding over prompts x seeds x eps_b vs ar sampling: JSON, CSV, PNG"),
+    "export": ("multitoken.pipeline.cli.cmd_export", "write heads in a serving engine's layout (medusa: vLLM's medusa speculative model)"),
+    "import": ("multitoken.pipeline.cli.cmd_import", "read a Medusa checkpoint (vLLM's or FasterDecoding's layout) into a heads dir"),
 }
 
 
@@ -63,6 +65,12 @@ DESCRIPTIONS = {
     "sweep": "Run dynamic decoding over prompts x seeds x eps_b values against ar sampling with the same settings, "
              "and report speed-up and quality (the base model's NLL of the text, distinct-n, repetition) with "
              "95% intervals, as JSON, CSV and a plot.",
+    "export": "Write the heads of a heads dir in the layout a serving engine loads. --format medusa writes medusa heads "
+              "as vLLM's medusa speculative model (config.json, model.safetensors, a README naming the base and its "
+              "licence); eagle3 is not available yet.",
+    "import": "Read a Medusa checkpoint, in vLLM's layout or FasterDecoding's, into a heads dir on --base, weight for "
+              "weight. Heads whose lm heads differ from the base's unembedding, or that draft from a truncated "
+              "vocabulary, are refused: multitoken's Medusa heads share the base's.",
 }
 
 

@@ -32,6 +32,8 @@ TITLES = {
     "BackboneConfig": "base model",
     "AttachConfig": "heads to create",
     "ConvertLlama2cConfig": "checkpoint to convert",
+    "ExportConfig": "export",
+    "ImportConfig": "checkpoint to import",
     "TrainConfig": "training",
     "DataConfig": "data",
     "DistillConfig": "sampling the corpus",

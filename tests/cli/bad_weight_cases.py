@@ -95,12 +95,32 @@ def base_only_pickled(w, d):  # a --base folder whose weights are a pickle (that
 
 
 
+def import_medusa_pickled(w, d):
+    ckpt = d / "medusa"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"medusa_num_heads": 1, "medusa_num_layers": 1}')
+    (ckpt / "medusa_lm_head.pt").write_bytes(pickle.dumps({"w": _Planted(str(d / "PWNED"))}))
+    return Case(["import", ckpt, "--base", "embedded:stories260K", "--out", d / "new"], 1, "is a pickle; multitoken reads weights from safetensors only")
+
+
+def import_medusa_nan(w, d):
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = d / "medusa"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"medusa_num_heads": 1, "medusa_num_layers": 1}')
+    save_file({"0.0.linear.weight": torch.full((64, 64), float("nan")), "0.0.linear.bias": torch.zeros(64)},
+              ckpt / "medusa_lm_head.safetensors")
+    return Case(["import", ckpt, "--base", "embedded:stories260K", "--out", d / "new"], 1, "non-finite values")
+
+
 def _not_lora(folder, d):
     (folder / "adapter_config.json").write_text('{"peft_type": "IA3"}')
 
 
 WEIGHT_CASES = [
-    resume_onto_finished_heads_without_checkpoint, heads_all_nan, base_only_pickled,
+    resume_onto_finished_heads_without_checkpoint, heads_all_nan, base_only_pickled, import_medusa_pickled, import_medusa_nan,
     _lora_case("lora_pickled_adapter", _lora_pickle, "holds only pickled weights (adapter_model.bin)"),
     _lora_case("lora_config_truncated", _lora_config_truncated, "adapter_config.json is not valid JSON"),
     _lora_case("lora_weights_truncated", _lora_weights_truncated, "adapter_model.safetensors is truncated"),
