@@ -50,7 +50,7 @@ import torch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
-from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, ROWS
+from multitoken.kernels.cpu_linear import CPU_LINEARS, ROWS
 from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.embedded import DEFAULT_BASE
 from multitoken.pipeline.model.model import MultiTokenModel

@@ -1,5 +1,5 @@
 """CPU linears for decoding: torch's stock ``F.linear`` against weights prepacked for oneDNN
-(``--cpu-linear packed``, pipeline/model/cpu_linear.py) and the compiled rows kernel
+(``--cpu-linear packed``, kernels/cpu_linear.py) and the compiled rows kernel
 (``--cpu-linear rows``, rows_kernel.py; where it builds), side by side in one process.
 
 Three parts, each printed as a table and written to the JSON:
@@ -38,7 +38,7 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.pipeline.model import cpu_linear
+from multitoken.kernels import cpu_linear
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 

@@ -36,7 +36,7 @@ import numpy
 import torch
 import torch.nn.functional as F
 
-from multitoken.pipeline.model import cpu_linear, grid_weights, rows_kernel
+from multitoken.kernels import cpu_linear, grid_weights, rows_kernel
 
 SHAPES = {"pythia-160m": (50304, 768), "pythia-410m": (50304, 1024), "pythia-mini": (50304, 128), "smollm2": (49152, 576)}
 

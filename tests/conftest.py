@@ -137,7 +137,7 @@ def packed_tiny_linears():
     """The suite's tiny models are below the weight count the CPU packs from by default
     (``cpu_linear.MIN_WEIGHTS``): every layer is packed here, so decoding tests run the packed
     kernels (subprocesses of the CLI tests keep the default)."""
-    from multitoken.pipeline.model import cpu_linear
+    from multitoken.kernels import cpu_linear
 
     before, cpu_linear.MIN_WEIGHTS = cpu_linear.MIN_WEIGHTS, 0
     yield

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("base", "embedded", "adapters", "stats", "decoding", "pipeline")
+FOLDERS = ("base", "embedded", "kernels", "adapters", "stats", "decoding", "pipeline")
 
 # Module-name prefix -> floor, bottom up (longest prefix wins).
 FLOORS = {
     "multitoken.base": 0,
     "multitoken.embedded": 0,  # data package: paths of the shipped model, heads, stats
+    "multitoken.kernels": 1,  # CPU linears on the weights' own codes: a library of their own
     "multitoken.adapters": 1,
     "multitoken.stats": 1,
     "multitoken.decoding": 2,

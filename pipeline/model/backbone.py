@@ -23,7 +23,7 @@ from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
 from multitoken.base.tokenizer import load_tokenizer
 from multitoken.base.quiet import quiet_loading
-from multitoken.pipeline.model.cpu_linear import CPU_LINEARS, ROWS
+from multitoken.kernels.cpu_linear import CPU_LINEARS, ROWS
 from multitoken.pipeline.model.quantization import checked_plan
 
 

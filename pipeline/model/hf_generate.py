@@ -35,7 +35,7 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.embedded import cache_dir, resolve_base
 from multitoken.pipeline.model.assets import load_stats
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
-from multitoken.pipeline.model.cpu_linear import STOCK
+from multitoken.kernels.cpu_linear import STOCK
 from multitoken.pipeline.model.model import MultiTokenModel
 
 # transformers' processors that the generation config's sampling fields create and that the

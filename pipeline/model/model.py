@@ -16,7 +16,7 @@ from torch import nn
 from multitoken.adapters.base import DEFAULT_CHUNK, Features, LossOutput
 from multitoken.adapters.registry import build_head, make_config
 
-from multitoken.pipeline.model import cpu_linear
+from multitoken.kernels import cpu_linear
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 from multitoken.pipeline.model.draft_vocab import DraftUnembedding, read_ranking, resolve_size
 from multitoken.pipeline.model.heads_io import load_heads, save_heads

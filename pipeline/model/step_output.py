@@ -9,7 +9,7 @@ from collections import Counter
 import torch
 
 from multitoken.adapters.base import Features
-from multitoken.pipeline.model.cpu_linear import PackedLinear
+from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.pipeline.model.draft_vocab import DraftUnembedding
 from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, apply, plan_for
 

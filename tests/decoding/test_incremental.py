@@ -10,7 +10,8 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.pipeline.model import cpu_linear, unembed_plan
+from multitoken.kernels import cpu_linear
+from multitoken.pipeline.model import unembed_plan
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, UnembedPlan, fixed_plan, plan_for
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from multitoken.base.errors import CheckpointError, UsageError
-from multitoken.pipeline.model import cpu_linear
+from multitoken.kernels import cpu_linear
 from multitoken.pipeline.model.draft_vocab import (DRAFT_VOCAB_FILE, DraftUnembedding, ranking_record,
                                                    read_ranking, resolve_size)
 from multitoken.pipeline.model.model import MultiTokenModel

@@ -139,8 +139,8 @@ def test_the_gguf_bases_linears_decode_from_their_codes(smol_model):
     """SmolLM2's GGUF holds its linears as Q4_1 and its embedding as Q8_0: on the rows kernel
     (the default) every decoder linear keeps its Q4_1 codes and the tied unembedding its Q8_0
     ones, and the dense weights read back bit for bit (the tests above: the same greedy text)."""
-    from multitoken.pipeline.model.cpu_linear import PackedLinear, grids_on
-    from multitoken.pipeline.model.grid_weights import Q4, Q8
+    from multitoken.kernels.cpu_linear import PackedLinear, grids_on
+    from multitoken.kernels.grid_weights import Q4, Q8
 
     if not grids_on():
         pytest.skip("needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from multitoken.embedded import cache_dir
-from multitoken.pipeline.model import cpu_features
+from multitoken.kernels import cpu_features
 
 MAX_ROWS = 64  # rows per call the kernel takes; more go through a batched matmul
 # The C++ (package data), read when the kernel is built: one translation unit, in this order

@@ -1,4 +1,4 @@
-"""The compiled rows kernel (pipeline/model/rows_kernel.py, ``--cpu-linear rows``): values
+"""The compiled rows kernel (kernels/rows_kernel.py, ``--cpu-linear rows``): values
 against F.linear within fp32 rounding, rows bit-identical whatever the row count and threads,
 the exact round trip of its blocks, the mode switches, its build cache, the fallback without a
 compiler, and greedy decoding on it equal to transformers' stock output."""
@@ -17,8 +17,9 @@ from torch import nn
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.pipeline.model import cpu_features, cpu_linear, rows_kernel, unembed_plan
-from multitoken.pipeline.model.cpu_linear import ONEDNN, ROWS, PackedLinear
+from multitoken.kernels import cpu_features, cpu_linear, rows_kernel
+from multitoken.pipeline.model import unembed_plan
+from multitoken.kernels.cpu_linear import ONEDNN, ROWS, PackedLinear
 
 from .test_cpu_linear import BF16, _bound, _layers, _model
 
@@ -103,7 +104,7 @@ def test_without_a_compiler_rows_falls_back_to_onednn_once_said(monkeypatch, cap
 def test_the_build_is_cached_per_machine_and_reused(tmp_path):
     """The first process compiles into $MULTITOKEN_CACHE/kernels/KEY/, the next loads that file;
     a build forced by ``MULTITOKEN_CPU_FEATURES`` goes to another key (the native one is kept)."""
-    code = ("from multitoken.pipeline.model import rows_kernel as r; import sys; "
+    code = ("from multitoken.kernels import rows_kernel as r; import sys; "
             "sys.exit(0 if r.library() is not None else 1)")
     env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path), cpu_features.ENV: "native"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
@@ -118,7 +119,7 @@ def test_the_build_is_cached_per_machine_and_reused(tmp_path):
 
 ISA_CHECK = """
 import sys, torch
-from multitoken.pipeline.model import cpu_features, rows_kernel as rk
+from multitoken.kernels import cpu_features, rows_kernel as rk
 features = cpu_features.features()
 assert features.level == sys.argv[1], features
 assert rk.library() is not None, rk._STATE["why"]
@@ -137,7 +138,7 @@ for m in (1, 3, 4, 5, 13, 64):
     approx = torch.empty(m, 1000)
     rk.library().rows_screened(x.data_ptr(), screen["q"].data_ptr(), screen["scale"].data_ptr(), approx.data_ptr(), m, 96, 1000)
     assert bool(((approx - logits).abs() <= x.abs().sum(1, keepdim=True) * screen["err"][:1000]).all()), m
-from multitoken.pipeline.model import grid_weights
+from multitoken.kernels import grid_weights
 assert grid_weights.probe()  # Q4_1 / Q8_0 codes: the float blocks' logits bit for bit
 d = (torch.rand(40, 2, 1, generator=gen) / 64).half().float()
 q = torch.randint(-127, 128, (40, 2, 32), generator=gen).float()

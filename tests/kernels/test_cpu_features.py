@@ -1,4 +1,4 @@
-"""The capability probe (pipeline/model/cpu_features.py): ``MULTITOKEN_CPU_FEATURES`` only takes
+"""The capability probe (kernels/cpu_features.py): ``MULTITOKEN_CPU_FEATURES`` only takes
 features away, names its fix when misspelt, turns the kernel's instructions off and caps oneDNN,
 so that a forced run takes the smaller CPU's paths."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from multitoken.base.errors import UsageError
-from multitoken.pipeline.model import cpu_features
+from multitoken.kernels import cpu_features
 
 FIELDS = ("avx2", "avx512", "vnni", "onednn_bf16")
 
@@ -43,7 +43,7 @@ def test_a_misspelt_level_names_the_choices(monkeypatch):
 def test_a_forced_process_caps_onednn_below_avx512():
     """Forced to ``avx2`` before any linear runs, torch's oneDNN itself refuses bf16, as on an
     AVX2 CPU (the user's own ``ONEDNN_MAX_CPU_ISA`` wins)."""
-    code = ("import torch; from multitoken.pipeline.model import cpu_features as c; import os; "
+    code = ("import torch; from multitoken.kernels import cpu_features as c; import os; "
             "print(os.environ['ONEDNN_MAX_CPU_ISA'], bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), c.features().onednn_bf16)")
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
     done = subprocess.run([sys.executable, "-c", code], env={**env, cpu_features.ENV: "avx2"},

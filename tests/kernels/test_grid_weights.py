@@ -1,4 +1,4 @@
-"""Exact low-bit grids (pipeline/model/grid_weights.py): weights on a Q4_1 / Q8_0 grid (a GGUF
+"""Exact low-bit grids (kernels/grid_weights.py): weights on a Q4_1 / Q8_0 grid (a GGUF
 base, dequantized) are found, kept as their codes and decoded by the rows kernel to logits
 bit-identical to the float32 blocks'; anything off the grid keeps the float32 blocks; greedy
 decoding on a grid model equals transformers' stock output."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from multitoken.pipeline.model import cpu_features, cpu_linear, grid_weights, rows_kernel
-from multitoken.pipeline.model.cpu_linear import ROWS, PackedLinear
-from multitoken.pipeline.model.grid_weights import BF16, F16, Q4, Q8, QK
+from multitoken.kernels import cpu_features, cpu_linear, grid_weights, rows_kernel
+from multitoken.kernels.cpu_linear import ROWS, PackedLinear
+from multitoken.kernels.grid_weights import BF16, F16, Q4, Q8, QK
 
 from .conftest import build_tied_llama
 from .test_cpu_linear import _model

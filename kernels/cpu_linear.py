@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multitoken.pipeline.model import cpu_features, grid_weights, rows_kernel
+from multitoken.kernels import cpu_features, grid_weights, rows_kernel
 
 PACKED, ROWS, STOCK = "packed", "rows", "stock"
 CPU_LINEARS = (PACKED, ROWS, STOCK)

@@ -11,7 +11,7 @@ weights of an output is ``d * q + m`` (Q4_1: codes q in 0..15, d and m float16) 
 decoding is one rounding, the very one the dequantization made; 16-bit floats widen exactly.
 The kernel thus sees the same float32 weights and adds the same fused multiply-adds in the same
 order as the float32 blocks: its logits are bit-identical to theirs
-(tests/pipeline/test_grid_weights.py).
+(tests/kernels/test_grid_weights.py).
 
 Greedy steps read only the argmax of the unembedding: on a Q8_0 grid (a GGUF's tied embedding)
 ``grid_argmax`` takes it from int16 dot products and recounts exactly only the outputs that can
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from multitoken.pipeline.model import rows_kernel
+from multitoken.kernels import rows_kernel
 
 QK = 32  # inputs per grid block (GGUF's Q4_1 / Q8_0 block)
 Q4, Q8, BF16, F16 = 4, 8, 16, 17  # the kinds, as the kernel's grid_linear takes them

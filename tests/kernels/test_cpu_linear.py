@@ -1,4 +1,4 @@
-"""Prepacked CPU linears (pipeline/model/cpu_linear.py): values against F.linear within fp32
+"""Prepacked CPU linears (kernels/cpu_linear.py): values against F.linear within fp32
 (bf16) rounding, rows independent of the row count, the fallback, the option, devices left
 alone, memory replaced, and training / LoRA / greedy decoding around them."""
 
@@ -13,9 +13,9 @@ from torch import nn
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.pipeline.model import cpu_features, cpu_linear
+from multitoken.kernels import cpu_features, cpu_linear
 from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
-from multitoken.pipeline.model.cpu_linear import PackedLinear
+from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.pipeline.model.model import MultiTokenModel
 
 
