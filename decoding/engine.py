@@ -8,7 +8,7 @@ each row's kept slots (``DecodingModel`` in ``protocol.py`` declares all the eng
 
 What is shared, what is per row: one forward pass per step for all live rows, prompts
 left-padded and each step's tokens right-aligned, so a row's candidates sit at the end of the
-step (``pipeline/model/ragged.py``: positions count a row's own tokens, holes are masked).
+step (``pipeline/runtime/ragged.py``: positions count a row's own tokens, holes are masked).
 Everything a row decides it decides alone, with its own context mask, ``torch.Generator`` and
 numpy generator seeded with its seed, so every row equals its run alone; the host reads are
 made once per step for the whole batch (the committed ids, the verdicts, DynaMo's top-k). A

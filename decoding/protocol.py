@@ -3,7 +3,7 @@ verifiers use, and nothing else.
 
 Decoding stands below the pipeline (DESIGN.md floors), so it never imports the model class; any
 object with this shape decodes. ``multitoken.pipeline.MultiTokenModel`` is the one the package
-ships (its ``step`` lives in ``pipeline/model/incremental.py``).
+ships (its ``step`` lives in ``pipeline/runtime/incremental.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The batched KV-cache layout decision, by counting slots, not timing them.
 
 Batched speculative / dynamic rows forget different numbers of slots per step. Two layouts:
-masked holes (``pipeline/model/ragged.py``: the common suffix cropped, the rest masked, a gather
+masked holes (``pipeline/runtime/ragged.py``: the common suffix cropped, the rest masked, a gather
 only past 1.5x the longest row) or compaction every step (each row's tokens gathered contiguous
 after every verification). Attention reads every slot of the axis each step, and a compaction
 reads and writes every slot once, so the comparison is in slots: slot reads of the masked axis

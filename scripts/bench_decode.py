@@ -54,7 +54,7 @@ from multitoken.kernels.cpu_linear import CPU_LINEARS, ROWS
 from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.embedded import DEFAULT_BASE
 from multitoken.pipeline.model.model import MultiTokenModel
-from multitoken.pipeline.model.unembed_plan import plan_for
+from multitoken.pipeline.runtime.unembed_plan import plan_for
 
 from bench_batches import bench_batches, print_batches
 from bench_common import FIXTURES, PROMPTS, best_of, device_name, load, open_table

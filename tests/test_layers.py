@@ -29,6 +29,7 @@ FLOORS = {
     "multitoken.stats": 1,
     "multitoken.decoding": 2,
     "multitoken.pipeline.model": 3,
+    "multitoken.pipeline.runtime": 3,  # the decoding step's runtime beside the model it steps
     "multitoken.pipeline.train": 4,
     "multitoken.pipeline.eval": 4,
     "multitoken.pipeline.cli": 5,

@@ -20,7 +20,7 @@ from multitoken.kernels import cpu_linear
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
 from multitoken.pipeline.model.draft_vocab import DraftUnembedding, read_ranking, resolve_size
 from multitoken.pipeline.model.heads_io import load_heads, save_heads
-from multitoken.pipeline.model.incremental import new_caches, next_ids, step
+from multitoken.pipeline.runtime.incremental import new_caches, next_ids, step
 
 __all__ = ["MultiTokenModel", "LossOutput"]
 

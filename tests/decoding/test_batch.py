@@ -197,7 +197,7 @@ def test_ragged_caches_equal_each_row_recomputed_alone(tiny_backbones, arch, hea
     """Left-padded prompts, steps of different lengths per row, per-row crops of rejected
     drafts, a row leaving, optionally compaction: every row's heads at every real position of
     a step equal a full pass over that row's own tokens."""
-    from multitoken.pipeline.model import ragged
+    from multitoken.pipeline.runtime import ragged
     from multitoken.decoding.drafts import left_pad
 
     if compact:

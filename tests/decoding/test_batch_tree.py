@@ -17,7 +17,7 @@ from multitoken.decoding.engine import generate
 from multitoken.decoding.trees import Tree
 from multitoken.decoding.verify import read_walks
 from multitoken.base.errors import UsageError
-from multitoken.pipeline.model import ragged
+from multitoken.pipeline.runtime import ragged
 from multitoken.pipeline.model.assets import load_model
 
 from .conftest import RatioTable, attach

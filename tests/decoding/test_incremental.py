@@ -11,9 +11,9 @@ import torch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_linear
-from multitoken.pipeline.model import unembed_plan
+from multitoken.pipeline.runtime import unembed_plan
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, UnembedPlan, fixed_plan, plan_for
+from multitoken.pipeline.runtime.unembed_plan import LINEAR, TRANSPOSED, UnembedPlan, fixed_plan, plan_for
 
 from .conftest import attach
 
@@ -137,7 +137,7 @@ def test_the_plan_prices_every_batch_row(tiny_backbones, monkeypatch):
 def test_unembed_beyond_the_fast_rows_agrees_within_rounding(tiny_backbones, rows, three_fast_rows):
     """(W x^T)^T for more rows than the CPU's fast count: each logit is the same dot product
     summed in another order, so it differs from F.linear's by at most H * eps * sum |w_i x_i|."""
-    from multitoken.pipeline.model.step_output import unembed
+    from multitoken.pipeline.runtime.step_output import unembed
 
     bb = tiny_backbones["gpt_neox"]
     x = torch.randn(1, rows, bb.hidden_size, generator=torch.Generator().manual_seed(rows))

@@ -80,7 +80,7 @@ def test_speculative_and_dynamic_greedy_with_a_penalty_equal_ar(tiny_backbones):
 
 def test_ar_sampling_reads_no_full_vocabulary_distribution(tiny_backbones, monkeypatch):
     """ar draws from the top-k of the raw logits: no log-softmax over the vocabulary per step."""
-    from multitoken.pipeline.model.step_output import StepOutput
+    from multitoken.pipeline.runtime.step_output import StepOutput
 
     model = attach(tiny_backbones["llama"], "medusa")
     ref = generate(model, [1, 5, 9], DecodeConfig(mode="ar", max_new_tokens=10, seed=4)).token_ids

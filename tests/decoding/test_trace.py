@@ -44,7 +44,7 @@ def test_what_a_step_unembeds_inside_is_counted_once(tiny_backbones, monkeypatch
     unembedding is made to take 20 ms, so a double count would put model time above wall time."""
     import time
 
-    from multitoken.pipeline.model import step_output, unembed_plan
+    from multitoken.pipeline.runtime import step_output, unembed_plan
 
     slow = step_output.unembed
     monkeypatch.setattr(step_output, "unembed", lambda bb, rows: (time.sleep(0.02), slow(bb, rows))[1])

@@ -28,7 +28,7 @@ from multitoken.decoding.drafts import Trees
 from multitoken.embedded import EMBEDDED_STATS
 from multitoken.pipeline.model.assets import load_model
 from multitoken.stats.table import CooccurrenceTable
-from multitoken.pipeline.model.incremental import _tree_context
+from multitoken.pipeline.runtime.incremental import _tree_context
 
 from .conftest import RatioTable, attach
 from .test_exactness import PROMPTS, hf_greedy, merge_small_cells

@@ -18,7 +18,7 @@ from torch import nn
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_features, cpu_linear, rows_kernel
-from multitoken.pipeline.model import unembed_plan
+from multitoken.pipeline.runtime import unembed_plan
 from multitoken.kernels.cpu_linear import ONEDNN, ROWS, PackedLinear
 
 from .test_cpu_linear import BF16, _bound, _layers, _model

@@ -8,7 +8,7 @@ Everything goes through ``Backbone.run_layer`` / ``layer_context``: no patched t
 
 Batches (``decoding.engine``): rows of different lengths share the slot axis; ``DecodeCaches.valid``
 marks per row which slots hold its tokens (None: every slot, every row: the batch-1 fast path).
-``pipeline/model/ragged.py`` explains the layout and why holes are masked, not compacted per step.
+``pipeline/runtime/ragged.py`` explains the layout and why holes are masked, not compacted per step.
 Batched trees: ``step`` takes a tree per row (``attend`` [B, T, T], ``offsets`` [B, T]).
 After a step ``DecodeCaches.keep`` keeps each row's accepted slots (the rest of its step become
 holes, or are cropped), ``keep_rows`` the rows still decoding: all decoding asks of the caches.
@@ -23,8 +23,8 @@ import torch
 
 from multitoken.adapters.base import Features
 from multitoken.pipeline.model.backbone import LayerContext
-from multitoken.pipeline.model import ragged
-from multitoken.pipeline.model.step_output import StepOutput
+from multitoken.pipeline.runtime import ragged
+from multitoken.pipeline.runtime.step_output import StepOutput
 
 
 def _new_cache():

@@ -11,7 +11,7 @@ import torch
 from multitoken.adapters.base import Features
 from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.pipeline.model.draft_vocab import DraftUnembedding
-from multitoken.pipeline.model.unembed_plan import LINEAR, TRANSPOSED, apply, plan_for
+from multitoken.pipeline.runtime.unembed_plan import LINEAR, TRANSPOSED, apply, plan_for
 
 
 def unembed(bb, rows: torch.Tensor) -> torch.Tensor:
