@@ -32,6 +32,7 @@ FLOORS = {
     "multitoken.pipeline.runtime": 3,  # the decoding step's runtime beside the model it steps
     "multitoken.pipeline.train": 4,
     "multitoken.pipeline.eval": 4,
+    "multitoken.pipeline.integrations": 4,  # our heads inside transformers' generate
     "multitoken.pipeline.cli": 5,
     "multitoken.pipeline": 5,  # the package __init__: lazy re-exports of every floor
 }

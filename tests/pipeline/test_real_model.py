@@ -196,7 +196,7 @@ def test_transformers_generate_with_the_shipped_heads(smol_dir, tmp_path, monkey
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from multitoken.embedded import SMOLLM2_HEADS
-    from multitoken.pipeline.model.hf_generate import with_heads
+    from multitoken.pipeline.integrations.hf_generate import with_heads
 
     monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path))  # the tree's step times: not into the user's cache
     model = AutoModelForCausalLM.from_pretrained(smol_dir).eval()

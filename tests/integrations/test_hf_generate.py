@@ -9,7 +9,7 @@ import torch
 
 from multitoken.base.errors import UsageError
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.model.hf_generate import with_heads
+from multitoken.pipeline.integrations.hf_generate import with_heads
 from multitoken.pipeline.model.model import MultiTokenModel
 
 from ..conftest import REPO
@@ -87,7 +87,7 @@ def test_the_readme_block_runs_as_written_on_the_embedded_model(tmp_path, monkey
 
     from multitoken.decoding import trees
     from multitoken.embedded import DEFAULT_BASE
-    from multitoken.pipeline.model.hf_generate import ATTACHED, STEP_TIMES_FILE
+    from multitoken.pipeline.integrations.hf_generate import ATTACHED, STEP_TIMES_FILE
 
     monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path))
     block = _readme_block()
