@@ -13,21 +13,27 @@ from multitoken.decoding.verify import greedy_accept, speculative_accept, typica
 from multitoken.decoding.sampling import Sampler, processed_probs
 
 
-def test_first_emitted_token_follows_the_target_for_any_draft_distribution():
+def test_every_emitted_token_follows_the_target_for_any_draft_distribution():
+    """Each emitted position j (among the runs that emit it: drafts 0..j-1 accepted, which their
+    own tokens decide) follows the target p[j], the accepted drafts and the resampled token alike."""
     g = torch.Generator().manual_seed(0)
     v, runs = 5, 6000
     p = torch.softmax(torch.randn(3, v, generator=g) * 1.5, -1)  # targets after positions 0..2
     q = torch.softmax(torch.randn(2, v, generator=g) * 1.5, -1)  # the drafts' distributions
     sampler = Sampler(greedy=False, temperature=1.0, top_k=0, seed=1)
-    first, lengths = Counter(), Counter()
+    emitted, lengths = [Counter() for _ in range(3)], Counter()
     for _ in range(runs):
         drafts = torch.multinomial(q, 1, generator=sampler.gen).reshape(-1)
         verdict = speculative_accept(drafts, q, p, sampler)
         lengths[verdict.accepted] += 1
-        first[int(drafts[0]) if verdict.accepted > 0 else verdict.next_token] += 1
-    expected = p[0].double() / p[0].double().sum() * runs
-    assert chisquare([first[i] for i in range(v)], expected.numpy()).pvalue > 1e-3
+        for j, token in enumerate(drafts[:verdict.accepted].tolist() + [verdict.next_token]):
+            emitted[j][int(token)] += 1
     assert set(lengths) == {0, 1, 2}
+    for j in range(3):
+        n = sum(emitted[j].values())
+        assert n == sum(c for k, c in lengths.items() if k >= j) and n > 500  # every run emits positions 0..accepted
+        expected = p[j].double() / p[j].double().sum() * n
+        assert chisquare([emitted[j][i] for i in range(v)], expected.numpy()).pvalue > 1e-3, j
 
 
 def test_identical_draft_and_target_accepts_everything():
