@@ -30,6 +30,7 @@ from multitoken.kernels import rows_kernel
 
 QK = 32  # inputs per grid block (GGUF's Q4_1 / Q8_0 block)
 Q4, Q8, BF16, F16 = 4, 8, 16, 17  # the kinds, as the kernel's grid_linear takes them
+KINDS = frozenset((Q4, Q8, BF16, F16))
 NAMES = {Q4: "Q4_1", Q8: "Q8_0", BF16: "bfloat16", F16: "float16"}
 HALVES = {BF16: torch.bfloat16, F16: torch.float16}  # 16-bit floats: the float blocks' layout, 2 bytes each
 CHUNK_ROWS = 4096  # outputs checked at a time (bounds the peak memory of the search)
@@ -182,6 +183,8 @@ def _fields(packed: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor
 def grid_linear(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] fp32 -> [..., N] from the codes, ``rows_kernel.MAX_ROWS`` rows per kernel call
     (a prompt's pass too: no dense copy is ever made, and every row's logits are a step's)."""
+    if kind not in KINDS:
+        raise ValueError(f"grid_linear: unknown weight format {kind!r} (the kernel reads {sorted(KINDS)})")
     k = x.shape[-1]
     x = x if x.is_contiguous() else x.contiguous()  # rows [M, K] in memory
     m = x.numel() // k

@@ -344,12 +344,14 @@ extern "C" void rows_linear(const float* x, const float* wp, float* out, int M, 
 }
 
 // x [M, K] times grid codes -> out [M, N]; kind 4: Q4_1, 8: Q8_0 (K a multiple of QK), 16:
-// bfloat16, 17: float16.
+// bfloat16, 17: float16. Any other kind writes NaN everywhere (the caller checks kinds first;
+// never uninitialised memory).
 extern "C" void grid_linear(const float* x, const uint8_t* wp, int kind, float* out, int M, int K, int N) {
     if (kind == 4) blocks<Q4>(x, (const Q4*)wp, nullptr, out, M, K, N);
     else if (kind == 8) blocks<Q8>(x, (const Q8*)wp, nullptr, out, M, K, N);
     else if (kind == 16) blocks<BF16>(x, (const BF16*)wp, nullptr, out, M, K, N);
     else if (kind == 17) blocks<F16>(x, (const F16*)wp, nullptr, out, M, K, N);
+    else for (int64_t i = 0; i < (int64_t)M * N; ++i) out[i] = __builtin_nanf("");
 }
 
 // The screen's logits alone: x [M, K] times the int8 blocks q, each output times its scale.

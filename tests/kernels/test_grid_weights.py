@@ -191,3 +191,13 @@ def test_greedy_on_grid_codes_equals_transformers_stock(grid_llama_dir, monkeypa
     assert_greedy_equals_stock(model)
     grids = {m.grid for m in bb.model.modules() if isinstance(m, PackedLinear)}
     assert grids == {Q4, Q8} and bb.unembedding.grid == Q8
+
+
+def test_an_unknown_format_is_an_error_never_memory_read_as_logits():
+    packed = grid_weights.pack_grid(*grid_weights.find_grid(on_q8(_weight(32, 64, 5))))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="unknown weight format 5"):
+        grid_weights.grid_linear(x, packed, 5, 32, None)
+    out = torch.zeros(2, 32)  # the kernel itself, past the check: NaN, not what memory held
+    rows_kernel.library().grid_linear(x.data_ptr(), packed.data_ptr(), 5, out.data_ptr(), 2, 64, 32)
+    assert out.isnan().all()
