@@ -181,3 +181,40 @@ def source_sha256(base: str, hub_kwargs: dict) -> str | None:
         except (ValueError, AttributeError):
             return None
     return None
+
+
+# Code from a checkpoint never runs: every config, tokenizer and model load passes
+# trust_remote_code=False (transformers then never asks on stdin), and a local checkpoint that
+# names its own classes (``auto_map``) for a type transformers cannot build is refused first.
+CUSTOM_CODE_FIX = ("multitoken never runs code shipped with a checkpoint: use one whose model and tokenizer classes "
+                   "transformers provides")
+
+
+def check_no_custom_code(folder: Path, supported: tuple[str, ...]) -> None:
+    """Refuse a local checkpoint whose ``config.json`` maps a ``model_type`` outside
+    ``supported`` to its own Python classes (``auto_map``): loading it means running them."""
+    try:
+        record = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # missing or unreadable: transformers' own error names it
+    if isinstance(record, dict) and record.get("auto_map") and record.get("model_type") not in supported:
+        modules = sorted({str(v).split(".")[0] for v in _flat(record["auto_map"])})
+        raise CheckpointError(f"{folder / 'config.json'}: model_type {record.get('model_type')!r} is defined by code in the "
+                              f"checkpoint ({', '.join(m + '.py' for m in modules[:3])}, auto_map): refused, not run",
+                              f"multitoken never runs code shipped with a checkpoint: use a checkpoint of a supported type ({', '.join(supported)})")
+
+
+def _flat(value) -> list:
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in _flat(item)]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _flat(item)]
+    return [value]
+
+
+def custom_code_error(name: str, err: Exception) -> CheckpointError | None:
+    """transformers' refusal to run a checkpoint's code (trust_remote_code=False) as one line."""
+    if "trust_remote_code" not in str(err):
+        return None
+    return CheckpointError(f"{name!r} needs code shipped with the checkpoint to load (custom model or tokenizer "
+                           "classes): refused, not run", CUSTOM_CODE_FIX)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from multitoken.base.errors import CheckpointError
-from multitoken.base.hub import locate
+from multitoken.base.hub import custom_code_error, locate
 from multitoken.embedded import resolve_base
 
 
@@ -14,10 +14,13 @@ def load_tokenizer(path: str):
 
     base, hub_kwargs = locate(resolve_base(str(path)))
     try:
-        return AutoTokenizer.from_pretrained(base, **hub_kwargs)
+        return AutoTokenizer.from_pretrained(base, trust_remote_code=False, **hub_kwargs)
     except (OSError, ValueError) as err:
+        refused = custom_code_error(str(path), err)
+        if refused is not None:
+            raise refused from None
         raise CheckpointError(
-            f"could not load a tokenizer from {path!r}: {err}",
+            f"could not load a tokenizer from {path!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
             "the checkpoint needs tokenizer.json (or tokenizer.model) and tokenizer_config.json",
         ) from err
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from multitoken.embedded import BASE_FORMS, default_base, resolve_base
 from multitoken.base.errors import CheckpointError, UnsupportedModelError, UsageError
-from multitoken.base.hub import locate, source_sha256
+from multitoken.base.hub import check_no_custom_code, custom_code_error, locate, source_sha256
 from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
@@ -79,8 +79,10 @@ def read_config(base: str, hub_kwargs: dict | None = None):
     """The checkpoint's transformers config (``base`` and ``hub_kwargs`` from ``hub.locate``)."""
     from transformers import AutoConfig
 
+    if Path(base).is_dir():
+        check_no_custom_code(Path(base), tuple(sorted(ARCHITECTURES)))
     try:
-        return AutoConfig.from_pretrained(base, **(hub_kwargs or {}))
+        return AutoConfig.from_pretrained(base, trust_remote_code=False, **(hub_kwargs or {}))
     except (OSError, ValueError) as err:
         raise _load_error(base, err) from err
 
@@ -121,9 +123,12 @@ def check_supported(model_type: str) -> ArchSpec:
 
 
 def _load_error(base: str, err: Exception) -> CheckpointError:
+    refused = custom_code_error(base, err)
+    if refused is not None:
+        return refused
     if Path(base).expanduser().exists():
         return CheckpointError(
-            f"could not load a model from {base!r}: {err}",
+            f"could not load a model from {base!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
             "the directory needs a transformers config.json and *.safetensors weights",
         )
     return CheckpointError(
@@ -405,7 +410,7 @@ def load_backbone(
         kwargs.update(quantization_config=quant, device_map={"": config.device})
     try:
         with quiet_loading():  # no "Loading weights" bar or load notices; the caller's settings restored after
-            model = AutoModelForCausalLM.from_pretrained(base, config=model_config, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(base, config=model_config, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(base, err) from err
     if qplan is None:

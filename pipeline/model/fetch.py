@@ -165,12 +165,12 @@ def convert(gguf: Path, into: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, kwargs = gguf_base(gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False, **kwargs)
     config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     plain.load_state_dict(loaded.state_dict(), strict=True)  # tied weights included: same tensors, same logits
     plain.save_pretrained(into)
-    AutoTokenizer.from_pretrained(folder, **kwargs).save_pretrained(into)
+    AutoTokenizer.from_pretrained(folder, trust_remote_code=False, **kwargs).save_pretrained(into)
 
 
 def _versions() -> dict:

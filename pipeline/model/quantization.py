@@ -84,7 +84,7 @@ def plan(model_config, quantization: str, device: str, packed: bool | None = Non
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=False)
     output = model.get_output_embeddings()
     result = QuantizationPlan(default_skips=[n for n, m in model.named_modules() if m is output])
     if packed is None:

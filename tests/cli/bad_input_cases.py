@@ -15,6 +15,7 @@ import numpy as np
 from multitoken.pipeline.cli import main
 
 from .bad_output_cases import OUTPUT_CASES, Case, _del, _edit_json, _note, _set, _train
+from .bad_trust_cases import TRUST_CASES
 from .bad_weight_cases import WEIGHT_CASES, _Planted, _position, _state
 
 
@@ -263,7 +264,7 @@ def generate_five_heads_grid_too_large(w, d):  # 50^5 cells: was 30 s and 4.1 GB
 CASES = {f.__name__: f for f in [
     *OUTPUT_CASES,
     meta_not_utf8, stats_keys_file_empty, stats_counts_are_nan_floats, stats_keys_unsorted,
-    *WEIGHT_CASES, merge_corrupt_job_json, convert_empty_tokenizer,
+    *WEIGHT_CASES, *TRUST_CASES, merge_corrupt_job_json, convert_empty_tokenizer,
     stats_build_txt_not_utf8, stats_build_jsonl_not_utf8, train_txt_not_utf8, train_jsonl_not_utf8,
     stats_build_jsonl_line_is_a_number, stats_build_text_is_a_number, stats_build_text_is_a_list_of_strings,
     train_text_is_a_list_of_strings, stats_build_ragged_input_ids, train_ragged_input_ids, stats_build_truncated_zst,

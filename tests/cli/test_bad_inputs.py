@@ -89,6 +89,7 @@ def test_bad_input_ends_in_one_clean_line(outcomes, name):
     case, d, before, result = outcomes[name]
     err = result.stderr
     assert "Traceback" not in err, err
+    assert "[y/N]" not in result.stdout + err  # nothing asks on stdin
     assert result.returncode == case.code, err
     assert case.message in err, err
     assert _snapshot(case.sentinels) == before  # nothing of the user's lost or changed
