@@ -20,7 +20,10 @@ Build: the C++ of rows_kernel.cpp (and grid_screen.cpp after it) with the machin
 ``MULTITOKEN_CPU_FEATURES`` set, the instructions above its level turned off: cpu_features.py),
 into the cache (``$MULTITOKEN_CACHE/kernels``, keyed by the sources, the flags, the level, the
 compiler's version and the CPU's feature flags, so a cache shared between machines never loads a
-binary built for another CPU, nor a forced build a native one), written atomically; about
+binary built for another CPU, nor a forced build a native one), written atomically with the
+library's sha256 beside it (``rows_linear.so.sha256``); only a library whose bytes match that
+record is ever loaded (a planted, truncated or half-written one is rebuilt over, never
+dlopen'ed; one lacking a symbol is refused); about
 a second, once. OpenMP threads come from torch's own runtime (its ``libgomp`` is already loaded
 when this loads), so ``torch.set_num_threads`` sets them. Without a compiler, or on any build or
 load error, ``library()`` returns None after one line on stderr, and callers keep oneDNN's or
@@ -64,26 +67,61 @@ def _flags() -> list[str]:
     return ["-O3", *cpu_features.kernel_flags(), "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 
 
-def _build(compiler: str) -> Path:
-    """The shared library, compiled into the cache unless a build for this key is there."""
+# What the kernel exports, with (argument types, result type): a library lacking one is not ours.
+SYMBOLS = {
+    "rows_lanes": ([], ctypes.c_int),
+    "rows_linear": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3, None),
+    "rows_argmax": ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 3, ctypes.c_int64),
+    "rows_screened": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 3, None),
+    "grid_linear": ([ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 3, None),
+    "grid_argmax": ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 3, ctypes.c_int64),
+    "grid_screen_built": ([], ctypes.c_int),
+}
+DIGEST_SUFFIX = ".sha256"  # beside each library: the sha256 of the bytes this process family built
+
+
+def cached_library(compiler: str) -> Path:
+    """Where the build for this machine's key lives (it may not exist yet)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     source = "\n".join(path.read_text() for path in SOURCES)
     key = hashlib.sha256("\0".join([source, " ".join(_flags()), cpu_features.level(), version,
                                      cpu_features.cpu_flags()]).encode()).hexdigest()[:16]
-    out_dir = cache_dir() / "kernels" / key
-    lib = out_dir / "rows_linear.so"
-    if lib.is_file():
-        return lib
-    if os.path.lexists(lib):  # our cache's own name, but not a file we wrote: leave it
+    return cache_dir() / "kernels" / key / "rows_linear.so"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _recorded(lib: Path) -> str | None:
+    try:
+        return lib.with_name(lib.name + DIGEST_SUFFIX).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _build(compiler: str) -> Path:
+    """The shared library, compiled into the cache unless a build for this key is there whose
+    bytes match the sha256 recorded beside it at build time. A library without that record, or
+    with other bytes (planted, truncated, half-written), is never loaded: it is rebuilt over."""
+    lib = cached_library(compiler)
+    if os.path.lexists(lib) and not (lib.is_file() and not lib.is_symlink()):  # our name, not a file we wrote
         raise RuntimeError(f"{lib} exists and is not a built kernel: remove it to rebuild")
+    if lib.is_file() and _recorded(lib) == _sha256(lib):
+        return lib
+    out_dir = lib.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src, built = Path(tmp) / "rows_linear.cpp", Path(tmp) / "rows_linear.so"
-        src.write_text(source)
+        src.write_text("\n".join(path.read_text() for path in SOURCES))
         done = subprocess.run([compiler, *_flags(), str(src), "-o", str(built)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-        os.replace(built, lib)  # atomic: a concurrent build of the same key writes the same bytes
+        digest = Path(tmp) / "digest"
+        digest.write_text(_sha256(built) + "\n")
+        # atomic, the record first: a reader between the two sees a mismatch and rebuilds
+        os.replace(digest, lib.with_name(lib.name + DIGEST_SUFFIX))
+        os.replace(built, lib)
     return lib
 
 
@@ -105,20 +143,15 @@ def _load():
     if compiler is None:
         return None, "no C++ compiler found: install g++ (or set $CXX)"
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         return None, f"{type(err).__name__}: {err}"
-    lib.rows_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
-    lib.rows_linear.restype = None
-    lib.rows_argmax.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
-    lib.rows_argmax.restype = ctypes.c_int64
-    lib.rows_screened.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-    lib.rows_screened.restype = None
-    lib.grid_linear.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 3
-    lib.grid_linear.restype = None
-    lib.grid_argmax.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
-    lib.grid_argmax.restype = ctypes.c_int64
-    lib.grid_screen_built.restype = ctypes.c_int
+    for name, (args, result) in SYMBOLS.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None, f"{path} lacks {name}: remove {path.parent} to rebuild it"
+        fn.argtypes, fn.restype = args, result
     return lib, None
 
 
