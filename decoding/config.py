@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from multitoken.base.boundary import check_group, check_setting_types, unknown_setting
 from multitoken.base.config_io import nested
 from multitoken.base.errors import UsageError
 
@@ -131,12 +132,20 @@ class DecodeConfig:
         given = {"sampling": sampling, "dynamo": dynamo, "speculation": speculation, "trees": trees}
         for name, cls in GROUPS.items():
             group = given[name]
-            group = cls(**group) if isinstance(group, dict) else replace(group) if group is not None else cls()
+            group = replace(check_group(name, cls, group)) if group is not None else cls()
             setattr(self, name, group)  # a copy: a group is never shared between configs
         for key, value in settings.items():
             if key not in FLAT:
-                raise TypeError(f"DecodeConfig has no setting {key!r}")
+                raise unknown_setting(key, self.settings())
             setattr(getattr(self, FLAT[key]), key, value)
+        self.check_types()
+
+    def check_types(self) -> None:
+        """Every setting holds a value of its type (UsageError naming it): a Python caller's
+        ``seed=1.5`` or ``max_new_tokens="5"`` is refused here, not truncated or failed on later."""
+        check_setting_types(self)
+        for name in GROUPS:
+            check_setting_types(getattr(self, name))
 
     def validate(self, *, vocab_size: int | None = None, n_heads: int | None = None, max_order: int | None = None,
                  table=None) -> None:
@@ -149,6 +158,7 @@ class DecodeConfig:
         import math
 
         global _LAST_CHECKED
+        self.check_types()  # settings may have been assigned since construction
         key = (repr(self), vocab_size, n_heads, max_order, id(table))
         if key == _LAST_CHECKED:
             return

@@ -31,6 +31,7 @@ from .text import continuation_text
 from .trace import Trace, clock_for
 from .trees import adapt_lookup, looked_up
 from .verify import Verifier
+from multitoken.base.boundary import check_call, check_prompt_ids, check_seeds, check_vocab
 from multitoken.base.errors import UsageError
 
 
@@ -139,6 +140,7 @@ def generate(model, prompts, cfg: DecodeConfig | None = None, *, seeds=None, att
     ``on_tokens(tokens)``; several (a list of id lists, or a [B, T] tensor with
     ``attention_mask``) -> one per row, each equal to that row decoded alone with seed
     ``seeds[b]`` (default: ``cfg.sampling.seed``), streaming ``on_tokens(row, tokens)``."""
+    check_prompt_ids(prompts, attention_mask)  # before is_batch reads them
     if is_batch(prompts, attention_mask):
         return generate_batch(model, prompts, cfg, seeds=seeds, attention_mask=attention_mask, on_tokens=on_tokens, **kwargs)
     stream = None if on_tokens is None else (lambda row, tokens: on_tokens(tokens))
@@ -187,11 +189,15 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     time); ``tree_accuracies``: a ``trees.Accuracies`` for ``--tree static`` (default: the file
     beside the heads, else the fallback prior).
     """
+    check_call(model, cfg, table, DecodeConfig)
+    check_prompt_ids(prompts, attention_mask)
+    check_seeds(seeds)
     cfg = cfg or DecodeConfig()
     vocab, n_heads = model.backbone.vocab_size, model.n_future
     cfg.validate(vocab_size=vocab, n_heads=n_heads, max_order=stats_order_cap(cfg, n_heads, table, False), table=table)
     cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     prompts, seeds = _prompts(model, prompts, cfg, seeds, attention_mask)
+    check_vocab(prompts, vocab)
     one_chain = cfg.trees.tree == "chain" and not cfg.speculation.lookup  # a lookup branch makes the chain a tree
     if not one_chain and (drafter is not None or acceptor is not None):
         raise UsageError("--tree static / dynamic build their own candidates and acceptance",
