@@ -12,11 +12,10 @@ within 7% elsewhere, and steadier timings on a shared machine); batches -- train
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import field
 
 import torch
+from multitoken.base.cores import bounded_by_cores, usable_cores
 from multitoken.base.errors import UsageError
 
 THREADS_ONE_SEQUENCE = 1
@@ -42,17 +41,5 @@ def set_threads(threads: int | None) -> None:
         return
     if threads < 0:
         raise UsageError(f"--threads must be >= 0, got {threads}", "pass 0 for torch's default (one per core)")
-    cores = usable_cores()
-    if threads > cores:  # more threads than cores only wait on each other (10000 on 2 cores: 3000x slower)
-        print(f"warning: --threads {threads} is more than the {cores} cores this process may use: using {cores}",
-              file=sys.stderr)
-        threads = cores
+    threads = bounded_by_cores(threads, "--threads", "threads", usable_cores())
     torch.set_num_threads(threads or _TORCH_THREADS)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # macOS and Windows have no affinity call
-        return os.cpu_count() or 1

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from multitoken.base.errors import UsageError
+
 EMBEDDED_DIR = Path(__file__).resolve().parent
 DEFAULT_BASE = EMBEDDED_DIR / "stories260K"
 EMBEDDED_HEADS = EMBEDDED_DIR / "stories260K-heads"  # trained heads for DEFAULT_BASE
@@ -53,12 +55,27 @@ def fetched_dir(name: str) -> Path:
 def resolve_base(name: str) -> str:
     """``embedded:NAME`` -> the packaged model's directory; ``fetched:NAME`` -> the checkpoint
     ``multitoken fetch NAME`` converted into the cache. Heads shipped in the package name their
-    base this way, since the install and cache paths differ between machines."""
+    base this way, since the install and cache paths differ between machines. NAME is one
+    folder of that root, never a path (``embedded:../../..`` is refused, as ``--heads`` refuses it)."""
     if name.startswith(EMBEDDED_PREFIX):
-        return str(EMBEDDED_DIR / name[len(EMBEDDED_PREFIX):])
+        folder = _one_folder(name, EMBEDDED_PREFIX, "the package's own folders")
+        if folder not in packaged_dirs():
+            raise UsageError(f"{name}: the package ships no folder of that name",
+                             f"use one of: {', '.join(EMBEDDED_PREFIX + n for n in packaged_dirs())}")
+        return str(EMBEDDED_DIR / folder)
     if name.startswith(FETCHED_PREFIX):
-        return str(fetched_dir(name[len(FETCHED_PREFIX):]))
+        return str(fetched_dir(_one_folder(name, FETCHED_PREFIX, f"the fetched models in {cache_dir() / 'models'}")))
     return name
+
+
+def _one_folder(name: str, prefix: str, root: str) -> str:
+    """NAME of ``prefix``NAME: one folder's name (no separator, not hidden, not ``..``)."""
+    folder = name[len(prefix):]
+    if not folder or folder.startswith(".") or any(c in folder for c in "/\\\0:"):
+        example = "stories260K" if prefix == EMBEDDED_PREFIX else SMOLLM2
+        raise UsageError(f"{name!r}: {prefix}NAME takes the name of one of {root}, not a path",
+                         f"pass {prefix}NAME (e.g. {prefix}{example}), or the folder's own path without the prefix")
+    return folder
 
 
 def packaged_dirs() -> list[str]:

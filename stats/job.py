@@ -16,6 +16,7 @@ from pathlib import Path
 
 from multitoken.base.atomic import atomic_write_text, output_lock
 from multitoken.base.config_io import resolved_config_text
+from multitoken.base.cores import bounded_by_cores
 from multitoken.base.outputs import STATS, STATS_WORK, prepare_output
 from multitoken.base.manifest import MANIFEST, read_record, work_dir_ours
 from multitoken.base.publish import claim_work, drop_work, remove_work, staged_output
@@ -104,6 +105,9 @@ def build(cfg: BuildConfig, data: DataConfig, log=print, overwrite: bool = False
     out = Path(cfg.out)
     root = work_path(cfg.work_dir) if cfg.work_dir else out
     check_executor(cfg.executor, cfg.address)
+    if cfg.executor == "local":  # the tasks stay --num-proc (they tile the corpus, the job records them); the
+        # processes running them are bounded by the cores (workers.py, merge.py)
+        bounded_by_cores(cfg.num_proc, "--num-proc", f"worker processes for its {cfg.num_proc} tasks")
     with ExitStack() as stack:
         stack.enter_context(job_lock(out))
         if _separate_work_dir(out, root):  # a local --work-dir is an output of its own: recorded, locked
@@ -362,6 +366,7 @@ def merge(inputs: list[str], out: str, min_count: tuple[int, ...], num_proc: int
           config: str | None = None) -> dict:
     sdirs = find_shard_dirs(inputs)
     mins = min_counts_per_order(min_count, read_job(sdirs[0])["order"])
+    bounded_by_cores(num_proc, "--num-proc", "worker processes")  # the processes; any key ranges give the same stats
     with job_lock(Path(out)):
         return write_stats(Path(out), sdirs, mins, num_proc, memory_mb << 20, log, config=config, command="stats merge")
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from multitoken.base.cores import usable_cores
+
 from .counting import merge_runs
 from .format import load_array, read_info, write_array_dir
 from .workers import die_with_parent
@@ -161,6 +163,6 @@ def map_local(fn, tasks: list, num_proc: int) -> list:
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn, not fork: the parent may hold tokenizer threads or torch state
-    with ProcessPoolExecutor(max_workers=min(num_proc, len(tasks)), mp_context=mp.get_context("spawn"),
+    with ProcessPoolExecutor(max_workers=min(num_proc, len(tasks), usable_cores()), mp_context=mp.get_context("spawn"),
                              initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         return list(pool.map(fn, tasks))

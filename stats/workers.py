@@ -14,6 +14,8 @@ from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
 from tqdm import tqdm
 
+from multitoken.base.cores import usable_cores
+
 from .shard import Job, Shard, count_shard
 
 _COUNTERS = None  # per-worker token counters shared with the parent (set in each worker)
@@ -71,7 +73,7 @@ def _count_parallel(job: Job, shards, num_proc: int, bar, count) -> int:
     # spawn, not fork: the parent holds a loaded tokenizer (threads) and maybe torch
     ctx = mp.get_context("spawn")
     counters = ctx.Array("q", len(shards))
-    with ProcessPoolExecutor(max_workers=num_proc, mp_context=ctx, initializer=_init, initargs=(counters, os.getpid())) as pool:
+    with ProcessPoolExecutor(max_workers=min(num_proc, usable_cores()), mp_context=ctx, initializer=_init, initargs=(counters, os.getpid())) as pool:
         futures = [pool.submit(_count_in_worker, job, s, i, count) for i, s in enumerate(shards)]
         pending = set(futures)
         while pending:

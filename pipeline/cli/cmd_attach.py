@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.base.config_io import resolved_config_text
+from multitoken.base.errors import UsageError
 from multitoken.base.outputs import claim_output
 from multitoken.pipeline.cli import add_command, threads_for_batches
 from multitoken.pipeline.cli.args import add_flag, dataclass_from_args, plain
@@ -77,7 +78,11 @@ def run(args) -> None:
     with claim_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(backbone_config.base,)) as out:
         head_config = make_config(cfg.head, n_future=cfg.n, **head_options(args))
         model = MultiTokenModel.attach(load_backbone(backbone_config), head_config)
+        n_params = sum(p.numel() for p in model.head_parameters())
+        if n_params == 0:  # before anything is written
+            raise UsageError(f"--head {cfg.head} --n {cfg.n} gives heads with 0 trainable parameters (head 1 is the "
+                             "base model's own next token): nothing to train, and decoding them is plain decoding",
+                             "pass --n 2 or more")
         extra = {RESOLVED_CONFIG: resolved_config_text("attach", cfg, backbone_config, head_config)}
         model.save_heads(out, extra=extra, command="attach")
-    n_params = sum(p.numel() for p in model.head_parameters())
     print(f"attached {cfg.head} heads (n={cfg.n}, {n_params:,} trainable parameters) to {backbone_config.base} -> {out}")

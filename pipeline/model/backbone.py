@@ -99,6 +99,9 @@ def check_device(name: str) -> torch.device:
     except (RuntimeError, TypeError, ValueError):
         raise UsageError(f"unknown device {name!r}", fix) from None
     if device.type == "cpu":
+        if device.index not in (None, 0):  # torch takes cpu:5 and runs on the one CPU device
+            raise UsageError(f"device {name!r} does not exist: torch has one cpu device, which runs on all the "
+                             "machine's cores (set how many with --threads)", "use --device cpu")
         return device
     if device.type not in DEVICE_TYPES:
         raise UsageError(f"device {name!r} cannot run a model", fix)

@@ -37,20 +37,35 @@ def ranking_record(counts: torch.Tensor, size: int, source: str) -> dict:
             "vocab_size": int(counts.shape[0]), "source": source}
 
 
-def read_ranking(heads_dir: str | Path | None) -> dict | None:
-    """The heads dir's ``draft_vocab.json`` record, or None where it has none."""
+def read_ranking(heads_dir: str | Path | None, vocab_size: int | None = None) -> dict | None:
+    """The heads dir's ``draft_vocab.json`` record, or None where it has none. Checked whole:
+    ``tokens`` distinct integer ids in [0, ``vocab_size``), ``size`` an integer >= 0 (1.5 is
+    refused, not truncated), ``counts`` one integer per token; a damaged record is one line."""
     if heads_dir is None:
         return None
     path = Path(heads_dir) / DRAFT_VOCAB_FILE
     if not path.is_file():
         return None
+    fix = f"delete {path} (drafts then score the whole vocabulary) or rebuild the heads"
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        tokens, size = record["tokens"], int(record["size"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path} is not a draft vocabulary record ({err})", f"delete {path} or rebuild the heads") from err
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens) or size < 0:
-        raise CheckpointError(f"{path} holds no ranked token ids", f"delete {path} or rebuild the heads")
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path} is not valid JSON ({str(err).splitlines()[0]})", fix) from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(record).__name__}, not an object", fix)
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    tokens, size, counts = record.get("tokens"), record.get("size"), record.get("counts")
+    if not whole(size) or size < 0:
+        raise CheckpointError(f"{path}: size must be an integer >= 0, got {size!r:.40}", fix)
+    if not isinstance(tokens, list) or not all(whole(t) for t in tokens):
+        raise CheckpointError(f"{path}: tokens must be a list of integer token ids", fix)
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in tokens):
+        bad = next(t for t in tokens if not 0 <= t < vocab_size)
+        raise CheckpointError(f"{path}: token id {bad} is outside the base's vocabulary [0, {vocab_size})", fix)
+    if len(set(tokens)) != len(tokens):
+        raise CheckpointError(f"{path}: tokens lists {len(tokens) - len(set(tokens))} id(s) twice", fix)
+    if counts is not None and (not isinstance(counts, list) or len(counts) != len(tokens) or not all(whole(c) for c in counts)):
+        raise CheckpointError(f"{path}: counts must hold one integer per token", fix)
     return record
 
 

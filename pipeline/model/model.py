@@ -196,7 +196,7 @@ class MultiTokenModel(nn.Module):
             return None  # one-position heads (Medusa, CP) unembed inside their adapter; WHS "all heads" verifies with a head layer
         bb = self.backbone
         if "_ranking" not in self.__dict__:  # read once, at the first decoding run (no I/O at load)
-            self._ranking = read_ranking(self.heads_dir)
+            self._ranking = read_ranking(self.heads_dir, bb.vocab_size)
         size = resolve_size(size, self._ranking, bb.vocab_size)
         if not size:
             return None

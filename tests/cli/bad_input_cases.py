@@ -15,7 +15,7 @@ import numpy as np
 from multitoken.pipeline.cli import main
 
 from .bad_output_cases import OUTPUT_CASES, Case, _del, _edit_json, _note, _set, _train
-from .bad_trust_cases import TRUST_CASES
+from .bad_trust_cases import TRUST_CASES, TRUST_TABLE
 from .bad_weight_cases import WEIGHT_CASES, _Planted, _position, _state
 
 
@@ -344,3 +344,4 @@ CASES.update({
     "distill_temperature_inf": _option_case(["distill", "--num-tokens", "10", "--out", "@out.jsonl", "--temperature", "inf"],
                                             "'inf' is not a finite number"),
 })
+CASES.update(TRUST_TABLE)

@@ -47,4 +47,50 @@ def base_custom_tokenizer_code(w, d):  # was: the prompt, then a three-line erro
                 "needs code shipped with the checkpoint to load (custom model or tokenizer classes): refused, not run")
 
 
+def _draft_vocab_case(record: dict, message: str):
+    def case(w, d):
+        h = Path(shutil.copytree(w["heads"], d / "H"))
+        (h / "draft_vocab.json").write_text(json.dumps(record))
+        return Case(["generate", "Once", "--heads", h, "--max-new-tokens", "2"], 1, message, [h / "draft_vocab.json"])
+    return case
+
+
+def _refused(args: list, message: str, code: int = 2):
+    def case(w, d):
+        resolved = [w[a[1:]] if str(a).startswith("@") and a[1:] in w else d / a[1:] if str(a).startswith("@") else a for a in args]
+        return Case(resolved, code, message, [_note(d / "notes.txt")], cwd=d)
+    return case
+
+
+def _note(path: Path) -> Path:
+    path.write_text("the user's own notes\n")
+    return path
+
+
 TRUST_CASES = [base_custom_model_code, base_custom_tokenizer_code]
+OUTSIDE = "NAME takes the name of one of"
+TRUST_TABLE = {
+    # embedded:NAME / fetched:NAME name one folder of their root, as --heads embedded:NAME does
+    "base_embedded_outside": _refused(["generate", "Once", "--base", "embedded:../../..", "--max-new-tokens", "2"],
+                                      f"'embedded:../../..': embedded:{OUTSIDE} the package's own folders, not a path"),
+    "base_fetched_outside": _refused(["generate", "Once", "--base", "fetched:../../..", "--max-new-tokens", "2"],
+                                     f"'fetched:../../..': fetched:{OUTSIDE} the fetched models in"),
+    "base_fetched_absolute": _refused(["generate", "Once", "--base", "fetched:/etc", "--max-new-tokens", "2"],
+                                      f"'fetched:/etc': fetched:{OUTSIDE}"),
+    "base_embedded_unknown": _refused(["generate", "Once", "--base", "embedded:nothere", "--max-new-tokens", "2"],
+                                      "embedded:nothere: the package ships no folder of that name"),
+    "stats_embedded_outside": _refused(["generate", "Once", "--mode", "dynamic", "--stats", "embedded:..", "--max-new-tokens", "2"],
+                                       "the package ships no folder of that name"),
+    # draft_vocab.json beside the heads: checked whole (size 1.5 was truncated to 1)
+    "draft_vocab_size_float": _draft_vocab_case({"tokens": [5, 6, 7], "size": 1.5}, "draft_vocab.json: size must be an integer >= 0, got 1.5"),
+    "draft_vocab_id_past_the_vocab": _draft_vocab_case({"tokens": [5, 600], "size": 2},
+                                                       "draft_vocab.json: token id 600 is outside the base's vocabulary [0, 512)"),
+    "draft_vocab_duplicate_ids": _draft_vocab_case({"tokens": [5, 6, 5], "size": 2}, "draft_vocab.json: tokens lists 1 id(s) twice"),
+    # options checked against what the machine and the heads can do
+    "attach_n_1": _refused(["attach", "--n", "1", "--out", "@out"], "--head replicated --n 1 gives heads with 0 trainable parameters"),
+    "generate_device_cpu_5": _refused(["generate", "Once", "--device", "cpu:5", "--max-new-tokens", "2"],
+                                      "device 'cpu:5' does not exist: torch has one cpu device"),
+    "stats_build_num_proc_past_the_cores": _refused(
+        ["stats", "build", "--data", "@corpus", "--out", "@S", "--order", "2", "--num-proc", "10000"],
+        "warning: --num-proc 10000 is more than the", code=0),
+}

@@ -36,14 +36,29 @@ def test_size_defaults_to_the_record_and_zero_means_the_whole_vocabulary():
         resolve_size(-1, record, 10)
 
 
-def test_a_damaged_record_is_named(tmp_path):
+@pytest.mark.parametrize("raw, message", [
+    ('{"tokens": [1, 2]}', "size must be an integer >= 0, got None"),
+    ('{"tokens": [1, 2], "size": 1.5}', "size must be an integer >= 0, got 1.5"),  # was truncated to 1
+    ('{"tokens": [1, 2], "size": "2"}', "size must be an integer >= 0, got '2'"),
+    ('{"tokens": [1, 2], "size": true}', "size must be an integer >= 0, got True"),
+    ('{"tokens": [1, 2], "size": -1}', "size must be an integer >= 0, got -1"),
+    ('{"tokens": ["a"], "size": 1}', "tokens must be a list of integer token ids"),
+    ('{"tokens": [1, 2.0], "size": 1}', "tokens must be a list of integer token ids"),
+    ('{"tokens": [1, 10], "size": 1}', "token id 10 is outside the base's vocabulary [0, 10)"),
+    ('{"tokens": [1, -1], "size": 1}', "token id -1 is outside the base's vocabulary [0, 10)"),
+    ('{"tokens": [3, 1, 3], "size": 2}', "tokens lists 1 id(s) twice"),
+    ('{"tokens": [3, 1], "counts": [5], "size": 2}', "counts must hold one integer per token"),
+    ('[1, 2]', "holds a JSON list, not an object"),
+    ('{"tokens": [1, ', "is not valid JSON"),
+])
+def test_a_damaged_record_is_named(tmp_path, raw, message):
     assert read_ranking(tmp_path) is None
-    (tmp_path / DRAFT_VOCAB_FILE).write_text('{"tokens": [1, 2]}')
-    with pytest.raises(CheckpointError, match="not a draft vocabulary record"):
-        read_ranking(tmp_path)
-    (tmp_path / DRAFT_VOCAB_FILE).write_text('{"tokens": ["a"], "size": 1}')
-    with pytest.raises(CheckpointError, match="no ranked token ids"):
-        read_ranking(tmp_path)
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(raw)
+    with pytest.raises(CheckpointError) as err:
+        read_ranking(tmp_path, 10)
+    assert message in str(err.value) and str(err.value).count("\n") == 1, str(err.value)
+    (tmp_path / DRAFT_VOCAB_FILE).write_text('{"tokens": [3, 1], "counts": [5, 2], "size": 2}')
+    assert read_ranking(tmp_path, 10)["size"] == 2
 
 
 @pytest.mark.parametrize("bias", [False, True])
