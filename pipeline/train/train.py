@@ -22,6 +22,7 @@ import torch
 
 from multitoken.pipeline.train import optim
 from multitoken.pipeline.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from multitoken.pipeline.train.fingerprint import already_finished, check_same_run, holds_finished, run_fingerprint
 from multitoken.base.data import DataConfig, describe_files
 from multitoken.base.errors import CheckpointError, DataError, DivergedError, UsageError
 from multitoken.base.finite import describe, non_finite
@@ -233,6 +234,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     if existing and not cfg.resume:
         raise UsageError(f"{ckpt_root} already holds checkpoints", "pass --resume to continue, or another --checkpoint-dir")
     files = _list_data(cfg, data, dist)
+    run = run_fingerprint(cfg, data, files)
     torch.manual_seed(cfg.seed)
     model = model if model is not None else load_trainable_model(cfg, dist)
     model.train(True)  # stock linears (a decoding run may have packed them) before parameters are collected
@@ -246,12 +248,15 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
         if state.get("stream", _stream_key(cfg, dist)) != _stream_key(cfg, dist):
             raise UsageError(f"{existing[-1]} was made with other data settings: {state['stream']}",
                              "resume with the same --data, --seq-len, --batch-size, --grad-accum, --separator and process count")
+        check_same_run(state.get("run"), run, existing[-1])
     step = int(state.get("step", 0))
     if step > cfg.max_steps:  # a finished run stops at max_steps: more is a damaged state or a lowered --max-steps
         raise CheckpointError(f"{existing[-1] / 'state.json'}: step {step} is past --max-steps {cfg.max_steps}",
                               f"resume with --max-steps {step} or more, or delete {existing[-1]} if it is damaged")
     set_backbone_trainable(model, cfg.joint_at(step))
-    stream, eval_batches, epoch_start = make_streams(cfg, data, model, state.get("position"))
+    stream, eval_batches, epoch_start = make_streams(cfg, data, model, state.get("position"))  # checks the position
+    if cfg.resume and existing and step == cfg.max_steps and holds_finished(cfg, step):
+        return already_finished(cfg, ckpt_root, step, state)
     runner = Runner(model, dist)
     model.train(True)
     history = state.get("history", [])
@@ -274,14 +279,14 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
             history.append({"step": step, **evaluate(model, eval_batches)})
             tqdm.write(format_eval(history[-1], cfg.max_steps), file=sys.stderr)
         if _save_due(cfg, dist, step, saved_at) and step < cfg.max_steps:
-            _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history)
+            _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history, run)
             saved_at = time.monotonic()
     bar.close()
     final = evaluate(model, eval_batches) if dist.main else {}
     if history and history[-1].get("step") == step:  # a rerun of a finished job: same entry again
         history.pop()
     history.append({"step": step, **final})
-    _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history)
+    _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history, run)
     if dist.main:
         _write_output(cfg, data, model, history, files)
     _barrier(dist)
@@ -347,7 +352,9 @@ def format_summary(summary: dict) -> str:
     """The end-of-training summary ``multitoken train`` prints (the JSON is in train_metrics.json)."""
     final = summary["eval"]
     heads = sorted({int(k.split("/")[0][4:]) for k in final if k.startswith("head") and k.endswith("/loss")})
-    lines = [f"trained {summary['step']} steps; heads written to {summary['out']}",
+    done = (f"the run had finished at step {summary['step']}; its heads in {summary['out']} are unchanged"
+            if summary.get("unchanged") else f"trained {summary['step']} steps; heads written to {summary['out']}")
+    lines = [done,
              "held-out evaluation:", f"  {'head':>4} {'loss':>8} {'top-1':>7} {'top-5':>7}"]
     for h in heads:
         lines.append(f"  {h:>4} {final[f'head{h}/loss']:>8.3f} {final.get(f'head{h}/top1', float('nan')):>7.3f} "
@@ -370,10 +377,10 @@ def _barrier(dist: Dist) -> None:
         tdist.barrier()
 
 
-def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, history) -> None:
+def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, history, run) -> None:
     if dist.main:
         state = {"position": position, "epoch_start": epoch_start.to_dict(), "history": history, "stream": _stream_key(cfg, dist),
-                 "mode_phase": "joint" if cfg.joint_at(step) else "heads"}
+                 "mode_phase": "joint" if cfg.joint_at(step) else "heads", "run": run}
         save_checkpoint(root, step, model, optimizer, state, cfg.keep_checkpoints)
     _barrier(dist)
 

@@ -76,7 +76,8 @@ def _resume_case(damage, message):
         out = Path(shutil.copytree(w["trained"], d / "trained"))
         ckpt = Path(shutil.copytree(w["trained"].with_name("trained.checkpoints"), d / "trained.checkpoints"))
         damage(ckpt / "step-00000001", d)
-        return Case(_train(w, out, "--resume"), 1, message, [out / "heads_config.json", out / "train_metrics.json"])
+        # the world's own run (--max-steps 1): --resume continues only the run that made the checkpoint
+        return Case(_train(w, out, "--resume", "--max-steps", "1"), 1, message, [out / "heads_config.json", out / "train_metrics.json"])
     return case
 
 
@@ -292,9 +293,10 @@ CASES.update({
     "resume_pickle_payload": _resume_case(_pickle_payload, "refused to load it"),
     "resume_position_text": _resume_case(_position(doc="12"), "position.doc must be an integer >= 0, got '12'"),
     "resume_position_float": _resume_case(_position(offset=3.5), "position.offset must be an integer >= 0"),
-    "resume_position_beyond_the_corpus": _resume_case(_position(doc=10**9, offset=10**12), "lies beyond the data read"),
-    "resume_offset_beyond_its_document": _resume_case(_position(offset=10**12), "lies beyond the data read"),
-    "resume_step_beyond_max_steps": _resume_case(_state(_set("step", 10**18)), "is past --max-steps 2"),
+    # step 0: a run still to finish reads its data from the position (a finished one reads nothing)
+    "resume_position_beyond_the_corpus": _resume_case(_position(doc=10**9, offset=10**12, step=0), "lies beyond the data read"),
+    "resume_offset_beyond_its_document": _resume_case(_position(offset=10**12, step=0), "lies beyond the data read"),
+    "resume_step_beyond_max_steps": _resume_case(_state(_set("step", 10**18)), "is past --max-steps 1"),
     # option ranges (nan / inf are refused by every float option's parser)
     "generate_seed_negative": _option_case(_gen("--seed", "-1"), "--seed must be in [0, 2**63 - 1], got -1"),
     "generate_seed_huge": _option_case(_gen("--seed", str(2**64)), "--seed must be in [0, 2**63 - 1]"),

@@ -29,8 +29,8 @@ def _state(edit):
     return damage
 
 
-def _position(**fields):
-    return _state(lambda st: {**st, "position": {**st["position"], **fields}})
+def _position(step: int | None = None, **fields):
+    return _state(lambda st: {**st, "position": {**st["position"], **fields}, **({} if step is None else {"step": step})})
 
 
 def resume_onto_finished_heads_without_checkpoint(w, d):  # was: replaced them with a new run

@@ -217,9 +217,14 @@ def test_a_rerun_after_a_finished_train_changes_nothing(tmp_path):
     assert run_cli(*args).returncode == 0
     metrics = (tmp_path / "t" / "train_metrics.json").read_text()
     assert [e["step"] for e in json.loads(metrics)] == [1, 2]
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.parent != tmp_path)
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
     again = run_cli(*args, "--resume")
     assert again.returncode == 0, again.stderr
+    assert "finished at step 2 (--max-steps 2): nothing to do, nothing rewritten" in again.stderr
     assert (tmp_path / "t" / "train_metrics.json").read_text() == metrics
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == before  # heads, record, checkpoints untouched
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.parent != tmp_path) == files
     assert _leftovers(tmp_path) == []
 
 

@@ -308,3 +308,36 @@ def test_training_ranks_the_data_tokens_beside_the_heads(stories_dir, corpus, tm
     assert len(ranked) > 0.9 * np.count_nonzero(counts)
     train(train_cfg(heads_dir, tmp_path / "b", max_steps=2, draft_vocab=0), DataConfig(data=str(corpus)))
     assert not (tmp_path / "b" / DRAFT_VOCAB_FILE).exists()
+
+
+def test_resume_continues_only_the_run_that_made_the_checkpoint(heads_dir, corpus, tmp_path):
+    """A checkpoint records the run's settings and data (pipeline/train/fingerprint.py): another
+    --lr, --seed or --max-steps, or a corpus whose bytes changed, is refused by name; the same
+    bytes under another file name are the same run."""
+    from multitoken.base.errors import UsageError
+
+    data = DataConfig(data=str(corpus))
+    train(train_cfg(heads_dir, tmp_path / "o", max_steps=1, seq_len=16), data)
+    for kw, message in [(dict(lr=1e-2), r"other settings: --lr 0\.005 \(now 0\.01\)"),
+                        (dict(seed=3), r"--seed 0 \(now 3\)"),
+                        (dict(max_steps=2), r"--max-steps 1 \(now 2\)")]:
+        with pytest.raises(UsageError, match=message):
+            train(train_cfg(heads_dir, tmp_path / "o", **{"max_steps": 1, "seq_len": 16, "resume": True, **kw}), data)
+    changed = tmp_path / "changed.jsonl"
+    changed.write_bytes(corpus.read_bytes() + b'{"input_ids": [5, 6, 7]}\n')
+    with pytest.raises(UsageError, match=r"other data: changed\.jsonl changed"):
+        train(train_cfg(heads_dir, tmp_path / "o", max_steps=1, seq_len=16, resume=True), DataConfig(data=str(changed)))
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_bytes(corpus.read_bytes())
+    summary = train(train_cfg(heads_dir, tmp_path / "o", max_steps=1, seq_len=16, resume=True), DataConfig(data=str(renamed)))
+    assert summary["unchanged"] and summary["step"] == 1
+
+
+def test_resume_of_a_finished_run_rewrites_nothing(heads_dir, corpus, tmp_path):
+    data = DataConfig(data=str(corpus))
+    train(train_cfg(heads_dir, tmp_path / "o", max_steps=2, seq_len=16), data)
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
+    summary = train(train_cfg(heads_dir, tmp_path / "o", max_steps=2, seq_len=16, resume=True, eval_every=1), data)
+    assert summary["unchanged"] and summary["eval"] and summary["step"] == 2
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(p for p in tmp_path.rglob("*") if p.is_file())} == before
