@@ -47,6 +47,15 @@ def base_custom_tokenizer_code(w, d):  # was: the prompt, then a three-line erro
                 "needs code shipped with the checkpoint to load (custom model or tokenizer classes): refused, not run")
 
 
+def base_known_type_with_auto_map(w, d):  # transformers' own Llama classes load it; evil.py never runs
+    base = _base_copy(d, "config.json")
+    config = json.loads((EMBEDDED_DIR / "stories260K" / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilForCausalLM"}
+    (base / "config.json").write_text(json.dumps(config))
+    _planted_module(base, d, "from transformers import LlamaConfig\nclass EvilConfig(LlamaConfig):\n    pass\n")
+    return Case(["generate", "Once", "--base", base, "--max-new-tokens", "2"], 0, "tokens/forward")
+
+
 def _draft_vocab_case(record: dict, message: str):
     def case(w, d):
         h = Path(shutil.copytree(w["heads"], d / "H"))
@@ -67,7 +76,7 @@ def _note(path: Path) -> Path:
     return path
 
 
-TRUST_CASES = [base_custom_model_code, base_custom_tokenizer_code]
+TRUST_CASES = [base_custom_model_code, base_custom_tokenizer_code, base_known_type_with_auto_map]
 OUTSIDE = "NAME takes the name of one of"
 TRUST_TABLE = {
     # embedded:NAME / fetched:NAME name one folder of their root, as --heads embedded:NAME does
