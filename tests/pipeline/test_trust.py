@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-import multitoken.pipeline as pipeline
 from multitoken.pipeline.model import cpu_linear, rows_kernel
 
-PACKAGE = Path(pipeline.__file__).resolve().parent
+# every folder of our code (they install under multitoken.*; base and embedded sit beside pipeline)
+PACKAGES = [Path(importlib.import_module(f"multitoken.{name}").__file__).resolve().parent
+            for name in ("base", "embedded", "adapters", "stats", "decoding", "pipeline")]
 LOADERS = {"from_pretrained", "from_config"}
 
 
@@ -28,13 +30,13 @@ def _auto_loads(tree: ast.AST):
 
 def test_every_auto_load_refuses_remote_code():
     calls = 0
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(p for package in PACKAGES for p in package.rglob("*.py")):
         for call in _auto_loads(ast.parse(path.read_text())):
             calls += 1
             flags = [k for k in call.keywords if k.arg == "trust_remote_code"]
             assert flags and isinstance(flags[0].value, ast.Constant) and flags[0].value.value is False, \
-                f"{path.relative_to(PACKAGE)}:{call.lineno}: {call.func.value.id}.{call.func.attr} without trust_remote_code=False"
-    assert calls >= 4  # tokenizer, config, model, the meta-device model of the quantization plan
+                f"{path}:{call.lineno}: {call.func.value.id}.{call.func.attr} without trust_remote_code=False"
+    assert calls >= 7  # tokenizer, config, model, the quantization plan's meta model, fetch's three
 
 
 # The compiled-kernel cache ---------------------------------------------------------------------
