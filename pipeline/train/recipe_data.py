@@ -58,42 +58,47 @@ def window_prompts(tokenizer, files: list[Path], length: int, stride: int, seed:
                    exclude: set[tuple[int, ...]] | None = None) -> torch.Tensor:
     """Distinct ``length``-token windows every ``stride`` tokens inside each paragraph (cut at
     ``<unk>``), none in ``exclude``, shuffled by ``seed`` # [P, length]."""
-    seen, rows = set(exclude or ()), []
-    for path in files:
-        for block in paragraphs(Path(path)):
-            for piece in block.split("<unk>"):
-                ids = tokenizer(piece.strip()).input_ids
-                for start in range(0, len(ids) - length + 1, stride):
-                    window = tuple(ids[start:start + length])
-                    if window not in seen:
-                        seen.add(window)
-                        rows.append(window)
-    if not rows:
-        raise DataError(f"no {length}-token prompt in {', '.join(map(str, files))}",
-                        "pass text files with paragraphs of at least that many tokens")
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
-    return torch.tensor(rows, dtype=torch.long)[order]
+    def windows():
+        for path in files:
+            for block in paragraphs(Path(path)):
+                for piece in block.split("<unk>"):
+                    ids = tokenizer(piece.strip()).input_ids
+                    yield from (ids[start:start + length] for start in range(0, len(ids) - length + 1, stride))
+
+    return _distinct_shuffled(windows(), exclude, seed, DataError(
+        f"no {length}-token prompt in {', '.join(map(str, files))}", "pass text files with paragraphs of at least that many tokens"))
 
 
 def sentence_prompts(tokenizer, files: list[Path], length: int, seed: int, min_words: int = 10) -> torch.Tensor:
     """The first ``length`` tokens of each distinct prose sentence (``<unk>``-free, at least
     ``min_words`` words), shuffled by ``seed`` # [P, length]: the held-out prompts heads are
     measured on."""
-    seen, rows = set(), []
-    for path in files:
-        for block in paragraphs(Path(path)):
-            for line in re.split(r"(?<=[.!?])\s+", block):
-                if len(line.split()) < min_words or "<unk>" in line:
-                    continue
-                ids = tokenizer(line).input_ids[:length]
-                if len(ids) == length and tuple(ids) not in seen:
-                    seen.add(tuple(ids))
-                    rows.append(ids)
-    if not rows:
-        raise DataError(f"no sentence of {length}+ tokens in {', '.join(map(str, files))}",
-                        "pass held-out text with sentences of at least that many tokens")
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
-    return torch.tensor(rows, dtype=torch.long)[order]
+    def starts():
+        for path in files:
+            for block in paragraphs(Path(path)):
+                for line in re.split(r"(?<=[.!?])\s+", block):
+                    if len(line.split()) >= min_words and "<unk>" not in line:
+                        ids = tokenizer(line).input_ids[:length]
+                        if len(ids) == length:
+                            yield ids
+
+    return _distinct_shuffled(starts(), None, seed, DataError(
+        f"no sentence of {length}+ tokens in {', '.join(map(str, files))}",
+        "pass held-out text with sentences of at least that many tokens"))
+
+
+def _distinct_shuffled(rows, exclude, seed: int, empty: DataError) -> torch.Tensor:
+    """``rows`` (token lists of one length) without repeats or ``exclude``'s, in first-seen order,
+    then shuffled by ``seed`` # [P, length]; ``empty`` raised where none is left."""
+    seen, kept = set(exclude or ()), []
+    for row in rows:
+        if tuple(row) not in seen:
+            seen.add(tuple(row))
+            kept.append(row)
+    if not kept:
+        raise empty
+    order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(kept, dtype=torch.long)[order]
 
 
 # Continuations ----------------------------------------------------------------------------
