@@ -117,6 +117,14 @@ def _base_license(name: str) -> tuple[Path | None, str]:
     for f in _LICENSE_FILES:
         if (root / f).is_file():
             return root / f, f"the base's {f}, copied here as {LICENSE}"
+    fetched = root / "conversion.json"  # a `multitoken fetch` conversion records its package's licence
+    if fetched.is_file():
+        try:
+            licence = json.loads(fetched.read_text(encoding="utf-8")).get("licence")
+        except ValueError:
+            licence = None
+        if isinstance(licence, str) and licence:
+            return None, f"{licence} (recorded by multitoken fetch)"
     card = root / "README.md"
     if card.is_file():
         m = re.search(r"^license:\s*(\S+)", card.read_text(encoding="utf-8", errors="replace"), re.M)

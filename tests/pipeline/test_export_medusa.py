@@ -257,3 +257,18 @@ def test_export_refuses_and_guards_its_output(trained, tiny_llama_dir, tmp_path,
     assert main(["export", "--heads", str(heads), "--out", str(other)]) == 0
     assert main(["import", str(export), "--base", str(tiny_llama_dir), "--out", str(other), "--overwrite"]) == 2
     assert "holds a Medusa export (multitoken export --format medusa), not a heads dir" in capsys.readouterr().err
+
+
+def test_export_names_the_licence_a_fetched_base_recorded(tiny_llama_dir, tmp_path, capsys):
+    """A `multitoken fetch` conversion records its package's licence (conversion.json): the
+    export's record and README carry it."""
+    import shutil
+
+    base = tmp_path / "fetched-base"
+    shutil.copytree(tiny_llama_dir, base)
+    (base / "conversion.json").write_text(json.dumps({"licence": "Apache-2.0 (a registry package)"}))
+    _medusa_heads(base, tmp_path / "heads", n=3, blocks=1)
+    assert main(["export", "--format", "medusa", "--heads", str(tmp_path / "heads"), "--out", str(tmp_path / "E")]) == 0
+    cfg = json.loads((tmp_path / "E" / "config.json").read_text())
+    assert cfg["multitoken"]["base_license"] == "Apache-2.0 (a registry package) (recorded by multitoken fetch)"
+    assert "Apache-2.0 (a registry package)" in (tmp_path / "E" / "README.md").read_text()
