@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import os
 import sys
 
 import torch
@@ -44,7 +43,8 @@ from torch import nn
 from multitoken.kernels import cpu_features, grid_weights, rows_kernel
 
 PACKED, ROWS, STOCK = "packed", "rows", "stock"
-CPU_LINEARS = (PACKED, ROWS, STOCK)
+ROWS_F32 = "rows-f32"  # the rows kernel on float32 blocks only: GGUF codes not kept (what they are worth)
+CPU_LINEARS = (PACKED, ROWS, ROWS_F32, STOCK)
 ONEDNN = "onednn"  # the layout of a PACKED layer (and of a ROWS model's bf16 layers)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Smallest weight packed (elements). oneDNN spends ~15 us per call (measured on a [64, 64] layer:
@@ -59,9 +59,9 @@ _STATE: dict = {"usable": {}, "warned": False}  # usable: dtype -> bool, probed 
 
 
 def grids_on() -> bool:
-    """Whether the rows layout keeps weights found on a Q4_1 / Q8_0 grid as their codes
-    (grid_weights.py; exact, so on by default; ``MULTITOKEN_GRID=0`` keeps float32 blocks, to measure)."""
-    return os.environ.get("MULTITOKEN_GRID", "1") != "0" and rows_usable() and _STATE["usable"].get("grid", False)
+    """Whether the rows layout can keep weights found on a Q4_1 / Q8_0 grid as their codes here
+    (grid_weights.py; exact, so ``rows`` does; ``rows-f32`` keeps float32 blocks, to measure)."""
+    return rows_usable() and _STATE["usable"].get("grid", False)
 
 
 def _say_once(message: str) -> None:
@@ -70,12 +70,12 @@ def _say_once(message: str) -> None:
         print(f"multitoken: {message}; CPU linears fall back to F.linear", file=sys.stderr)
 
 
-def _reorder(weight: torch.Tensor, layout: str = ONEDNN) -> tuple[torch.Tensor, int | None]:
+def _reorder(weight: torch.Tensor, layout: str = ONEDNN, grids: bool = True) -> tuple[torch.Tensor, int | None]:
     """The weight [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor), or in the rows
     kernel's: its grid codes where it lies on a Q4_1 / Q8_0 grid (grid_weights.py; the kind
     second), else column blocks [N / L, K, L] (rows_kernel.py)."""
     if layout == ROWS:
-        found = grid_weights.find_grid(weight.detach()) if grids_on() else None
+        found = grid_weights.find_grid(weight.detach()) if grids and grids_on() else None
         if found is not None:
             return grid_weights.pack_grid(*found), found[0]
         return rows_kernel.block_weight(weight), None
@@ -145,11 +145,13 @@ class PackedLinear(nn.Module):
     back in the plain layout (a fresh copy per read, for code that inspects weights; writing to
     it changes nothing)."""
 
-    def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool, layout: str = ONEDNN, grid: int | None = None):
+    def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool, layout: str = ONEDNN, grid: int | None = None,
+                 grids: bool = True):
         super().__init__()
         object.__setattr__(self, "stock", stock)  # not a submodule: no parameters, no state_dict
         self.in_features, self.out_features = stock.in_features, stock.out_features
         self.packed, self.shared, self.layout, self.grid = packed, shared, layout, grid
+        self.grids = grids  # whether codes were looked for (``rows``), or float32 blocks kept (``rows-f32``)
         self.dense: torch.Tensor | None = None  # set by the fallback
         self.screen: dict | None = None  # the argmax screen's int8 copy (rows layout), made on first use
 
@@ -221,7 +223,7 @@ class PackedLinear(nn.Module):
         stock = copy.deepcopy(self.stock, memo)  # a released weight copies empty; a shared one via memo
         if not self.shared:
             stock.weight.data = self.dense_weight()
-        return _packed(stock, self.shared, self.layout)
+        return _packed(stock, self.shared, self.layout, self.grids)
 
     def extra_repr(self) -> str:
         grid = f", {grid_weights.NAMES[self.grid]} grid" if self.grid else ""
@@ -241,7 +243,7 @@ def _layout(module: nn.Module, mode: str) -> str | None:
 
 def _layout_for(dtype: torch.dtype, mode: str) -> str | None:
     """The layout a packable weight of ``dtype`` takes under ``mode`` (None: no kernel runs here)."""
-    if mode == ROWS and dtype == torch.float32 and rows_usable():
+    if mode in (ROWS, ROWS_F32) and dtype == torch.float32 and rows_usable():
         return ROWS
     return ONEDNN if usable(dtype) else None
 
@@ -251,10 +253,10 @@ def layout_of(module: nn.Module) -> str | None:
     return module.layout if isinstance(module, PackedLinear) else None
 
 
-def _packed(stock: nn.Linear, shared: bool, layout: str = ONEDNN) -> PackedLinear:
+def _packed(stock: nn.Linear, shared: bool, layout: str = ONEDNN, grids: bool = True) -> PackedLinear:
     """``stock`` packed; its weight's storage released unless ``shared`` (the packed copy replaces it)."""
-    packed, grid = _reorder(stock.weight, layout)
-    packed = PackedLinear(stock, packed, shared, layout, grid)
+    packed, grid = _reorder(stock.weight, layout, grids)
+    packed = PackedLinear(stock, packed, shared, layout, grid, grids)
     if not shared:
         stock.weight.data = torch.empty(0, dtype=stock.weight.dtype)
     return packed
@@ -312,7 +314,8 @@ def _trim_heap() -> None:
 @torch.inference_mode(False)  # decoding packs inside inference mode; the tensors outlive it (training)
 def pack(root: nn.Module, mode: str = PACKED) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear`` in the layout
-    ``mode`` asks for (``packed``: oneDNN's; ``rows``: the compiled kernel's for float32); returns
+    ``mode`` asks for (``packed``: oneDNN's; ``rows``: the compiled kernel's for float32, GGUF codes
+    kept as codes; ``rows-f32``: the same on float32 blocks only); returns
     how many were swapped (none where the ops are unusable). Idempotent."""
     found = [(parent, name, child, layout) for parent, name, child in _children(root)
              if type(child) is nn.Linear and (layout := _layout(child, mode)) is not None]
@@ -323,7 +326,7 @@ def pack(root: nn.Module, mode: str = PACKED) -> int:
     for parent, name, child, layout in found:
         if id(child) not in swapped:
             try:
-                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, layout)
+                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, layout, mode != ROWS_F32)
             except RuntimeError as err:  # this one stays stock
                 _say_once(f"a weight {tuple(child.weight.shape)} could not be packed ({err})")
                 continue
@@ -346,10 +349,11 @@ def unpack(root: nn.Module) -> int:
 
 
 def prepare(root: nn.Module, mode: str) -> int:
-    """The linears ``mode`` asks for (``packed``, ``rows`` or ``stock``); returns how many are
-    packed. Layers packed for another mode are unpacked first."""
+    """The linears ``mode`` asks for (``packed``, ``rows``, ``rows-f32`` or ``stock``); returns how
+    many are packed. Layers packed for another mode are unpacked first."""
     packed = [m for m in root.modules() if isinstance(m, PackedLinear)]
-    if mode == STOCK or any(m.layout != _layout_for(m.stock.weight.dtype, mode) for m in packed):  # dtype kept in stock
+    if mode == STOCK or any(m.layout != _layout_for(m.stock.weight.dtype, mode)  # dtype kept in stock
+                            or m.grids != (mode != ROWS_F32) for m in packed):
         unpack(root)
     if mode == STOCK:
         return 0

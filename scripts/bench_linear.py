@@ -46,7 +46,7 @@ from bench_common import best_of
 from bench_decode import SHAPES
 
 # the compiled rows kernel where it builds here (rows_kernel.py), beside oneDNN's and torch's
-ROWS_FLOAT = "rows_f32"  # step rows: the rows kernel with grid codes turned off (MULTITOKEN_GRID=0)
+ROWS_FLOAT = "rows_f32"  # step rows: the rows kernel with grid codes turned off (--cpu-linear rows-f32)
 KINDS = (cpu_linear.STOCK, cpu_linear.PACKED) + ((cpu_linear.ROWS,) if cpu_linear.rows_usable() else ())
 SMOL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
@@ -111,11 +111,7 @@ def step_costs(stock, rows: int, context: int, reps: int) -> dict:
         swapped = cpu_linear.pack(models[kind], kind)
     if any(getattr(m, "grid", None) for m in models.get(cpu_linear.ROWS, stock).modules()):
         models[ROWS_FLOAT] = copy.deepcopy(stock)  # the rows kernel on float32 blocks: what the grids are worth
-        os.environ["MULTITOKEN_GRID"] = "0"
-        try:
-            cpu_linear.pack(models[ROWS_FLOAT], cpu_linear.ROWS)
-        finally:
-            del os.environ["MULTITOKEN_GRID"]
+        cpu_linear.pack(models[ROWS_FLOAT], cpu_linear.ROWS_F32)
     kinds = list(models)
     caches = {kind: _cached(m, context) for kind, m in models.items()}
     best = {(kind, m): float("inf") for kind in kinds for m in range(1, rows + 1)}

@@ -75,7 +75,7 @@ def parse_args(argv=None):
                    help="only these methods (labels as printed, e.g. chain chain+lookup dynamic_auto); hf_greedy always runs: "
                         "the reference every row is compared with")
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded stories260K rows")
-    p.add_argument("--cpu-linear", nargs="+", default=["rows"], choices=("rows", "packed", "stock"),
+    p.add_argument("--cpu-linear", nargs="+", default=["rows"], choices=("rows", "rows-f32", "packed", "stock"),
                    help="the kernels of every row, transformers' included (the same model object); several: "
                         "the SmolLM2 rows once per choice, each model loaded anew, x HF against the first choice's")
     return p.parse_args(argv)

@@ -61,7 +61,8 @@ class BackboneConfig:
     threads: int | None = threads_field()  # applied by load_backbone, process-wide
     cpu_linear: str = field(default=ROWS, metadata={
         "help": "CPU linears when decoding: rows (a multi-row kernel compiled here; packed where it cannot be built), "
-                "packed (oneDNN) or stock (torch's F.linear); details: docs/decoding.md#cpu-linears",
+                "rows-f32 (the same on float32 blocks, GGUF codes not kept: to measure them), packed (oneDNN) or "
+                "stock (torch's F.linear); details: docs/decoding.md#cpu-linears",
         "choices": CPU_LINEARS})
 
 

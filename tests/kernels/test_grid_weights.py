@@ -160,13 +160,17 @@ def test_the_int16_screen_gives_the_codes_argmax_exactly(rows):
     assert grid_weights.grid_argmax(bad, packed, n, l1) is None
 
 
-def test_grids_can_be_turned_off_for_measuring(monkeypatch):
-    monkeypatch.setenv("MULTITOKEN_GRID", "0")
+def test_rows_f32_keeps_float32_blocks_for_measuring_and_prepare_switches_between_them():
     layer = nn.Linear(96, 3000, bias=False)
     with torch.no_grad():
         layer.weight.copy_(on_q4(_weight(3000, 96, 6)))
     seq = nn.Sequential(layer)
-    assert cpu_linear.pack(seq, ROWS) == 1 and seq[0].grid is None and seq[0].packed.dtype == torch.float32
+    x = torch.randn(3, 96)
+    assert cpu_linear.pack(seq, cpu_linear.ROWS_F32) == 1 and seq[0].grid is None and seq[0].packed.dtype == torch.float32
+    f32 = seq(x)
+    assert cpu_linear.prepare(seq, ROWS) == 1 and seq[0].grid == Q4  # the same codes found again
+    assert torch.equal(seq(x), f32)  # the codes decode to the float32 values: the same logits, bit for bit
+    assert cpu_linear.prepare(seq, cpu_linear.ROWS_F32) == 1 and seq[0].grid is None
 
 
 @pytest.fixture(scope="module")
