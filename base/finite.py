@@ -22,11 +22,16 @@ def non_finite(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.T
              if t.is_floating_point() and t.numel()]
     if not items:
         return None
-    flags = torch.stack([torch.isfinite(t).all() for _, t in items])
-    if bool(flags.all()):
+    # A tensor's float32 sum is finite when every element is (NaN and inf propagate), with no
+    # [numel] mask allocated; only a sum that is not finite (a NaN, or an overflow) is looked at
+    # element by element.
+    sums = torch.stack([t.sum(dtype=torch.float32) for _, t in items])
+    if bool(torch.isfinite(sums).all()):
         return None
-    name, t = items[int((~flags).nonzero()[0])]
-    return name, int((~torch.isfinite(t)).sum()), t.numel()
+    for (name, t), total in zip(items, sums.tolist()):
+        if not torch.isfinite(torch.tensor(total)) and not bool(torch.isfinite(t).all()):
+            return name, int((~torch.isfinite(t)).sum()), t.numel()
+    return None
 
 
 def describe(found: tuple[str, int, int]) -> str:

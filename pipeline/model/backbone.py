@@ -19,6 +19,7 @@ from multitoken.embedded import BASE_FORMS, default_base, resolve_base
 from multitoken.base.errors import CheckpointError, UnsupportedModelError, UsageError
 from multitoken.base.hub import check_no_custom_code, custom_code_error, locate, source_sha256
 from multitoken.base.dtypes import DTYPES, resolve_dtype
+from multitoken.base.finite import check_finite
 from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
 from multitoken.base.tokenizer import load_tokenizer
@@ -419,6 +420,8 @@ def load_backbone(
         raise _load_error(base, err) from err
     if qplan is None:
         model = model.to(config.device)
+    if torch.device(config.device).type != "meta":  # a damaged checkpoint fails here, not as garbage text
+        check_finite(model.named_parameters(), f"the base {base!r}", "the checkpoint is damaged: restore it, or fetch / download it again")
     model = _attach_lora(model, spec, lora, lora_adapter, trainable_lora)
     model.eval()
     name = str(Path(base) / hub_kwargs["gguf_file"]) if "gguf_file" in hub_kwargs else base

@@ -177,3 +177,24 @@ def test_partially_quantized_backbone_matches_its_plan_and_runs(stories_dir):
         quantized = bb.model(ids).logits
         ref = load_backbone(BackboneConfig(base=str(stories_dir))).model(ids).logits
     assert (quantized.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_base_with_a_nan_weight_is_refused_in_one_line(tiny_llama_dir, tmp_path):
+    """A damaged checkpoint (one NaN in one weight) fails as it loads, naming the weight, instead of
+    decoding as garbage with exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    from multitoken.base.errors import CheckpointError
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+
+    base = tmp_path / "damaged"
+    shutil.copytree(tiny_llama_dir, base)
+    weights = load_file(str(base / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"mlp\.down_proj\.weight holds 1 non-finite values"):
+        load_backbone(BackboneConfig(base=str(base)))
+    done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "x", "--base", str(base)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "non-finite" in done.stderr and "Traceback" not in done.stderr
