@@ -53,8 +53,56 @@ def _pickles(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
 
 
+CONVERSION = "conversion.json"  # what `multitoken fetch` writes beside a conversion
+
+
+def files_record(folder: Path) -> dict:
+    """Size, sha256 and modification time of every file in ``folder`` (``conversion.json``'s
+    ``files``: what ``check_recorded_files`` holds a folder to)."""
+    out = {}
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != CONVERSION):
+        st = path.stat()
+        out[path.name] = {"size": st.st_size, "sha256": files_record_one(path), "mtime_ns": st.st_mtime_ns}
+    return out
+
+
+def check_recorded_files(folder: Path, fix: str) -> None:
+    """A folder whose ``conversion.json`` lists its files: each present at its size, and its
+    sha256 recomputed where the modification time moved (cheap while nothing changed)."""
+    record_path = folder / CONVERSION
+    if not record_path.is_file():
+        return
+    try:
+        files = json.loads(record_path.read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{record_path} is damaged ({err})", fix) from err
+    if not isinstance(files, dict):
+        return  # a conversion recorded before files were
+    for name, want in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (it was written by multitoken fetch)", fix)
+        st = path.stat()
+        if st.st_size != want.get("size"):
+            raise CheckpointError(f"{path} changed since it was fetched ({st.st_size:,} bytes, {want.get('size'):,} recorded)", fix)
+        if st.st_mtime_ns != want.get("mtime_ns") and files_record_one(path) != want.get("sha256"):
+            raise CheckpointError(f"{path} changed since it was fetched (its sha256 differs from the recorded one)", fix)
+
+
+def files_record_one(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def check_base_dir(folder: Path) -> None:
-    """A local base model folder: weights as safetensors (checked), never only pickles."""
+    """A local base model folder: the files a fetch recorded unchanged, weights as safetensors
+    (checked), never only pickles."""
+    check_recorded_files(folder, f"the fetched model in {folder} is damaged: remove that folder, then run multitoken fetch again")
     fix = "convert the weights to safetensors (transformers' save_pretrained writes them) and pass that folder"
     weights = sorted(folder.glob("*.safetensors"))
     if not weights and _pickles(folder):

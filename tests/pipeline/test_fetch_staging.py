@@ -79,3 +79,22 @@ def test_sigterm_during_a_fetch_removes_its_partial(tmp_path):
         f"multitoken fetch: error: fetching {SMOL.name} was stopped (SIGTERM): its partial download was removed",
         "  fix: run multitoken fetch again to start over"]
     assert list((cache / "models").iterdir()) == []
+
+
+def test_a_damaged_conversion_in_the_cache_is_named_not_reused(tmp_path):
+    """A conversion in the cache whose recorded files changed is not "already in the cache": the
+    fetch stops with one line naming the file and how to fetch again."""
+    import json
+
+    from multitoken.base.weight_files import CONVERSION, files_record
+
+    dest = tmp_path / "models" / SMOL.name
+    dest.mkdir(parents=True)
+    (dest / "model.safetensors").write_bytes(b"\0" * 64)
+    (dest / "config.json").write_text("{}")
+    (dest / CONVERSION).write_text(json.dumps({"gguf_sha256": SMOL.gguf_sha256, "files": files_record(dest)}))
+    assert fetch("smollm2", cache=str(tmp_path), log=lambda m: None) == dest  # intact: reused
+    (dest / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing") as err:
+        fetch("smollm2", cache=str(tmp_path), log=lambda m: None)
+    assert f"run multitoken fetch {SMOL.name} again" in err.value.fix
