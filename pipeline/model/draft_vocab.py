@@ -47,6 +47,7 @@ def read_ranking(heads_dir: str | Path | None, vocab_size: int | None = None) ->
     if not path.is_file():
         return None
     fix = f"delete {path} (drafts then score the whole vocabulary) or rebuild the heads"
+    _check_recorded_sha(Path(heads_dir), path, fix)
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -67,6 +68,19 @@ def read_ranking(heads_dir: str | Path | None, vocab_size: int | None = None) ->
     if counts is not None and (not isinstance(counts, list) or len(counts) != len(tokens) or not all(whole(c) for c in counts)):
         raise CheckpointError(f"{path}: counts must hold one integer per token", fix)
     return record
+
+
+def _check_recorded_sha(heads_dir: Path, path: Path, fix: str) -> None:
+    """The sha256 the heads' config recorded for their draft vocabulary (heads written since it
+    does), matched by the file: an edited or swapped ranking is refused, not read."""
+    import hashlib
+
+    try:
+        want = json.loads((heads_dir / "heads_config.json").read_text(encoding="utf-8")).get("draft_vocab_sha256")
+    except (OSError, ValueError, AttributeError):
+        return  # the heads' own loader names a damaged config
+    if want is not None and hashlib.sha256(path.read_bytes()).hexdigest() != want:
+        raise CheckpointError(f"{path} is not the draft vocabulary the heads were saved with (its sha256 differs)", fix)
 
 
 def resolve_size(requested: int | None, record: dict | None, vocab_size: int) -> int:

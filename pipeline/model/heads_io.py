@@ -24,6 +24,7 @@ import torch
 
 from multitoken.adapters.registry import config_from_dict
 
+from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
 from multitoken.embedded import portable_base
 from multitoken.base.errors import CheckpointError, MismatchError, UsageError
@@ -68,14 +69,15 @@ def save_heads(model, out_dir: str | Path, extra: dict[str, str] | None = None, 
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out} exists and is not a directory", "pass a directory path for the heads")
     with staged_output(out, HEADS.kind, command, marker=HEADS.marker) as stage:
-        write_heads(model, stage)
+        write_heads(model, stage, draft_vocab=(extra or {}).get(DRAFT_VOCAB_FILE))
         for name, text in (extra or {}).items():
             (stage / name).write_text(text, encoding="utf-8")
     return out
 
 
-def write_heads(model, out: Path) -> None:
-    """The files of a heads dir, into the new directory ``out`` (a staging dir)."""
+def write_heads(model, out: Path, draft_vocab: str | None = None) -> None:
+    """The files of a heads dir, into the new directory ``out`` (a staging dir); ``draft_vocab``:
+    the text of the draft vocabulary written with them, whose sha256 the config records."""
     from importlib.metadata import version
 
     from safetensors.torch import save
@@ -98,6 +100,8 @@ def write_heads(model, out: Path) -> None:
         "heads_sha256": hashlib.sha256(blob).hexdigest(),
         "lora": LORA_DIR if model.has_lora else None,
     }
+    if draft_vocab is not None:  # read_ranking refuses a draft_vocab.json that differs
+        record["draft_vocab_sha256"] = hashlib.sha256(draft_vocab.encode("utf-8")).hexdigest()
     (out / TENSORS_FILE).write_bytes(blob)
     if model.has_lora:
         model.base_model.save_pretrained(out / LORA_DIR)

@@ -118,3 +118,18 @@ def test_one_position_heads_and_whole_vocabularies_build_no_draft_unembedding(ti
     first = replicated.draft_unembedding()
     assert first is not None and first.size == 20 and replicated.draft_unembedding() is first  # built once
     assert replicated.draft_unembedding(0) is None
+
+
+def test_a_draft_vocabulary_saved_with_the_heads_is_held_to_its_recorded_sha(tiny_model, tmp_path):
+    import json
+
+    model = MultiTokenModel.attach(tiny_model.backbone, {"head_type": "replicated", "n_future": 3, "init": "copy"})
+    ranking = ranking_record(torch.arange(model.backbone.vocab_size) % 7, 16, "test")
+    model.save_heads(tmp_path / "heads", extra={DRAFT_VOCAB_FILE: json.dumps(ranking) + "\n"})
+    config = json.loads((tmp_path / "heads" / "heads_config.json").read_text())
+    assert len(config["draft_vocab_sha256"]) == 64
+    assert read_ranking(tmp_path / "heads")["tokens"] == ranking["tokens"]
+    swapped = dict(ranking, tokens=[ranking["tokens"][1], ranking["tokens"][0], *ranking["tokens"][2:]])
+    (tmp_path / "heads" / DRAFT_VOCAB_FILE).write_text(json.dumps(swapped) + "\n")  # still a valid record
+    with pytest.raises(CheckpointError, match="not the draft vocabulary the heads were saved with"):
+        read_ranking(tmp_path / "heads")
