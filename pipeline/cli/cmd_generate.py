@@ -149,10 +149,11 @@ def run(args) -> None:
 
 
 def _check_file_flags(cfg: GenerateConfig) -> None:
-    if cfg.prompt:
+    if cfg.prompt and cfg.prompts:
         raise UsageError("both a prompt and --prompts were given", "pass the text to continue, or --prompts FILE, not both")
-    if not cfg.prompts:
-        raise UsageError("--out needs --prompts FILE", "pass the prompts to decode, or drop --out to stream one prompt")
+    if not cfg.prompts:  # a prompt with --out: --out writes the generations of a prompts file
+        raise UsageError("--out needs --prompts FILE (it writes one jsonl row per prompt of that file)",
+                         "drop --out to stream this prompt's text, or put the prompt in a file and pass --prompts FILE")
     if not cfg.out:
         raise UsageError("--prompts needs --out FILE.jsonl", "pass where to write the generations")
     if cfg.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,8 +86,8 @@ def read_config(base: str, hub_kwargs: dict | None = None):
         check_no_custom_code(Path(base), tuple(sorted(ARCHITECTURES)))
     try:
         return AutoConfig.from_pretrained(base, trust_remote_code=False, **(hub_kwargs or {}))
-    except (OSError, ValueError) as err:
-        raise _load_error(base, err) from err
+    except (OSError, ValueError, struct.error, EOFError) as err:  # a damaged GGUF header: struct / EOF errors
+        raise _load_error(base, err, (hub_kwargs or {}).get("gguf_file")) from err
 
 
 # Device types a model can run on; each has torch.<type>.is_available() and device_count().
@@ -127,10 +128,14 @@ def check_supported(model_type: str) -> ArchSpec:
     return ARCHITECTURES[model_type]
 
 
-def _load_error(base: str, err: Exception) -> CheckpointError:
+def _load_error(base: str, err: Exception, gguf: str | None = None) -> CheckpointError:
     refused = custom_code_error(base, err)
     if refused is not None:
         return refused
+    if gguf is not None:  # transformers reads a GGUF as a folder plus a file name: name the file
+        return CheckpointError(f"{str(Path(base) / gguf)!r} is not a GGUF file transformers can read "
+                               f"({str(err).splitlines()[0] if str(err) else type(err).__name__})",
+                               "pass a complete GGUF file (llama or gpt_neox), or a checkpoint folder")
     if Path(base).expanduser().exists():
         return CheckpointError(
             f"could not load a model from {base!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
@@ -416,8 +421,8 @@ def load_backbone(
     try:
         with quiet_loading():  # no "Loading weights" bar or load notices; the caller's settings restored after
             model = AutoModelForCausalLM.from_pretrained(base, config=model_config, trust_remote_code=False, **kwargs)
-    except (OSError, ValueError) as err:
-        raise _load_error(base, err) from err
+    except (OSError, ValueError, struct.error, EOFError) as err:
+        raise _load_error(base, err, hub_kwargs.get("gguf_file")) from err
     if qplan is None:
         model = model.to(config.device)
     if torch.device(config.device).type != "meta":  # a damaged checkpoint fails here, not as garbage text

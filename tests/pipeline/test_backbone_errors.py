@@ -233,3 +233,16 @@ def test_a_fetched_folder_whose_files_changed_is_refused_in_one_line(tiny_llama_
     done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "x", "--base", str(base)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and expected in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("tail", [b"", bytes(range(256)) * 64])
+def test_a_damaged_gguf_is_named_in_one_line(tmp_path, tail):
+    """A GGUF whose header is cut or garbage: one line naming the file (not its folder), no
+    struct.error traceback from transformers' reader."""
+    pytest.importorskip("gguf", reason="GGUF bases need the [gguf] extra")
+    bad = tmp_path / "damaged.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + tail)
+    done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "x", "--base", str(bad)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"{str(bad)!r} is not a GGUF file transformers can read" in done.stderr
