@@ -21,8 +21,8 @@ import os
 import time
 from pathlib import Path
 
-from tqdm import tqdm
 
+from multitoken.base.progress import progress_bar
 from multitoken.base.errors import MultitokenError, UsageError
 
 from .merge import RangeTask, run_range
@@ -123,7 +123,7 @@ class RayExecutor:
         progress = ray.remote(num_cpus=0)(Progress).remote(len(shards))
         task = ray.remote(count_task).options(num_cpus=1, max_retries=MAX_RETRIES, name="stats-count")
         refs = [task.remote(job, s, i, progress) for i, s in enumerate(shards)]
-        bar = tqdm(desc="counting", unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=PROGRESS_SECONDS)
+        bar = progress_bar(desc="counting", unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=PROGRESS_SECONDS)
         try:
             pending, done = list(refs), 0
             while pending:

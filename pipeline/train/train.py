@@ -23,6 +23,7 @@ import torch
 from multitoken.pipeline.train import optim
 from multitoken.pipeline.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from multitoken.pipeline.train.fingerprint import already_finished, check_same_run, holds_finished, run_fingerprint
+from multitoken.base.progress import progress_bar
 from multitoken.base.data import DataConfig, describe_files
 from multitoken.base.errors import CheckpointError, DataError, DivergedError, UsageError
 from multitoken.base.finite import describe, non_finite
@@ -262,7 +263,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     history = state.get("history", [])
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not (cfg.progress and dist.main))
+    bar = progress_bar(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not (cfg.progress and dist.main))
     position = state.get("position")
     saved_at = time.monotonic()
     while step < cfg.max_steps:

@@ -96,3 +96,15 @@ def test_greedy_after_continues_with_argmax(stories, tmp_path):
     assert len(sampled_lengths) > 1, sampled_lengths  # the prefix length varies between batches
     with pytest.raises(UsageError, match="greedy-after"):
         distill(stories, DistillConfig(num_tokens=10, out=str(out), max_new_tokens=40, greedy_after=40, progress=False))
+
+
+def test_progress_off_a_terminal_is_whole_lines(tmp_path):
+    """stderr piped (a log, CI): the bar is written as whole lines, no carriage-return redraws."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "distill", "--num-tokens", "40",
+                           "--out", str(tmp_path / "d.jsonl")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "\r" not in done.stderr and "distill: 100%" in done.stderr
+    assert all(line.startswith("distill:") for line in done.stderr.splitlines() if "%" in line)

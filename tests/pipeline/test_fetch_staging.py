@@ -98,3 +98,12 @@ def test_a_damaged_conversion_in_the_cache_is_named_not_reused(tmp_path):
     with pytest.raises(CheckpointError, match="config.json is missing") as err:
         fetch("smollm2", cache=str(tmp_path), log=lambda m: None)
     assert f"run multitoken fetch {SMOL.name} again" in err.value.fix
+
+
+def test_a_cache_path_that_is_a_file_is_one_line(tmp_path):
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("mine")
+    done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "fetch", "smollm2", "--cache", str(not_a_folder)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "cannot be used (Not a directory)" in done.stderr and not_a_folder.read_text() == "mine"
