@@ -66,6 +66,7 @@ TABLE8 = {
     "AT+G-3": {"alpha_c": 0.0, "adaptive_threshold": True, "blur_kernel": 3},
 }
 DEFAULT_CONFIG = "CO+AT+G-3"
+MAX_SEEDS = 1000
 DEFAULT_GRID = tuple(i / 10 for i in range(11))  # eps_b 0:1:0.1
 QUALITY = ("nll", "distinct2", "distinct3", "repetition")
 
@@ -101,8 +102,9 @@ class SweepConfig:
     def validate(self) -> None:
         """The flags alone, before a model loads; the sampling settings are DecodeConfig's
         (validated there, as for generate)."""
-        if self.seeds < 1:
-            raise UsageError("--seeds must be >= 1")
+        if not 1 <= self.seeds <= MAX_SEEDS:  # every seed is a run per prompt and point: a million never ends
+            raise UsageError(f"--seeds must be in [1, {MAX_SEEDS}], got {self.seeds}",
+                             "a few seeds per prompt; more prompts (--prompts FILE) tell points apart better")
         self.decode.validate()
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")

@@ -27,6 +27,7 @@ from multitoken.adapters.registry import config_from_dict
 from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE
 from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
 from multitoken.embedded import portable_base
+from multitoken.base.dtypes import DTYPES
 from multitoken.base.errors import CheckpointError, MismatchError, UsageError
 from multitoken.base.finite import check_finite
 from multitoken.base.outputs import HEADS
@@ -116,8 +117,10 @@ def read_heads_config(heads_dir: str | Path) -> dict:
                               "pass a directory written by `multitoken attach` or `multitoken train`")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"{path} is not valid JSON ({err})", "the heads dir is damaged; re-create it") from err
+    except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors;
+        # RecursionError: arrays nested past Python's recursion limit
+        raise CheckpointError(f"{path} is not valid JSON ({str(err).splitlines()[0]:.120})",
+                              "the heads dir is damaged; re-create it") from None
     _check_heads_record(record, path)
     return record
 
@@ -146,7 +149,7 @@ _RECORD_SCHEMA = {
     "shapes": (lambda v: isinstance(v, dict) and all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s)
                                                      for s in v.values()), "an object of integer lists"),
     "base": (lambda v: isinstance(v, str) and bool(v), "a model name or path"),
-    "dtype": (lambda v: v is None or isinstance(v, str), "a dtype name or null"),
+    "dtype": (lambda v: v is None or v in DTYPES, f"one of {', '.join(DTYPES)}, or null"),
     "lora": (lambda v: v is None or (isinstance(v, str) and bool(v)), "a directory name or null"),
 }
 _OPTIONAL = ("base", "dtype", "lora")

@@ -159,3 +159,23 @@ def test_save_never_leaves_temporaries(backbone, tmp_path):
     out = _attach(backbone, "replicated").save_heads(tmp_path / "heads")
     _attach(backbone, "replicated", seed=1).save_heads(out)  # overwrite in place
     assert sorted(p.name for p in out.iterdir()) == ["heads.safetensors", "heads_config.json", "multitoken_manifest.json"]
+
+
+@pytest.mark.parametrize("damage", ["nested", "dtype"])
+def test_a_heads_config_nested_past_the_recursion_limit_or_of_an_unknown_dtype_is_one_line(tmp_path, damage):
+    import shutil
+
+    from multitoken.embedded import EMBEDDED_HEADS
+    from multitoken.pipeline.model.heads_io import read_heads_config
+
+    heads = tmp_path / "heads"
+    shutil.copytree(EMBEDDED_HEADS, heads)
+    if damage == "nested":
+        (heads / "heads_config.json").write_text("[" * 200_000 + "]" * 200_000)
+        expected = "is not valid JSON"
+    else:
+        record = json.loads((heads / "heads_config.json").read_text())
+        (heads / "heads_config.json").write_text(json.dumps({**record, "dtype": "banana"}))
+        expected = "dtype must be one of float32, float16, bfloat16"
+    with pytest.raises(CheckpointError, match=expected):
+        read_heads_config(heads)

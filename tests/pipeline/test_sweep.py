@@ -232,3 +232,12 @@ def test_sweep_scores_each_continuation_once_and_never_the_warm_up(tiny_model, m
     assert all(len(new) == 10 for _, new in scored)  # the 4-token warm-ups were never scored
     # 4 runs each of ar and 2 points: at most 12 distinct continuations, all scored
     assert 4 <= len(scored) <= 12 and res["ar"]["nll"]["n"] == 4
+
+
+def test_seeds_are_bounded():
+    from multitoken.base.errors import UsageError
+    from multitoken.pipeline.eval.sweep import MAX_SEEDS
+
+    with pytest.raises(UsageError, match=r"--seeds must be in \[1, 1000\], got 1000000"):
+        SweepConfig(seeds=1_000_000).validate()
+    SweepConfig(seeds=MAX_SEEDS).validate()
