@@ -32,6 +32,7 @@ torch's linears.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -110,18 +111,26 @@ def _build(compiler: str) -> Path:
     if lib.is_file() and _recorded(lib) == _sha256(lib):
         return lib
     out_dir = lib.parent
+    made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src, built = Path(tmp) / "rows_linear.cpp", Path(tmp) / "rows_linear.so"
         src.write_text("\n".join(path.read_text() for path in SOURCES))
         done = subprocess.run([compiler, *_flags(), str(src), "-o", str(built)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise RuntimeError(f"{Path(compiler).name} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-        digest = Path(tmp) / "digest"
-        digest.write_text(_sha256(built) + "\n")
-        # atomic, the record first: a reader between the two sees a mismatch and rebuilds
-        os.replace(digest, lib.with_name(lib.name + DIGEST_SUFFIX))
-        os.replace(built, lib)
+            failed = f"{Path(compiler).name} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+        else:
+            failed = None
+            digest = Path(tmp) / "digest"
+            digest.write_text(_sha256(built) + "\n")
+            # atomic, the record first: a reader between the two sees a mismatch and rebuilds
+            os.replace(digest, lib.with_name(lib.name + DIGEST_SUFFIX))
+            os.replace(built, lib)
+    if failed:
+        if made:  # the folder this failed build made goes too: no empty kernel folder left behind
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise RuntimeError(failed)
     return lib
 
 

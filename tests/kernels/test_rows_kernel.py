@@ -323,3 +323,16 @@ def test_greedy_drafts_argmax_is_their_logits_argmax(tied_llama_dir, monkeypatch
         assert cpu_linear.pack(draft, ROWS) == 1
         rows = out.hiddens[sorted(out.hiddens)[0]]  # [1, 9, H]
         assert torch.equal(draft.argmax(rows), draft(rows).argmax(-1))
+
+
+def test_a_failed_build_leaves_no_kernel_folder(tmp_path, monkeypatch):
+    """A compiler that fails: one RuntimeError line (the fallback's notice quotes it), and the
+    key's folder it made is gone again."""
+    fake = tmp_path / "broken-c++"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'broken 1.0'; exit 0; fi\necho 'boom: no' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path / "cache"))
+    lib = rows_kernel.cached_library(str(fake))
+    with pytest.raises(RuntimeError, match="broken-c\\+\\+ failed: boom: no"):
+        rows_kernel._build(str(fake))
+    assert not lib.parent.exists() and (tmp_path / "cache" / "kernels").is_dir()
