@@ -26,6 +26,9 @@ from .unembed import target_log_probs
 from multitoken.base.errors import UsageError
 
 
+MAX_RANK = 256  # experts per head a config may ask for
+
+
 @dataclass
 class CPConfig:
     head_type: str = "cp"
@@ -34,8 +37,8 @@ class CPConfig:
     init_std: float = field(default=0.02, metadata={"help": "std of the expert blocks' initial weights (breaks expert symmetry)"})
 
     def validate(self) -> None:
-        if self.rank < 1:
-            raise UsageError(f"rank must be >= 1, got {self.rank}")
+        if not 1 <= self.rank <= MAX_RANK:  # each expert is a block per head: thousands never fit nor train
+            raise UsageError(f"rank must be in [1, {MAX_RANK}], got {self.rank}", "the CP-heads paper's ranks are 1 to 16")
         if self.init_std < 0:
             raise UsageError(f"init_std must be >= 0, got {self.init_std}")
 

@@ -126,3 +126,13 @@ def test_eval_metrics_report_head_accuracy(tiny_vocab_backbone):
         assert 0.0 <= out.metrics[f"head{s}/top1"] <= out.metrics[f"head{s}/top5"] <= 1.0
     expected = (base == ids[:, 1:-2]).float().mean().item()
     assert out.metrics["head1/top1"] == pytest.approx(expected)  # head 1 is scored as the base model
+
+
+def test_rank_is_bounded():
+    from multitoken.adapters.cp import MAX_RANK
+    from multitoken.adapters.registry import make_config
+    from multitoken.base.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"rank must be in \[1, 256\], got 1000000"):
+        make_config("cp", n_future=3, rank=1_000_000)
+    assert make_config("cp", n_future=3, rank=MAX_RANK).rank == MAX_RANK
