@@ -324,7 +324,7 @@ CASES.update({
                                           "gives 1,000,000,000,001 values, more than 1,001"),
     "sweep_eps_b_inf_range": _option_case(["sweep", "--out", "@out", "--eps-b", "0:inf:0.1"], "three finite numbers"),
     "sweep_temperature_nan": _option_case(["sweep", "--out", "@out", "--temperature", "nan"], "'nan' is not a finite number"),
-    "sweep_seed_count_zero": _option_case(["sweep", "--out", "@out", "--seeds", "0"], "--seeds must be >= 1"),
+    "sweep_seed_count_zero": _option_case(["sweep", "--out", "@out", "--seeds", "0"], "--seeds must be in [1, 1000], got 0"),
     "sweep_max_new_tokens_zero": _option_case(["sweep", "--out", "@out", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     "attach_n_100": _option_case(["attach", "--n", "100", "--out", "@out"], "heads predict at most 16 tokens per forward pass"),
     "attach_float_option_nan": _option_case(["attach", "--head", "cp", "--init-std", "nan", "--out", "@out"],

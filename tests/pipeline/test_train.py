@@ -186,7 +186,7 @@ def test_failed_run_never_touches_an_existing_heads_dir(tiny_llama_dir, heads_di
 
     from multitoken.pipeline.model import heads_io
 
-    def broken_write(model, d):  # fails half-way through writing the staged heads dir
+    def broken_write(model, d, **kwargs):  # fails half-way through writing the staged heads dir
         (d / "heads.safetensors").write_bytes(b"partial")
         raise OSError("disk full")
 
