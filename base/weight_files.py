@@ -15,6 +15,7 @@ from pathlib import Path
 
 from multitoken.base.errors import CheckpointError
 from multitoken.base.finite import check_finite
+from multitoken.base.hub import file_sha256
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
@@ -62,7 +63,7 @@ def files_record(folder: Path) -> dict:
     out = {}
     for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != CONVERSION):
         st = path.stat()
-        out[path.name] = {"size": st.st_size, "sha256": files_record_one(path), "mtime_ns": st.st_mtime_ns}
+        out[path.name] = {"size": st.st_size, "sha256": _sha256(path), "mtime_ns": st.st_mtime_ns}
     return out
 
 
@@ -85,18 +86,13 @@ def check_recorded_files(folder: Path, fix: str) -> None:
         st = path.stat()
         if st.st_size != want.get("size"):
             raise CheckpointError(f"{path} changed since it was fetched ({st.st_size:,} bytes, {want.get('size'):,} recorded)", fix)
-        if st.st_mtime_ns != want.get("mtime_ns") and files_record_one(path) != want.get("sha256"):
+        if st.st_mtime_ns != want.get("mtime_ns") and _sha256(path) != want.get("sha256"):
             raise CheckpointError(f"{path} changed since it was fetched (its sha256 differs from the recorded one)", fix)
 
 
-def files_record_one(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _sha256(path: Path) -> str:
+    st = path.stat()
+    return file_sha256(str(path), st.st_size, st.st_mtime_ns)  # hub's, cached per path, size and mtime
 
 
 def check_base_dir(folder: Path) -> None:
