@@ -15,6 +15,9 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${WORK:-/tmp/build}; mkdir -p "$work"  # the build's own folder (shards, heads dirs), kept between calls
 site="$work/site"
 # the package as its import root maps it (pyproject's package-dir), without installing it
+if [ -e "$site" ] && [ ! -d "$site/multitoken-0.1.0.dist-info" ]; then  # only a shim this script made is replaced
+  echo "$site exists and is not this script's package shim: move it away or set WORK to another folder"; exit 2
+fi
 rm -rf "$site"; mkdir -p "$site/multitoken" "$site/multitoken-0.1.0.dist-info"
 for pkg in base embedded adapters stats decoding pipeline; do ln -s "$repo/$pkg" "$site/multitoken/$pkg"; done
 printf 'Metadata-Version: 2.1\nName: multitoken\nVersion: 0.1.0\n' > "$site/multitoken-0.1.0.dist-info/METADATA"
