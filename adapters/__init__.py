@@ -8,7 +8,7 @@ from .registry import build_head, config_from_dict, get_head, make_config, regis
 
 # The built-in head types register themselves on import (registry.BUILTIN lists them, for
 # code that imports a submodule without this __init__).
-from . import conditioned, cp, medusa, replicated, whs  # noqa: E402,F401
+from . import conditioned, cp, eagle3, medusa, replicated, whs  # noqa: E402,F401
 
 __all__ = [
     "Features", "HeadAdapter", "LossOutput", "build_head", "config_from_dict", "get_head",

@@ -90,7 +90,7 @@ def build_head(config, backbone):
     return get_head(config.head_type).module_cls(check_config(config), backbone)
 
 
-BUILTIN = ("replicated", "whs", "cp", "medusa", "conditioned")
+BUILTIN = ("replicated", "whs", "cp", "medusa", "conditioned", "eagle3")
 
 
 def _load_builtin() -> None:

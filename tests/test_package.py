@@ -101,7 +101,7 @@ def test_public_names_where_users_look(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "False"
-    heads = ["conditioned", "cp", "medusa", "replicated", "whs"]
+    heads = ["conditioned", "cp", "eagle3", "medusa", "replicated", "whs"]
     assert lines[1] == str(heads) + " " + str(heads)
     assert lines[2].split() == ["multitoken.stats.table", "multitoken.decoding.engine",  # generate: one prompt or a batch
                                 "multitoken.pipeline.model.model", "multitoken.pipeline.model.assets"]

@@ -14,7 +14,7 @@ from multitoken.base.errors import CheckpointError, UsageError
 
 
 def test_builtin_types_are_registered():
-    assert registered_heads() == ["conditioned", "cp", "medusa", "replicated", "whs"]
+    assert registered_heads() == ["conditioned", "cp", "eagle3", "medusa", "replicated", "whs"]
 
 
 def test_duplicate_names_are_rejected():

@@ -1,0 +1,137 @@
+"""EAGLE-3 drafter heads: the training-time test is the drafting it trains for, the draft
+vocabulary maps, and training on the base's own predictions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multitoken.adapters.eagle3 import default_aux_layers
+from multitoken.base.errors import UsageError
+from multitoken.pipeline.model.model import MultiTokenModel
+
+from .conftest import random_ids, small_config
+
+
+def _model(backbone, n_future: int = 4, **options) -> MultiTokenModel:
+    torch.manual_seed(0)
+    model = MultiTokenModel.attach(backbone, small_config("eagle3", n_future=n_future, **options))
+    with torch.no_grad():  # a drafter far from its start, so that each step's argmax differs by position
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def test_aux_layers_default_to_eagle3s_and_are_recorded(tiny_backbone):
+    assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M: vLLM's and llama.cpp's defaults
+    assert default_aux_layers(3) == [1, 1, 2]  # inside the trunk's states of a 3-layer base
+    model = _model(tiny_backbone)
+    assert model.config.aux_layers == default_aux_layers(tiny_backbone.num_layers)
+    with pytest.raises(UsageError, match="aux_layers"):
+        MultiTokenModel.attach(tiny_backbone, small_config("eagle3", aux_layers=[1, 2, tiny_backbone.num_layers]))
+    with pytest.raises(UsageError, match="three layer ids"):
+        small_config("eagle3", aux_layers=[1, 2])
+
+
+def test_training_time_test_is_drafting_from_a_cache(tiny_backbone):
+    """Head i+1 at position t (all positions at once, the training-time test's attention) equals
+    a greedy chain drafted at t through the drafter's KV cache: step 1 over the prefix 0..t with
+    the fused states, then one slot per step at positions t+1, t+2, ..."""
+    model = _model(tiny_backbone)
+    heads = model.heads
+    ids = random_ids(tiny_backbone, batch=2, length=9, seed=5)
+    with torch.no_grad():
+        feats = model.features(ids)
+        together = [heads.log_probs(i, feats) for i in range(1, model.n_future)]  # [B, T, V] each
+        fused = heads.fuse(feats.layer_states)  # [B, T, H]
+        for t in (0, 4, 8):
+            cache = heads.new_cache()
+            pos = torch.arange(t + 1).expand(2, -1)
+            logits, out = heads.step(fused[:, :t + 1], feats.next_ids[:, :t + 1], cache, pos)
+            logits, out = logits[:, -1:], out[:, -1:]
+            for i in range(1, model.n_future):
+                torch.testing.assert_close(heads.target_log_probs(logits)[:, 0], together[i - 1][:, t])
+                token = heads.to_target(logits.argmax(-1))  # [B, 1]
+                logits, out = heads.step(out, token, cache, torch.full((2, 1), t + i))
+            assert cache.length == t + model.n_future  # the prefix, then one slot per later step
+
+
+def test_left_padded_rows_equal_rows_alone(tiny_backbone):
+    model = _model(tiny_backbone)
+    ids = random_ids(tiny_backbone, batch=2, length=10, seed=6)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    together = model.head_logits(ids, mask, last_only=False)
+    alone = model.head_logits(ids[:1, 3:], last_only=False)
+    for a, b in zip(together[1:], alone[1:]):
+        torch.testing.assert_close(a[:1, 3:], b)
+
+
+def test_draft_vocabulary_maps(tiny_backbone):
+    size = 40
+    model = _model(tiny_backbone, draft_vocab_size=size)
+    heads = model.heads
+    chosen = torch.arange(1, 2 * size, 2).flip(0)  # odd ids, any order
+    heads.set_draft_vocab(chosen)
+    ids = chosen.sort().values
+    assert torch.equal(heads.to_target(torch.arange(size)), ids)  # draft ids ascend with target ids
+    assert heads.d2t.dtype == torch.long and torch.equal(heads.d2t, ids - torch.arange(size))
+    assert heads.t2d.shape == (tiny_backbone.vocab_size,) and torch.equal(heads.t2d.nonzero().squeeze(-1), ids)
+    torch.testing.assert_close(heads.draft_head.weight, tiny_backbone.unembedding.weight[ids])
+    lp = model.head_logits(random_ids(tiny_backbone), last_only=False)[1]
+    assert torch.isinf(lp[..., ~heads.t2d]).all() and torch.isfinite(lp[..., heads.t2d]).all()
+    with pytest.raises(UsageError, match="distinct ids"):
+        heads.set_draft_vocab(torch.arange(size - 1))
+
+
+def test_reduced_vocabulary_round_trips(tiny_backbone, tmp_path):
+    model = _model(tiny_backbone, draft_vocab_size=32)
+    model.heads.set_draft_vocab(torch.arange(3, 99, 3))
+    model.save_heads(tmp_path / "h")
+    loaded = MultiTokenModel.from_pretrained(tiny_backbone, tmp_path / "h")
+    assert loaded.config == model.config and loaded.config.draft_vocab_size == 32
+    for k, v in model.heads.state_dict().items():
+        assert torch.equal(loaded.heads.state_dict()[k], v), k
+    ids = random_ids(tiny_backbone)
+    for a, b in zip(model.head_logits(ids, last_only=False), loaded.head_logits(ids, last_only=False)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("targets", ["distill", "argmax"])
+def test_training_learns_the_bases_next_tokens(tiny_llama_dir, targets):
+    """A few AdamW steps on one batch of a tiny Llama: every draft step's loss falls, and each
+    step's top-1 agreement with the base's own argmax there ends far above chance (1 / 512)."""
+    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+
+    backbone = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
+    torch.manual_seed(0)
+    model = MultiTokenModel.attach(backbone, small_config("eagle3", n_future=3, targets=targets))
+    ids = random_ids(backbone, batch=4, length=24, seed=7)
+    opt = torch.optim.AdamW(model.head_parameters(), lr=3e-3)
+    model.train()
+    first = model.compute_loss(ids, skip_constant=True)
+    for _ in range(40):
+        out = model.compute_loss(ids, skip_constant=True)
+        assert out.per_head[0] is None  # the frozen base is not scored under autograd
+        opt.zero_grad()
+        out.total.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        last = model.compute_loss(ids)
+    for h in (2, 3):
+        assert last.metrics[f"head{h}/loss"] < 0.7 * first.metrics[f"head{h}/loss"]
+        assert last.metrics[f"head{h}/top1"] > max(0.2, first.metrics[f"head{h}/top1"] + 0.1)
+
+
+def test_the_engine_refuses_eagle3_drafts_in_one_line(tiny_backbone):
+    """Until the engine drafts with it, a verifying decode says so (the per-head steps keep no
+    trunk states), rather than failing inside; plain decoding reads only the base."""
+    from multitoken.decoding import DecodeConfig, generate
+
+    model = _model(tiny_backbone, n_future=3)
+    assert len(generate(model, [1, 5, 9], DecodeConfig(mode="ar", max_new_tokens=3)).token_ids) == 3
+    with pytest.raises(UsageError, match="not available in this engine yet"):
+        generate(model, [1, 5, 9], DecodeConfig(mode="speculative", max_new_tokens=3))
+    with pytest.raises(UsageError, match="own draft_head"):
+        model.heads.hidden(1, model.features(random_ids(tiny_backbone)))
