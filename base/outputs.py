@@ -69,9 +69,11 @@ GENERATIONS = OutputKind("generations", "generations written by multitoken gener
 # (the export still publishes its config.json last: export_medusa.write_medusa).
 MEDUSA_EXPORT = OutputKind("medusa-export", "a Medusa export (multitoken export --format medusa)", None,
                            ("config.json", "model.safetensors", "README.md", "LICENSE"))
+EAGLE3_EXPORT = OutputKind("eagle3-export", "an EAGLE-3 export (multitoken export --format eagle3)", None,
+                           ("config.json", "model.safetensors", "README.md", "LICENSE"))
 RECIPE = OutputKind("recipe", "a heads build (multitoken build-heads)", None, ("distill", "heads-*", "report"))
 KINDS = {k.kind: k for k in (HEADS, STATS, STATS_WORK, EVAL, SWEEP, CONVERTED, CHECKPOINTS, CORPUS, GENERATIONS, RECIPE,
-                                   MEDUSA_EXPORT)}
+                                   MEDUSA_EXPORT, EAGLE3_EXPORT)}
 FILE_KINDS = {"distill": CORPUS, "generate": GENERATIONS}  # single-file outputs, by command
 CONFIG_SUFFIX = ".config.json"  # the resolved config beside a single-file output
 

@@ -111,7 +111,7 @@ def vllm_config(model: MultiTokenModel, lm_heads: str, dtype: torch.dtype, licen
     }
 
 
-def _base_license(name: str) -> tuple[Path | None, str]:
+def base_license(name: str) -> tuple[Path | None, str]:
     """The base's licence file (copied beside the export) and how the record names it."""
     root = Path(name).expanduser()
     for f in _LICENSE_FILES:
@@ -140,7 +140,7 @@ def write_medusa(model: MultiTokenModel, out: str | Path, *, lm_heads: str = "sh
     tensors = vllm_tensors(model, lm_heads)
     check_finite(tensors, "the heads to export", "these heads are unusable: train them again with a lower --lr")
     dtype = model.heads.blocks[0][0].linear.weight.dtype
-    licence, note = _base_license(model.backbone.name)
+    licence, note = base_license(model.backbone.name)
     config = vllm_config(model, lm_heads, dtype, note)
     with staged_output(out, MEDUSA_EXPORT.kind, command, marker=CONFIG) as stage:
         (stage / WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))

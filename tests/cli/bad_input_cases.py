@@ -341,7 +341,7 @@ CASES.update({
     "generate_alpha_c_past_the_stats": _option_case(_gen("--mode", "dynamic", "--alpha-c", "20"), "--alpha-c 20 overflows float32 with these stats"),
     "generate_threads_past_the_cores": _option_case(_gen("--threads", "10000"), "warning: --threads 10000 is more than the", code=0),
     "export_eagle3": _option_case(["export", "--format", "eagle3", "--heads", "@heads", "--out", "@out"],
-                                  "export --format eagle3 is not available yet"),
+                                  "--format eagle3 exports eagle3 heads; "),
     "export_replicated_heads": _option_case(["export", "--heads", "@heads", "--out", "@out"], "holds replicated heads"),
     "distill_temperature_inf": _option_case(["distill", "--num-tokens", "10", "--out", "@out.jsonl", "--temperature", "inf"],
                                             "'inf' is not a finite number"),

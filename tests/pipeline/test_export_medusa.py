@@ -230,7 +230,7 @@ def test_export_refuses_and_guards_its_output(trained, tiny_llama_dir, tmp_path,
     (lora / "heads_config.json").write_text(json.dumps({**record, "lora": "lora"}))
     capsys.readouterr()
     cases = [
-        (["--format", "eagle3", "--heads", str(heads)], "export --format eagle3 is not available yet"),
+        (["--format", "eagle3", "--heads", str(heads)], "--format eagle3 exports eagle3 heads; " + str(heads) + " holds medusa heads"),
         (["--heads", str(lora)], "were trained with a LoRA adapter on the base; vLLM would serve them on the untuned base"),
         (["--heads", str(tmp_path / "cp")], "--format medusa exports medusa heads; " + str(tmp_path / "cp") + " holds cp heads"),
     ]
