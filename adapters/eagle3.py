@@ -44,7 +44,8 @@ class Eagle3Config:
     head_type: str = "eagle3"
     n_future: int = field(default=4, metadata={"help": "tokens predicted per position: head 1 = the base, then n-1 draft steps"})
     aux_layers: list[int] | None = field(default=None, metadata={
-        "help": "the three base layers whose input states are fused (default: EAGLE-3's 2, L//2, L-3)"})
+        "help": "the three base layers whose input states are fused (L: the base's layer count)",
+        "default_help": "EAGLE-3's 2 L//2 L-3"})
     draft_vocab_size: int = field(default=0, metadata={"help": "tokens the drafter's lm_head scores (0: the whole vocabulary)"})
     targets: str = field(default="distill", metadata={"help": "train on the base's distribution or its argmax", "choices": TARGETS})
 

@@ -58,7 +58,7 @@ def _add_head_options(parser: argparse.ArgumentParser) -> None:
                 owners.setdefault(f.name, []).append(name)
                 fields.setdefault(f.name, (f, hints[f.name]))
     for fname, (f, tp) in fields.items():
-        help_ = f"{f.metadata.get('help', '')} [{', '.join(owners[fname])}; default {plain(f.default)}]"
+        help_ = f"{f.metadata.get('help', '')} [{', '.join(owners[fname])}; default {f.metadata.get('default_help', plain(f.default))}]"
         meta = {**f.metadata, "help": help_, "metavar": fname.upper()}
         add_flag(group, fname, tp, meta, argparse.SUPPRESS, dest=f"head_{fname}")
 
