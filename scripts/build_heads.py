@@ -1,7 +1,9 @@
-"""Train ``replicated`` heads (n = 3, or ``--n``) for a base model from its own text (``--model smollm2``:
-the real model's replicated and Medusa heads and its stats, see build_real_heads.py): by default the heads
-shipped beside the embedded stories260K model; ``--base DIR --dest DIR`` for another base (the
-decoding benchmark's pythia-mini heads, say).
+"""Train ``replicated`` heads (n = 3, or ``--n``) for a base model from its own samples: by default
+the heads shipped beside the embedded stories260K model; ``--base DIR --dest DIR`` for another base
+(the decoding benchmark's pythia-mini heads, say). A driver of the package's own commands
+(``distill``, ``train``, ``eval``), no training of its own; it stays a script because
+``multitoken build-heads`` (the recipe for bases with text, docs/training.md) cuts its prompts from
+text files, and no TinyStories text ships for the embedded model.
 
 Steps (each skipped when its output already exists in --work-dir):
 1. distill training and held-out corpora (other seeds) from the base itself: sampled text,
@@ -32,13 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-import build_real_heads
 from multitoken.base.quiet import quiet_dependencies
+from multitoken.embedded import EMBEDDED_HEADS
 
 quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
-
-REPO = Path(__file__).resolve().parents[1]
-DEST = REPO / "pipeline" / "embedded" / "stories260K-heads"
 
 
 def parse_args(argv=None):
@@ -57,9 +56,6 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=4, help="batches per in-training evaluation")
     p.add_argument("--dest", default=None, help="where the heads go (default: the package, for the embedded base only)")
     p.add_argument("--json", default=None, help="report path (default: WORK_DIR/heads_report.json)")
-    p.add_argument("--model", choices=("smollm2",), default=None,
-                   help="build the real model's heads and stats instead (scripts/build_real_heads.py)")
-    build_real_heads.add_args(p)
     return p.parse_args(argv)
 
 
@@ -122,12 +118,10 @@ def main(argv=None) -> int:
     from multitoken.pipeline.train.trainer_config import TrainConfig
 
     args = parse_args(argv)
-    if args.model == "smollm2":
-        return build_real_heads.main(args, REPO)
     if args.dest is None:
         if args.base is not None or args.n != 3:
             raise SystemExit("--base or --n given without --dest: only the embedded model's 3-token heads go into the package")
-        args.dest = str(DEST)
+        args.dest = str(EMBEDDED_HEADS)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
