@@ -1,21 +1,39 @@
-"""The batch bench of ``bench_decode.py --batch-sizes``: the same work at every batch
+"""The batch bench: the same work at every batch
 size B (max(B) prompts of different lengths, each seeded by its index), decoded B rows at a time
 by transformers' batched greedy ``generate`` (left-padded) and by every mode of ours (greedy
 static / dynamic trees too),
 interleaved per repetition; tokens/s, tokens per forward per row (the same rows at every B),
-peak memory and whether every row equals its B = 1 output."""
+peak memory and whether every row equals its B = 1 output; on the embedded default and on
+pythia-mini (``--heads DIR``: trained heads).
+
+    python scripts/bench_batches.py --batch-sizes 1 2 4 8 16 --out bench_batch.json [--heads DIR] [--device cuda]
+"""
 
 from __future__ import annotations
 
+import argparse
+import resource
 import statistics
 from pathlib import Path
 
 import torch
 
-from bench_common import PROMPTS, best_of, load, open_table
-from multitoken.decoding.engine import generate_batch
 from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.engine import generate_batch
 from multitoken.embedded import DEFAULT_BASE
+from multitoken.pipeline.eval.benchmark import PROMPTS, Bench, add_out, best_of, decode_arguments, load, open_table, sampling
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out(p, "bench_batch.json")
+    decode_arguments(p, 128)
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16], help="batch sizes B")
+    p.add_argument("--batch-eps", type=float, default=0.5, help="eps_b of the dynamic row (the same-quality point)")
+    p.add_argument("--batch-tree-nodes", type=int, default=16,
+                   help="node budget of the greedy static / dynamic tree rows (0: no tree rows)")
+    return p.parse_args(argv)
+
 
 def batch_prompts(texts: list[str], count: int) -> list[str]:
     """``count`` prompts of different lengths: the texts, then each extended by the next ones."""
@@ -51,15 +69,13 @@ def peak_memory_mb(device: str) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def bench_batch_model(name, model, heads_label, table, texts, args) -> dict:
     """Every method at every batch size (interleaved per repetition, best repetition kept)."""
     n, new = model.n_future, args.max_new_tokens
-    sample = dict(temperature=args.temperature, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
+    sample = sampling(args)
     base = dict(max_new_tokens=new, n=n, stop_at_eos=False)
     cfgs = {"ar": DecodeConfig(mode="ar", greedy=True, max_new_tokens=new, stop_at_eos=False),
             "speculative_greedy": DecodeConfig(mode="speculative", greedy=True, **base),
@@ -127,11 +143,11 @@ def _chunked(parts: list[tuple]) -> dict:
 
 def bench_batches(args) -> dict:
     out = {}
-    emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype)
+    emb, emb_heads = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype, args.cpu_linear)
     out["embedded"] = bench_batch_model("stories260K (embedded)", emb, emb_heads,
                                         open_table(args.embedded_stats, emb.backbone.tokenizer), PROMPTS["stories"], args)
     if args.pythia_heads or Path(args.pythia_mini).is_dir():
-        pm, pm_heads = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype)
+        pm, pm_heads = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype, args.cpu_linear)
         out["pythia_mini"] = bench_batch_model("pythia-mini", pm, pm_heads, open_table(args.pythia_stats, pm.backbone.tokenizer),
                                                PROMPTS["pile"], args)
     return out
@@ -146,3 +162,18 @@ def print_batches(batches: dict) -> None:
                 print(f"  {label:22s} {m['tokens_per_s']:9.1f} {m['speedup_vs_hf_batched']:6.2f} {m['speedup_vs_our_ar']:6.2f} "
                       f"{m.get('tokens_per_forward', float('nan')):6.2f} {m['peak_memory_mb']:9.1f}  "
                       f"x B_min {m['speedup_vs_smallest_batch']:.2f}  {'' if m.get('rows_equal_batch1', True) else 'ROWS DIFFER FROM B=1'}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bench = Bench("batches", args, device=args.device, dtype=args.dtype, cpu_linear=args.cpu_linear,
+                  max_new_tokens=args.max_new_tokens, reps=args.reps, warm_up_runs=1)
+    bench["batches"] = bench_batches(args)
+    record = bench.save()
+    print_batches(record["batches"])
+    return record
+
+
+if __name__ == "__main__":
+    main()

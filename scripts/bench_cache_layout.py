@@ -14,8 +14,6 @@ embedded model with its heads and stats, 8 prompts of different lengths, 128 new
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
@@ -25,10 +23,8 @@ from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model import model as model_module
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.eval.benchmark import Bench, add_out
 from multitoken.stats.table import CooccurrenceTable
-from multitoken.base.quiet import quiet_dependencies
-
-quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
 
 TEXTS = ["Once upon a time", "The little dog ran to the park and", "Lily and Ben were playing with a ball. Then", "She"]
 MODES = {"speculative_greedy": dict(mode="speculative", greedy=True), "typical_greedy": dict(mode="typical", greedy=True),
@@ -37,17 +33,18 @@ MODES = {"speculative_greedy": dict(mode="speculative", greedy=True), "typical_g
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="cache_layout.json")
+    add_out(p, "cache_layout.json")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args(argv)
+    bench = Bench("cache_layout", args, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
     torch.set_num_threads(1)
     model = MultiTokenModel.from_pretrained(BackboneConfig(base=str(DEFAULT_BASE)), EMBEDDED_HEADS)
     tok = model.backbone.tokenizer
     table = CooccurrenceTable.for_tokenizer(str(EMBEDDED_STATS), tok)
     texts = [TEXTS[i % 4] + " " + " ".join(TEXTS[: i // 4]) for i in range(args.batch_size)]
     ids = [tok(t)["input_ids"] for t in texts]
-    plain, record = model_module.step, {}
+    plain, record = model_module.step, bench.record.setdefault("modes", {})
     for label, mode in MODES.items():
         log = []
 
@@ -69,8 +66,7 @@ def main(argv=None) -> dict:
                          "real_token_slots": sum(t for *_, t in log), "masked_over_compact": round(masked / compact, 4),
                          "max_slots": max(s for _, s, _, _ in log), "longest_row": max(longest for *_, longest, _ in log)}
         print(label, record[label])
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    return bench.save()
 
 
 if __name__ == "__main__":

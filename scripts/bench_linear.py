@@ -27,37 +27,30 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_linear
+from multitoken.pipeline.eval.benchmark import SHAPES, Bench, add_out, best_of, random_lm
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
-
-from bench_common import best_of
-from bench_decode import SHAPES
 
 # the compiled rows kernel where it builds here (rows_kernel.py), beside oneDNN's and torch's
 ROWS_FLOAT = "rows_f32"  # step rows: the rows kernel with grid codes turned off (--cpu-linear rows-f32)
 KINDS = (cpu_linear.STOCK, cpu_linear.PACKED) + ((cpu_linear.ROWS,) if cpu_linear.rows_usable() else ())
-SMOL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                  num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
 PROMPT = "The results of the study show that"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench_linear.json")
+    add_out(p, "bench_linear.json")
     p.add_argument("--base", default=None, help="a local checkpoint dir (e.g. SmolLM2-135M): step, generate and memory rows")
-    p.add_argument("--shapes", nargs="*", default=["smol135m", "160m", "410m"], choices=["smol135m", *sorted(SHAPES)],
+    p.add_argument("--shapes", nargs="*", default=["smol135m", "160m", "410m"], choices=sorted(SHAPES),
                    help="random-weight models of these shapes (step rows only)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -70,21 +63,6 @@ def parse_args(argv=None):
 
 
 # Models ----------------------------------------------------------------------------------
-def shaped(shape: str, dtype: str):
-    """A random-weight causal LM of a named shape (config only, no download) # eval, no grad."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if shape == "smol135m":
-        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=2048, **SMOL_SHAPE))
-    else:
-        dims = SHAPES[shape]
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=50304, intermediate_size=4 * dims["hidden_size"],
-                                                 max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True,
-                                                 tie_word_embeddings=False, **dims))
-    return model.to(getattr(torch, dtype)).eval().requires_grad_(False)
-
-
 def real(base: str, dtype: str, kind: str = cpu_linear.PACKED) -> MultiTokenModel:
     """The checkpoint with untrained copy heads (n = 3), linears as ``kind`` asks."""
     bb = load_backbone(BackboneConfig(base=base, dtype=dtype, cpu_linear=kind))
@@ -93,8 +71,6 @@ def real(base: str, dtype: str, kind: str = cpu_linear.PACKED) -> MultiTokenMode
 
 # Step cost -------------------------------------------------------------------------------
 def _cached(model, context: int):
-    from transformers import DynamicCache
-
     cache = DynamicCache()
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     model(ids, past_key_values=cache, use_cache=True)
@@ -112,19 +88,26 @@ def step_costs(stock, rows: int, context: int, reps: int) -> dict:
     if any(getattr(m, "grid", None) for m in models.get(cpu_linear.ROWS, stock).modules()):
         models[ROWS_FLOAT] = copy.deepcopy(stock)  # the rows kernel on float32 blocks: what the grids are worth
         cpu_linear.pack(models[ROWS_FLOAT], cpu_linear.ROWS_F32)
-    kinds = list(models)
     caches = {kind: _cached(m, context) for kind, m in models.items()}
-    best = {(kind, m): float("inf") for kind in kinds for m in range(1, rows + 1)}
     gen = torch.Generator().manual_seed(1)
-    for rep in range(reps + 1):  # the first pass is the untimed warm-up
-        for m in range(1, rows + 1):
-            x = torch.randint(0, stock.config.vocab_size, (1, m), generator=gen)
-            for kind in kinds:
-                start = time.perf_counter()
-                models[kind](x, past_key_values=caches[kind], use_cache=True)
-                if rep:
-                    best[kind, m] = min(best[kind, m], time.perf_counter() - start)
-                caches[kind].crop(-m)
+    xs = {m: torch.randint(0, stock.config.vocab_size, (1, m), generator=gen) for m in range(1, rows + 1)}
+
+    def step(kind: str, m: int):
+        def run() -> dict:
+            models[kind](xs[m], past_key_values=caches[kind], use_cache=True)
+            return {}
+        return run
+
+    def back_to_context(key) -> None:  # off the clock: the cache as it was before the step
+        extra = caches[key[0]].get_seq_length() - context
+        if extra:
+            caches[key[0]].crop(-extra)
+
+    # every kind at one M in turn
+    timed = best_of({(kind, m): step(kind, m) for m in range(1, rows + 1) for kind in models}, reps,
+                    before=back_to_context)
+    best = {key: r["wall_s"] for key, r in timed.items()}
+    kinds = list(models)
     one = best[cpu_linear.STOCK, 1]
     return {"packed_linears": swapped, "stock_1_token_ms": round(1000 * one, 3),
             **{kind: {m: {"ms": round(1000 * best[kind, m], 3), "x_stock_1": round(best[kind, m] / one, 3)}
@@ -135,7 +118,7 @@ def bench_steps(args) -> dict:
     models = ([("base", args.base)] if args.base else []) + [(s, None) for s in args.shapes]
     out = {}
     for (label, base), dtype in [(m, d) for m in models for d in args.dtypes]:
-        model = real(base, dtype, cpu_linear.STOCK).backbone.model if base else shaped(label, dtype)
+        model = real(base, dtype, cpu_linear.STOCK).backbone.model if base else random_lm(label, dtype)
         for threads in args.threads:
             torch.set_num_threads(threads)
             out[f"{label}/{dtype}/{threads}t"] = {"model": base or label, "dtype": dtype, "threads": threads,
@@ -237,14 +220,14 @@ def bench_memory(args) -> dict:
 # Report ----------------------------------------------------------------------------------
 def print_report(record: dict) -> None:
     for key, r in record["step"].items():
-        print(f"\n{key}: step over {record['context']} cached tokens, x the stock 1-token step "
+        print(f"\n{key}: step over {record['settings']['context']} cached tokens, x the stock 1-token step "
               f"({r['stock_1_token_ms']} ms; {r['packed_linears']} linears packed)")
         rows = sorted(r[cpu_linear.STOCK], key=int)
         print(f"{'M':>8s} " + " ".join(f"{m:>6}" for m in rows))
         for kind in [k for k in r if isinstance(r[k], dict)]:
             print(f"{kind:>8s} " + " ".join(f"{r[kind][m]['x_stock_1']:6.2f}" for m in rows))
     for key, rows in record.get("generate", {}).items():
-        print(f"\ngenerate {key} ({record['max_new_tokens']} tokens):")
+        print(f"\ngenerate {key} ({record['settings']['max_new_tokens']} tokens):")
         for label, m in rows.items():
             diff = m["first_difference"]
             tie = (f"  (from token {diff['position']}: stock logit gap {diff['logit_gap']:.2g}, "
@@ -252,22 +235,20 @@ def print_report(record: dict) -> None:
             print(f"  {label:26s} {m['tokens_per_s']:8.2f} tok/s  x{m['x_hf_stock']:5.2f}  identical {m['identical_to_hf_stock']}{tie}")
     for key, m in record.get("memory", {}).items():
         print(f"memory {key:18s} peak {m['peak_rss_mib']:8.1f} MiB  final {m['rss_mib']:8.1f} MiB  packed {m['packed_linears']}")
-    print("load average start/end:", record["machine"]["loadavg_start"], record["machine"]["loadavg_end"])
+    print("load average before / after:", record["load_before"], record["load_after"])
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.rss_child:
         return rss_child(args)
-    record = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-                          "torch": torch.__version__, "onednn_usable": cpu_linear.usable(),
-                          "loadavg_start": list(os.getloadavg())},
-              "context": args.context, "reps": args.reps, "max_new_tokens": args.max_new_tokens}
+    run = Bench("linear", args, onednn_usable=cpu_linear.usable(), context=args.context, reps=args.reps,
+                  max_new_tokens=args.max_new_tokens)
+    record = run.record
     parts = {"step": bench_steps, **({"generate": bench_generate, "memory": bench_memory} if args.base else {})}
     for key, bench in parts.items():  # the JSON after each part: a long run stopped keeps what it measured
         record[key] = bench(args)
-        record["machine"]["loadavg_end"] = list(os.getloadavg())
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        run.save()
     print_report(record)
     return record
 

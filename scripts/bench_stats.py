@@ -26,7 +26,7 @@ one-document shards on each executor).
 
 ``--table-only``: count the 2-process Zipf shards and merge them into WORK/merged (the ~18.4M
 distinct trigrams of the default settings), time nothing else: the table
-``bench_decode.py --logic-only --logic-stats WORK/merged`` times DynaMo's logic on.
+``bench_logic.py --logic-stats WORK/merged`` times DynaMo's logic on.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import argparse
 import fnmatch
 import json
 import multiprocessing as mp
-import platform
+import os
 import resource
 import shutil
 import tempfile
@@ -50,9 +50,7 @@ from multitoken.stats.executors import LocalExecutor, RayExecutor
 from multitoken.stats.job import write_stats
 from multitoken.stats.shard import Job, count_shard, shard_dir
 from multitoken.stats.table import CooccurrenceTable
-from multitoken.base.quiet import quiet_dependencies
-
-quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
+from multitoken.pipeline.eval.benchmark import FIXTURES, REPO, Bench, add_out
 
 VOCAB = 50_000
 PYTHIA_VOCAB = 50_277
@@ -70,11 +68,10 @@ def text_docs(tokens: int) -> list[np.ndarray]:
     from multitoken.base.tokenizer import load_tokenizer
     from multitoken.base.data import iter_documents
 
-    repo = Path(__file__).resolve().parents[1]
-    text = repo.parent / "shared" / "fixtures" / "tinyshakespeare" / "input.txt"
+    text = FIXTURES / "tinyshakespeare" / "input.txt"
     if not text.exists():
         raise SystemExit(f"fixture {text} is missing")
-    tok = load_tokenizer(str(repo / "tests" / "assets" / "pythia_tokenizer"))
+    tok = load_tokenizer(str(REPO / "tests" / "assets" / "pythia_tokenizer"))
     ids = np.concatenate([d for _, d in iter_documents(DataConfig(data=str(text)), tok)])
     flat = np.resize(ids, tokens)
     return np.split(flat, np.arange(DOC_LEN, tokens, DOC_LEN))
@@ -317,19 +314,6 @@ def bench_ray(work: Path, tokens: int, memory_mb: int, rounds: int, tiny_shards:
     }
 
 
-def machine_record() -> dict:
-    import os
-
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    return {"device": f"cpu: {model}", "cpus": mp.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-            "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
-            "loadavg_at_start": _loadavg()}
-
-
-def _loadavg() -> list[float]:
-    return list(map(float, open("/proc/loadavg").read().split()[:3]))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16_000_000, help="tokens per counting process (synthetic)")
@@ -338,7 +322,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=50)
     ap.add_argument("--trials", type=int, default=50, help="mask lookups per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each measurement; the best counts (a shared machine's speed varies)")
-    ap.add_argument("--out", default="bench_stats.json")
+    add_out(ap, "bench_stats.json")
     ap.add_argument("--work", default=None, help="scratch dir: new, empty or this bench's own (default: a temp dir, removed)")
     ap.add_argument("--executor", choices=("local", "ray"), default="local",
                     help="ray: the Ray executor against 2 local processes (--tokens per worker) instead of the figures above")
@@ -352,22 +336,23 @@ def main() -> None:
             raise SystemExit("--table-only keeps the table in --work DIR: pass --work")
         build_table(Path(args.work), args.tokens, args.memory_mb)
         return
+    bench = Bench("stats", args, executor=args.executor, tokens=args.tokens, text_tokens=args.text_tokens,
+                  memory_mb=args.memory_mb, k=args.k, trials=args.trials, rounds=args.rounds,
+                  thread_env={k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+    record = bench.record
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-stats-"))
     try:
-        record = {"machine": machine_record()}
         if args.executor == "ray":
             record["ray_executor"] = bench_ray(work, args.tokens, args.memory_mb, args.rounds, args.tiny_shards)
-            record["machine"]["loadavg_at_end"] = _loadavg()
-            return _write(record, args.out)
+            return _write(bench)
         record["counting_zipf"] = bench_counting(work, args.tokens, args.memory_mb, "zipf", args.rounds)
         record["counting_text"] = bench_counting(work, args.text_tokens, args.memory_mb, "text", args.rounds)
         record["merge"], stats = bench_merge(work, args.memory_mb, 2)
         record["lookup"] = bench_lookup(stats, args.k, args.trials, args.rounds)
-        record["machine"]["loadavg_at_end"] = _loadavg()
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    _write(record, args.out)
+    _write(bench)
 
 
 # what this bench writes into --work (its clean-up removes some of them): anything else there is the user's
@@ -383,10 +368,8 @@ def check_work(work: Path) -> None:
         raise SystemExit(f"error: --work {work} holds files of its own ({', '.join(foreign[:3])}); pass a new or empty directory")
 
 
-def _write(record: dict, out: str) -> None:
-    text = json.dumps(record, indent=1)
-    print(text)
-    Path(out).write_text(text + "\n")
+def _write(bench: Bench) -> None:
+    print(json.dumps(bench.save(), indent=1))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Which torch thread count is fastest, per kind of work: one sequence (``generate``) and
-batches (``train`` steps). Sets the defaults in ``multitoken/pipeline/threads.py``.
+batches (``train`` steps). Sets the defaults in ``base/threads.py``.
 
 For each thread count (1, 2 and torch's default by default) it measures
 - generate, batch 1, greedy: tokens/s of ``ar`` and ``speculative`` (the CLI's default mode) on
   the embedded stories260K with its heads and stats, and of ``ar`` on pythia-mini (base only);
 - train: tokens/s of heads-only training steps (3 replicated heads, AdamW) on both models.
 Repetitions run the thread counts interleaved and the best repetition counts; the 1-minute load
-average is recorded before and after every measurement, since other processes on the machine
-skew every figure (run it on a quiet machine). Prints a table and writes JSON.
+average is recorded after every kept measurement, since other processes on the machine skew
+every figure (run it on a quiet machine). Prints a table and writes the harness's JSON record.
 
     python scripts/bench_threads.py --out bench_threads.json
     python scripts/bench_threads.py --new-tokens 8 --train-steps 1 --reps 1 --seq-len 32 --out /tmp/t.json   # smoke run
@@ -16,12 +16,10 @@ skew every figure (run it on a quiet machine). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from multitoken.decoding.config import DecodeConfig
@@ -31,19 +29,18 @@ from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads
-from multitoken.base.quiet import quiet_dependencies
+from multitoken.pipeline.eval.benchmark import FIXTURES, Bench, add_out, best_of, load_average
+from multitoken.pipeline.train import optim
+from multitoken.pipeline.train.train import Dist, Runner, train_step
+from multitoken.pipeline.train.trainer_config import TrainConfig
 
-quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
-
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))
 PROMPTS = {"stories260K": "Once upon a time", "pythia-mini": "The results of the study show that"}
 TORCH_DEFAULT = torch.get_num_threads()
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench_threads.json")
+    add_out(p, "bench_threads.json")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 0], help="thread counts (0: torch's default)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per generate call")
     p.add_argument("--reps", type=int, default=3, help="repetitions (the best counts)")
@@ -87,12 +84,6 @@ def time_generate(model, table, prompt: str, mode: str, new_tokens: int) -> dict
 
 def time_train(model, args) -> dict:
     """``multitoken train``'s own step (heads mode, its default settings) on random ids."""
-    import numpy as np
-
-    from multitoken.pipeline.train import optim
-    from multitoken.pipeline.train.train import Dist, Runner, train_step
-    from multitoken.pipeline.train.trainer_config import TrainConfig
-
     cfg = TrainConfig(heads="-", out="-", batch_size=args.batch_size, seq_len=args.seq_len)
     for p in model.base_head_parameters():  # as train() does: head 1 stays the base model
         p.requires_grad_(False)
@@ -108,32 +99,23 @@ def time_train(model, args) -> dict:
     return {"tokens_per_s": args.batch_size * args.seq_len * args.train_steps / seconds, "seconds": seconds}
 
 
-def measure(models: dict, args) -> list[dict]:
-    """Every (model, work, threads) cell, once per repetition, thread counts interleaved."""
-    rows = []
-    for rep in range(args.reps):
-        for threads in args.threads:
-            set_threads(threads)
-            for name, (gen_model, train_model, table) in models.items():
-                modes = ["ar", "speculative"] if gen_model.n_future > 1 else ["ar"]
-                cells = [(f"generate {m}", lambda m=m: time_generate(gen_model, table, PROMPTS[name], m, args.new_tokens)) for m in modes]
-                cells.append(("train step", lambda: time_train(train_model, args)))
-                for work, run in cells:
-                    load_before = os.getloadavg()[0]
-                    result = run()
-                    rows.append({"model": name, "work": work, "threads": threads, "threads_used": torch.get_num_threads(),
-                                 "rep": rep, "load_1m_before": load_before, "load_1m_after": os.getloadavg()[0], **result})
-                    print(f"rep {rep} threads {threads}: {name} {work}: {result['tokens_per_s']:.1f} tokens/s "
-                          f"(load {load_before:.2f})", flush=True)
-    return rows
-
-
-def best(rows: list[dict]) -> dict:
-    """(model, work) -> threads -> the best repetition's tokens/s."""
+def measure(models: dict, args) -> dict:
+    """(model | work) -> threads -> the best repetition's record: every cell once per repetition,
+    thread counts interleaved; each cell's own warm-up call is off its clock (``seconds``)."""
+    runs = {}
+    for threads in args.threads:
+        for name, (gen_model, train_model, table) in models.items():
+            modes = ["ar", "speculative"] if gen_model.n_future > 1 else ["ar"]
+            for m in modes:
+                runs[threads, name, f"generate {m}"] = (lambda g, t, p, m: lambda: time_generate(g, t, p, m, args.new_tokens))(
+                    gen_model, table, PROMPTS[name], m)
+            runs[threads, name, "train step"] = (lambda t: lambda: time_train(t, args))(train_model)
+    best = best_of(runs, args.reps, warm_up=False, before=lambda key: set_threads(key[0]),
+                   after=lambda: {"threads_used": torch.get_num_threads(), "load_after": load_average()[:1]},
+                   score=lambda r: r["seconds"])
     table: dict = {}
-    for r in rows:
-        cell = table.setdefault(f"{r['model']} | {r['work']}", {})
-        cell[r["threads"]] = max(cell.get(r["threads"], 0.0), r["tokens_per_s"])
+    for (threads, name, work), r in best.items():
+        table.setdefault(f"{name} | {work}", {})[threads] = r
     return table
 
 
@@ -141,26 +123,21 @@ def print_table(summary: dict, threads: list[int]) -> None:
     label = {t: (f"{t} thread{'s' if t != 1 else ''}" if t else f"default ({TORCH_DEFAULT})") for t in threads}
     print(f"\n{'model | work':36s}" + "".join(f"{label[t]:>14s}" for t in threads) + "   fastest")
     for key, cell in summary.items():
-        fastest = max(cell, key=cell.get)
-        print(f"{key:36s}" + "".join(f"{cell[t]:14.1f}" for t in threads) + f"   {label[fastest]}")
+        fastest = max(cell, key=lambda t: cell[t]["tokens_per_s"])
+        print(f"{key:36s}" + "".join(f"{cell[t]['tokens_per_s']:14.1f}" for t in threads) + f"   {label[fastest]}")
     print("(tokens/s, best repetition)")
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    record = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_default_threads": TORCH_DEFAULT,
-                          "torch": torch.__version__, "load_1m_start": os.getloadavg()[0]},
-              "current_defaults": {"one_sequence": THREADS_ONE_SEQUENCE, "batches": THREADS_BATCHES},
-              "settings": vars(args)}
-    models = load_models(args)
-    rows = measure(models, args)
-    summary = best(rows)
-    record.update(rows=rows, best_tokens_per_s={k: {str(t): v for t, v in c.items()} for k, c in summary.items()})
-    record["machine"]["load_1m_end"] = os.getloadavg()[0]
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    bench = Bench("threads", args, torch_default_threads=TORCH_DEFAULT, reps=args.reps, new_tokens=args.new_tokens,
+                  train_steps=args.train_steps, batch_size=args.batch_size, seq_len=args.seq_len)
+    bench["current_defaults"] = {"one_sequence": THREADS_ONE_SEQUENCE, "batches": THREADS_BATCHES}
+    summary = measure(load_models(args), args)
+    bench["best"] = {key: {str(t): r for t, r in cell.items()} for key, cell in summary.items()}
+    record = bench.save()
     print_table(summary, args.threads)
-    print(f"load average (1 min) start {record['machine']['load_1m_start']:.2f}, end {record['machine']['load_1m_end']:.2f}; "
-          f"wrote {args.out}")
+    print(f"load average before / after {record['load_before']} / {record['load_after']}")
     return record
 
 

@@ -25,25 +25,22 @@ repetition, no transformers rows).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-from pathlib import Path
 
 import torch
 
-from bench_common import best_of
-from bench_decode import FIXTURES, PROMPTS, hf_runner, load, open_table, our_runner, over_prompts
 from multitoken.decoding.config import DecodeConfig
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS, SMOLLM2, SMOLLM2_CONDITIONED, SMOLLM2_STATS
+from multitoken.pipeline.eval.benchmark import (FIXTURES, PROMPTS, Bench, add_out, best_of, hf_runner, load, open_table,
+                                                our_runner, over_prompts)
 from multitoken.pipeline.eval.sweep import TABLE7_PROMPTS
+from multitoken.pipeline.model.fetch import fetch
 
 BUDGETS = (4, 8, 16, 32, 64)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench_tree.json")
+    add_out(p, "bench_tree.json")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (the fastest kept), after one untimed warm-up run of each method")
     p.add_argument("--threads", type=int, default=1)
@@ -191,16 +188,14 @@ def print_table(r: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    record = {"machine": {"platform": platform.platform(), "threads": args.threads, "device": args.device, "dtype": args.dtype,
-                          "torch": torch.__version__, "loadavg_start": list(os.getloadavg())},
-              "max_new_tokens": args.max_new_tokens, "reps": 1 if args.tpf_only else args.reps}
+    run = Bench("tree", args, device=args.device, dtype=args.dtype, cpu_linear=args.cpu_linear,
+                  max_new_tokens=args.max_new_tokens, reps=1 if args.tpf_only else args.reps)
+    record = run.record
     if not args.no_embedded:
         emb, label = load(str(DEFAULT_BASE), args.embedded_heads, args.device, args.dtype, args.cpu_linear[0])
         table = open_table(args.embedded_stats, emb.backbone.tokenizer)
         record["embedded"] = bench("stories260K (embedded)", emb, label, PROMPTS["stories"], args, table)
     if args.smollm2:
-        from multitoken.pipeline.model.fetch import fetch
-
         for kind in args.cpu_linear:
             smol, label = load(str(fetch("smollm2")), args.smollm2_heads, args.device, args.dtype, kind)
             table = open_table(str(SMOLLM2_STATS), smol.backbone.tokenizer)
@@ -222,8 +217,7 @@ def main(argv=None) -> dict:
     if args.pythia_heads:
         pm, label = load(args.pythia_mini, args.pythia_heads, args.device, args.dtype, args.cpu_linear[0])
         record["pythia_mini"] = bench("pythia-mini", pm, label, PROMPTS["pile"], args)
-    record["machine"]["loadavg_end"] = list(os.getloadavg())
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    run.save()
     for key in ("embedded", "pythia_mini", *[k for k in record if k.startswith("smollm2")]):
         if key in record:
             print_table(record[key])

@@ -26,17 +26,15 @@ it). Benchmark only: the library keeps torch's unembedding. Run on a quiet machi
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
-import time
 
 import numpy
 import torch
 import torch.nn.functional as F
 
+from multitoken.decoding.config import DecodeConfig
 from multitoken.kernels import cpu_linear, grid_weights, rows_kernel
+from multitoken.pipeline.eval.benchmark import (FIXTURES, PROMPTS, Bench, add_out, best_of, hf_runner, load, our_runner,
+                                                over_prompts)
 
 SHAPES = {"pythia-160m": (50304, 768), "pythia-410m": (50304, 1024), "pythia-mini": (50304, 128), "smollm2": (49152, 576)}
 
@@ -79,10 +77,6 @@ class LoopUnembedding(torch.nn.Module):
 def decode_rows(heads: str, max_new: int, reps: int) -> dict:
     """tok/s of transformers' greedy generate, ``ar`` and speculative greedy on pythia-mini,
     with the stock and then the compiled unembedding on both sides."""
-    from bench_common import FIXTURES, PROMPTS, load
-    from bench_decode import hf_runner, our_runner
-    from multitoken.decoding.config import DecodeConfig
-
     model, _ = load(str(FIXTURES / "pythia-mini"), heads)
     ids = [model.backbone.tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS["pile"]]
     runners = {"hf_greedy": hf_runner(model, False, max_new),
@@ -94,12 +88,9 @@ def decode_rows(heads: str, max_new: int, reps: int) -> dict:
     stock = lm.get_output_embeddings()
     for label, head in (("stock", stock), ("compiled_loop", LoopUnembedding(stock, compiled_loop()))):
         lm.set_output_embeddings(head)
-        best, texts = {}, {}
-        for _ in range(reps):
-            for name, run in runners.items():
-                start = time.perf_counter()
-                texts[name] = [run(x)[0] for x in ids]
-                best[name] = max(best.get(name, 0.0), sum(map(len, texts[name])) / (time.perf_counter() - start))
+        timed = best_of({name: (lambda run: lambda: over_prompts(run, ids))(run) for name, run in runners.items()}, reps)
+        best = {name: r["tokens"] / r["wall_s"] for name, r in timed.items()}
+        texts = {name: r["outputs"] for name, r in timed.items()}
         reference = reference or texts["hf_greedy"]  # the stock transformers output
         out[label] = {name: {"tokens_per_s": round(v, 1), "x_hf_greedy": round(v / best["hf_greedy"], 3),
                              "identical_to_stock_hf": texts[name] == reference} for name, v in best.items()}
@@ -109,14 +100,10 @@ def decode_rows(heads: str, max_new: int, reps: int) -> dict:
     return out
 
 
-def per_call_ms(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+def calls_ms(calls: dict, reps: int) -> dict[str, float]:
+    """ms of each call's fastest repetition (the calls interleaved, after a warm-up of each)."""
+    best = best_of({name: (lambda fn: lambda: (fn(), {})[1])(fn) for name, fn in calls.items()}, reps)
+    return {name: 1000 * r["wall_s"] for name, r in best.items()}
 
 
 def on_q8(w: torch.Tensor) -> torch.Tensor:
@@ -127,19 +114,34 @@ def on_q8(w: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(w.shape)
 
 
+def check_exact(x, w, v: int, blocked, screen, grid, codes, l1, row: dict) -> None:
+    """The timed fast calls give the plain results: the screen's argmax is the logits', the Q8
+    codes' logits are bit-identical to the kernel's float blocks of the same weight."""
+    if blocked is not None:
+        best, exact = rows_kernel.rows_argmax(x, blocked, screen, v)
+        assert torch.equal(best, rows_kernel.rows_linear(x, blocked, v, None).argmax(-1))
+        row["rows_exact"] = exact
+    if codes is not None:
+        same = rows_kernel.rows_linear(x, rows_kernel.block_weight(grid), v, None)
+        assert torch.equal(grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None).view(torch.int32), same.view(torch.int32))
+        if "rows_q8_argmax" in row:
+            assert torch.equal(grid_weights.grid_argmax(x, codes, v, l1), same.argmax(-1))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--rows", default="1,2,3,4,5,6,9")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--out", default=None)
+    add_out(p, "bench_unembed.json")
     p.add_argument("--pythia-mini-heads", default=None, help="trained pythia-mini heads: also time decoding with either unembedding")
     p.add_argument("--max-new-tokens", type=int, default=64)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    record = {"machine": {"platform": platform.platform(), "threads": args.threads, "loadavg_start": list(os.getloadavg()),
-                          "torch": torch.__version__}, "results": {}}
+    bench = Bench("unembed", args, reps=args.reps, rows=args.rows)
+    record = bench.record
+    record["results"] = {}
     loop = compiled_loop()
     kernel = cpu_linear.rows_usable()
     for shape in args.shapes.split(","):
@@ -153,36 +155,25 @@ def main(argv=None) -> dict:
         rows_out = {}
         for r in map(int, args.rows.split(",")):
             x = torch.randn(r, h)
-            rows_out[r] = {
-                "linear": per_call_ms(lambda: F.linear(x, w), args.reps),
-                "linear_3row_calls": per_call_ms(lambda: [F.linear(c, w) for c in x.split(3)], args.reps),
-                "transposed": per_call_ms(lambda: (w @ x.T).T, args.reps),
-            }
+            calls = {"linear": lambda: F.linear(x, w), "linear_3row_calls": lambda: [F.linear(c, w) for c in x.split(3)],
+                     "transposed": lambda: (w @ x.T).T}
             if loop is not None:
-                rows_out[r]["compiled_loop"] = per_call_ms(lambda: loop(x, w), args.reps)
+                calls["compiled_loop"] = lambda: loop(x, w)
             if kernel:
-                rows_out[r]["rows_kernel"] = per_call_ms(lambda: rows_kernel.rows_linear(x, blocked, v, None), args.reps)
-                rows_out[r]["rows_argmax"] = per_call_ms(lambda: rows_kernel.rows_argmax(x, blocked, screen, v), args.reps)
-                best, exact = rows_kernel.rows_argmax(x, blocked, screen, v)
-                assert torch.equal(best, rows_kernel.rows_linear(x, blocked, v, None).argmax(-1))
-                rows_out[r]["rows_exact"] = exact
+                calls["rows_kernel"] = lambda: rows_kernel.rows_linear(x, blocked, v, None)
+                calls["rows_argmax"] = lambda: rows_kernel.rows_argmax(x, blocked, screen, v)
             if codes is not None:
-                rows_out[r]["rows_q8_grid"] = per_call_ms(lambda: grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None), args.reps)
-                same = rows_kernel.rows_linear(x, rows_kernel.block_weight(grid), v, None)
-                assert torch.equal(grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None).view(torch.int32), same.view(torch.int32))
+                calls["rows_q8_grid"] = lambda: grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None)
                 if grid_weights.grid_argmax(x, codes, v, l1) is not None:  # AVX512-VNNI builds
-                    rows_out[r]["rows_q8_argmax"] = per_call_ms(lambda: grid_weights.grid_argmax(x, codes, v, l1), args.reps)
-                    assert torch.equal(grid_weights.grid_argmax(x, codes, v, l1), same.argmax(-1))
+                    calls["rows_q8_argmax"] = lambda: grid_weights.grid_argmax(x, codes, v, l1)
+            rows_out[r] = calls_ms(calls, args.reps)
+            check_exact(x, w, v, blocked, screen, grid, codes, l1, rows_out[r])
             print(f"{shape:12s} rows {r}: " + "  ".join(f"{k} {ms:7.2f}" + ("" if k == "rows_exact" else " ms")
                                                         for k, ms in rows_out[r].items()), flush=True)
         record["results"][shape] = rows_out
     if args.pythia_mini_heads:
         record["pythia_mini_decode"] = decode_rows(args.pythia_mini_heads, args.max_new_tokens, 3)
-    record["machine"]["loadavg_end"] = list(os.getloadavg())
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
-    return record
+    return bench.save()
 
 
 if __name__ == "__main__":

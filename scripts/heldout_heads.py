@@ -13,21 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import time
-from pathlib import Path
 
 import torch
 
-from multitoken.base.quiet import quiet_dependencies
 from multitoken.decoding.trees import MAX_RANKS
 from multitoken.embedded import resolve_base
+from multitoken.pipeline.eval.benchmark import Bench, add_out, fixture
 from multitoken.pipeline.model.backbone import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.train import recipe_data, recipe_train
-
-FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 
 
 def main() -> int:
@@ -38,15 +32,14 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=50)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", required=True, help="JSON file")
+    add_out(p, "heldout.json")
     args = p.parse_args()
-    quiet_dependencies()
+    bench = Bench("heldout_heads", args, base=args.base, heads=args.heads, new_tokens=args.new_tokens)
     torch.set_num_threads(args.threads)
-    started = time.time()
     models = [MultiTokenModel.from_pretrained(BackboneConfig(base=args.base, threads=args.threads, cpu_linear="stock"), resolve_base(h))
               for h in args.heads]
     bb = models[0].backbone
-    held = recipe_data.sentence_prompts(bb.tokenizer, [FIXTURES / "wikitext2_tokens" / "test.txt"], 16, seed=1)[: args.prompts]
+    held = recipe_data.sentence_prompts(bb.tokenizer, [fixture("wikitext2_tokens/test.txt")], 16, seed=1)[: args.prompts]
     parts = [recipe_data.continue_rows(bb, held[i:i + args.batch], args.new_tokens, False, 0) for i in range(0, len(held), args.batch)]
     data = {"ids": torch.cat([a for a, _ in parts]), "valid": torch.cat([b for _, b in parts])}
     rows = {}
@@ -54,10 +47,8 @@ def main() -> int:
         acc = recipe_train.rank_accuracy(model.backbone, model, data, 25, "float32", MAX_RANKS)
         rows[name] = acc["summary"]
         print(name, json.dumps(acc["summary"]), flush=True)
-    record = {"base": args.base, "prompts": len(held), "new_tokens": args.new_tokens, "heldout": rows,
-              "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
-              "seconds": round(time.time() - started, 1)}
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    bench.record.update(prompts=len(held), heldout=rows)
+    bench.save()
     return 0
 
 

@@ -1,20 +1,19 @@
 """The experiment scripts (issue 16) run end to end in their ``--quick`` mode and write the JSON
 and PNG the docs read: every claim's result keys, one row per compared setting, finite numbers.
 
-The scripts run in this process (imported from scripts/experiments), so torch and the models
-load once for the whole file.
+The scripts run in this process (loaded by their paths), so torch and the models load once for
+the whole file.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 
 import pytest
 
 from .conftest import REPO, fixture_path
+from .test_scripts import load_script
 
 EXPERIMENTS = REPO / "scripts" / "experiments"
 
@@ -22,11 +21,7 @@ EXPERIMENTS = REPO / "scripts" / "experiments"
 def run_quick(name: str, tmp_path) -> dict:
     """``scripts/experiments/NAME.py --quick`` -> its JSON record (the PNG checked too)."""
     fixture_path("pythia-mini")  # a missing fixture fails here with its fix
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        module = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    module = load_script(EXPERIMENTS / f"{name}.py")
     out = tmp_path / name
     record = module.main(["--quick", "--out", str(out), "--threads", "1"])
     on_disk = json.loads((out / f"{name}.json").read_text())
@@ -100,11 +95,7 @@ def test_dynamo_ppl(tmp_path):
         assert [p["eps_b"] for p in pts] == [0.5] and 1 <= pts[0]["tokens_per_forward"] <= 3
         # one prompt: no interval over prompts, so no verdict but undetermined (never "same" for lack of data)
         assert pts[0]["same_quality"] is False and pts[0]["failed"] == dict.fromkeys(("nll", "repetition", "distinct2", "distinct3"), "undetermined")
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        tables = importlib.import_module("tables")
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    tables = load_script(EXPERIMENTS / "tables.py")
     assert "✗ (nll undetermined, repetition undetermined, distinct2 undetermined, distinct3 undetermined)" in "\n".join(tables.dynamo_ppl(rec))
 
 
@@ -124,11 +115,11 @@ def test_speedup_theory(tmp_path, capsys):
     assert "nan" not in err and "dynamic tree 16 (greedy): measured" in err and "n/a (no formula for dynamic trees)" in err
 
 
-def test_a_work_dir_of_the_users_is_refused_and_our_own_is_reused(tmp_path, monkeypatch):
+def test_a_work_dir_of_the_users_is_refused_and_our_own_is_reused(tmp_path):
     """Runs replace their scratch in --work-dir (trained heads, checkpoints): a folder holding
     files they did not write is refused before any work; an experiments work dir is reused."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
-    common = importlib.import_module("common")
+    from multitoken.pipeline.eval import experiment as common
+
     args = common.parser("doc", "x").parse_args(["--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")])
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "x-trained").mkdir()  # a name a run would clear: the user's here

@@ -1,23 +1,43 @@
-"""What the benchmark scripts share (``scripts/bench_common.py``): every method's one untimed
-warm-up run before the timed repetitions, and dependencies' console noise kept off as in the CLI;
-the steps ``bench_decode.py``'s logic timing replays (``scripts/logic_stages.py``)."""
+"""The benchmark harness every script under ``scripts/`` shares (``multitoken.pipeline.eval.benchmark``):
+the record (machine, CPU features and flags, threads, load before / after, command, commit,
+versions), the repetitions and the best kept, the ``--out`` JSON and its refusal to overwrite;
+that every benchmark uses it and no script imports another; the steps ``bench_logic.py`` replays."""
 
 from __future__ import annotations
 
+import argparse
+import ast
+import importlib.util
+import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from multitoken.kernels import cpu_features
+from multitoken.pipeline.eval import benchmark
+from multitoken.pipeline.eval.benchmark import Bench, best_of, check_out, load, open_table
 
 from .conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
-try:
-    from bench_common import best_of, load, open_table
-    from logic_stages import recorded_steps, stage_times
-finally:
-    sys.path.remove(str(REPO / "scripts"))
+SCRIPTS = REPO / "scripts"
+BENCHMARKS = sorted(SCRIPTS.glob("bench_*.py"))
 
 
+def load_script(path: Path):
+    """A script as a module, by its file path (scripts are no package and import no other script)."""
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# best_of ---------------------------------------------------------------------------------------
 def test_every_method_runs_once_untimed_before_its_timed_repetitions():
     calls: list[str] = []
     seen: list[str] = []
@@ -36,16 +56,103 @@ def test_every_method_runs_once_untimed_before_its_timed_repetitions():
     assert 0.02 <= best["b"]["wall_s"] < 1.0 and best["a"]["wall_s"] < best["b"]["wall_s"]  # the run's own time
 
 
-def test_the_fastest_repetition_is_kept_and_warm_up_can_be_skipped():
-    calls = []
-    best = best_of({"a": lambda: calls.append(1) or {"n": len(calls)}}, 3, warm_up=False,
+def test_the_fastest_repetition_is_kept_whatever_its_place():
+    sleeps = iter([0.06, 0.0, 0.04])  # the second of three repetitions is the fastest
+    best = best_of({"a": lambda: (time.sleep(s := next(sleeps)), {"slept": s})[1]}, 3, warm_up=False,
                    after=lambda: {"peak": 1})
-    assert len(calls) == 3 and best["a"]["peak"] == 1 and best["a"]["n"] in (1, 2, 3)
+    assert best["a"]["slept"] == 0.0 and best["a"]["wall_s"] < 0.04 and best["a"]["peak"] == 1
+
+
+def test_a_score_picks_the_minimum_of_what_the_run_measured():
+    scores = iter([5.0, 2.0, 9.0, 3.0])
+    best = best_of({"a": lambda: {"per_step": next(scores)}}, 4, warm_up=False, score=lambda r: r["per_step"])
+    assert best["a"]["per_step"] == 2.0
+
+
+# The record ------------------------------------------------------------------------------------
+def test_the_record_names_machine_load_command_commit_and_versions(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / "bench_decode.py"), "--reps", "1"])
+    bench = Bench("decode", argparse.Namespace(out=str(tmp_path / "r.json"), overwrite=False), reps=1)
+    record = bench.save()
+    m = record["machine"]
+    assert m["cpu"] and m["cores"] == __import__("os").cpu_count() and m["torch_threads"] == torch.get_num_threads()
+    assert m["cpu_features"] == asdict(cpu_features.features())  # the kernels' own probe, not a second one
+    have = set(cpu_features.cpu_flags().split())
+    assert set(m["cpu_flags"]) == {f for f in benchmark.SPEED_FLAGS if f in have}
+    assert len(record["load_before"]) == 3 and len(record["load_after"]) == 3
+    assert record["command"] == "python scripts/bench_decode.py --reps 1"
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert record["git"]["commit"] == head and isinstance(record["git"]["dirty"], bool)
+    assert record["versions"]["torch"] == torch.__version__ and record["versions"]["python"] == sys.version.split()[0]
+    assert record["settings"] == {"reps": 1} and record["benchmark"] == "decode" and record["wall_s"] >= 0
+
+
+def test_out_json_round_trips_numpy_and_tensors(tmp_path):
+    out = tmp_path / "bench.json"
+    bench = Bench("x", argparse.Namespace(out=str(out), overwrite=False))
+    bench["rows"] = {"ms": np.float32(1.5), "ids": torch.tensor([1, 2]), "path": Path("/a/b")}
+    bench.save()
+    first = json.loads(out.read_text())
+    assert first["rows"] == {"ms": 1.5, "ids": [1, 2], "path": "/a/b"}
+    bench["more"] = 3  # a later save (after each part of a long run) replaces the file with the whole record
+    again = json.loads(bench.save() and out.read_text())
+    assert again["more"] == 3 and again["rows"] == first["rows"] and again["machine"] == first["machine"]
+
+
+def test_out_refuses_to_overwrite_unless_asked(tmp_path):
+    out = tmp_path / "bench.json"
+    out.write_text("{}")
+    with pytest.raises(SystemExit, match="already exists; pass --overwrite"):
+        Bench("x", argparse.Namespace(out=str(out), overwrite=False))
+    assert out.read_text() == "{}"  # refused before any work, the file untouched
+    Bench("x", argparse.Namespace(out=str(out), overwrite=True)).save()
+    assert json.loads(out.read_text())["benchmark"] == "x"
+    with pytest.raises(SystemExit, match="is a directory"):
+        check_out(tmp_path, overwrite=True)
+    with pytest.raises(SystemExit, match="does not exist"):
+        check_out(tmp_path / "missing" / "b.json", overwrite=False)
+
+
+def test_a_script_refuses_an_existing_out_with_one_line(tmp_path):
+    out = tmp_path / "layout.json"
+    out.write_text("{}")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_cache_layout.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and out.read_text() == "{}"
+    assert done.stderr.strip().splitlines() == [f"error: --out {out} already exists; pass --overwrite to replace it, or another path"]
+
+
+# Every script on the harness -------------------------------------------------------------------
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return names | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
+def test_no_script_imports_another_or_edits_sys_path():
+    scripts = sorted(SCRIPTS.rglob("*.py"))
+    stems = {p.stem for p in scripts}
+    assert {"bench_decode", "bench_tree", "cp_rank"} <= stems  # the walk sees the scripts at all
+    for path in scripts:
+        text = path.read_text()
+        assert "sys.path" not in text, path
+        assert not {name.split(".")[0] for name in _imports(path)} & stems, path
+
+
+def test_every_benchmark_writes_the_harness_record():
+    assert len(BENCHMARKS) >= 9
+    for path in BENCHMARKS:
+        text = path.read_text()
+        assert "multitoken.pipeline.eval.benchmark" in _imports(path), path
+        assert "Bench(" in text and "add_out(" in text, path
+        # one record: no machine facts or load average gathered on the side, one --out writer
+        for own in ("platform.", "getloadavg", "write_text(json", "json.dump(", "/proc/cpuinfo", "MULTITOKEN_FIXTURES"):
+            assert own not in text, (path, own)
 
 
 def test_scripts_load_models_without_dependencies_progress_bars():
-    code = ("import sys; sys.path.insert(0, 'scripts'); import bench_common; "
-            "from multitoken.embedded import DEFAULT_BASE; bench_common.load(DEFAULT_BASE, None); "
+    code = ("from multitoken.pipeline.eval.benchmark import load; from multitoken.embedded import DEFAULT_BASE; "
+            "load(str(DEFAULT_BASE), None); "
             "import os, transformers.utils.logging as t; "
             "assert os.environ['HF_HUB_DISABLE_PROGRESS_BARS'] == '1' and not t.is_progress_bar_enabled()")
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
@@ -55,20 +162,20 @@ def test_scripts_load_models_without_dependencies_progress_bars():
 
 
 def test_logic_timing_replays_the_heads_rows_of_the_models_own_dynamic_text():
-    import torch
-
     from multitoken.decoding.config import DecodeConfig
     from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 
+    logic = load_script(SCRIPTS / "bench_logic.py")
     model, _ = load(str(DEFAULT_BASE), str(EMBEDDED_HEADS))
     table = open_table(str(EMBEDDED_STATS), model.backbone.tokenizer)
     prompt = model.backbone.tokenizer.encode("Once upon a time")
-    steps = recorded_steps(model, table, [prompt], 5)
+    steps = logic.recorded_steps(model, table, [prompt], 5)
     assert len(steps) == 5  # one per new token: the anchors of the prompt's last token and of 4 new ones
     first = model.head_logits(torch.tensor([prompt]))  # n x [1, 1, V]: the rows a step at the prompt's end reads
     logps, seen = steps[0]
     assert len(logps) == model.n_future and all(torch.allclose(a, b[0, -1], atol=1e-5) for a, b in zip(logps, first))
     assert seen[prompt].all() and seen.sum() == len(set(prompt))
     assert set(prompt) <= set(steps[-1][1].nonzero()[0].tolist())  # later steps see the prompt and the new text
-    times = stage_times(steps, 3, DecodeConfig(mode="dynamic", eps_b=0.0), table, "dense", 1)
+    times = logic.stage_times(steps, 3, DecodeConfig(mode="dynamic", eps_b=0.0), table, "dense", 1)
     assert times["dynamic_propose"] > 0
+

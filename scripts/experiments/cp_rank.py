@@ -16,12 +16,10 @@ and, for comparison, from each head on its own (``independent``).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from multitoken.pipeline.eval import experiment as common
 
 NAME = "cp_rank"
 RANKS = (1, 2, 4, 8)

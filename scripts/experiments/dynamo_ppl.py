@@ -16,11 +16,7 @@ trained on samples of seeds 0 and 2, ``scripts/build_heads.py``); no TinyStories
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from multitoken.pipeline.eval import experiment as common
 
 NAME = "dynamo_ppl"
 FULL = common.Budget(steps=0, batch_size=8, seq_len=128, eval_tokens=8192, new_tokens=32, prompts=10, seeds=2)

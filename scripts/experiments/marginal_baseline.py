@@ -13,10 +13,8 @@ tinyshakespeare's first 90%, scored on its held-out tail.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from multitoken.pipeline.eval import experiment as common
 
 NAME = "marginal_baseline"
 FULL = common.Budget(steps=60, batch_size=4, seq_len=64, lr=1e-3, eval_tokens=4096, eval_batches=2)

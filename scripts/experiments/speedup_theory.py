@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from multitoken.pipeline.eval import experiment as common
 
 NAME = "speedup_theory"
 FULL = common.Budget(steps=0, batch_size=8, seq_len=128, eval_tokens=8192, new_tokens=128, prompts=6, seeds=2)

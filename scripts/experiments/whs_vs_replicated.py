@@ -13,10 +13,8 @@ Model and data: pythia-mini, tinyshakespeare's first 90% / held-out tail (as fro
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from multitoken.pipeline.eval import experiment as common
 
 NAME = "whs_vs_replicated"
 FULL = common.Budget(steps=40, batch_size=4, seq_len=64, lr=5e-4, eval_tokens=4096, eval_batches=2)

@@ -7,8 +7,6 @@ output; ``bench_decode.py --device cuda``. Without CUDA every test here is skipp
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -121,13 +119,13 @@ def test_same_seed_same_output_on_cuda(cuda_backbones, mode):
     assert runs[0] == runs[1] and len(runs[0]) == 20
 
 
-def test_bench_decode_runs_on_cuda(tmp_path, monkeypatch, pythia_mini_dir):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    import bench_decode
+def test_bench_decode_runs_on_cuda(tmp_path, pythia_mini_dir):
+    from ..test_scripts import SCRIPTS, load_script
 
+    bench_decode = load_script(SCRIPTS / "bench_decode.py")
     record = bench_decode.main(["--device", CUDA, "--dtype", "bfloat16", "--max-new-tokens", "8", "--reps", "1",
-                                "--logic-new-tokens", "4", "--out", str(tmp_path / "bench.json")])
-    assert record["machine"]["device"] == CUDA and record["machine"]["dtype"] == "bfloat16"
+                                "--out", str(tmp_path / "bench.json")])
+    assert record["machine"]["device"] == CUDA and record["settings"]["dtype"] == "bfloat16"
     assert record["machine"]["device_name"] == torch.cuda.get_device_name(0)
     for key in ("embedded", "pythia_mini"):
         assert record[key]["methods"]["speculative_greedy"]["tokens"] > 0

@@ -1,4 +1,7 @@
-"""Per-stage timing of one DynaMo step's decoding logic (used by ``bench_decode.py --logic-only``).
+"""Per-stage timing of one DynaMo step's decoding logic, next to one forward of a
+pythia-70m-shaped model for scale (seconds, not minutes):
+
+    python scripts/bench_logic.py --out bench_logic.json [--logic-stats DIR]
 
 Stages, for each kernel (dense = the whole k^n grid with opencv; numpy / numba = the sparse step):
 top-k of the n heads, lookup (dense: the mask grid; sparse: the seen n-grams), grid + threshold
@@ -10,26 +13,44 @@ another tokenizer, distributions biased towards its frequent tokens (see ``synth
 
 from __future__ import annotations
 
-import os
-import platform
+import argparse
 import statistics
 import time
 from dataclasses import replace
 
 import numpy as np
 import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from multitoken.decoding.dynamo import sparse, step
 from multitoken.decoding.config import DecodeConfig, numba_available
-from multitoken.decoding.dynamo import dynamic_step, outer, prepare_kernel, repetition_cells, sample_index, top_candidates
+from multitoken.decoding.dynamo import (dynamic_step, outer, prepare_kernel, repetition_cells, sample_index, sparse, step,
+                                        top_candidates)
+from multitoken.decoding.engine import generate
+from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
+from multitoken.pipeline.eval.benchmark import PROMPTS, Bench, add_out, load, open_table
+from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
+from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.stats.table import CooccurrenceTable
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out(p, "bench_logic.json")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--embedded-heads", default=str(EMBEDDED_HEADS))
+    p.add_argument("--embedded-stats", default=str(EMBEDDED_STATS))
+    p.add_argument("--logic-stats", default=None,
+                   help="a big stats dir (any tokenizer) for a second timing, e.g. the table "
+                        "scripts/bench_stats.py --work DIR leaves in DIR/merged")
+    p.add_argument("--logic-new-tokens", type=int, default=120, help="tokens per prompt of the recorded dynamic decoding (the steps timed)")
+    p.add_argument("--logic-reps", type=int, default=5, help="passes over the recorded steps per timing")
+    return p.parse_args(argv)
 
 
 def recorded_steps(model, table, prompts: list[list[int]], max_new: int) -> list[tuple[list[torch.Tensor], np.ndarray]]:
     """The heads' log-distributions and the context flags at every anchor of the model's own dense
     dynamic text at eps_b 0: each prompt is decoded, then the text is read back in one forward
     (the heads' rows at each position are the ones a step anchored there sees)."""
-    from multitoken.decoding.engine import generate
-
     steps = []
     vocab = model.backbone.vocab_size
     for p in prompts:
@@ -124,27 +145,18 @@ def stage_times(steps, n: int, cfg: DecodeConfig, table, kernel: str, reps: int)
     return out
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": list(os.getloadavg()),
-            "numba": None}
-    if numba_available():
-        import numba
+def numba_facts() -> dict:
+    if not numba_available():
+        return {"numba": None}
+    import numba
 
-        info["numba"] = numba.__version__
-        info["numba_threads"] = numba.config.NUMBA_NUM_THREADS
-    return info
+    return {"numba": numba.__version__, "numba_threads": numba.config.NUMBA_NUM_THREADS}
 
 
 def bench_stages(steps_by_n: dict, table, reps: int, eps_values=(0.0, 0.5)) -> dict:
     """Every kernel x order x eps_b; numba's compile / cache load timed first, apart."""
     kernels = ["dense", "numpy"] + (["numba"] if numba_available() else [])
-    out = {"machine": machine(), "stats": str(table.path), "distinct": table.meta["distinct"]}
+    out = {**numba_facts(), "stats": str(table.path), "distinct": table.meta["distinct"]}
     if "numba" in kernels:
         start = time.perf_counter()
         prepare_kernel(DecodeConfig(dynamic_kernel="numba"), table, max(steps_by_n))
@@ -154,5 +166,85 @@ def bench_stages(steps_by_n: dict, table, reps: int, eps_values=(0.0, 0.5)) -> d
             cfg = DecodeConfig(mode="dynamic", top_k=50, eps_b=eps, temperature=0.7).resolved()
             for kernel in kernels:
                 out[f"n{n}_eps{eps}_{kernel}"] = stage_times(steps, n, cfg, table, kernel, reps)
-    out["machine"]["loadavg_end"] = list(os.getloadavg())
     return out
+
+
+def pythia70m_shaped() -> MultiTokenModel:
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=50304, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+                        intermediate_size=2048, max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True)
+    model = GPTNeoXForCausalLM(cfg).eval()
+    bb = Backbone(model, None, "pythia-70m-shaped (random)", BackboneConfig(base="random"))
+    return MultiTokenModel.attach(bb, {"head_type": "medusa", "n_future": 3})
+
+
+def median_ms(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def bench_logic(args) -> dict:
+    """Per-step DynaMo logic split into stages (top-k, lookup, grid + threshold, blur + Otsu,
+    penalty + sample) for the dense, sparse-numpy and sparse-numba kernels at k = 50, n = 2 and 3:
+    on steps recorded from the embedded model with its heads and stats, and (``--logic-stats``)
+    on a big table with head distributions leaning to its frequent tokens; next to one forward of
+    a pythia-70m-shaped model for scale."""
+    model = pythia70m_shaped()
+    vocab = model.backbone.vocab_size
+    caches = model.new_caches()
+    model.step(torch.randint(0, vocab, (1, 128)), caches)  # a 128-token context in the cache
+    nxt = torch.tensor([[11]])
+
+    def forward_one():
+        out = model.step(nxt, caches)
+        out.head_log_probs(0, 0)
+        caches.keep(128, [[]])
+
+    out = {"forward_ms_pythia70m_shape_1_token_ctx128": round(median_ms(forward_one, 30), 3),
+           "targets_ms": {"embedded_n3_dynamic_propose": 0.3, "big_table_n3_dynamic_propose": 1.5}}
+    emb, _ = load(str(DEFAULT_BASE), args.embedded_heads)
+    table = open_table(args.embedded_stats, emb.backbone.tokenizer)
+    prompts = [emb.backbone.tokenizer.encode(p) for p in PROMPTS["stories"]]
+    steps = recorded_steps(emb, table, prompts, args.logic_new_tokens)  # [3 heads' logps], seen
+    out["embedded"] = bench_stages({2: steps, 3: steps}, table, args.logic_reps)
+    out["embedded"]["steps"] = len(steps)
+    if args.logic_stats:
+        big = CooccurrenceTable(args.logic_stats)  # timing only: any tokenizer will do
+        count = max(len(steps), 50)
+        out["big_table"] = bench_stages({n: synthetic_steps(big, n, count) for n in (2, 3)}, big, args.logic_reps)
+        out["big_table"]["steps"] = count
+    return out
+
+
+def print_logic(logic: dict) -> None:
+    print(f"forward of a pythia-70m-shaped model: {logic['forward_ms_pythia70m_shape_1_token_ctx128']} ms")
+    for key in ("embedded", "big_table"):
+        if key not in logic:
+            continue
+        r = logic[key]
+        print(f"\n{key}: {r['stats']} ({r['steps']} steps), numba {r['numba']}, prepare {r.get('numba_prepare_s')} s")
+        print(f"{'case':22s} {'topk':>7s} {'lookup':>7s} {'grid+thr':>8s} {'blur+otsu':>9s} {'pen+samp':>8s} {'sum':>7s} "
+              f"{'propose':>8s} {'seen':>6s} {'live':>5s}  (ms, medians)")
+        for case, t in r.items():
+            if isinstance(t, dict) and "topk" in t:
+                print(f"{case:22s} {t['topk']:7.3f} {t['lookup']:7.3f} {t['grid_threshold']:8.3f} {t['blur_otsu']:9.3f} "
+                      f"{t['penalty_sample']:8.3f} {t['stages_sum']:7.3f} {t['dynamic_propose']:8.3f} "
+                      f"{t['seen_cells_median']:6d} {t['live_cells_median']:5d}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bench = Bench("logic", args, logic_new_tokens=args.logic_new_tokens, logic_reps=args.logic_reps)
+    bench["logic"] = bench_logic(args)
+    record = bench.save()
+    print_logic(record["logic"])
+    return record
+
+
+if __name__ == "__main__":
+    main()

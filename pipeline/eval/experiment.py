@@ -1,5 +1,6 @@
-"""The small harness every experiment script shares: data splits, seeds, step
-budgets, timing, machine facts, and the JSON + PNG each script writes.
+"""The harness every experiment script (``scripts/experiments/``) shares: data splits, seeds,
+step budgets, timing, and the JSON + PNG each script writes, with the benchmark harness's record
+of the machine, load, command, commit and versions (``benchmark.py``).
 
 Everything model-side goes through the package's public functions (``train``, ``evaluate``,
 ``generate``, ``sweep``, ``distill``); nothing here trains or scores on its own.
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -27,12 +26,20 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from multitoken.base.atomic import atomic_write_text
+from multitoken.base.data import DataConfig
 from multitoken.base.quiet import quiet_dependencies
+from multitoken.pipeline.eval.benchmark import FIXTURES, REPO, git_commit, load_average, machine, plain, versions
+from multitoken.pipeline.eval.benchmark import command as command_line
+from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate
+from multitoken.pipeline.eval.plotting import pyplot, save_figure  # pyplot: the scripts draw through it
+from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.train.distill import DistillConfig, distill
+from multitoken.pipeline.train.train import train
+from multitoken.pipeline.train.trainer_config import TrainConfig
 
-quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
-
-REPO = Path(__file__).resolve().parents[2]
-FIXTURES = Path(os.environ.get("MULTITOKEN_FIXTURES", REPO.parent / "shared" / "fixtures"))
 PYTHIA_MINI = FIXTURES / "pythia-mini"
 SHAKESPEARE = FIXTURES / "tinyshakespeare" / "input.txt"
 TRAIN_SEED = 0  # distilled training text of the embedded model
@@ -75,6 +82,7 @@ class Run:
     """One experiment run: output checks, seeds, the budget, timing and the final write."""
 
     def __init__(self, name: str, args, full: Budget, quick: Budget):
+        quiet_dependencies()  # dependencies' progress bars and notices off, as in the CLI
         self.name, self.args = name, args
         self.out = Path(args.out)
         _check_out(self.out, name, args.overwrite)
@@ -87,7 +95,7 @@ class Run:
         self._tmp = None if args.work_dir else tempfile.TemporaryDirectory(prefix=f"mt-{name}-")
         self.work = Path(args.work_dir or self._tmp.name)
         _claim_work(self.work)
-        self.machine = machine_info()
+        self.machine = {**machine(), "load_before": load_average()}
         self.started, self.cpu0 = time.perf_counter(), time.process_time()
         self.parts: dict[str, dict[str, float]] = {}
 
@@ -102,13 +110,10 @@ class Run:
                   "budget": asdict(self.budget), **result,
                   "timing": {"wall_s": round(time.perf_counter() - self.started, 1),
                              "cpu_s": round(time.process_time() - self.cpu0, 1), "parts": self.parts},
-                  "machine": {**self.machine, "load_after": _load()},
-                  "command": "python " + " ".join([_rel(sys.argv[0])] + sys.argv[1:])}
-        from multitoken.base.atomic import atomic_write_text
-        from multitoken.pipeline.eval.plotting import save_figure
-
+                  "machine": {**self.machine, "load_after": load_average()},
+                  "command": command_line(), "git": git_commit(), "versions": versions()}
         save_figure(fig, self.out / f"{self.name}.png")
-        atomic_write_text(self.out / f"{self.name}.json", json.dumps(record, indent=2, default=_plain) + "\n")
+        atomic_write_text(self.out / f"{self.name}.json", json.dumps(record, indent=2, default=plain) + "\n")
         if self._tmp is not None:
             self._tmp.cleanup()
         print(f"{self.name}: {self.out / (self.name + '.json')} and .png ({record['timing']['wall_s']} s)", file=sys.stderr)
@@ -156,41 +161,6 @@ def _check_out(out: Path, name: str, overwrite: bool) -> None:
             raise SystemExit(f"error: --out {out} already holds {name}.json; pass --overwrite to replace it")
 
 
-def _rel(path: str) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(REPO))
-    except ValueError:
-        return path
-
-
-def _plain(obj):
-    """JSON fallback for numpy / torch scalars and paths."""
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    return str(obj)
-
-
-# Machine -------------------------------------------------------------------------------------
-def _load() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_before": _load(),
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
-
-
 # Data ----------------------------------------------------------------------------------------
 def shakespeare_split(work: Path, quick: bool = False) -> tuple[str, str]:
     """(train file, held-out file): tinyshakespeare's first 90% and its tail, each one document.
@@ -208,8 +178,6 @@ def shakespeare_split(work: Path, quick: bool = False) -> tuple[str, str]:
 
 def story_samples(work: Path, backbone, tokens: int, seed: int, name: str) -> str:
     """``tokens`` tokens sampled from the embedded base (temperature 1, full vocabulary) with ``seed``."""
-    from multitoken.pipeline.train.distill import DistillConfig, distill
-
     path = work / f"{name}.jsonl"
     # a batch of 64 stories of up to 256 tokens yields ~10k tokens (most end at EOS earlier);
     # small requests take short, narrow batches so a smoke test does not sample 16k tokens
@@ -226,8 +194,6 @@ def story_prompts(count: int) -> list[str]:
 
 # Models --------------------------------------------------------------------------------------
 def load_base(base: str | None):
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
-
     return load_backbone(BackboneConfig() if base is None else BackboneConfig(base=str(base)))
 
 
@@ -237,11 +203,6 @@ def train_heads(run: Run, name: str, backbone, head_config: dict, data: str, hel
     run's step budget, scored at the end on ``heldout`` by the trainer's own evaluation.
     ``train_fields``: other ``TrainConfig`` fields (mode, head_lr_mult, loss_balance, ...).
     Returns {"heads": trained dir, "train_eval": final held-out metrics, "seconds": ...}."""
-    from multitoken.base.data import DataConfig
-    from multitoken.pipeline.model.model import MultiTokenModel
-    from multitoken.pipeline.train.train import train
-    from multitoken.pipeline.train.trainer_config import TrainConfig
-
     b = run.budget
     init, out, ckpt = (run.work / f"{name}-{kind}" for kind in ("init", "trained", "ckpt"))
     for path in (init, out, ckpt):
@@ -263,8 +224,6 @@ def train_heads(run: Run, name: str, backbone, head_config: dict, data: str, hel
 
 def load_heads(heads_dir: str):
     """A trained heads dir on the base recorded in it (its LoRA included)."""
-    from multitoken.pipeline.model.model import MultiTokenModel
-
     model = MultiTokenModel.from_pretrained(None, heads_dir)
     model.train(False)
     return model
@@ -272,9 +231,6 @@ def load_heads(heads_dir: str):
 
 def evaluate_on(run: Run, label: str, model, data: str, parts=("ppl",), **eval_fields) -> dict:
     """``pipeline.eval.evaluate`` of ``model`` on the first ``eval_tokens`` tokens of ``data``."""
-    from multitoken.base.data import DataConfig
-    from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate
-
     b = run.budget
     cfg = EvalConfig(seq_len=b.seq_len, batch_size=b.batch_size, parts=tuple(parts), quiet=True, beside_heads=False,
                      **{"stats": "none", **eval_fields})
@@ -286,8 +242,3 @@ def head_rows(report: dict) -> list[dict]:
     """Per head: PPL_n, top-1, top-5 from an evaluate() report."""
     return [{k: h[k] for k in ("head", "ppl", "top1", "top5")} for h in report["heads"]]
 
-
-def pyplot():
-    from multitoken.pipeline.eval.plotting import pyplot as _pyplot
-
-    return _pyplot()
