@@ -179,3 +179,45 @@ def test_logic_timing_replays_the_heads_rows_of_the_models_own_dynamic_text():
     times = logic.stage_times(steps, 3, DecodeConfig(mode="dynamic", eps_b=0.0), table, "dense", 1)
     assert times["dynamic_propose"] > 0
 
+
+# docs/benchmarks: tables rendered from the JSON results --------------------------------------
+def test_benchmark_pages_show_exactly_what_their_json_renders():
+    tables_script = load_script(SCRIPTS / "benchmark_tables.py")
+    tables = tables_script.load_tables()
+    pages = sorted(tables_script.DOCS.glob("*.md"))
+    assert len(pages) >= 8 and len(tables) >= 20 and not (REPO / "docs" / "benchmarks.md").exists()
+    placed = []
+    for page in pages:
+        text = page.read_text()
+        assert text == tables_script.fill(text, tables), f"{page.name}: run python scripts/benchmark_tables.py"
+        assert len(text.splitlines()) <= 250, page.name
+        placed += tables_script.marked(text)
+    assert sorted(placed) == sorted(tables)  # every table on exactly one page, no page marks a missing one
+
+
+def test_a_changed_figure_makes_its_page_stale_and_every_caption_names_one_machine():
+    tables_script = load_script(SCRIPTS / "benchmark_tables.py")
+    tables = tables_script.load_tables()
+    page = (tables_script.DOCS / "kernels.md").read_text()
+    key = tables_script.marked(page)[0]
+    changed = {**tables, key: {**tables[key], "rows": [["9.99"] * len(tables[key]["columns"])] + tables[key]["rows"][1:]}}
+    assert tables_script.fill(page, changed) != page and "| 9.99 |" in tables_script.fill(page, changed)
+    for table in tables.values():
+        caption = tables_script.render(table).splitlines()[0]
+        assert caption.startswith(f"*{table['machine']};") and table["command"] in caption
+        assert table["source"] and table["machine"].strip()
+
+
+def test_the_table_check_exits_non_zero_on_a_stale_page(tmp_path, monkeypatch):
+    tables_script = load_script(SCRIPTS / "benchmark_tables.py")
+    docs = tmp_path / "benchmarks"
+    (docs / "results").mkdir(parents=True)
+    table = {"id": "t", "machine": "m", "date": None, "command": "c", "source": "s", "columns": ["a"], "rows": [["1"]]}
+    (docs / "results" / "x.json").write_text(json.dumps({"tables": [table]}))
+    (docs / "p.md").write_text("# P\n\n<!-- table: t -->\nold\n<!-- /table -->\n")
+    monkeypatch.setattr(tables_script, "DOCS", docs)
+    monkeypatch.setattr(tables_script, "RESULTS", docs / "results")
+    monkeypatch.setattr(tables_script.load_tables, "__defaults__", (docs / "results",))
+    assert tables_script.main(["--check"]) == 1
+    assert tables_script.main([]) == 0 and tables_script.main(["--check"]) == 0
+    assert "| 1 |" in (docs / "p.md").read_text()

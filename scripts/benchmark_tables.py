@@ -1,0 +1,96 @@
+"""The tables of docs/benchmarks/*.md, rendered from the JSON results in docs/benchmarks/results/.
+
+Each results file holds a list of tables; a table names its machine, date, command and source
+(the run it comes from), and carries its columns and rows. A page marks where a table goes:
+
+    <!-- table: ID -->
+    ...generated, do not edit...
+    <!-- /table -->
+
+    python scripts/benchmark_tables.py            # rewrite every page's tables from the JSON
+    python scripts/benchmark_tables.py --check    # exit 1 naming the pages whose tables differ
+
+A new measurement goes into the JSON (``--out`` of a benchmark gives the record to copy the
+figures, machine and command from), then this script puts it on the page; tests/test_scripts.py
+fails where a page's tables differ from what this renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+RESULTS = DOCS / "results"
+REQUIRED = ("id", "machine", "date", "command", "source", "columns", "rows")
+MARKER = re.compile(r"(<!-- table: (?P<id>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def load_tables(results: Path = RESULTS) -> dict[str, dict]:
+    """Every table of every results file, by id; a table missing a field or a duplicate id is an error."""
+    tables: dict[str, dict] = {}
+    for path in sorted(results.glob("*.json")):
+        for table in json.loads(path.read_text())["tables"]:
+            missing = [k for k in REQUIRED if k not in table]
+            if missing:
+                raise SystemExit(f"error: {path.name}: table {table.get('id', '?')} lacks {', '.join(missing)}")
+            if table["id"] in tables:
+                raise SystemExit(f"error: {path.name}: table id {table['id']} is used twice")
+            if any(len(row) != len(table["columns"]) for row in table["rows"]):
+                raise SystemExit(f"error: {path.name}: table {table['id']} has a row of another width than its columns")
+            tables[table["id"]] = {**table, "file": path.name}
+    return tables
+
+
+def render(table: dict) -> str:
+    """The caption (machine first: one machine per table) and the markdown table."""
+    date = table["date"] or "undated in its source"
+    caption = f"*{table['machine']}; {date}; `{table['command']}`.*"
+    if table.get("note"):
+        caption += f" {table['note']}"
+    lines = [caption, "", "| " + " | ".join(table["columns"]) + " |", "|" + "---|" * len(table["columns"])]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table["rows"]]
+    lines += ["", f"<sub>Source: {table['source']} (results/{table['file']}, `{table['id']}`).</sub>"]
+    return "\n".join(lines) + "\n"
+
+
+def fill(page: str, tables: dict[str, dict]) -> str:
+    """``page`` with every marked table rendered anew; an unknown id is an error."""
+    def one(match: re.Match) -> str:
+        key = match["id"]
+        if key not in tables:
+            raise SystemExit(f"error: a page marks table {key}, which no results file holds")
+        return match[1] + render(tables[key]) + match[4]
+    return MARKER.sub(one, page)
+
+
+def marked(page: str) -> list[str]:
+    return [m["id"] for m in MARKER.finditer(page)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="only say which pages differ from the JSON (exit 1 if any)")
+    args = p.parse_args(argv)
+    tables = load_tables()
+    stale = []
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        new = fill(text, tables)
+        if new != text:
+            stale.append(page.name)
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        print(f"error: tables differ from docs/benchmarks/results in {', '.join(stale)}; "
+              "run python scripts/benchmark_tables.py", file=sys.stderr)
+        return 1
+    print(("rewrote " if stale else "up to date: ") + (", ".join(stale) or f"{len(tables)} tables"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
