@@ -3,9 +3,10 @@
 about its own optional parts, and deprecation notices about dependencies' internals.
 
 ``quiet_dependencies()`` is the process-wide switch: the CLI calls it at start, the scripts
-under ``scripts/`` on import (through ``bench_common`` / ``experiments/common``, or their own
-call). The library never calls it on import; ``quiet_loading()`` silences only the span of our
-own model loads, restoring every setting afterwards."""
+under ``scripts/`` through the benchmark and experiment harness (``pipeline/eval/benchmark.py``,
+``pipeline/eval/experiment.py``) or their own call. The library never calls it on import;
+``quiet_loading()`` silences only the span of our own model loads, restoring every setting
+afterwards."""
 
 from __future__ import annotations
 
