@@ -17,9 +17,9 @@ _EXPORTS = {
     "DataConfig": "multitoken.base.data",
     "iter_documents": "multitoken.base.data",
     "ARCHITECTURES": "model.backbone",
-    "convert_llama2c": "model.llama2c",
+    "convert_llama2c": "sources.llama2c",
     "MultiTokenModel": "model.model",
-    "load_model": "model.assets",
+    "load_model": "sources.assets",
     "default_base": "multitoken.embedded",
 }
 

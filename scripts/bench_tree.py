@@ -33,7 +33,7 @@ from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS, SM
 from multitoken.pipeline.eval.benchmark import (FIXTURES, PROMPTS, Bench, add_out, best_of, hf_runner, load, open_table,
                                                 our_runner, over_prompts)
 from multitoken.pipeline.eval.sweep import TABLE7_PROMPTS
-from multitoken.pipeline.model.fetch import fetch
+from multitoken.pipeline.sources.fetch import fetch
 
 BUDGETS = (4, 8, 16, 32, 64)
 

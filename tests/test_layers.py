@@ -30,6 +30,7 @@ FLOORS = {
     "multitoken.decoding": 2,
     "multitoken.pipeline.model": 3,
     "multitoken.pipeline.runtime": 3,  # the decoding step's runtime beside the model it steps
+    "multitoken.pipeline.sources": 3,  # where a model comes from: fetch, llama2.c, the shipped assets
     "multitoken.pipeline.train": 4,
     "multitoken.pipeline.eval": 4,
     "multitoken.pipeline.integrations": 4,  # our heads inside transformers' generate

@@ -104,4 +104,4 @@ def test_public_names_where_users_look(tmp_path):
     heads = ["conditioned", "cp", "eagle3", "medusa", "replicated", "whs"]
     assert lines[1] == str(heads) + " " + str(heads)
     assert lines[2].split() == ["multitoken.stats.table", "multitoken.decoding.engine",  # generate: one prompt or a batch
-                                "multitoken.pipeline.model.model", "multitoken.pipeline.model.assets"]
+                                "multitoken.pipeline.model.model", "multitoken.pipeline.sources.assets"]

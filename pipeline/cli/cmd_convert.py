@@ -8,7 +8,7 @@ from multitoken.base.errors import UsageError
 from multitoken.base.outputs import add_overwrite_flag, claim_output
 from multitoken.pipeline.cli import add_command
 from multitoken.pipeline.cli.args import dataclass_from_args
-from multitoken.pipeline.model.llama2c import convert_llama2c
+from multitoken.pipeline.sources.llama2c import convert_llama2c
 
 
 @dataclass

@@ -50,7 +50,7 @@ def run(args) -> None:
 def _run(cfg, bb_cfg, data_cfg) -> None:
     from multitoken.decoding.trees import ACCURACY_FILE  # lazy: torch
     from multitoken.pipeline.eval.evaluate import evaluate  # lazy: torch
-    from multitoken.pipeline.model.assets import default_stats, load_model  # lazy: torch
+    from multitoken.pipeline.sources.assets import default_stats, load_model  # lazy: torch
 
     cfg.validate()
     files, lines = describe_files(data_cfg)  # also refuses a --split the data does not have

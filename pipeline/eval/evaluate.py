@@ -27,7 +27,7 @@ from multitoken.pipeline.eval.headscores import logp_at, score_head
 from multitoken.pipeline.eval.lens import lens_kl_sums
 from multitoken.pipeline.eval.marginal import marginal_second_token
 from multitoken.pipeline.eval.speedup import draft_cost_ratio, theory_from_tokens
-from multitoken.pipeline.model.assets import load_stats
+from multitoken.pipeline.sources.assets import load_stats
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.config import stats_order_cap
 from multitoken.decoding.trees import MAX_RANKS as RANKS, accuracy_record

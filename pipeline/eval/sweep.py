@@ -49,7 +49,7 @@ from multitoken.decoding.engine import generate, generate_batch
 from multitoken.base.config_io import expand_range, nested
 from multitoken.base.data import json_kind
 from multitoken.base.errors import DataError, UsageError
-from multitoken.pipeline.model.assets import NO_STATS
+from multitoken.pipeline.sources.assets import NO_STATS
 
 # DynaMo's Table 7: the sentence-completion benchmark.
 TABLE7_PROMPTS = (

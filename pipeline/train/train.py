@@ -70,7 +70,7 @@ def _device(cfg: TrainConfig, dist: Dist) -> str:
 # Model ----------------------------------------------------------------------------------
 def load_trainable_model(cfg: TrainConfig, dist: Dist):
     """The heads of ``cfg.heads`` on their base, with a trainable LoRA in joint modes (what
-    training needs on top of ``model.assets.load_model``, the loader of every other command)."""
+    training needs on top of ``sources.assets.load_model``, the loader of every other command)."""
     record = read_heads_config(cfg.heads)
     if any(k.startswith("base_head.") for k in record["shapes"]) and not cfg.train_base_head:
         # Saving frozen heads would drop the trained final layer (only trained weights are saved).

@@ -28,7 +28,7 @@ SWEEP_EPS = {"FULL": (0.0, 0.5, 0.75), "QUICK": (0.5,)}
 def main(argv=None) -> dict:
     from multitoken.embedded import EMBEDDED_STATS
     from multitoken.pipeline.eval.sweep import SAME_QUALITY_RULE, TABLE7_PROMPTS, SweepConfig, same_quality, sweep
-    from multitoken.pipeline.model.assets import load_model, load_stats
+    from multitoken.pipeline.sources.assets import load_model, load_stats
 
     args = common.parser(__doc__, NAME).parse_args(argv)
     run = common.Run(NAME, args, FULL, QUICK)

@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     from multitoken.decoding.trees import Accuracies, best_first, expected_accepted
     from multitoken.pipeline.eval import metrics as M
     from multitoken.pipeline.eval.speedup import draft_cost_ratio, expected_tokens, walltime_improvement
-    from multitoken.pipeline.model.assets import load_model
+    from multitoken.pipeline.sources.assets import load_model
 
     args = common.parser(__doc__, NAME).parse_args(argv)
     run = common.Run(NAME, args, FULL, QUICK)

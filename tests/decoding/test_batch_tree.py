@@ -18,7 +18,7 @@ from multitoken.decoding.trees import Tree
 from multitoken.decoding.verify import read_walks
 from multitoken.base.errors import UsageError
 from multitoken.pipeline.runtime import ragged
-from multitoken.pipeline.model.assets import load_model
+from multitoken.pipeline.sources.assets import load_model
 
 from .conftest import RatioTable, attach
 from .test_batch import alone, encode

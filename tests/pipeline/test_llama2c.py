@@ -9,7 +9,7 @@ import torch
 from ..conftest import fixture_path
 from multitoken.pipeline.cli import main
 from multitoken.base.errors import CheckpointError
-from multitoken.pipeline.model.llama2c import HEADER_BYTES, convert_llama2c, read_llama2c
+from multitoken.pipeline.sources.llama2c import HEADER_BYTES, convert_llama2c, read_llama2c
 
 
 def _rmsnorm(x, w):

@@ -19,7 +19,7 @@ from multitoken.decoding.engine import generate as generate_rows
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
-from multitoken.pipeline.model.fetch import MODELS, fetch, sha256
+from multitoken.pipeline.sources.fetch import MODELS, fetch, sha256
 from multitoken.pipeline.model.model import MultiTokenModel
 
 from ..conftest import REPO
