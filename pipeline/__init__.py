@@ -9,9 +9,9 @@ import importlib
 
 _EXPORTS = {
     "Backbone": "model.backbone",
-    "BackboneConfig": "model.backbone",
-    "LoraSpec": "model.backbone",
-    "load_backbone": "model.backbone",
+    "BackboneConfig": "model.loading",
+    "LoraSpec": "model.loading",
+    "load_backbone": "model.loading",
     "load_tokenizer": "multitoken.base.tokenizer",
     "tokenizer_fingerprint": "multitoken.base.tokenizer",
     "DataConfig": "multitoken.base.data",

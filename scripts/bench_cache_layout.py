@@ -21,7 +21,7 @@ from multitoken.decoding.engine import generate_batch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model import model as model_module
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.eval.benchmark import Bench, add_out
 from multitoken.stats.table import CooccurrenceTable

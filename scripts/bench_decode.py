@@ -39,7 +39,8 @@ from multitoken.embedded import DEFAULT_BASE
 from multitoken.pipeline.eval.benchmark import (PROMPTS, PYTHIA_SHAPES, Bench, add_out, best_of, decode_arguments,
                                                 hf_runner, load, open_table, our_runner, over_prompts, random_lm,
                                                 sampling)
-from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
+from multitoken.pipeline.model.backbone import Backbone
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.runtime.unembed_plan import plan_for
 from multitoken.stats.table import CooccurrenceTable

@@ -37,7 +37,7 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_linear
 from multitoken.pipeline.eval.benchmark import SHAPES, Bench, add_out, best_of, random_lm
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 
 # the compiled rows kernel where it builds here (rows_kernel.py), beside oneDNN's and torch's

@@ -28,7 +28,8 @@ from multitoken.decoding.dynamo import (dynamic_step, outer, prepare_kernel, rep
 from multitoken.decoding.engine import generate
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.eval.benchmark import PROMPTS, Bench, add_out, load, open_table
-from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
+from multitoken.pipeline.model.backbone import Backbone
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.stats.table import CooccurrenceTable
 

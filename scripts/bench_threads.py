@@ -25,7 +25,7 @@ import torch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.pipeline.sources.assets import load_stats
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.base.threads import THREADS_BATCHES, THREADS_ONE_SEQUENCE, set_threads

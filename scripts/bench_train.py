@@ -84,7 +84,7 @@ def _batch(tokenizer, batch: int, seq: int):
 def _model(mode: str, n: int):
     import torch
 
-    from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, LoraSpec, load_backbone
     from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(0)
@@ -141,7 +141,7 @@ def child_backbone(batch: int, seq: int, steps: int) -> dict:
     """The base model's own forward (HF causal LM, logits included), no autograd."""
     import torch
 
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     backbone = load_backbone(BackboneConfig(base=str(FIXTURES / "pythia-mini")))
     ids, _ = _batch(backbone.tokenizer, batch, seq)

@@ -111,7 +111,7 @@ def heldout_accuracy(heads_dir: Path, heldouts: dict[str, Path], args) -> dict[s
 def main(argv=None) -> int:
     import torch
 
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
     from multitoken.base.data import DataConfig
     from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.pipeline.train.train import train

@@ -19,7 +19,7 @@ import torch
 from multitoken.decoding.trees import MAX_RANKS
 from multitoken.embedded import resolve_base
 from multitoken.pipeline.eval.benchmark import Bench, add_out, fixture
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.train import recipe_data, recipe_train
 

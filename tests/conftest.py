@@ -112,7 +112,7 @@ def tiny_model_dir(request, tiny_neox_dir, tiny_llama_dir) -> Path:
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama_dir):
     """Random 3-token replicated heads on the tiny Llama (eval, PPL_d and sweep tests)."""
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
     from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.base.config_io import resolved_config_text
 from multitoken.base.errors import UsageError
 from multitoken.base.outputs import claim_output
@@ -70,7 +70,7 @@ def head_options(args) -> dict:
 def run(args) -> None:
     from multitoken.adapters.registry import make_config  # lazy: torch
 
-    from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
+    from multitoken.pipeline.model.loading import load_backbone  # lazy: torch
     from multitoken.pipeline.model.model import MultiTokenModel  # lazy: torch
 
     cfg = dataclass_from_args(AttachConfig, args)

@@ -19,7 +19,7 @@ from multitoken.base.outputs import RECIPE, claim_output
 from multitoken.base.publish import claim_work
 from multitoken.pipeline.cli import add_command, threads_for_batches
 from multitoken.pipeline.cli.args import dataclass_from_args
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.train.recipe import RecipeConfig
 
 CONFIG = "report/build_config.json"
@@ -32,7 +32,7 @@ def register(sub) -> None:
 def run(args) -> None:
     import torch  # lazy: torch
 
-    from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
+    from multitoken.pipeline.model.loading import load_backbone  # lazy: torch
     from multitoken.pipeline.train.recipe import _barrier, build, join_ranks, validate  # lazy: torch
 
     cfg = dataclass_from_args(RecipeConfig, args)

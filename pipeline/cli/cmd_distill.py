@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.train.distill import DistillConfig
 from multitoken.base.config_io import save_resolved_config
 from multitoken.base.outputs import CONFIG_SUFFIX, CORPUS, add_overwrite_flag, claim_file
@@ -22,7 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
+    from multitoken.pipeline.model.loading import load_backbone  # lazy: torch
     from multitoken.pipeline.train.distill import distill, validate  # lazy: torch
 
     cfg = dataclass_from_args(DistillConfig, args)

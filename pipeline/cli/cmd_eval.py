@@ -28,7 +28,7 @@ LENS_PNG = "logit_lens.png"
 
 def register(sub) -> None:
     from multitoken.pipeline.eval.evaluate import EvalConfig  # lazy: torch
-    from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
+    from multitoken.pipeline.model.loading import BackboneConfig  # lazy: torch
 
     parser = add_command(sub, "eval", EvalConfig, BackboneConfig, DataConfig, run=run)
     base_from_heads(parser)
@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from multitoken.pipeline.eval.evaluate import EvalConfig  # lazy: torch
-    from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
+    from multitoken.pipeline.model.loading import BackboneConfig  # lazy: torch
 
     cfg = dataclass_from_args(EvalConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from dataclasses import dataclass, field
 
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.embedded import shipped, shipped_heads
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import config_dict, save_resolved_config

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.base.config_io import resolved_config_text
 from multitoken.base.errors import UsageError
 from multitoken.base.outputs import claim_output
@@ -39,7 +39,7 @@ def run(args) -> None:
     if not bb_cfg.base:
         raise UsageError("import needs --base", "pass the base model the Medusa heads were trained for")
     with claim_output(cfg.out, "heads", overwrite=cfg.overwrite, inputs=(cfg.checkpoint, bb_cfg.base)) as out:
-        from multitoken.pipeline.model.backbone import load_backbone  # lazy: torch
+        from multitoken.pipeline.model.loading import load_backbone  # lazy: torch
         from multitoken.pipeline.model.export_medusa import heads_from_checkpoint, read_medusa  # lazy: torch
 
         ckpt = read_medusa(cfg.checkpoint)  # checked before the (slow) base load

@@ -36,7 +36,7 @@ FILES = ("sweep.json", "sweep.csv", "sweep.png")
 
 def register(sub) -> None:
     from multitoken.pipeline.eval.sweep import SweepConfig  # lazy: torch
-    from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
+    from multitoken.pipeline.model.loading import BackboneConfig  # lazy: torch
 
     parser = add_command(sub, "sweep", SweepConfig, BackboneConfig, run=run)
     base_from_heads(parser)
@@ -45,7 +45,7 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from multitoken.pipeline.eval.sweep import SweepConfig  # lazy: torch
-    from multitoken.pipeline.model.backbone import BackboneConfig  # lazy: torch
+    from multitoken.pipeline.model.loading import BackboneConfig  # lazy: torch
 
     cfg = dataclass_from_args(SweepConfig, args)
     bb_cfg = dataclass_from_args(BackboneConfig, args)

@@ -35,7 +35,7 @@ from multitoken.decoding.engine import generate
 from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 from multitoken.kernels import cpu_features
 from multitoken.kernels.cpu_linear import CPU_LINEARS, ROWS
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.stats.table import CooccurrenceTable
 

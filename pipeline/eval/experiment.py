@@ -34,7 +34,7 @@ from multitoken.pipeline.eval.benchmark import FIXTURES, REPO, git_commit, load_
 from multitoken.pipeline.eval.benchmark import command as command_line
 from multitoken.pipeline.eval.evaluate import EvalConfig, evaluate
 from multitoken.pipeline.eval.plotting import pyplot, save_figure  # pyplot: the scripts draw through it
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.train.distill import DistillConfig, distill
 from multitoken.pipeline.train.train import train

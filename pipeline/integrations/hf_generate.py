@@ -34,7 +34,8 @@ from multitoken.decoding.engine import generate_batch, prompt_rows
 from multitoken.decoding.config import DecodeConfig
 from multitoken.embedded import cache_dir, resolve_base
 from multitoken.pipeline.sources.assets import load_stats
-from multitoken.pipeline.model.backbone import Backbone, BackboneConfig
+from multitoken.pipeline.model.backbone import Backbone
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.kernels.cpu_linear import STOCK
 from multitoken.pipeline.model.model import MultiTokenModel
 

@@ -25,7 +25,8 @@ import torch
 from multitoken.adapters.registry import config_from_dict
 
 from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE
-from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, fingerprints_match, load_backbone
+from multitoken.pipeline.model.backbone import Backbone, fingerprints_match
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.embedded import portable_base
 from multitoken.base.dtypes import DTYPES
 from multitoken.base.errors import CheckpointError, MismatchError, UsageError

@@ -17,7 +17,8 @@ from multitoken.adapters.base import DEFAULT_CHUNK, Features, LossOutput
 from multitoken.adapters.registry import build_head, make_config
 
 from multitoken.kernels import cpu_linear
-from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import Backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.draft_vocab import DraftUnembedding, read_ranking, resolve_size
 from multitoken.pipeline.model.heads_io import load_heads, save_heads
 from multitoken.pipeline.runtime.incremental import new_caches, next_ids, step

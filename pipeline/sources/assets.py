@@ -7,7 +7,7 @@ from pathlib import Path
 
 from multitoken.embedded import EMBEDDED_HEADS, default_base, shipped
 from multitoken.base.errors import UsageError
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.heads_io import read_heads_config
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.stats.table import CooccurrenceTable

@@ -30,7 +30,7 @@ from multitoken.base.finite import describe, non_finite
 from multitoken.base.packing import PackedStream, PackPosition, take_sequences
 from multitoken.pipeline.train.trainer_config import TrainConfig, validate
 from multitoken.base.config_io import resolved_config_text
-from multitoken.pipeline.model.backbone import LoraSpec, load_backbone
+from multitoken.pipeline.model.loading import LoraSpec, load_backbone
 from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, ranking_record
 from multitoken.pipeline.model.heads_io import read_heads_config
 from multitoken.pipeline.model.model import MultiTokenModel

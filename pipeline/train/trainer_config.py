@@ -20,7 +20,7 @@ from multitoken.base.dtypes import DTYPES
 from multitoken.base.errors import UsageError
 from multitoken.base.threads import THREADS_BATCHES, threads_field
 from multitoken.embedded import BASE_FORMS
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 
 MODES = ("heads", "joint", "warmup")
 SCHEDULES = ("cosine", "constant")

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from multitoken.base.quiet import quiet_dependencies
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
 
 KEEP = ("rank_accuracy.json", "draft_vocab.json")

@@ -18,7 +18,7 @@ def small_config(head_type: str, n_future: int = 3, **options):
 
 @pytest.fixture(scope="session")
 def tiny_backbone(tiny_model_dir):
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     return load_backbone(BackboneConfig(base=str(tiny_model_dir)))
 

@@ -12,7 +12,7 @@ import torch
 
 from multitoken.adapters.base import shifted_targets
 from multitoken.adapters.registry import make_config
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 
 VOCAB = 6

@@ -101,7 +101,7 @@ def test_reduced_vocabulary_round_trips(tiny_backbone, tmp_path):
 def test_training_learns_the_bases_next_tokens(tiny_llama_dir, targets):
     """A few AdamW steps on one batch of a tiny Llama: every draft step's loss falls, and each
     step's top-1 agreement with the base's own argmax there ends far above chance (1 / 512)."""
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     backbone = load_backbone(BackboneConfig(base=str(tiny_llama_dir)))
     torch.manual_seed(0)

@@ -78,7 +78,7 @@ def _damage(root: Path, data) -> None:
 
 @pytest.fixture(scope="module")
 def backbone():
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
     from multitoken.embedded import DEFAULT_BASE
 
     return load_backbone(BackboneConfig(base=str(DEFAULT_BASE)))

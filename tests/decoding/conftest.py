@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from multitoken.adapters.registry import registered_heads
-from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import Backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 
 HEAD_OPTIONS = {"cp": {"rank": 3}, "replicated": {"init": "random"}, "conditioned": {"init": "random"}, "whs": {"init": "random"}}

@@ -14,7 +14,7 @@ from multitoken.decoding.engine import generate_batch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.decoding.drafts import Drafts, independent_drafts
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
 from .conftest import RatioTable, attach
 from .test_exactness import exact_pairs, hf_greedy, merge_small_cells

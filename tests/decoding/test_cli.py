@@ -13,7 +13,7 @@ from .conftest import attach
 
 @pytest.fixture(scope="module")
 def heads_dir(tmp_path_factory, stories_dir):
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     out = tmp_path_factory.mktemp("heads") / "medusa"
     attach(load_backbone(BackboneConfig(base=str(stories_dir))), "medusa", n_future=3).save_heads(out)

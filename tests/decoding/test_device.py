@@ -28,7 +28,7 @@ from multitoken.decoding.dynamo import head_candidates
 from multitoken.decoding.sampling import Sampler, penalised_logits, processed_probs, rows_seen, top_probs, with_tokens
 from multitoken.decoding.trace import Trace
 from multitoken.decoding.trees import fallback_accuracies
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.draft_vocab import read_ranking
 
 from ..conftest import rank_odd_tokens

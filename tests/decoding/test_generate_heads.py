@@ -16,7 +16,7 @@ from .conftest import attach
 
 @pytest.fixture(scope="module")
 def pythia_heads(tmp_path_factory, pythia_mini_dir):
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     out = tmp_path_factory.mktemp("heads") / "pythia"
     attach(load_backbone(BackboneConfig(base=str(pythia_mini_dir))), "medusa", n_future=2).save_heads(out)
@@ -25,7 +25,7 @@ def pythia_heads(tmp_path_factory, pythia_mini_dir):
 
 @pytest.fixture(scope="module")
 def four_heads(tmp_path_factory):
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     out = tmp_path_factory.mktemp("heads") / "four"
     attach(load_backbone(BackboneConfig(base=str(DEFAULT_BASE))), "medusa", n_future=4).save_heads(out)
@@ -88,7 +88,7 @@ def test_negative_threads_fail_clearly(capsys):
 
 
 def test_library_loads_leave_torch_threads_alone_unless_asked():
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     torch.set_num_threads(2)
     load_backbone(BackboneConfig())  # threads None: the caller's setting stays

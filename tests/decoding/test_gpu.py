@@ -14,7 +14,8 @@ from scipy.stats import chisquare
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.decoding.drafts import Drafts
-from multitoken.pipeline.model.backbone import Backbone, BackboneConfig, load_backbone
+from multitoken.pipeline.model.backbone import Backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
 from .conftest import RatioTable, attach, build_small_vocab
 from .test_exactness import PROMPTS, exact_pairs, merge_small_cells, sampled_pairs

@@ -12,7 +12,7 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_linear
 from multitoken.pipeline.runtime import unembed_plan
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.runtime.unembed_plan import LINEAR, TRANSPOSED, UnembedPlan, fixed_plan, plan_for
 
 from .conftest import attach

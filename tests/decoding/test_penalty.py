@@ -40,7 +40,7 @@ def test_trace_records_the_penalty_in_force(tiny_backbones, greedy, expected):
 
 @pytest.fixture(scope="module")
 def stories_model(stories_dir):
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     return attach(load_backbone(BackboneConfig(base=str(stories_dir))), "medusa", n_future=1)
 

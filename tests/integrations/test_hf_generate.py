@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from multitoken.base.errors import UsageError
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.integrations.hf_generate import with_heads
 from multitoken.pipeline.model.model import MultiTokenModel
 

@@ -14,7 +14,7 @@ from torch import nn
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_features, cpu_linear
-from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, LoraSpec, load_backbone
 from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.pipeline.model.model import MultiTokenModel
 

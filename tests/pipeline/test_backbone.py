@@ -7,9 +7,8 @@ import json
 import pytest
 import torch
 
-from multitoken.pipeline.model.backbone import (
-    ARCHITECTURES, BackboneConfig, LoraSpec, fingerprints_match, load_backbone,
-)
+from multitoken.pipeline.model.backbone import ARCHITECTURES, fingerprints_match
+from multitoken.pipeline.model.loading import BackboneConfig, LoraSpec, load_backbone
 from multitoken.base.tokenizer import tokenizer_fingerprint
 from multitoken.base.errors import CheckpointError, UnsupportedModelError, UsageError
 
@@ -113,7 +112,7 @@ def test_our_model_load_is_quiet_and_leaves_the_callers_logging_as_it_was(capfd)
     global switch on import, the caller's progress-bar and verbosity settings restored after."""
     from transformers.utils import logging as hf_logging
 
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     hf_logging.enable_progress_bar()
     verbosity = hf_logging.get_verbosity()

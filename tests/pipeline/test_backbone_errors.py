@@ -164,7 +164,7 @@ def test_quantized_test_models_fit_every_kernel(tiny_neox_q_dir, tiny_llama_q_di
 
 
 def test_partially_quantized_backbone_matches_its_plan_and_runs(stories_dir):
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     bb = load_backbone(BackboneConfig(base=str(stories_dir), quantization="4bit"))
     expected = plan(_config(stories_dir), "4bit", "cpu")
@@ -185,7 +185,7 @@ def test_a_base_with_a_nan_weight_is_refused_in_one_line(tiny_llama_dir, tmp_pat
     from safetensors.torch import load_file, save_file
 
     from multitoken.base.errors import CheckpointError
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     base = tmp_path / "damaged"
     shutil.copytree(tiny_llama_dir, base)
@@ -209,7 +209,7 @@ def test_a_fetched_folder_whose_files_changed_is_refused_in_one_line(tiny_llama_
 
     from multitoken.base.errors import CheckpointError
     from multitoken.base.weight_files import CONVERSION, files_record
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     base = tmp_path / "fetched"
     shutil.copytree(tiny_llama_dir, base)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.cli import main
 from multitoken.base.data import DataConfig, iter_documents
 from multitoken.pipeline.train.distill import DistillConfig, distill

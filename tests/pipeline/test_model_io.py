@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from multitoken.adapters.registry import make_config, registered_heads
-from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, LoraSpec, load_backbone
 from multitoken.base.errors import CheckpointError, MismatchError, UsageError
 from multitoken.pipeline.model.model import MultiTokenModel
 

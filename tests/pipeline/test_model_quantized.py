@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from multitoken.adapters.registry import make_config
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.model.quantization import packed_cpu_4bit
 

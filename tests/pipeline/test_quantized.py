@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ..conftest import fixture_path
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
 POSITIONS = 400
 # Measured here on pythia-mini over these 400 positions: 8-bit 0.9975, 4-bit 0.980 top-1 agreement.

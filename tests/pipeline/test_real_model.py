@@ -18,7 +18,7 @@ from multitoken.base.errors import CheckpointError, UsageError
 from multitoken.decoding.engine import generate as generate_rows
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.sources.fetch import MODELS, fetch, sha256
 from multitoken.pipeline.model.model import MultiTokenModel
 

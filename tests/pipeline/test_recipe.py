@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from multitoken.pipeline.cli import main
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.train import recipe_data
 
@@ -66,7 +66,7 @@ def test_every_head_type_is_a_heads_dir_measured_on_held_out_text(built):
 
 def test_continuations_are_the_bases_greedy_text(built):
     """A greedy shard row is the base's own greedy continuation of its prompt (transformers')."""
-    from multitoken.pipeline.model.backbone import load_backbone
+    from multitoken.pipeline.model.loading import load_backbone
 
     bb = load_backbone(BackboneConfig(cpu_linear="stock"))
     held = recipe_data.read_shards(built / "distill" / "heldout")

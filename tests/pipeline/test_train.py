@@ -12,7 +12,7 @@ from multitoken.pipeline.train import train as train_mod
 from multitoken.adapters.registry import registered_heads
 from multitoken.base.data import DataConfig
 from multitoken.base.errors import DataError
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.train.train import train
 
 

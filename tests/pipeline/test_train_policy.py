@@ -11,7 +11,7 @@ from .train_helpers import make_heads_dir, train_cfg
 from multitoken.adapters.base import LossOutput
 from multitoken.pipeline.train import optim
 from multitoken.base.errors import UsageError
-from multitoken.pipeline.model.backbone import BackboneConfig
+from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.train.trainer_config import validate
 
 
@@ -21,7 +21,7 @@ def heads_dir(tiny_llama_dir, tmp_path_factory):
 
 
 def _model(tiny_llama_dir, heads_dir, lora: bool):
-    from multitoken.pipeline.model.backbone import BackboneConfig, LoraSpec, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, LoraSpec, load_backbone
     from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(0)

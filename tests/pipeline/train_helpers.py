@@ -23,7 +23,7 @@ def phrase_corpus(path: Path, docs: int = 60, seed: int = 0) -> Path:
 
 
 def make_heads_dir(base: Path, out: Path, n: int = 3, head_type: str = "replicated", seed: int = 0, **options) -> Path:
-    from multitoken.pipeline.model.backbone import BackboneConfig, load_backbone
+    from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
     from multitoken.pipeline.model.model import MultiTokenModel
 
     torch.manual_seed(seed)

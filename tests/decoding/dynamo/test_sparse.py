@@ -185,7 +185,7 @@ def test_kernel_setting_is_checked(monkeypatch):
 
 @pytest.fixture(scope="module")
 def embedded():
-    from multitoken.pipeline.model.backbone import BackboneConfig
+    from multitoken.pipeline.model.loading import BackboneConfig
     from multitoken.embedded import DEFAULT_BASE, EMBEDDED_HEADS, EMBEDDED_STATS
     from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.stats.table import CooccurrenceTable
