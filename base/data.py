@@ -15,13 +15,13 @@ split whose keyword its folder names, or else its file name, contain as a word (
 folder without such names, a single file or a glob is all ``train``: another ``--split`` is
 refused. A ``X.jsonl`` beside ``X.jsonl.zst`` is the same content: the ``.zst`` is read (the
 file as published; its frames reveal a truncated copy, which a decompressed one may be) and
-the ``.jsonl`` is skipped, which ``describe_files`` reports.
+the ``.jsonl`` is skipped, which ``describe_files`` reports. Reading one file by its format:
+``data_formats.py``.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from multitoken.base.data_formats import SUFFIXES, file_rows, json_kind, suffix
 from multitoken.base.errors import DataError, UsageError
 from multitoken.base.hub import looks_like_path, offline_reason  # shared with --base
 
 ID_COLUMNS = ("input_ids", "token_ids", "tokens", "ids")
 TEXT_COLUMNS = ("text", "content")
-SUFFIXES = (".jsonl.zst", ".jsonl", ".json", ".parquet", ".txt")
 TOKENIZE_BATCH = 256
 # datasets' split keywords (data_files.py): a keyword counts as a word bounded by these characters
 SPLIT_KEYWORDS = {
@@ -53,11 +53,6 @@ class DataConfig:
     split: str = field(default="train", metadata={"help": "dataset split: train, validation or test (local folders: files or folders named so, as on the Hub)"})
     column: str | None = field(default=None, metadata={"help": f"text or token-id column (default: the first of {', '.join(ID_COLUMNS + TEXT_COLUMNS)} present)"})
     max_tokens: int | None = field(default=None, metadata={"help": "stop after this many tokens"})
-
-
-def _suffix(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((s for s in SUFFIXES if name.endswith(s)), None)
 
 
 @dataclass
@@ -120,20 +115,20 @@ def local_files(cfg: DataConfig) -> LocalFiles | None:
     spec = cfg.data
     p = Path(spec).expanduser()
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and _suffix(f))
+        files = sorted(f for f in p.rglob("*") if f.is_file() and suffix(f))
         if not files:
             raise DataError(f"directory {spec!r} holds no {', '.join(SUFFIXES)} files", "point --data at the data files")
         files, split = _select_split(p, files, cfg.split, spec)
     elif p.is_file():
-        if not _suffix(p):
+        if not suffix(p):
             raise DataError(f"unsupported file type: {spec!r}", f"use one of {', '.join(SUFFIXES)}")
         files, split = [p], None
     elif any(ch in spec for ch in "*?["):
-        files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if _suffix(Path(f)))
+        files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if suffix(Path(f)))
         if not files:
             raise DataError(f"glob {spec!r} matches no data files", "check the pattern")
         split = None
-    elif looks_like_path(spec) or _suffix(p):  # no Hub retries for a mistyped file name
+    elif looks_like_path(spec) or suffix(p):  # no Hub retries for a mistyped file name
         raise DataError(f"data path {spec!r} not found: no such file or directory",
                         "check the path (--data takes a local file, directory or glob, or a Hub dataset id such as owner/name)")
     else:
@@ -167,83 +162,6 @@ def describe_files(cfg: DataConfig) -> tuple[list[str] | None, list[str]]:
     return [str(f) for f in found.files], lines
 
 
-def _iter_jsonl(lines, name: str) -> Iterator[dict]:
-    """Rows of a jsonl stream (``lines``: its raw byte lines), each a JSON object."""
-    for lineno, raw in enumerate(lines, 1):
-        line = _utf8(raw, f"{name}:{lineno}")
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{name}:{lineno}: not valid JSON ({err.msg})", "each line must be one JSON object") from err
-        if not isinstance(row, dict):
-            raise DataError(f"{name}:{lineno}: holds a JSON {json_kind(row)}, not an object",
-                            'each line must be one JSON object, e.g. {"text": "..."} or {"input_ids": [1, 2, 3]}')
-        yield row
-
-
-def _utf8(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})",
-                        "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from err
-
-
-def json_kind(value) -> str:
-    """The JSON name of a value's type, for messages."""
-    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def _zstd_lines(path: Path) -> Iterator[bytes]:
-    """Byte lines of a ``.zst`` file, every frame. zstandard's stream reader ends quietly at
-    a cut inside a frame ("no rows"); a frame left unfinished here says truncated."""
-    import zstandard
-
-    dctx, tail = zstandard.ZstdDecompressor(), b""
-    obj, mid_frame = dctx.decompressobj(), False
-    try:
-        with open(path, "rb") as raw:
-            while chunk := raw.read(1 << 20):
-                while chunk:
-                    mid_frame = True
-                    tail += obj.decompress(chunk)
-                    chunk = b""
-                    if obj.eof:  # the next frame starts in what this one left over
-                        chunk, obj, mid_frame = obj.unused_data, dctx.decompressobj(), False
-                    *lines, tail = tail.split(b"\n")
-                    yield from lines
-    except zstandard.ZstdError as err:
-        raise DataError(f"{path}: corrupt zstd stream ({err})", "re-download or re-compress the file") from err
-    if mid_frame:
-        raise DataError(f"{path}: truncated or corrupt zstd file (it ends inside a frame)",
-                        "re-download the file, or re-compress it with zstd")
-    if tail:
-        yield tail
-
-
-def _iter_file_rows(path: Path) -> Iterator[dict]:
-    kind = _suffix(path)
-    if kind == ".txt":
-        yield {"text": _utf8(path.read_bytes(), str(path))}
-    elif kind in (".jsonl", ".json"):
-        with open(path, "rb") as fh:
-            yield from _iter_jsonl(fh, str(path))
-    elif kind == ".jsonl.zst":
-        yield from _iter_jsonl(_zstd_lines(path), str(path))
-    elif kind == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            pf = pq.ParquetFile(path)
-        except Exception as err:  # pyarrow raises several unrelated types for bad files
-            raise DataError(f"{path}: unreadable parquet file ({err})") from err
-        for batch in pf.iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
-
-
 def count_files(cfg: DataConfig) -> int:
     """How many files the corpus is read from: local files, or a Hub dataset's data files (the
     streamed dataset's shards). ``iter_rows(files=...)`` reads a contiguous group of them."""
@@ -258,7 +176,7 @@ def iter_rows(cfg: DataConfig, files: tuple[int, int, int] | None = None) -> Ite
     found = local_files(cfg)
     if found is not None:
         for f in _file_group(found.files, files, cfg):
-            yield from _iter_file_rows(f)
+            yield from file_rows(f)
         return
     ds = _open_hub(cfg)
     if files is None:

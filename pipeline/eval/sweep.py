@@ -47,7 +47,7 @@ from multitoken.pipeline.eval.speedup import acceptance_from_tokens, draft_cost_
 from multitoken.decoding.config import DYNAMO_PENALTY, DecodeConfig
 from multitoken.decoding.engine import generate, generate_batch
 from multitoken.base.config_io import expand_range, nested
-from multitoken.base.data import json_kind
+from multitoken.base.data_formats import json_kind
 from multitoken.base.errors import DataError, UsageError
 from multitoken.pipeline.sources.assets import NO_STATS
 
