@@ -6,6 +6,7 @@ LICENSE file beside it), converted to a Hugging Face checkpoint by ``multitoken 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from multitoken.base.errors import UsageError
@@ -94,34 +95,50 @@ def portable_base(name: str) -> str:
     return name
 
 
-def shipped_assets(name: str) -> tuple[Path, Path, Path] | None:
-    """``(heads, stats, drafting heads)`` the package ships for the base ``name`` (the embedded
-    default, or the fetched SmolLM2 checkpoint), None for any other base: they fit no other. The
-    drafting heads serve the modes whose drafts the base verifies: for SmolLM2 its
-    token-conditioned heads (held-out top-1 0.565 / 0.370 against the replicated heads' 0.463 /
-    0.297; greedy chains on DynaMo's Table 7 prompts, 128 tokens: 1.81 against 1.62 tokens per
-    forward); the replicated ones serve DynaMo, whose text repeats less with them."""
+@dataclass(frozen=True)
+class ShippedAssets:
+    """The directories the package ships for one base."""
+
+    heads: Path  # the heads of every mode that has no heads of its own (DynaMo's)
+    stats: Path  # co-occurrence stats of the base's tokenizer
+    drafting_heads: Path  # the heads of the modes whose drafts the base verifies
+
+
+def shipped_assets(name: str) -> ShippedAssets | None:
+    """What the package ships for the base ``name`` (the embedded default, or the fetched
+    SmolLM2 checkpoint), None for any other base: they fit no other. SmolLM2's drafting heads
+    are its token-conditioned ones, which draft more accurately and so get more tokens
+    accepted per forward; its replicated ones serve DynaMo, whose text repeats less with them
+    (the shipped heads' accuracies: docs/training.md)."""
     path = Path(resolve_base(str(name))).expanduser()
     if not path.exists():
         return None
     if path.resolve() == DEFAULT_BASE:
-        return EMBEDDED_HEADS, EMBEDDED_STATS, EMBEDDED_HEADS
+        return ShippedAssets(heads=EMBEDDED_HEADS, stats=EMBEDDED_STATS, drafting_heads=EMBEDDED_HEADS)
     if path.resolve() == fetched_dir(SMOLLM2).resolve():
-        return SMOLLM2_HEADS, SMOLLM2_STATS, SMOLLM2_CONDITIONED
+        return ShippedAssets(heads=SMOLLM2_HEADS, stats=SMOLLM2_STATS, drafting_heads=SMOLLM2_CONDITIONED)
     return None
 
 
-def shipped(name: str, which: int) -> str | None:
-    """The heads (0), stats (1) or drafting heads (2) directory shipped for the base ``name``,
-    when the package holds it; None for any other base."""
+def _present(path: Path | None) -> str | None:
+    """``path`` as a string when the package holds that directory, else None."""
+    return str(path) if path is not None and path.is_dir() else None
+
+
+def shipped_stats(name: str) -> str | None:
+    """The stats directory shipped for the base ``name``; None for any other base."""
     assets = shipped_assets(name)
-    return str(assets[which]) if assets and assets[which].is_dir() else None
+    return _present(assets.stats if assets else None)
 
 
 VERIFYING_MODES = ("speculative", "typical")  # modes whose drafts the base verifies
 
 
-def shipped_heads(name: str, mode: str) -> str | None:
-    """The heads shipped for the base ``name`` to decode in ``mode`` (``shipped_assets``)."""
-    return shipped(name, 2 if mode in VERIFYING_MODES else 0)
+def shipped_heads(name: str, mode: str | None = None) -> str | None:
+    """The heads shipped for the base ``name`` to decode in ``mode`` (None: DynaMo's, the
+    heads of every mode without its own); None for any other base."""
+    assets = shipped_assets(name)
+    if assets is None:
+        return None
+    return _present(assets.drafting_heads if mode in VERIFYING_MODES else assets.heads)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 
 from multitoken.pipeline.model.loading import BackboneConfig
-from multitoken.embedded import shipped, shipped_heads
+from multitoken.embedded import shipped_heads, shipped_stats
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import config_dict, save_resolved_config
 from multitoken.base.errors import UsageError
@@ -126,7 +126,7 @@ def run(args) -> None:
     fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
     base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
     model, heads = _load(cfg, base_cfg, decode.mode)
-    stats = cfg.stats or shipped(base_cfg.base, 1)
+    stats = cfg.stats or shipped_stats(base_cfg.base)
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
                     max_order=stats_order_cap(decode, model.n_future, table, False))
@@ -181,7 +181,7 @@ def _generate_file(cfg: GenerateConfig, decode, base_cfg: BackboneConfig, texts:
     from multitoken.decoding.config import check_context, stats_order_cap  # lazy: torch
 
     model, heads = _load(cfg, base_cfg, decode.mode)
-    stats = cfg.stats or shipped(base_cfg.base, 1)
+    stats = cfg.stats or shipped_stats(base_cfg.base)
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,
                     max_order=stats_order_cap(decode, model.n_future, table, False))

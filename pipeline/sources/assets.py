@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from multitoken.embedded import EMBEDDED_HEADS, default_base, shipped
+from multitoken.embedded import EMBEDDED_HEADS, default_base, shipped_heads, shipped_stats
 from multitoken.base.errors import UsageError
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.heads_io import read_heads_config
@@ -20,14 +20,14 @@ NO_STATS = "none"
 
 def default_heads(base: str | None = None) -> str | None:
     """The trained heads the package ships for ``base`` (None: the embedded default), else None."""
-    heads = shipped(base, 0) if base else str(EMBEDDED_HEADS)
+    heads = shipped_heads(base) if base else str(EMBEDDED_HEADS)
     return heads if heads and (Path(heads) / "heads_config.json").is_file() else None
 
 
 def default_stats(backbone) -> str | None:
     """The stats shipped for this base (the embedded default, the fetched SmolLM2), else None:
     another tokenizer would not match."""
-    return shipped(backbone.name, 1)
+    return shipped_stats(backbone.name)
 
 
 def backbone_config(heads: str | None, base: str | None = None, **fields):

@@ -80,3 +80,15 @@ def test_the_default_heads_follow_the_mode_on_the_fetched_smollm2(tmp_path, monk
         assert embedded.shipped_heads(f"fetched:{embedded.SMOLLM2}", mode) == str(heads)
         assert embedded.shipped_heads(embedded.default_base(), mode) == str(HEADS)
     assert embedded.shipped_heads(str(tmp_path), "speculative") is None
+    assert embedded.shipped_heads(f"fetched:{embedded.SMOLLM2}") == str(embedded.SMOLLM2_HEADS)  # no mode: DynaMo's
+
+
+def test_the_shipped_stats_follow_the_base(tmp_path, monkeypatch):
+    """Each base takes the stats of its own tokenizer; another base takes none."""
+    from multitoken import embedded
+
+    monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path))
+    embedded.fetched_dir(embedded.SMOLLM2).mkdir(parents=True)
+    assert embedded.shipped_stats(embedded.default_base()) == str(embedded.EMBEDDED_STATS)
+    assert embedded.shipped_stats(f"fetched:{embedded.SMOLLM2}") == str(embedded.SMOLLM2_STATS)
+    assert embedded.shipped_stats(str(tmp_path)) is None
