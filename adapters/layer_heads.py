@@ -34,7 +34,8 @@ class LayerHeads(HeadAdapter):
         return {name for name, _ in self.named_parameters() if name.startswith("layers.")}
 
     # Training recomputes each head layer in backward instead of keeping its activations, so
-    # memory does not grow with n; a layer forward costs ~1% of the head's unembedding.
+    # memory does not grow with n; the recomputed layer is small beside the head's unembedding,
+    # which dominates what a head costs.
     checkpoint_layers = True
 
     def run_head_layer(self, layer: nn.Module, inp: torch.Tensor, feats: Features, cache=None) -> torch.Tensor:

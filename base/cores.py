@@ -18,7 +18,7 @@ def usable_cores() -> int:
 def bounded_by_cores(count: int, flag: str, what: str, cores: int | None = None) -> int:
     """``count`` (threads or processes ``flag`` asks for), at most the usable cores; past them,
     one warning line on stderr says so (``what``: what the count is, e.g. "worker processes").
-    More than one per core only wait on each other: --threads 10000 on 2 cores ran 3000x slower."""
+    More than one per core only wait on each other, and each one more slows every step."""
     cores = cores or usable_cores()
     if count <= cores:
         return count

@@ -141,7 +141,7 @@ def local_files(cfg: DataConfig) -> LocalFiles | None:
 
 
 def check_hub_reachable(cfg: DataConfig) -> None:
-    """A streamed Hub dataset needs the Hub: say so at once (no ~25 s of retries)."""
+    """A streamed Hub dataset needs the Hub: say so at once, not after the library's retries."""
     offline = offline_reason()
     if offline is not None:
         raise DataError(f"{cfg.data!r} is not a local path, and the Hub dataset of that name cannot be streamed: "

@@ -1,13 +1,12 @@
 """``--threads``: torch's CPU threads for the commands that run a model, and their defaults.
 
 The defaults live here, and only here. 0 means torch's own default (one thread per core, or
-OMP_NUM_THREADS). Measured with ``scripts/bench_threads.py`` on our 2-core machine kind (quiet,
-best of 2 interleaved repetitions, tokens/s at 1 / 2 threads): one sequence -- stories260K
-speculative greedy (``generate``'s default mode) 1080 / 992, ar 716 / 769; pythia-mini ar 146 /
-150 -- so ``generate`` and ``sweep`` default to one thread (the fastest for the default mode,
-within 7% elsewhere, and steadier timings on a shared machine); batches -- training steps 10.1k /
-16.7k (stories260K) and 676 / 1174 (pythia-mini) -- so ``train``, ``eval``, ``distill`` and
-``attach`` (and ``build-heads``) keep torch's default (one thread per core). ``THREADS_RULE`` says so in each --help.
+OMP_NUM_THREADS). Decoding one sequence is a chain of small matmuls that a second thread hardly
+shortens (in the default mode, not at all) and makes noisier on a shared machine, so ``generate``
+and ``sweep`` default to one thread; a batch (a training step) has work enough for every core,
+so ``train``, ``eval``, ``distill`` and ``attach`` (and ``build-heads``) keep torch's default (one
+thread per core). ``scripts/bench_threads.py`` measures both; ``THREADS_RULE`` says so in each
+--help.
 """
 
 from __future__ import annotations

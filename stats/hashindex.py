@@ -1,7 +1,8 @@
 """Vectorised hash lookups for n-gram counts, built and queried with whole-array numpy ops.
 
 Why not binary search on the sorted key array: a 50^3 mask is 125k dependent searches of
-~24 cache misses each (~150 ms against 10M keys). Two structures instead:
+log2(keys) cache misses each, which would cost more than the forward pass the mask serves. Two
+structures instead:
 
 * ``HashIndex``: open addressing (linear probing) from uint64 keys to uint64 values. Used to
   find an n-gram's *prefix* (all tokens but the last).
@@ -33,7 +34,7 @@ def _fib(x: np.ndarray, shift) -> np.ndarray:
     Top bits: Fibonacci hashing spreads runs of ids evenly only there. Middle bits clump (bits
     29 and up put ids 0..50k, the frequent tokens, on 10k of a 256k-slot block's slots, so
     most lookups probed on). int64 (a view): numpy's fast gather path (uint64 indices take a
-    ~10x slower one), and ``base + home`` stays integer.
+    converting, slower one), and ``base + home`` stays integer.
     """
     return ((np.asarray(x, np.uint64) * GOLDEN) >> shift).view(np.int64)
 
@@ -126,7 +127,7 @@ class PrefixBlockIndex:
         # (and find nothing), so a grid needs no per-row seen/unseen bookkeeping
         self.sentinel = starts.size
         # a block of 2^ceil(log2(3L)) slots: load <= 1/3, so probe runs for absent n-grams
-        # (most cells of a mask grid) stay short; 1/2 costs ~25% more time for ~25% less memory
+        # (most cells of a mask grid) stay short: lookups are the hot path, memory is not
         bits = np.ceil(np.log2(3 * np.maximum(np.append(lengths, 0), 1))).astype(np.int64)
         size = np.int64(1) << bits
         self.mask = size - 1
@@ -204,8 +205,8 @@ class PrefixBlockIndex:
         base, mask = self.base.take(b), self.mask.take(b)
         # PROBE_WINDOW slots per round as one gather (neighbouring slots, mostly one cache line):
         # one round instead of ~8 single-slot rounds of a dozen ops each. Laid out [W, M], not
-        # [M, W]: per-cell values then broadcast along the long axis (numpy is ~10x slower on
-        # an inner axis of 8), and the per-cell reductions run over the short one.
+        # [M, W]: per-cell values then broadcast along the long axis (numpy loops poorly over a
+        # short inner axis), and the per-cell reductions run over the short one.
         off = (slot - base) + np.arange(1, PROBE_WINDOW + 1)[:, None]
         while True:
             found = self.slots.take((off & mask) + base)

@@ -57,9 +57,9 @@ class Job:
 
     @property
     def chunk_tokens(self) -> int:
-        # at most 256k tokens (~40 MB of buffers): processes counting side by side then contend far
-        # less for memory bandwidth (measured here: each keeps 0.92-0.97 of its alone speed,
-        # against 0.56-0.76 with 1M-token chunks), and one process alone is no slower
+        # at most 256k tokens (~40 MB of buffers): processes counting side by side then contend
+        # far less for memory bandwidth than with larger chunks, and one process alone is no
+        # slower (scripts/bench_stats.py measures the job)
         return int(min(max(self.memory_bytes // BYTES_PER_CHUNK_TOKEN, 1024), 1 << 18))
 
     @property

@@ -18,7 +18,7 @@ from multitoken.embedded import BASE_FORMS, EMBEDDED_PREFIX, packaged_dirs, reso
 from multitoken.pipeline.cli.args import add_dataclass_args, set_default
 
 # Subcommand -> (the module whose ``register(subparsers)`` adds it, its one-line help), in
-# --help order. Only the chosen command's module is imported: most import torch (~2 s), which
+# --help order. Only the chosen command's module is imported: most import torch (seconds), which
 # ``multitoken --help`` and a mistyped command should not wait for.
 COMMANDS = {
     "generate": ("multitoken.pipeline.cli.cmd_generate", "generate text from a prompt with multi-token decoding (default: the embedded model)"),

@@ -56,8 +56,8 @@ def score_head(model, i: int, feats, ids: torch.Tensor, k: int | None = None, ch
     """Scores of head ``i`` (0-based, predicting token t+i+1) on ids [B, T].
 
     ``chunk`` = 128 rows: a [128, 50k] float32 block (26 MB) stays under glibc's mmap
-    threshold, so blocks are reused instead of freshly page-faulted (512 rows measured ~40% more
-    wall time on pythia-mini, mostly system time)."""
+    threshold, so blocks are reused instead of freshly page-faulted (larger blocks spend their
+    extra time in the kernel, mapping and faulting fresh pages)."""
     heads, bb = model.heads, model.backbone
     B, T = ids.shape
     generic = single_softmax(heads)

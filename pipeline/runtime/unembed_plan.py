@@ -1,21 +1,21 @@
 """How to unembed R rows of one backbone: in one call or split, and by which matmul form.
 
 Whether R rows cost one row's time depends on the machine, the weight's shape and dtype, and
-the thread count, not on a constant: on a 2-core AMD EPYC (MKL, one thread) a [50304, 768]
-fp32 unembedding takes 1-3 rows at the 1-row rate, a [512, 64] one is all call overhead (one
-call of 9 rows beats two calls of 3 and 2), and bf16 weights (oneDNN, AVX512-BF16) take up to 8
-rows at ~1.1x one row. So the CPU plan measures: the first time a row count is needed, both
-forms (``F.linear`` and ``(W x^T)^T``) are timed on the real weight, interleaved, medians kept,
-and cached per process for (weight, shape, dtype, device, threads). An accelerator reads the
-weight once per call whatever the row count (memory-bound): one call, ``F.linear``, nothing
-measured (nor on ``meta``, which has no values to time).
+the thread count, not on a constant: a wide fp32 unembedding may take a few rows at the one-row
+rate and no more, a tiny one is all call overhead (one call beats several smaller ones), and
+bf16 weights through oneDNN take several rows at about one row's time (what was measured where:
+``scripts/bench_unembed.py``, docs/benchmarks.md). So the CPU plan measures: the first time a
+row count is needed, both forms (``F.linear`` and ``(W x^T)^T``) are timed on the real weight,
+interleaved, medians kept, and cached per process for (weight, shape, dtype, device, threads).
+An accelerator reads the weight once per call whatever the row count (memory-bound): one call,
+``F.linear``, nothing measured (nor on ``meta``, which has no values to time).
 
 The choice changes the float rounding of logits, never which rows are computed: both forms are
 the same dot products summed in another order (tests bound the difference). Where the head has an
 argmax screen (the rows kernel's ``PackedLinear.argmax``: the logits' argmax bit for bit, mostly
 from a narrower copy), its time is measured beside the logits too, and greedy steps take the screen
-only for the row counts where it is the cheaper: a screen's arithmetic grows with the rows, and on
-an AMD Zen 4 nine rows of SmolLM2's logits on float32 blocks cost less than the int8 screen.
+only for the row counts where it is the cheaper: a screen's arithmetic grows with the rows while
+the logits' read of the weight does not, so past some row count the logits cost less.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def _timer(head: torch.nn.Module, hidden: int, dtype: torch.dtype, device: torch
     forms = (LINEAR, TRANSPOSED) if plain_linear(head) else (LINEAR,)
 
     def run(x: torch.Tensor, form: str):
-        # the screen's argmax against the logits alone: their argmax adds about 1% (a pass over R x V floats)
+        # the screen's argmax against the logits alone: their argmax is one pass over R x V floats,
+        # small beside the unembedding that makes them
         return head.argmax(x) if form == ARGMAX else apply(head, x, form)
 
     @torch.inference_mode()
