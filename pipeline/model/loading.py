@@ -23,7 +23,7 @@ from multitoken.base.tokenizer import load_tokenizer
 from multitoken.base.quiet import quiet_loading
 from multitoken.kernels.cpu_linear import CPU_LINEARS, ROWS
 from multitoken.pipeline.model.backbone import ARCHITECTURES, ArchSpec, Backbone, check_supported
-from multitoken.pipeline.model.quantization import checked_plan
+from multitoken.pipeline.model.quantization import checked_quantized_layers
 
 
 QUANTIZATIONS = ("8bit", "4bit")
@@ -122,7 +122,7 @@ def _load_error(base: str, err: Exception, gguf: str | None = None) -> Checkpoin
 
 
 def _quantization_config(quantization: str, dtype: torch.dtype, skip_modules: list[str] | None = None):
-    """bitsandbytes' config of a quantization ``_quantization_plan`` accepted."""
+    """bitsandbytes' config of a quantization ``_quantized_layers`` accepted."""
     from transformers import BitsAndBytesConfig
 
     if quantization == "8bit":
@@ -131,14 +131,14 @@ def _quantization_config(quantization: str, dtype: torch.dtype, skip_modules: li
                               llm_int8_skip_modules=skip_modules)
 
 
-def _quantization_plan(model_config, config: "BackboneConfig"):
+def _quantized_layers(model_config, config: "BackboneConfig"):
     """The Linear layers bitsandbytes can take on ``config.device``; None without quantization."""
     if config.quantization is None:
         return None
     if config.quantization not in QUANTIZATIONS:
         raise UsageError(f"unknown quantization {config.quantization!r}",
                          f"use one of {', '.join(QUANTIZATIONS)}, or None (omit --quantization) for float weights")
-    return checked_plan(model_config, config.quantization, config.device, str(config.base))
+    return checked_quantized_layers(model_config, config.quantization, config.device, str(config.base))
 
 
 def load_backbone(
@@ -168,17 +168,17 @@ def load_backbone(
         check_base_dir(Path(base))  # pickles refused, safetensors headers checked, before transformers reads
     model_config = read_config(base, hub_kwargs)
     spec = check_supported(model_config.model_type)
-    qplan = _quantization_plan(model_config, config)
+    qlayers = _quantized_layers(model_config, config)
     kwargs: dict = {"dtype": dtype, **hub_kwargs}
-    if qplan is not None:
-        quant = _quantization_config(config.quantization, dtype, qplan.skip_modules())
+    if qlayers is not None:
+        quant = _quantization_config(config.quantization, dtype, qlayers.skip_modules())
         kwargs.update(quantization_config=quant, device_map={"": config.device})
     try:
         with quiet_loading():  # no "Loading weights" bar or load notices; the caller's settings restored after
             model = AutoModelForCausalLM.from_pretrained(base, config=model_config, trust_remote_code=False, **kwargs)
     except (OSError, ValueError, struct.error, EOFError) as err:
         raise _load_error(base, err, hub_kwargs.get("gguf_file")) from err
-    if qplan is None:
+    if qlayers is None:
         model = model.to(config.device)
     if torch.device(config.device).type != "meta":  # a damaged checkpoint fails here, not as garbage text
         check_finite(model.named_parameters(), f"the base {base!r}", "the checkpoint is damaged: restore it, or fetch / download it again")
@@ -187,8 +187,8 @@ def load_backbone(
     name = str(Path(base) / hub_kwargs["gguf_file"]) if "gguf_file" in hub_kwargs else base
     backbone = Backbone(model, load_tokenizer(name), name, config)
     backbone.source_sha256 = source_sha256(base, hub_kwargs)
-    if qplan is not None:
-        backbone.float_layers = dict(qplan.left_float)
+    if qlayers is not None:
+        backbone.float_layers = dict(qlayers.left_float)
     return backbone
 
 

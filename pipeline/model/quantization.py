@@ -53,7 +53,7 @@ def fits_4bit(out_features: int, in_features: int, packed: bool) -> bool:
 
 
 @dataclass
-class QuantizationPlan:
+class QuantizedLayers:
     """The Linear layers to quantize and those left in float, by module name."""
 
     quantized: list[str] = field(default_factory=list)
@@ -75,7 +75,7 @@ class QuantizationPlan:
                 f"{total} linear layers stay in float: {', '.join(groups)}")
 
 
-def plan(model_config, quantization: str, device: str, packed: bool | None = None) -> QuantizationPlan:
+def quantized_layers(model_config, quantization: str, device: str, packed: bool | None = None) -> QuantizedLayers:
     """Which Linear layers of a model with ``model_config`` fit the kernels of ``device``
     (``packed``: assume that CPU kernel is taken or not, instead of asking this machine).
 
@@ -86,7 +86,7 @@ def plan(model_config, quantization: str, device: str, packed: bool | None = Non
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=False)
     output = model.get_output_embeddings()
-    result = QuantizationPlan(default_skips=[n for n, m in model.named_modules() if m is output])
+    result = QuantizedLayers(default_skips=[n for n, m in model.named_modules() if m is output])
     if packed is None:
         packed = packed_cpu_4bit(device)
     packed = packed and quantization == "4bit"
@@ -100,9 +100,9 @@ def plan(model_config, quantization: str, device: str, packed: bool | None = Non
     return result
 
 
-def checked_plan(model_config, quantization: str, device: str, base: str) -> QuantizationPlan:
-    """``plan``, printing one note when some layers stay in float, refusing when none fits."""
-    result = plan(model_config, quantization, device)
+def checked_quantized_layers(model_config, quantization: str, device: str, base: str) -> QuantizedLayers:
+    """``quantized_layers``, printing one note when some layers stay in float, refusing when none fits."""
+    result = quantized_layers(model_config, quantization, device)
     if not result.quantized:
         shapes = sorted({f"{o}x{i}" for o, i in result.left_float.values()})
         raise UsageError(

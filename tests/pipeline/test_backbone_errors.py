@@ -1,6 +1,6 @@
 """Bad ``--base/--device/--quantization`` values from the command line: one error (its line and
 its fix line), no traceback, non-zero exit, before any weight is read; and the quantization
-plan that keeps in float the layers no kernel of this CPU takes."""
+split that keeps in float the layers no kernel of this CPU takes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multitoken.pipeline.model.quantization import fits_4bit, packed_cpu_4bit, plan
+from multitoken.pipeline.model.quantization import fits_4bit, packed_cpu_4bit, quantized_layers
 
 # The Hub as seen from a machine without network: nothing listens on port 9 of this machine, so
 # the probe is refused at once, on every machine, with or without network.
@@ -129,7 +129,7 @@ def test_4bit_that_fits_no_layer_is_refused(tiny_llama_dir):
         assert done.returncode == 0, done.stderr[-3000:]
 
 
-# The plan itself, for both kinds of CPU whatever this one is ------------------------------------
+# The split itself, for both kinds of CPU whatever this one is ------------------------------------
 def _config(path):
     from transformers import AutoConfig
 
@@ -143,31 +143,31 @@ def test_packed_kernel_shape_rule():
     assert not fits_4bit(64, 172, packed=True) and fits_4bit(32, 64, packed=True) and fits_4bit(192, 192, packed=True)
 
 
-def test_plan_of_the_embedded_model(stories_dir):
+def test_quantized_layers_of_the_embedded_model(stories_dir):
     mlp = {f"model.layers.{i}.mlp.{p}": shape for i in range(5)
            for p, shape in (("gate_proj", (172, 64)), ("up_proj", (172, 64)), ("down_proj", (64, 172)))}
-    packed = plan(_config(stories_dir), "4bit", "cpu", packed=True)
+    packed = quantized_layers(_config(stories_dir), "4bit", "cpu", packed=True)
     assert packed.left_float == mlp and len(packed.quantized) == 20
     assert all(n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) for n in packed.quantized)
     skips = packed.skip_modules()
     assert skips[0] == "lm_head" and sorted(skips[1:]) == sorted(n.replace(".", r"\.") for n in mlp)
     for quantization, packed_cpu in (("4bit", False), ("8bit", True), ("8bit", False)):
-        other = plan(_config(stories_dir), quantization, "cpu", packed=packed_cpu)
+        other = quantized_layers(_config(stories_dir), quantization, "cpu", packed=packed_cpu)
         assert other.left_float == {} and len(other.quantized) == 35 and other.skip_modules() is None
 
 
 def test_quantized_test_models_fit_every_kernel(tiny_neox_q_dir, tiny_llama_q_dir, pythia_mini_dir, tiny_llama_dir):
     for path in (tiny_neox_q_dir, tiny_llama_q_dir, pythia_mini_dir):
         for packed in (True, False):
-            assert plan(_config(path), "4bit", "cpu", packed=packed).left_float == {}, path
-    assert plan(_config(tiny_llama_dir), "4bit", "cpu", packed=True).quantized == []  # why they exist
+            assert quantized_layers(_config(path), "4bit", "cpu", packed=packed).left_float == {}, path
+    assert quantized_layers(_config(tiny_llama_dir), "4bit", "cpu", packed=True).quantized == []  # why they exist
 
 
-def test_partially_quantized_backbone_matches_its_plan_and_runs(stories_dir):
+def test_partially_quantized_backbone_matches_its_layer_split_and_runs(stories_dir):
     from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
     bb = load_backbone(BackboneConfig(base=str(stories_dir), quantization="4bit"))
-    expected = plan(_config(stories_dir), "4bit", "cpu")
+    expected = quantized_layers(_config(stories_dir), "4bit", "cpu")
     assert bb.float_layers == expected.left_float
     modules = dict(bb.causal_lm.named_modules())
     assert {type(modules[n]).__name__ for n in expected.quantized} == {"Linear4bit"}
