@@ -4,7 +4,7 @@ Both executors run the same two kinds of task on the same code, so the stats dir
 byte-identical whichever runs them: a map task is ``shard.count_shard`` of one shard (the task
 reads its own input and writes its runs under ``job.out/partials``), a reduce task is
 ``merge.run_range`` of one key range (it reads every run's slice and writes one part); with an
-object-store work dir both go through store.py. The planning (which shards: plan.py, which key
+object-store work dir both go through store.py. The planning (which shards: sharding.py, which key
 ranges) stays in the driver and does not depend on the executor.
 """
 

@@ -1,4 +1,4 @@
-"""The stats job: plan this machine's map tasks (plan.py), count them (locally or on Ray),
+"""The stats job: assign this machine's map tasks (sharding.py), count them (locally or on Ray),
 merge by key range, write the stats dir. ``--shard I/N`` counts only this machine's part;
 ``multitoken stats merge`` joins the parts of all machines, checking they tile the corpus.
 """
@@ -27,7 +27,7 @@ from multitoken.base.errors import CheckpointError, DataError, UsageError
 from .format import FORMAT_VERSION, META_NAME, check_order, check_vocab
 from .executors import EXECUTORS, Executor, check_executor, make_executor, work_path
 from .merge import merge_orders
-from .plan import SHARD_BY, check_tiling, plan_shards
+from .sharding import SHARD_BY, assign_shards, check_tiling
 from .store import fetch_parts as store_fetch_parts
 from .store import join, mirror_shards, remove, shard_names, staging_root
 from .shard import JOB_NAME, Job, Shard, check_runs, list_runs, read_job, shard_dir
@@ -135,7 +135,7 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path | st
     files, lines = describe_files(data)  # also refuses a --split the data does not have
     print("\n".join(lines), file=sys.stderr, flush=True)
     mins = min_counts_per_order(cfg.min_count, cfg.order)
-    shard_by, shards = plan_shards(cfg.shard, cfg.num_proc, cfg.shard_by, data)
+    shard_by, shards = assign_shards(cfg.shard, cfg.num_proc, cfg.shard_by, data)
     if (out / META_NAME).exists():
         meta = _existing_meta(out, overwrite)
         if overwrite:
@@ -153,8 +153,8 @@ def _build_locked(cfg: BuildConfig, data: DataConfig, out: Path, root: Path | st
                 _remove_partials(root, shards, kind=_work_kind(out, root) if isinstance(root, Path) else None)
             return out
     _check_no_foreign_shards(root, shards)
-    plan = {"shard_by": shard_by, "shards": [shard_dir("", s).name for s in shards]}
-    config = resolved_config_text("stats build", cfg, data, extra={"data_files": files, "plan": plan})
+    sharding = {"shard_by": shard_by, "shards": [shard_dir("", s).name for s in shards]}
+    config = resolved_config_text("stats build", cfg, data, extra={"data_files": files, "sharding": sharding})
     if isinstance(root, Path):  # recorded before the job makes them: only then are they ever removed
         claim_work(root, _work_kind(out, root), "stats build", WORK_DIRS)
     if cfg.shard is not None:  # no merge here: the shard's config is published now, beside its partials
@@ -354,7 +354,7 @@ def _meta(jobs: list[dict], ident: dict, order: int, totals: list[int], kept: di
         "distinct": {str(k): v["distinct"] for k, v in kept.items()},
         "count_dtypes": {str(k): v["dtype"] for k, v in kept.items()},
         "min_counts": {str(k + 1): m for k, m in enumerate(mins)},
-        "source": ident["data"],  # no shard plan: the counts do not depend on it (config.json has it)
+        "source": ident["data"],  # no sharding: the counts do not depend on it (config.json has it)
         "data_files": files,
         "package_version": version("multitoken"),
         "job": ident,

@@ -46,7 +46,7 @@ def sum_unigrams(runs: list[Path], vocab_size: int) -> np.ndarray:
     return total
 
 
-def plan_ranges(runs: list[Path], order: int, memory_bytes: int, min_ranges: int, work: Path | str, min_count: int,
+def range_tasks(runs: list[Path], order: int, memory_bytes: int, min_ranges: int, work: Path | str, min_count: int,
                 names: dict[str, str] | None = None) -> list[RangeTask]:
     """Range tasks for one order, sized so one task fits in ``memory_bytes``. ``names``: the run
     paths the tasks read instead of the local ones (URLs of an object-store work dir)."""
@@ -139,7 +139,7 @@ def merge_orders(
     os.replace(tmp, out / "counts1.npy")
     result = {1: {"distinct": int(np.count_nonzero(uni)), "dtype": "uint64"}}
     for k in range(2, order + 1):
-        tasks = plan_ranges(runs, k, memory_bytes, num_proc, work, min_counts[k - 1], names)
+        tasks = range_tasks(runs, k, memory_bytes, num_proc, work, min_counts[k - 1], names)
         if progress:
             progress(f"merging order {k}: {len(tasks)} key ranges")
         if map_ranges is None:

@@ -16,7 +16,7 @@ from multitoken.base.manifest import MANIFEST
 from multitoken.base.data import DataConfig
 from multitoken.base.errors import DataError, UsageError
 from multitoken.stats.job import BuildConfig, make_job, merge
-from multitoken.stats.plan import check_tiling, file_shard, plan_shards
+from multitoken.stats.sharding import assign_shards, check_tiling, file_shard
 from multitoken.stats.shard import Shard, count_shard, list_runs, shard_dir
 
 VOCAB = 50000
@@ -48,7 +48,7 @@ def same_stats(a: Path, b: Path) -> None:
 
 def plan(tmp: Path, corpus: Path, **kw) -> tuple[str, list[Shard]]:
     cfg = BuildConfig(out=str(tmp), **kw)
-    return plan_shards(cfg.shard, cfg.num_proc, cfg.shard_by, DataConfig(data=str(corpus)))
+    return assign_shards(cfg.shard, cfg.num_proc, cfg.shard_by, DataConfig(data=str(corpus)))
 
 
 def test_plan_cuts_by_files_and_tiles_them(tmp_path, corpus):
@@ -57,7 +57,7 @@ def test_plan_cuts_by_files_and_tiles_them(tmp_path, corpus):
     assert plan(tmp_path, corpus / "a.jsonl", num_proc=2)[0] == "documents"  # one file: by documents, as before
     assert plan(tmp_path, corpus, num_proc=2, shard="1/2") == ("files", [Shard(0, 1, 2, 3, 5), Shard(0, 1, 3, 5, 5)])
     with pytest.raises(UsageError, match="--max-tokens"):
-        plan_shards(None, 1, "files", DataConfig(data=str(corpus), max_tokens=10))
+        assign_shards(None, 1, "files", DataConfig(data=str(corpus), max_tokens=10))
     for files in range(1, 8):
         for tasks in range(1, 10):
             shards = [file_shard(s, tasks, files) for s in range(tasks)]
@@ -91,7 +91,7 @@ def test_files_and_documents_give_the_same_bytes(tmp_path, corpus, pattern, num_
     by_files = build_ids(tmp_path, data, "files", VOCAB, num_proc=num_proc, shard_by="files", min_count=(2,))
     same_stats(by_docs, by_files)
     cfg = json.loads((by_files / "config.json").read_text())
-    assert cfg["plan"]["shard_by"] == "files" and len(cfg["plan"]["shards"]) == num_proc
+    assert cfg["sharding"]["shard_by"] == "files" and len(cfg["sharding"]["shards"]) == num_proc
 
 
 def test_manual_file_shards_merge_and_must_tile(tmp_path, corpus):

@@ -11,7 +11,7 @@ import pytest
 from multitoken.base.data import DataConfig
 from multitoken.base.errors import UsageError
 from multitoken.stats.job import BuildConfig, make_job, merge, write_stats
-from multitoken.stats.plan import check_coverage
+from multitoken.stats.sharding import check_coverage
 from multitoken.stats.shard import count_shard, list_runs, shard_dir
 
 from .stats_helpers import PYTHIA_TOKENIZER, arrays_equal, build_ids, write_jsonl_ids, zipf_docs

@@ -1,7 +1,7 @@
 """Which map tasks (shards) a stats job runs, and the check that shards tile the corpus.
 
 ``--shard I/N`` with ``--num-proc P`` makes this machine count tasks ``I*P .. I*P+P-1`` of
-``T = N*P`` (``plan_shards``). A corpus of F > 1 files is cut by files (``--shard-by auto``):
+``T = N*P`` (``assign_shards``). A corpus of F > 1 files is cut by files (``--shard-by auto``):
 with F >= T, task s reads files ``s*F//T .. (s+1)*F//T - 1`` and nothing else; with F < T,
 each file is shared by about T/F tasks, each keeping one residue of its documents. A single
 file (or ``--shard-by documents``, or a ``--max-tokens`` budget) is cut by documents: this
@@ -37,7 +37,7 @@ def parse_shard(spec: str | None) -> tuple[int, int]:
 
 
 def local_shards(shard: tuple[int, int], num_proc: int) -> list[tuple[int, int]]:
-    """The documents plan: this machine's residues ``(I + N*p) mod N*P``."""
+    """Cut by documents: this machine's residues ``(I + N*p) mod N*P``."""
     i, n = shard
     return [(i + n * p, n * num_proc) for p in range(num_proc)]
 
@@ -53,7 +53,7 @@ def file_shard(slot: int, tasks: int, files: int) -> Shard:
     return Shard(slot - lo, hi - lo, f, f + 1, files)
 
 
-def plan_shards(shard: str | None, num_proc: int, shard_by: str, data: DataConfig) -> tuple[str, list[Shard]]:
+def assign_shards(shard: str | None, num_proc: int, shard_by: str, data: DataConfig) -> tuple[str, list[Shard]]:
     """(how the corpus is cut, this machine's map tasks) for ``--shard``, ``--num-proc``,
     ``--shard-by``; see the module docstring."""
     if shard_by not in SHARD_BY:
