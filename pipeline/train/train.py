@@ -241,7 +241,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     model.train(True)  # stock linears (a decoding run may have packed them) before parameters are collected
     for p in model.base_head_parameters():  # head 1's own layer: base weights unless asked for
         p.requires_grad_(cfg.train_base_head)
-    set_backbone_trainable(model, cfg.joint_at(0))
+    set_backbone_trainable(model, cfg.lora_trains_at(0))
     optimizer = torch.optim.AdamW(optim.param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     state: dict = {}
     if cfg.resume and existing:
@@ -254,7 +254,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     if step > cfg.max_steps:  # a finished run stops at max_steps: more is a damaged state or a lowered --max-steps
         raise CheckpointError(f"{existing[-1] / 'state.json'}: step {step} is past --max-steps {cfg.max_steps}",
                               f"resume with --max-steps {step} or more, or delete {existing[-1]} if it is damaged")
-    set_backbone_trainable(model, cfg.joint_at(step))
+    set_backbone_trainable(model, cfg.lora_trains_at(step))
     stream, eval_batches, epoch_start = make_streams(cfg, data, model, state.get("position"))  # checks the position
     if cfg.resume and existing and step == cfg.max_steps and holds_finished(cfg, step):
         return already_finished(cfg, ckpt_root, step, state)
@@ -381,7 +381,7 @@ def _barrier(dist: Dist) -> None:
 def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, history, run) -> None:
     if dist.main:
         state = {"position": position, "epoch_start": epoch_start.to_dict(), "history": history, "stream": _stream_key(cfg, dist),
-                 "mode_phase": "joint" if cfg.joint_at(step) else "heads", "run": run}
+                 "mode_phase": "joint" if cfg.lora_trains_at(step) else "heads", "run": run}
         save_checkpoint(root, step, model, optimizer, state, cfg.keep_checkpoints)
     _barrier(dist)
 

@@ -99,7 +99,7 @@ class TrainConfig:
         out = Path(self.out)
         return out.with_name(out.name + ".checkpoints")
 
-    def joint_at(self, step: int) -> bool:
+    def lora_trains_at(self, step: int) -> bool:
         """Is the backbone's LoRA trained at (0-based) optimizer step ``step``?"""
         return self.mode == "joint" or (self.mode == "warmup" and step >= self.head_warmup_steps)
 
