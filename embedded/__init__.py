@@ -134,11 +134,11 @@ def shipped_stats(name: str) -> str | None:
 VERIFYING_MODES = ("speculative", "typical")  # modes whose drafts the base verifies
 
 
-def shipped_heads(name: str, mode: str | None = None) -> str | None:
-    """The heads shipped for the base ``name`` to decode in ``mode`` (None: DynaMo's, the
-    heads of every mode without its own); None for any other base."""
+def shipped_heads(name: str, drafting: bool = False) -> str | None:
+    """The heads shipped for the base ``name``: its drafting heads for a mode whose drafts the
+    base verifies (``drafting``), else its heads; None for any other base."""
     assets = shipped_assets(name)
     if assets is None:
         return None
-    return _present(assets.drafting_heads if mode in VERIFYING_MODES else assets.heads)
+    return _present(assets.drafting_heads if drafting else assets.heads)
 

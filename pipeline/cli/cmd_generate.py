@@ -18,7 +18,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 
 from multitoken.pipeline.model.loading import BackboneConfig
-from multitoken.embedded import shipped_heads, shipped_stats
+from multitoken.embedded import VERIFYING_MODES, shipped_heads, shipped_stats
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import config_dict, save_resolved_config
 from multitoken.base.errors import UsageError
@@ -54,7 +54,7 @@ def _load(cfg: GenerateConfig, base_cfg: BackboneConfig, mode: str):
     base alone."""
     from multitoken.pipeline.sources.assets import load_base_only, load_model  # lazy: torch
 
-    heads = cfg.heads or shipped_heads(base_cfg.base, mode)
+    heads = cfg.heads or shipped_heads(base_cfg.base, mode in VERIFYING_MODES)
     if heads is None:
         return load_base_only(base_cfg), None
     return load_model(heads, **dataclasses.asdict(base_cfg))

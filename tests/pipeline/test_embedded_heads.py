@@ -77,10 +77,11 @@ def test_the_default_heads_follow_the_mode_on_the_fetched_smollm2(tmp_path, monk
     smollm2.mkdir(parents=True)  # where `multitoken fetch smollm2` converts it (only the path is read here)
     for mode, heads in (("speculative", embedded.SMOLLM2_CONDITIONED), ("typical", embedded.SMOLLM2_CONDITIONED),
                         ("dynamic", embedded.SMOLLM2_HEADS), ("ar", embedded.SMOLLM2_HEADS)):
-        assert embedded.shipped_heads(f"fetched:{embedded.SMOLLM2}", mode) == str(heads)
-        assert embedded.shipped_heads(embedded.default_base(), mode) == str(HEADS)
-    assert embedded.shipped_heads(str(tmp_path), "speculative") is None
-    assert embedded.shipped_heads(f"fetched:{embedded.SMOLLM2}") == str(embedded.SMOLLM2_HEADS)  # no mode: DynaMo's
+        drafting = mode in embedded.VERIFYING_MODES
+        assert embedded.shipped_heads(f"fetched:{embedded.SMOLLM2}", drafting) == str(heads)
+        assert embedded.shipped_heads(embedded.default_base(), drafting) == str(HEADS)
+    assert embedded.shipped_heads(str(tmp_path), True) is None
+    assert embedded.shipped_heads(f"fetched:{embedded.SMOLLM2}") == str(embedded.SMOLLM2_HEADS)  # DynaMo's
 
 
 def test_the_shipped_stats_follow_the_base(tmp_path, monkeypatch):
