@@ -42,7 +42,7 @@ from multitoken.pipeline.eval.benchmark import (PROMPTS, PYTHIA_SHAPES, Bench, a
 from multitoken.pipeline.model.backbone import Backbone
 from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.model.model import MultiTokenModel
-from multitoken.pipeline.runtime.unembed_plan import plan_for
+from multitoken.pipeline.runtime.unembed_costs import costs_for
 from multitoken.stats.table import CooccurrenceTable
 
 
@@ -102,7 +102,7 @@ def bench_model(name, model, heads_label, table, prompts, args) -> dict:
             row["identical_to_hf_greedy"] = r["outputs"] == best["hf_greedy"]["outputs"]
         rows[label] = row
     return {"model": name, "heads": heads_label, "stats": bool(table), "n": n, "prompts": prompts, "sampling": sample,
-            "unembed_plan_ms": unembed_plan_ms(model),
+            "unembed_costs_ms": unembed_costs_ms(model),
             "hf_sample_penalty": "transformers' logit form (logit / penalty if > 0, else x penalty, before temperature and top-k)",
             "methods": rows}
 
@@ -115,12 +115,12 @@ def pythia_shaped(shape: str, device: str, dtype: str, cpu_linear: str) -> Multi
     return model.to(device=device, dtype=getattr(torch, dtype)).eval()  # packed by the first decode
 
 
-def unembed_plan_ms(model) -> dict:
+def unembed_costs_ms(model) -> dict:
     """The unembedding plan this process measured for ``model`` (ms per call, per row count and
     form; empty on an accelerator: one call, nothing measured)."""
     bb = model.backbone
     probe = torch.empty(1, bb.hidden_size, dtype=bb.unembedding.weight.dtype, device=bb.device)
-    return plan_for(bb.unembedding, probe).as_dict()
+    return costs_for(bb.unembedding, probe).as_dict()
 
 
 def step_row(traces: list) -> dict:
@@ -167,7 +167,7 @@ def bench_shapes(args) -> dict:
             row["step_cost_vs_ar"] = row["ms_per_step"] / rows["ar"]["ms_per_step"]
             row["model_cost_vs_ar"] = row["model_ms_per_step"] / rows["ar"]["model_ms_per_step"]
         out[shape if dtype == "float32" else f"{shape}-{dtype}"] = {"model": model.backbone.name, "dtype": dtype,
-                      "unembed_plan_ms": unembed_plan_ms(model),
+                      "unembed_costs_ms": unembed_costs_ms(model),
                       "prompt_tokens": args.shape_prompt, "stats": args.shape_stats, "sampling": sample, "modes": rows}
         del model
     return out

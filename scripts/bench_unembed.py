@@ -1,8 +1,8 @@
 """The multi-row unembedding cliff: ms per call of logits for R rows against a [V, H] weight,
 three ways -- F.linear over all R rows, F.linear in calls of at most 3 rows, and (W @ x^T)^T --
 on pythia-160m / 410m shapes (random fp32 weights: cost only). Decoding no longer relies on a
-fixed rule: pipeline/runtime/unembed_plan.py measures the same forms per backbone, dtype and thread
-count when a row count is first needed (bench_decode.py records that plan).
+fixed rule: pipeline/runtime/unembed_costs.py measures the same forms per backbone, dtype and thread
+count when a row count is first needed (bench_decode.py records those costs).
 
 Where the compiled rows kernel builds (``--cpu-linear rows``, the default), ``rows_kernel`` times its
 logits and ``rows_argmax`` the argmax screen greedy decoding reads instead (the same argmax: an

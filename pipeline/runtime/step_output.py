@@ -11,18 +11,18 @@ import torch
 from multitoken.adapters.base import Features
 from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.pipeline.model.draft_vocab import DraftUnembedding
-from multitoken.pipeline.runtime.unembed_plan import LINEAR, TRANSPOSED, apply, plan_for
+from multitoken.pipeline.runtime.unembed_costs import LINEAR, TRANSPOSED, apply, costs_for
 
 
 def unembed(bb, rows: torch.Tensor) -> torch.Tensor:
-    """Logits of ``rows`` [B, R, H] # -> [B, R, V], in the form the backbone's unembedding plan
-    measured cheaper for B * R rows (``unembed_plan.py``: F.linear, or on the CPU (W x^T)^T for
+    """Logits of ``rows`` [B, R, H] # -> [B, R, V], in the form the backbone's unembedding costs
+    measured cheaper for B * R rows (``unembed_costs.py``: F.linear, or on the CPU (W x^T)^T for
     a plain Linear; one row always through the module). Neither form is bit-identical to
     1-row calls for R > 1 (nor is the other): the logits agree to float rounding, which is all
     the greedy argmax of a model's own forward can promise."""
     head = bb.unembedding
     flat = rows.reshape(-1, rows.shape[-1])  # [B * R, H]
-    if plan_for(head, flat).form(flat.shape[0]) == LINEAR:
+    if costs_for(head, flat).form(flat.shape[0]) == LINEAR:
         return head(rows)  # the module itself, as transformers computes logits
     return apply(head, flat, TRANSPOSED).reshape(*rows.shape[:-1], -1)
 
@@ -32,7 +32,7 @@ class StepOutput:
     rows the decoder reads are unembedded: the base after every position (verification reads all
     of them, argmax decoding the last) and the layer heads at one position (the anchor the next
     proposal starts from, known only after acceptance). When one call over the base and head
-    rows at every position costs no more than two calls (the unembedding plan: on an
+    rows at every position costs no more than two calls (the unembedding's costs: on an
     accelerator always; on the CPU measured per shape, dtype and threads) they go in one call;
     otherwise the base rows go first and the head rows at the anchor in a second call.
     Log-softmax only for rows read. ``model_s`` accumulates the time spent here (model time, not
@@ -80,11 +80,11 @@ class StepOutput:
     def _screen(self, unembedding: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
         """The argmax of ``unembedding``'s logits of ``rows`` [B, R, H] # -> [B, R] token ids,
         through its argmax screen (the rows kernel's), timed, and counted as a call over the whole
-        vocabulary (``_unembed``'s rule); None where it has none, or where the backbone's plan
-        measured the logits cheaper for this many rows."""
+        vocabulary (``_unembed``'s rule); None where it has none, or where the unembedding's
+        measured costs find the logits cheaper for this many rows."""
         if not isinstance(unembedding, (PackedLinear, DraftUnembedding)):
             return None
-        if isinstance(unembedding, PackedLinear) and not plan_for(unembedding, rows).screens(rows.shape[0] * rows.shape[1]):
+        if isinstance(unembedding, PackedLinear) and not costs_for(unembedding, rows).screens(rows.shape[0] * rows.shape[1]):
             return None
         start = self.clock()
         best = unembedding.argmax(rows)
@@ -106,11 +106,11 @@ class StepOutput:
         return logits
 
     def _unembed_base(self) -> None:
-        """The base rows, with every head's rows in the same call when that is the cheaper plan."""
+        """The base rows, with every head's rows in the same call when that costs no more."""
         heads, t = sorted(self.hiddens), self.length - self.first
-        plan = plan_for(self.model.backbone.unembedding, self.feats.base)
-        b = self.feats.base.shape[0]  # a call unembeds every batch row: the plan prices b x rows
-        if not heads or self.draft is not None or not plan.joint(b * t * (1 + len(heads)), b * t, b * len(heads)):
+        costs = costs_for(self.model.backbone.unembedding, self.feats.base)
+        b = self.feats.base.shape[0]  # a call unembeds every batch row: the costs price b x rows
+        if not heads or self.draft is not None or not costs.one_call(b * t * (1 + len(heads)), b * t, b * len(heads)):
             self._logits = self._unembed(self.feats.base[:, self.first:])  # [B, T - first, V]
             return
         read = [self.feats.base] + [self.hiddens[i] for i in heads]  # (1 + L) x [B, T, H]

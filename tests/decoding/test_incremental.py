@@ -11,9 +11,9 @@ import torch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_linear
-from multitoken.pipeline.runtime import unembed_plan
+from multitoken.pipeline.runtime import unembed_costs
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
-from multitoken.pipeline.runtime.unembed_plan import LINEAR, TRANSPOSED, UnembedPlan, fixed_plan, plan_for
+from multitoken.pipeline.runtime.unembed_costs import LINEAR, TRANSPOSED, UnembedCosts, fixed_costs, costs_for
 
 from .conftest import attach
 
@@ -22,7 +22,7 @@ from .conftest import attach
 def three_fast_rows(monkeypatch):
     """The unembedding plan pinned to a rule (up to 3 rows at the 1-row rate, then (W x^T)^T):
     the CPU's measured plan depends on the machine and its load."""
-    monkeypatch.setattr(unembed_plan, "PINNED", fixed_plan(3))
+    monkeypatch.setattr(unembed_costs, "PINNED", fixed_costs(3))
 
 
 def incremental_log_probs(model, ids: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
@@ -125,7 +125,7 @@ def test_the_plan_prices_every_batch_row(tiny_backbones, monkeypatch):
     """Two rows reading one position: base + 2 heads is 6 rows. Up to 3 rows cost one, more
     cost a row each, so one call of 6 (cost 6) loses to 2 + 4 rows (cost 1 + 4): the base's rows
     go first and the heads' in a second call, read at the shared anchor without another."""
-    monkeypatch.setattr(unembed_plan, "PINNED", UnembedPlan(lambda rows: {r: {LINEAR: 1.0 if r <= 3 else float(r)} for r in rows}))
+    monkeypatch.setattr(unembed_costs, "PINNED", UnembedCosts(lambda rows: {r: {LINEAR: 1.0 if r <= 3 else float(r)} for r in rows}))
     model = attach(tiny_backbones["llama"], "replicated")
     caches = model.new_caches()
     out = model.step(torch.tensor([[1, 5, 9, 4], [2, 6, 8, 3]]), caches, read_from=3)
@@ -162,31 +162,31 @@ def test_the_trace_records_device_sync_and_rows_per_call(tiny_backbones, three_f
 
 def test_the_plan_joins_calls_only_when_one_call_is_not_dearer():
     """Costs per row count: one call of 9 rows against 3 + 2 rows in two calls."""
-    flat = UnembedPlan(lambda rows: {r: {LINEAR: 1.0 + 0.01 * r} for r in rows})  # call overhead dominates
-    assert flat.joint(9, 3, 2) and flat.form(9) == LINEAR
-    steep = UnembedPlan(lambda rows: {r: {LINEAR: float(r), TRANSPOSED: 1.5 + 0.5 * r} for r in rows})
-    assert not steep.joint(9, 3, 2) and steep.form(9) == TRANSPOSED and steep.form(1) == LINEAR
-    assert UnembedPlan().joint(9, 3, 2) and UnembedPlan().form(9) == LINEAR  # accelerator: one call
+    flat = UnembedCosts(lambda rows: {r: {LINEAR: 1.0 + 0.01 * r} for r in rows})  # call overhead dominates
+    assert flat.one_call(9, 3, 2) and flat.form(9) == LINEAR
+    steep = UnembedCosts(lambda rows: {r: {LINEAR: float(r), TRANSPOSED: 1.5 + 0.5 * r} for r in rows})
+    assert not steep.one_call(9, 3, 2) and steep.form(9) == TRANSPOSED and steep.form(1) == LINEAR
+    assert UnembedCosts().one_call(9, 3, 2) and UnembedCosts().form(9) == LINEAR  # accelerator: one call
 
 
 def test_the_cpu_plan_measures_each_row_count_once_and_one_row_only_by_the_module(tiny_backbones, monkeypatch):
-    monkeypatch.setattr(unembed_plan, "_PLANS", {})  # this process's earlier decodes measured other counts
+    monkeypatch.setattr(unembed_costs, "_COSTS", {})  # this process's earlier decodes measured other counts
     cpu_linear.unpack(tiny_backbones["llama"].model)  # a stock unembedding (earlier decodes packed it)
     head = tiny_backbones["llama"].unembedding
     x = torch.zeros(1, head.weight.shape[1])
-    plan = plan_for(head, x)
-    assert plan is plan_for(head, x)  # cached per process
-    plan.joint(9, 3, 2)
+    plan = costs_for(head, x)
+    assert plan is costs_for(head, x)  # cached per process
+    plan.one_call(9, 3, 2)
     assert {1, 2, 3, 9} >= set(plan.table) >= {2, 3, 9}
     assert set(plan.table[9]) == {LINEAR, TRANSPOSED} and all(v > 0 for v in plan.table[9].values())
     assert set(plan.cost(1) and plan.table[1]) == {LINEAR}  # ar's row stays transformers' computation
     measured = dict(plan.table)
-    plan.joint(9, 3, 2)
+    plan.one_call(9, 3, 2)
     assert plan.table == measured  # nothing re-measured
-    assert plan_for(head, x.to("meta")).measure is None  # no values to time: one call
+    assert costs_for(head, x.to("meta")).measure is None  # no values to time: one call
     cpu_linear.pack(tiny_backbones["llama"].model)
-    packed = plan_for(tiny_backbones["llama"].unembedding, x)
-    packed.joint(9, 3, 2)
+    packed = costs_for(tiny_backbones["llama"].unembedding, x)
+    packed.one_call(9, 3, 2)
     assert packed is not plan and set(packed.table[9]) == {LINEAR}  # (W x^T)^T needs a plain weight
 
 

@@ -44,12 +44,12 @@ def test_what_a_step_unembeds_inside_is_counted_once(tiny_backbones, monkeypatch
     unembedding is made to take 20 ms, so a double count would put model time above wall time."""
     import time
 
-    from multitoken.pipeline.runtime import step_output, unembed_plan
+    from multitoken.pipeline.runtime import step_output, unembed_costs
 
     slow = step_output.unembed
     monkeypatch.setattr(step_output, "unembed", lambda bb, rows: (time.sleep(0.02), slow(bb, rows))[1])
-    monkeypatch.setattr(unembed_plan, "PINNED", unembed_plan.UnembedPlan(
-        lambda rows: {r: {unembed_plan.LINEAR: 1.0, unembed_plan.ARGMAX: 2.0} for r in rows}))  # logits, no screen
+    monkeypatch.setattr(unembed_costs, "PINNED", unembed_costs.UnembedCosts(
+        lambda rows: {r: {unembed_costs.LINEAR: 1.0, unembed_costs.ARGMAX: 2.0} for r in rows}))  # logits, no screen
     model = attach(tiny_backbones["llama"], "conditioned")
     t = generate(model, [1, 5, 9], DecodeConfig(mode="speculative", max_new_tokens=12, stop_at_eos=False, greedy=True)).trace
     assert 0.02 * t.forward_passes <= t.model_s <= t.wall_s

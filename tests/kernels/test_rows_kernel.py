@@ -18,7 +18,7 @@ from torch import nn
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_features, cpu_linear, rows_kernel
-from multitoken.pipeline.runtime import unembed_plan
+from multitoken.pipeline.runtime import unembed_costs
 from multitoken.kernels.cpu_linear import ONEDNN, ROWS, PackedLinear
 
 from .test_cpu_linear import BF16, _bound, _layers, _model
@@ -261,18 +261,18 @@ def test_packed_linear_argmax_only_where_it_is_exact():
 
 def _screen_plan(monkeypatch, screen_s: float) -> None:
     """Every unembedding's plan: the logits 1 s for any row count, the argmax screen ``screen_s``."""
-    plan = unembed_plan.UnembedPlan(lambda rows: {r: {unembed_plan.LINEAR: 1.0, unembed_plan.ARGMAX: screen_s} for r in rows})
-    monkeypatch.setattr(unembed_plan, "PINNED", plan)
+    plan = unembed_costs.UnembedCosts(lambda rows: {r: {unembed_costs.LINEAR: 1.0, unembed_costs.ARGMAX: screen_s} for r in rows})
+    monkeypatch.setattr(unembed_costs, "PINNED", plan)
 
 
 def test_the_plan_screens_where_the_screen_is_cheaper():
     """``screens`` compares the screen with the cheapest logits form; ``form`` and ``cost`` never
     take the screen for a logits form; nothing measured (an accelerator) or no screen: screen."""
     table = {3: {"linear": 2.0, "transposed": 1.5, "argmax": 1.0}, 9: {"linear": 2.0, "argmax": 2.5}, 12: {"linear": 2.0}}
-    plan = unembed_plan.UnembedPlan(lambda rows: {r: table[r] for r in rows})
+    plan = unembed_costs.UnembedCosts(lambda rows: {r: table[r] for r in rows})
     assert plan.screens(3) and not plan.screens(9) and plan.screens(12)
     assert (plan.form(3), plan.cost(3), plan.form(9), plan.cost(9)) == ("transposed", 1.5, "linear", 2.0)
-    assert unembed_plan.UnembedPlan().screens(9)
+    assert unembed_costs.UnembedCosts().screens(9)
 
 
 def test_the_measured_plan_times_a_screen_beside_the_logits():
@@ -280,11 +280,11 @@ def test_the_measured_plan_times_a_screen_beside_the_logits():
     first measurement builds the screen); a plain Linear's has none (it has no screen)."""
     layer = _rows(_layers(3000, 96, torch.float32, bias=False))
     x = _hidden(9, 96, 0)
-    plan = unembed_plan.plan_for(layer, x)
+    plan = unembed_costs.costs_for(layer, x)
     plan.screens(9)
-    assert set(plan.table[9]) == {unembed_plan.LINEAR, unembed_plan.ARGMAX} and layer.screen is not None
-    plain = unembed_plan.plan_for(nn.Linear(96, 3000, bias=False), x)
-    assert plain.screens(9) and unembed_plan.ARGMAX not in plain.table[9]  # nothing to weigh: the caller finds no screen
+    assert set(plan.table[9]) == {unembed_costs.LINEAR, unembed_costs.ARGMAX} and layer.screen is not None
+    plain = unembed_costs.costs_for(nn.Linear(96, 3000, bias=False), x)
+    assert plain.screens(9) and unembed_costs.ARGMAX not in plain.table[9]  # nothing to weigh: the caller finds no screen
 
 
 @pytest.mark.parametrize("kernel, screen_s", [(ROWS, 0.5), (ROWS, 2.0), (cpu_linear.STOCK, 0.5)])

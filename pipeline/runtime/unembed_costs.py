@@ -4,7 +4,7 @@ Whether R rows cost one row's time depends on the machine, the weight's shape an
 the thread count, not on a constant: a wide fp32 unembedding may take a few rows at the one-row
 rate and no more, a tiny one is all call overhead (one call beats several smaller ones), and
 bf16 weights through oneDNN take several rows at about one row's time (what was measured where:
-``scripts/bench_unembed.py``, docs/benchmarks.md). So the CPU plan measures: the first time a
+``scripts/bench_unembed.py``, docs/benchmarks/). So on the CPU the costs are measured: the first time a
 row count is needed, both forms (``F.linear`` and ``(W x^T)^T``) are timed on the real weight,
 interleaved, medians kept, and cached per process for (weight, shape, dtype, device, threads).
 An accelerator reads the weight once per call whatever the row count (memory-bound): one call,
@@ -39,7 +39,7 @@ def plain_linear(head: torch.nn.Module) -> bool:
 
 
 @dataclass
-class UnembedPlan:
+class UnembedCosts:
     """Cost and form per row count. ``measure(rows) -> {form: seconds}`` fills ``table`` on
     first need; ``measure`` None: every row count costs one call (accelerators)."""
 
@@ -72,7 +72,7 @@ class UnembedPlan:
         self._ensure([rows])
         return ARGMAX not in self.table[rows] or self.table[rows][ARGMAX] <= self.cost(rows)
 
-    def joint(self, total: int, *parts: int) -> bool:
+    def one_call(self, total: int, *parts: int) -> bool:
         """Whether one call of ``total`` rows costs no more than one call per part (the rows
         read either way; ``total`` may hold more than the parts: rows computed in passing)."""
         if self.measure is None:
@@ -85,13 +85,13 @@ class UnembedPlan:
         return {r: {f: round(1000 * s, 4) for f, s in forms.items()} for r, forms in sorted(self.table.items())}
 
 
-def fixed_plan(fast_rows: int) -> UnembedPlan:
-    """A plan from a rule instead of a measurement (deterministic: tests pin it): up to
+def fixed_costs(fast_rows: int) -> UnembedCosts:
+    """Costs from a rule instead of a measurement (deterministic: tests pin it): up to
     ``fast_rows`` rows cost one row's ``F.linear``; beyond it F.linear costs a row's time per row
     and ``(W x^T)^T`` 1 + rows / fast_rows, so calls over more rows than that are split."""
     def measure(rows: list[int]) -> dict[int, dict[str, float]]:
         return {r: {LINEAR: 1.0} if r <= fast_rows else {LINEAR: float(r), TRANSPOSED: 1 + r / fast_rows} for r in rows}
-    return UnembedPlan(measure)
+    return UnembedCosts(measure)
 
 
 def apply(head: torch.nn.Module, x: torch.Tensor, form: str) -> torch.Tensor:
@@ -129,20 +129,20 @@ def _timer(head: torch.nn.Module, hidden: int, dtype: torch.dtype, device: torch
     return measure
 
 
-_PLANS: dict[tuple, UnembedPlan] = {}
-PINNED: UnembedPlan | None = None  # tests set a fixed plan here (every backbone then uses it)
+_COSTS: dict[tuple, UnembedCosts] = {}
+PINNED: UnembedCosts | None = None  # tests pin fixed costs here (every backbone then uses them)
 
 
-def plan_for(head: torch.nn.Module, rows: torch.Tensor) -> UnembedPlan:
-    """The process's plan for unembedding ``rows`` [..., H] (their dtype and device) with
+def costs_for(head: torch.nn.Module, rows: torch.Tensor) -> UnembedCosts:
+    """The process's costs of unembedding ``rows`` [..., H] (their dtype and device) with
     ``head`` (measured lazily on the CPU)."""
     if PINNED is not None:
         return PINNED
     if rows.device.type != "cpu":
-        return UnembedPlan()
+        return UnembedCosts()
     packed = getattr(head, "packed", None)  # a prepacked weight (cpu_linear.py): no data pointer
     weight = head.weight if packed is None else packed
     key = (weight.data_ptr() if packed is None else id(packed), tuple(weight.shape), weight.dtype, rows.dtype, torch.get_num_threads(), type(head))
-    if key not in _PLANS:
-        _PLANS[key] = UnembedPlan(_timer(head, rows.shape[-1], rows.dtype, rows.device))
-    return _PLANS[key]
+    if key not in _COSTS:
+        _COSTS[key] = UnembedCosts(_timer(head, rows.shape[-1], rows.dtype, rows.device))
+    return _COSTS[key]
