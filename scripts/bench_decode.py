@@ -116,7 +116,7 @@ def pythia_shaped(shape: str, device: str, dtype: str, cpu_linear: str) -> Multi
 
 
 def unembed_costs_ms(model) -> dict:
-    """The unembedding plan this process measured for ``model`` (ms per call, per row count and
+    """The unembedding costs this process measured for ``model`` (ms per call, per row count and
     form; empty on an accelerator: one call, nothing measured)."""
     bb = model.backbone
     probe = torch.empty(1, bb.hidden_size, dtype=bb.unembedding.weight.dtype, device=bb.device)
@@ -157,7 +157,7 @@ def bench_shapes(args) -> dict:
         tables = {label: None for label in modes}
         if table is not None:
             modes["dynamic_eps0_masked"], tables["dynamic_eps0_masked"] = modes["dynamic_eps0"], table
-        # the warm-up also lets the unembedding plan measure its row counts; a step's time is the
+        # the warm-up also lets the unembedding's cost table measure its row counts; a step's time is the
         # score (the prompt's pass is not a step)
         best = best_of({label: (lambda cfg, t: lambda: _stepped(model, prompt, cfg, t))(cfg, tables[label])
                         for label, cfg in modes.items()}, args.reps, score=lambda r: r["per_step"])
