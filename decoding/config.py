@@ -1,6 +1,6 @@
 """``DecodeConfig``: every decoding setting, in groups (sampling, DynaMo, speculation, trees);
 it also drives ``multitoken generate`` (one flag per setting, one --help section per group).
-Validated once per call (``validate``); the engine chooses its proposer and verifier from it."""
+Validated when a call starts (``validate``); the engine resolves its ``DecodePlan`` (plan.py) from it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from multitoken.base.errors import UsageError
 
 
 MODES = ("ar", "dynamic", "speculative", "typical")
+VERIFYING_MODES = ("speculative", "typical")  # the modes whose drafts the base model verifies
 KERNELS = ("auto", "dense", "numpy", "numba")  # how DynaMo's grids are built (dynamo/)
 TREES = ("chain", "static", "dynamic")
 MAX_TREE_NODES = 256
@@ -140,6 +141,12 @@ class DecodeConfig:
             setattr(getattr(self, FLAT[key]), key, value)
         self.check_types()
 
+    @property
+    def verifies(self) -> bool:
+        """Whether this mode verifies drafts (speculative, typical); ar drafts nothing and
+        DynaMo's back-off commits its tokens unverified. Decided here only."""
+        return self.mode in VERIFYING_MODES
+
     def check_types(self) -> None:
         """Every setting holds a value of its type (UsageError naming it): a Python caller's
         ``seed=1.5`` or ``max_new_tokens="5"`` is refused here, not truncated or failed on later."""
@@ -153,16 +160,11 @@ class DecodeConfig:
         ``n_heads`` only the flags themselves are checked (before a model loads); with them, the
         model-dependent bounds too. ``max_order``: the highest order the stats let dynamic
         decoding build (None: every head), which bounds its k^n grid. ``table``: the stats, whose
-        largest ratio bounds --alpha-c. Settings already checked against the same bounds are not
-        checked again (the command line checks them before it decodes, the engine when it starts)."""
+        largest ratio bounds --alpha-c. Cheap, so the command line (before it decodes) and the
+        engine (when it starts) each check."""
         import math
 
-        global _LAST_CHECKED
         self.check_types()  # settings may have been assigned since construction
-        key = (repr(self), vocab_size, n_heads, max_order, id(table))
-        if key == _LAST_CHECKED:
-            return
-
         if self.mode not in MODES:
             raise UsageError(f"unknown mode {self.mode!r}", f"use one of {', '.join(MODES)}")
         if self.speculation.drafter not in DRAFTERS:
@@ -215,12 +217,11 @@ class DecodeConfig:
         if self.mode == "dynamic" and n_heads is not None:
             order = min(self.order(n_heads), max_order or n_heads)
             check_grid(min(self.sampling.top_k, vocab_size or self.sampling.top_k), order)
-        _LAST_CHECKED = key
 
     def _validate_tree(self) -> None:
         if self.trees.tree not in TREES:
             raise UsageError(f"unknown tree {self.trees.tree!r}", f"use one of {', '.join(TREES)}")
-        if self.trees.tree != "chain" and self.mode not in ("speculative", "typical"):
+        if self.trees.tree != "chain" and not self.verifies:
             raise UsageError(f"--tree {self.trees.tree} verifies drafts: it needs --mode speculative or typical, not {self.mode}",
                              "pass --mode speculative, or leave --tree at chain")
         if self.trees.tree == "chain" and str(self.trees.tree_nodes) != "auto":
@@ -229,7 +230,7 @@ class DecodeConfig:
         if not 0 <= self.speculation.lookup <= MAX_TREE_NODES:
             raise UsageError(f"--lookup must be in [0, {MAX_TREE_NODES}], got {self.speculation.lookup}",
                              "0 turns it off; transformers' prompt lookup drafts 10 tokens")
-        if self.speculation.lookup and self.mode not in ("speculative", "typical"):
+        if self.speculation.lookup and not self.verifies:
             raise UsageError(f"--lookup adds a branch copied from the context for verification to judge: it needs "
                              f"--mode speculative or typical, not {self.mode} (DynaMo's back-off keeps no verification)",
                              "pass --mode speculative, or drop --lookup")
@@ -249,9 +250,6 @@ class DecodeConfig:
     def order(self, n_heads: int) -> int:
         """Tokens per forward at most: 1 in ar mode, else ``n`` (default every head)."""
         return 1 if self.mode == "ar" else (self.n or n_heads)
-
-
-_LAST_CHECKED: tuple | None = None  # the settings and bounds ``validate`` passed last
 
 
 def numba_available() -> bool:

@@ -1,10 +1,12 @@
 """The decoding engine: one loop for every mode, always batched (one prompt is a batch of one).
 
 Each step: propose -> emit the committed tokens -> one forward pass -> verify -> keep the
-accepted KV slots -> emit the accepted tokens. The proposer (``drafts.py``) gives every row its
-final tokens for the next positions and the candidates to verify after them, a chain or a tree;
-the verifier (``verify.py``) keeps a path of them and decides the token after it; the caches keep
-each row's kept slots (``DecodingModel`` in ``protocol.py`` declares all the engine reads).
+accepted KV slots -> emit the accepted tokens. The proposer (``proposal.py``: a chain or DynaMo's
+in ``drafts.py``, a tree in ``tree_proposer.py``) gives every row its final tokens for the next
+positions and the candidates to verify after them; the verifier (``verify.py``) keeps a path of
+them and decides the token after it; the caches keep each row's kept slots (``DecodingModel`` in
+``protocol.py`` declares all the engine reads). Which proposer, drafter and rule, and what a step
+reads, is decided once per call (``plan.py``); the time accounting is the trace's (``trace.py``).
 
 What is shared, what is per row: one forward pass per step for all live rows, prompts
 left-padded and each step's tokens right-aligned, so a row's candidates sit at the end of the
@@ -17,20 +19,22 @@ finished row leaves the batch before the next pass.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from .config import DecodeConfig, check_context, check_seed, stats_order_cap
-from .drafts import Drafts, Trees, chain, dynamo, joint_drafts, left_pad, pick_drafter
-from .dynamo.step import always_backs_off, prepare_kernel
+from .drafts import chain, dynamo
+from .dynamo.step import prepare_kernel
+from .plan import DecodePlan, resolve
+from .proposal import Drafts, left_pad
 from .sampling import Sampler
 from .text import continuation_text
-from .trace import Trace, clock_for
+from .trace import Timer, Trace, clock_for
+from .tree_proposer import Trees
 from .trees import adapt_lookup, looked_up
-from .verify import Verifier
+from .verify import TreeVerdict, Verifier
 from multitoken.base.boundary import check_call, check_prompt_ids, check_seeds, check_vocab
 from multitoken.base.errors import UsageError
 
@@ -48,13 +52,13 @@ class DecodeResult:
 
 @dataclass
 class Run:
-    """What every row of one call shares: the model, the settings, the stats, the clock."""
+    """What every row of one call shares: the model, the settings and their plan, the stats, the clock."""
 
     model: object
     cfg: DecodeConfig
+    plan: DecodePlan
     table: object  # co-occurrence stats (``.mask``), or None
     vocab: int
-    order: int  # tokens per forward at most
     device: torch.device
     clock: object
     no_drafts: Drafts
@@ -108,6 +112,19 @@ class Row:
             on_tokens(self.index, tokens)
         self.done = self.budget <= 0 or (self.cfg.stop_at_eos and bool(tokens) and tokens[-1] in eos)
         return self.done
+
+    def judged(self, verdict: TreeVerdict, tree, plan: DecodePlan) -> None:
+        """A verification's verdict on this row's candidates (``tree``: its tree, None for a
+        chain): the trace's counts, the next lookup branch's length, the anchor moved to the last
+        kept node, the token after it forced. Its tokens are emitted after."""
+        self.trace.accepted_lengths[len(verdict.path) - 1] += 1
+        if plan.proposer == "tree":
+            self.trace.tree_sibling_ranks.update(verdict.sibling_ranks)
+        if self.lookup_len:
+            self.trace.lookup_tokens += looked_up(tree, verdict.path)
+            self.lookup_k = adapt_lookup(self.lookup_k, self.lookup_len, len(verdict.path) - 1, plan.lookup)
+        self.anchor += verdict.path[-1]
+        self.forced = verdict.next_token
 
 
 def eos_ids(model) -> set[int]:
@@ -164,14 +181,14 @@ def _prompts(model, prompts, cfg: DecodeConfig, seeds, attention_mask) -> tuple[
     return prompts, seeds
 
 
-def _row(run: Run, index: int, ids: list[int], seed: int, profile: bool, batch_size: int, cap: int | None) -> Row:
+def _row(run: Run, index: int, ids: list[int], seed: int, profile: bool, batch_size: int) -> Row:
     cfg = replace(run.cfg, seed=seed)
     seen = torch.zeros(run.vocab, dtype=torch.bool, device=run.device)
     seen[torch.tensor(ids, device=run.device)] = True
     s = cfg.sampling
     sampler = Sampler(s.greedy, s.temperature, s.top_k, seed, penalty=s.penalty, device=run.device)
-    trace = Trace(mode=cfg.mode, prompt_tokens=len(ids), repetition_penalty=cfg.sampling.penalty, stats_order_cap=cap or 0,
-                  device=str(run.device), synchronised=profile, batch_size=batch_size)
+    trace = Trace(mode=cfg.mode, prompt_tokens=len(ids), repetition_penalty=cfg.sampling.penalty,
+                  stats_order_cap=run.plan.stats_cap or 0, device=str(run.device), synchronised=profile, batch_size=batch_size)
     return Row(index, list(ids), cfg, sampler, seen, None if cfg.sampling.greedy else np.random.default_rng(seed), trace)
 
 
@@ -198,22 +215,16 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     cfg = cfg.resolved()  # the repetition penalty's default depends on --greedy
     prompts, seeds = _prompts(model, prompts, cfg, seeds, attention_mask)
     check_vocab(prompts, vocab)
-    one_chain = cfg.trees.tree == "chain" and not cfg.speculation.lookup  # a lookup branch makes the chain a tree
-    if not one_chain and (drafter is not None or acceptor is not None):
-        raise UsageError("--tree static / dynamic build their own candidates and acceptance",
-                         "pass --tree chain with a custom drafter or acceptor")
-    speculative = cfg.mode in ("speculative", "typical")
-    drafter = drafter or (pick_drafter(cfg.speculation.drafter, model.heads, table) if speculative and one_chain else None)
-    cap = stats_order_cap(cfg, n_heads, table, drafter is joint_drafts)
+    plan = resolve(cfg, model, table, drafter, acceptor)
     device = model.backbone.device
-    run = Run(model, cfg, table, vocab, cap or cfg.order(n_heads), device, clock_for(device, profile),
-              Drafts.empty(device), replace(cfg, static_threshold=False, adaptive_threshold=False))
-    rows = [_row(run, b, ids, seed, profile, len(prompts), cap) for b, (ids, seed) in enumerate(zip(prompts, seeds))]
-    if cfg.mode == "dynamic" or drafter is joint_drafts or cfg.trees.tree == "dynamic":
-        prepare_kernel(cfg, table, run.order)  # numba compiles / loads its cache here, off the clock
-    if cfg.mode == "dynamic":
+    run = Run(model, cfg, plan, table, vocab, device, clock_for(device, profile), Drafts.empty(device),
+              replace(cfg, static_threshold=False, adaptive_threshold=False))
+    rows = [_row(run, b, ids, seed, profile, len(prompts)) for b, (ids, seed) in enumerate(zip(prompts, seeds))]
+    if plan.grids:
+        prepare_kernel(cfg, table, plan.order)  # numba compiles / loads its cache here, off the clock
+    if plan.proposer == "dynamo":
         propose = dynamo(run)
-    elif not one_chain:
+    elif plan.proposer == "tree":
         propose = Trees(run, tree_accuracies)  # auto times the verify step here, off the clock
         for row in rows:
             propose.label(row.trace)
@@ -227,53 +238,34 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
 
 def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) -> None:
     """Decode every row to its end (see the module doc)."""
-    model, clock = run.model, run.clock
-    # heads past those a step reads and positions before the first read are never computed
-    heads_read = 1 if run.cfg.mode == "dynamic" and always_backs_off(run.cfg) else run.order
-    unembed_rows: Counter = Counter()  # calls serve the whole batch: one count, shared
-    for row in rows:
-        row.trace.unembed_rows = unembed_rows
+    model, plan, timer = run.model, run.plan, Timer(run.clock, [row.trace for row in rows])
+    caches = model.new_caches(plan.draft_vocab)  # packs the CPU linears on a model's first run
+    timer.prepared()
     batch = list(rows)  # the rows in the caches and in ``out``, in batch order
 
     def forward(ids: torch.Tensor, read_from: int, lengths: list[int], attend=None, offsets=None):
-        start = clock()
         if len(lengths) == 1 and caches.valid is None and attend is not None:
             attend, offsets = attend[0], offsets[0]  # one row: the unpadded tree context
-        result = model.step(ids, caches, heads_upto=heads_read, read_from=read_from,
-                            lengths=lengths if min(lengths) < ids.shape[1] else None, attend=attend, offsets=offsets,
-                            clock=clock)
-        spent = clock() - start
-        for row in batch:
-            row.trace.model_s += spent
-            row.trace.forward_passes += 1
-        return result
+        ragged = lengths if min(lengths) < ids.shape[1] else None
+        return timer.forward([row.trace for row in batch], lambda: model.step(
+            ids, caches, heads_upto=plan.heads_read, read_from=read_from, lengths=ragged, attend=attend,
+            offsets=offsets, clock=run.clock))
 
-    def finish(row: Row) -> None:
-        row.trace.wall_s = clock() - t0
-        row.trace.new_tokens = len(row.out_ids)
+    def emit(row: Row, tokens: list[int]) -> bool:
+        if row.emit(tokens, eos, on_tokens):
+            timer.finish(row.trace, len(row.out_ids))
+        return row.done
 
-    start = clock()
-    caches = model.new_caches(run.cfg.speculation.draft_vocab)  # packs the CPU linears on a model's first run
-    t0 = clock()
+    width = max(len(row.prompt) for row in rows)
+    out = forward(left_pad([torch.tensor(row.prompt) for row in rows], width, "cpu").to(run.device), width - 1,
+                  [len(row.prompt) for row in rows])
+    timer.prefilled()
     for row in rows:
-        row.trace.prepare_s = t0 - start
-    lengths = [len(row.prompt) for row in rows]
-    width = max(lengths)
-    out = forward(left_pad([torch.tensor(row.prompt) for row in rows], width, "cpu").to(run.device), width - 1, lengths)
-    for row in rows:
-        row.trace.prefill_s, row.anchor = row.trace.model_s, width - 1
-    while True:
-        live = [j for j, row in enumerate(batch) if not row.done]
-        if not live:
-            break
+        row.anchor = width - 1
+    while live := [j for j, row in enumerate(batch) if not row.done]:
         proposal = propose(out, batch, tuple(row.anchor for row in batch), live)
-        for j in live:  # head distributions and drafts: model time
-            batch[j].trace.model_s += out.model_s
-        out.model_s = 0.0
-        keep = [s for s, j in enumerate(live) if not batch[j].emit(proposal.commits[s], eos, on_tokens)]
-        for j in live:
-            if batch[j].done:
-                finish(batch[j])
+        timer.read([batch[j].trace for j in live], out)  # head distributions and drafts: model time
+        keep = [s for s, j in enumerate(live) if not emit(batch[j], proposal.commits[s])]
         if not keep:
             break
         if len(keep) < len(batch):
@@ -284,7 +276,7 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
         start, width = caches.length, proposal.width
         for row, n, commit in zip(batch, proposal.lengths, proposal.commits):
             row.anchor = width - n + len(commit) - 1  # its last committed token: the root of its candidates
-        unembed_rows.update(out.unembed_rows)
+        timer.unembedded(out)
         # a tree's verification reads every node; a chain's from each row's root on
         read_from = 0 if proposal.attend is not None else min(row.anchor for row in batch)
         out = forward(proposal.ids, read_from, proposal.lengths, proposal.attend, proposal.offsets)
@@ -293,21 +285,8 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
             caches.keep(start, [list(range(width - n, width)) if v is None else
                                 list(range(width - n, row.anchor)) + [row.anchor + i for i in v.path]
                                 for row, n, v in zip(batch, proposal.lengths, verdicts)])
-        tree = proposal.trees is not None or proposal.static is not None
         for slot, (row, v) in enumerate(zip(batch, verdicts)):
-            if v is None:
-                continue  # no drafts: the next token comes from the base at the next step
-            row.trace.accepted_lengths[len(v.path) - 1] += 1
-            if tree:
-                row.trace.tree_sibling_ranks.update(v.sibling_ranks)
-            if row.lookup_len:
-                row.trace.lookup_tokens += looked_up(proposal.trees[slot], v.path)
-                row.lookup_k = adapt_lookup(row.lookup_k, row.lookup_len, len(v.path) - 1, run.cfg.speculation.lookup)
-            row.anchor += v.path[-1]
-            row.forced = v.next_token
-            if row.emit(v.tokens, eos, on_tokens):
-                finish(row)
-    unembed_rows.update(out.unembed_rows)
-    for row in rows:
-        if not row.trace.wall_s:
-            finish(row)
+            if v is not None:  # else no drafts: the next token comes from the base at the next step
+                row.judged(v, None if proposal.trees is None else proposal.trees[slot], plan)
+                emit(row, v.tokens)
+    timer.unembedded(out)

@@ -1,4 +1,5 @@
-"""What one decoding call reports besides its tokens, and the clock its model / logic split reads.
+"""What one decoding call reports besides its tokens (``Trace``), the clock its model / logic
+split reads, and the time accounting that fills it (``Timer``).
 
 On an accelerator work is queued, so a bare ``perf_counter`` around a forward pass measures the
 launch, not the work: a profiling run synchronises the device at every clock reading (which
@@ -24,6 +25,56 @@ def clock_for(device: torch.device, synchronise: bool) -> Callable[[], float]:
             return time.perf_counter()
         return clock
     return time.perf_counter
+
+
+class Timer:
+    """A batch's time accounting on its rows' traces, from one clock: model time (every pass,
+    shared by the rows in it, and the head distributions a step reads from it afterwards), the
+    prompts' pass, the preparation before it (not in wall time), and each row's wall time from
+    the first pass to its last token. It is created as the preparation starts."""
+
+    def __init__(self, clock: Callable[[], float], traces: list["Trace"]):
+        self.clock, self.traces = clock, traces
+        self.start = self.t0 = clock()
+        self.unembed_rows: Counter = Counter()  # calls serve the whole batch: one count, shared
+        for trace in traces:
+            trace.unembed_rows = self.unembed_rows
+
+    def prepared(self) -> None:
+        """The preparation is over: wall time starts."""
+        self.t0 = self.clock()
+        for trace in self.traces:
+            trace.prepare_s = self.t0 - self.start
+
+    def forward(self, traces: list["Trace"], step: Callable):
+        """``step()``, a forward pass for the rows of ``traces``, timed as their model time."""
+        start = self.clock()
+        out = step()
+        spent = self.clock() - start
+        for trace in traces:
+            trace.model_s += spent
+            trace.forward_passes += 1
+        return out
+
+    def prefilled(self) -> None:
+        """The prompts' pass is over: its time is the prefill's."""
+        for trace in self.traces:
+            trace.prefill_s = trace.model_s
+
+    def read(self, traces: list["Trace"], out) -> None:
+        """The model time ``out`` (a pass's output) spent since the pass, computing what a step
+        read of it (head distributions, drafts), on the rows of ``traces``."""
+        for trace in traces:
+            trace.model_s += out.model_s
+        out.model_s = 0.0
+
+    def unembedded(self, out) -> None:
+        """Count ``out``'s unembedding calls (once it is read for the last time)."""
+        self.unembed_rows.update(out.unembed_rows)
+
+    def finish(self, trace: "Trace", new_tokens: int) -> None:
+        trace.wall_s = self.clock() - self.t0
+        trace.new_tokens = new_tokens
 
 
 @dataclass

@@ -131,12 +131,9 @@ def shipped_stats(name: str) -> str | None:
     return _present(assets.stats if assets else None)
 
 
-VERIFYING_MODES = ("speculative", "typical")  # modes whose drafts the base verifies
-
-
 def shipped_heads(name: str, drafting: bool = False) -> str | None:
     """The heads shipped for the base ``name``: its drafting heads for a mode whose drafts the
-    base verifies (``drafting``), else its heads; None for any other base."""
+    base verifies (``drafting``: ``DecodeConfig.verifies`` decides which modes), else its heads; None for any other base."""
     assets = shipped_assets(name)
     if assets is None:
         return None

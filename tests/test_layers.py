@@ -163,7 +163,7 @@ def test_decoding_imports_stay_shallow():
     chain = import_chain("multitoken.decoding")
     assert len(chain) <= 5, " -> ".join(chain)
     files = [p for p in (REPO / "decoding").rglob("*.py")]
-    assert len(files) <= 16, sorted(str(p.relative_to(REPO)) for p in files)
+    assert len(files) <= 20, sorted(str(p.relative_to(REPO)) for p in files)
 
 
 def test_the_checker_catches_an_upward_import():

@@ -18,7 +18,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 
 from multitoken.pipeline.model.loading import BackboneConfig
-from multitoken.embedded import VERIFYING_MODES, shipped_heads, shipped_stats
+from multitoken.embedded import shipped_heads, shipped_stats
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.config_io import config_dict, save_resolved_config
 from multitoken.base.errors import UsageError
@@ -48,13 +48,13 @@ def register(sub) -> None:
     base_from_heads(parser)
 
 
-def _load(cfg: GenerateConfig, base_cfg: BackboneConfig, mode: str):
+def _load(cfg: GenerateConfig, base_cfg: BackboneConfig, drafting: bool):
     """(model, heads dir or None): ``--heads`` on ``--base`` or the base recorded with them;
-    without ``--heads``, the heads shipped for the base and ``mode`` (``shipped_heads``), else the
-    base alone."""
+    without ``--heads``, the heads shipped for the base, its drafting ones where the mode verifies
+    drafts (``shipped_heads``), else the base alone."""
     from multitoken.pipeline.sources.assets import load_base_only, load_model  # lazy: torch
 
-    heads = cfg.heads or shipped_heads(base_cfg.base, mode in VERIFYING_MODES)
+    heads = cfg.heads or shipped_heads(base_cfg.base, drafting)
     if heads is None:
         return load_base_only(base_cfg), None
     return load_model(heads, **dataclasses.asdict(base_cfg))
@@ -71,13 +71,9 @@ def _table(cfg: GenerateConfig, decode, stats: str | None, tokenizer):
 
 def _note_order_cap(decode, model, table) -> None:
     """One line on stderr when the stats' order caps the heads read (recorded in the trace too)."""
-    from multitoken.decoding.config import stats_order_cap  # lazy: torch
-    from multitoken.decoding.drafts import joint_drafts, pick_drafter  # lazy: torch
+    from multitoken.decoding.plan import resolve  # lazy: torch
 
-    speculative = decode.mode in ("speculative", "typical")
-    # a tree reads every head (its candidates are the heads' own guesses, not the joint's)
-    joint = speculative and decode.trees.tree == "chain" and pick_drafter(decode.speculation.drafter, model.heads, table) is joint_drafts
-    cap = stats_order_cap(decode, model.n_future, table, joint)
+    cap = resolve(decode, model, table).stats_cap  # the engine's own plan
     if cap:
         from multitoken.stats.format import MAX_ORDER  # lazy: numpy, only when a cap applies
 
@@ -125,7 +121,7 @@ def run(args) -> None:
     decode.validate()  # the flags alone, before a model loads; the model's bounds below
     fields = {k: v for k, v in dataclasses.asdict(base_cfg).items() if k != "base"}
     base_cfg = backbone_config(cfg.heads, args.base, **fields)  # --base, else --heads' own, else the default
-    model, heads = _load(cfg, base_cfg, decode.mode)
+    model, heads = _load(cfg, base_cfg, decode.verifies)
     stats = cfg.stats or shipped_stats(base_cfg.base)
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,  # dynamic: k^n, n capped by the stats
@@ -180,7 +176,7 @@ def _generate_file(cfg: GenerateConfig, decode, base_cfg: BackboneConfig, texts:
     from multitoken.decoding.engine import generate_batch  # lazy: torch
     from multitoken.decoding.config import check_context, stats_order_cap  # lazy: torch
 
-    model, heads = _load(cfg, base_cfg, decode.mode)
+    model, heads = _load(cfg, base_cfg, decode.verifies)
     stats = cfg.stats or shipped_stats(base_cfg.base)
     table = _table(cfg, decode, stats, model.backbone.tokenizer)  # dynamic masking, joint drafts
     decode.validate(vocab_size=model.backbone.vocab_size, n_heads=model.n_future,

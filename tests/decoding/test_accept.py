@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from multitoken.decoding.verify import greedy_accept, speculative_accept, typical_accept
+from multitoken.decoding.rules import greedy_accept, speculative_accept, typical_accept
 from multitoken.decoding.sampling import Sampler, processed_probs
 
 

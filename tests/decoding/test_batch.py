@@ -13,7 +13,8 @@ from multitoken.decoding import generate as generate_any
 from multitoken.decoding.engine import generate_batch
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.decoding.drafts import Drafts, independent_drafts
+from multitoken.decoding.drafts import independent_drafts
+from multitoken.decoding.proposal import Drafts
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
 from .conftest import RatioTable, attach
@@ -198,7 +199,7 @@ def test_ragged_caches_equal_each_row_recomputed_alone(tiny_backbones, arch, hea
     drafts, a row leaving, optionally compaction: every row's heads at every real position of
     a step equal a full pass over that row's own tokens."""
     from multitoken.pipeline.runtime import ragged
-    from multitoken.decoding.drafts import left_pad
+    from multitoken.decoding.proposal import left_pad
 
     if compact:
         monkeypatch.setattr(ragged, "COMPACT_MIN", 0)

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from multitoken.decoding.engine import generate_batch
-from multitoken.decoding.drafts import Trees, left_pad
+from multitoken.decoding.proposal import left_pad
+from multitoken.decoding.tree_proposer import Trees
 from multitoken.decoding.trees import attend_rows
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.decoding.trees import Tree
-from multitoken.decoding.verify import read_walks
+from multitoken.decoding.rules import read_walks
 from multitoken.base.errors import UsageError
 from multitoken.pipeline.runtime import ragged
 from multitoken.pipeline.sources.assets import load_model

@@ -20,10 +20,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from multitoken.decoding.verify import greedy_accept, speculative_accept, typical_accept, typical_rule
+from multitoken.decoding.rules import greedy_accept, speculative_accept, typical_accept, typical_rule
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate_batch
-from multitoken.decoding.drafts import RowHeads, cp_drafts, independent_drafts, joint_drafts
+from multitoken.decoding.drafts import cp_drafts, independent_drafts, joint_drafts
+from multitoken.decoding.plan import resolve
+from multitoken.decoding.proposal import RowHeads
 from multitoken.decoding.dynamo import head_candidates
 from multitoken.decoding.sampling import Sampler, penalised_logits, processed_probs, rows_seen, top_probs, with_tokens
 from multitoken.decoding.trace import Trace
@@ -140,7 +142,8 @@ def meta_row(greedy: bool, vocab: int = V):
 
 def meta_run(model, greedy: bool, vocab: int = V):
     cfg = DecodeConfig(mode="speculative", greedy=greedy, top_k=min(4, vocab)).resolved()
-    return SimpleNamespace(model=model, cfg=cfg, table=None, vocab=vocab, device=META, clock=time.perf_counter,
+    plan = resolve(cfg, model or SimpleNamespace(n_future=3, heads=None))
+    return SimpleNamespace(model=model, cfg=cfg, plan=plan, table=None, vocab=vocab, device=META, clock=time.perf_counter,
                            draft_cfg=replace(cfg, static_threshold=False, adaptive_threshold=False))
 
 

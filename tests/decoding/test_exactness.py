@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.decoding.drafts import Drafts
+from multitoken.decoding.proposal import Drafts
 from multitoken.pipeline.model.model import MultiTokenModel
 
 from ..conftest import rank_odd_tokens

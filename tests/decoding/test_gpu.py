@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.decoding.drafts import Drafts
+from multitoken.decoding.proposal import Drafts
 from multitoken.pipeline.model.backbone import Backbone
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 

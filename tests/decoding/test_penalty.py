@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.decoding.drafts import Drafts
+from multitoken.decoding.proposal import Drafts
 from multitoken.decoding.sampling import Sampler, top_probs
 
 from .conftest import attach
@@ -208,7 +208,7 @@ def test_sampler_draft_q_is_the_distribution_drawn_from():
 
 
 def test_typical_mode_passes_its_rule_the_whole_vocabulary_rows(tiny_backbones):
-    from multitoken.decoding.verify import typical_rule
+    from multitoken.decoding.rules import typical_rule
 
     model = attach(tiny_backbones["llama"], "medusa", n_future=3)
     rule, seen = typical_rule(0.09, 0.3), []

@@ -20,11 +20,12 @@ from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.decoding.trees import (ACCURACY_FILE, Accuracies, Tree, best_first, expected_accepted,
                                       fallback_accuracies, read_accuracies)
-from multitoken.decoding.verify import (greedy_kept, read_walks, sampled_draw, sampled_inputs, sampled_walk,
-                                             verdict_of)
+from multitoken.decoding.rules import greedy_kept, read_walks, sampled_draw, sampled_inputs, sampled_walk
+from multitoken.decoding.verify import verdict_of
 from multitoken.base.errors import UsageError
 from multitoken.decoding.trace import Trace
-from multitoken.decoding.drafts import Trees
+from multitoken.decoding.plan import resolve
+from multitoken.decoding.tree_proposer import Trees
 from multitoken.embedded import EMBEDDED_STATS
 from multitoken.pipeline.sources.assets import load_model
 from multitoken.stats.table import CooccurrenceTable
@@ -195,12 +196,13 @@ def test_joint_tree_takes_the_nodes_of_most_masked_joint_mass():
     ratio[1, 4, 6] = 0.0
     cfg = DecodeConfig(mode="speculative", greedy=True, temperature=1.0, tree="dynamic", tree_nodes="3", draft_k=2,
                        drafter="joint").resolved()  # the top-k probabilities as given
-    run = SimpleNamespace(cfg=cfg, model=SimpleNamespace(heads=SimpleNamespace(), heads_dir=None), table=RatioTable(ratio),
-                          order=3, vocab=v, device=torch.device("cpu"),
+    model = SimpleNamespace(heads=SimpleNamespace(), heads_dir=None, n_future=3)
+    table = RatioTable(ratio)
+    run = SimpleNamespace(cfg=cfg, model=model, table=table, vocab=v, device=torch.device("cpu"), plan=resolve(cfg, model, table),
                           draft_cfg=replace(cfg, static_threshold=False, adaptive_threshold=False))
     row = SimpleNamespace(trace=Trace())
     steps = Trees(run, fallback_accuracies(2))
-    assert steps.joint and steps.ranks == 2
+    assert run.plan.joint_tree and steps.ranks == 2
     scores = np.log([[0.6, 0.4], [0.7, 0.3]])
     tree = steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2, row)
     assert (tree.tokens, tree.parents, tree.depths, tree.ranks) == ([1, 5, 6, 4], [-1, 0, 1, 0], [0, 1, 2, 1], [0, 1, 0, 0])
@@ -212,6 +214,7 @@ def test_joint_tree_takes_the_nodes_of_most_masked_joint_mass():
     pairs[1, 4] = 0.25
     run.table = RatioTable(pairs)
     run.table.max_order = 2
+    run.plan = resolve(cfg, model, run.table)
     steps = Trees(run, fallback_accuracies(2))
     steps.budget = 4
     tree = steps.tree([[[4, 5], [6, 7]], scores.tolist()], 1, 2, row)  # 5 (.73), 5-6 (.51), 4 (.27), 5-7 (.22)

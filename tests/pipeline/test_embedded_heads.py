@@ -71,13 +71,14 @@ def test_the_default_heads_follow_the_mode_on_the_fetched_smollm2(tmp_path, monk
     the token-conditioned ones where drafts are verified, the replicated ones for DynaMo and
     ``ar``; the embedded base has one set for every mode; another base, none."""
     from multitoken import embedded
+    from multitoken.decoding.config import DecodeConfig
 
     monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path))
     smollm2 = embedded.fetched_dir(embedded.SMOLLM2)
     smollm2.mkdir(parents=True)  # where `multitoken fetch smollm2` converts it (only the path is read here)
     for mode, heads in (("speculative", embedded.SMOLLM2_CONDITIONED), ("typical", embedded.SMOLLM2_CONDITIONED),
                         ("dynamic", embedded.SMOLLM2_HEADS), ("ar", embedded.SMOLLM2_HEADS)):
-        drafting = mode in embedded.VERIFYING_MODES
+        drafting = DecodeConfig(mode=mode).verifies
         assert embedded.shipped_heads(f"fetched:{embedded.SMOLLM2}", drafting) == str(heads)
         assert embedded.shipped_heads(embedded.default_base(), drafting) == str(HEADS)
     assert embedded.shipped_heads(str(tmp_path), True) is None

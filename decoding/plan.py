@@ -1,0 +1,94 @@
+"""``DecodePlan``: every choice a decoding call makes from its settings and its model, made once
+when the call starts (``resolve``) and read by the engine, the proposers and the verifier.
+
+Each choice is written here only: whether the mode verifies drafts, whether a step needs only
+the base's argmax (greedy without a repetition penalty), which drafter drafts a chain, which
+candidates a step feeds (DynaMo's final tokens, a chain, or a tree, and which tree), which rule
+verifies them, how many heads a step computes. The rest of decoding reads the plan's fields and
+tests no setting, and no function's identity, again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import DecodeConfig, stats_order_cap
+from .dynamo.step import always_backs_off
+from multitoken.base.errors import UsageError
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    mode: str
+    verifies: bool  # drafts are verified by the base (speculative, typical); ar and dynamic verify none
+    greedy: bool
+    penalty: float  # the repetition penalty in force
+    penalised: bool  # penalty != 1: every target and argmax reads the row's context
+    argmax_only: bool  # greedy without a penalty: the base's argmax is all a step reads (no logits)
+    order: int  # tokens per forward at most, the stats' cap applied
+    stats_cap: int | None  # the stats' highest order where it caps the heads read, else None
+    heads_read: int  # heads a pass computes (DynaMo at eps_b = 1 backs off unread: head 1 only)
+    proposer: str  # "dynamo": DynaMo's final tokens; "chain": the base's token and a chain of drafts; "tree": a candidate tree
+    drafter: str | None  # a chain's: independent | argmax (independent, greedy, no penalty) | cp | joint | custom; None: no drafts
+    tree: str  # the tree proposer's shape: "path" (--lookup on a chain: the heads' top guesses as one path), static, dynamic; else "chain"
+    lookup: int  # a branch of up to this many tokens copied from the context, grafted on the tree (0: none)
+    joint_tree: bool  # a dynamic tree ranked by DynaMo's co-occurrence-masked joint (the joint drafter's)
+    device_tree: bool  # a static tree judged greedily on the device: its tokens and verdict read together
+    rule: str | None  # verification: greedy | sampled | typical | custom (a caller's chain rule); None: nothing verified
+    grids: bool  # builds DynaMo grids (dynamic steps, joint drafts, dynamic trees): their kernel is prepared first
+    draft_vocab: int | None  # --draft-vocab (the caches' draft unembedding)
+
+    def describe(self) -> str:
+        """The plan in a line (what a step proposes and how it is judged)."""
+        shape = {"dynamo": "DynaMo's back-off, unverified", "chain": f"a chain drafted by {self.drafter}",
+                 "tree": f"a {self.tree} tree" + (f" with a lookup branch of up to {self.lookup}" if self.lookup else "")}
+        what = "one token per pass" if self.proposer == "chain" and self.drafter is None else shape[self.proposer]
+        judged = f", verified by the {self.rule} rule" if self.rule else ""
+        return f"{self.mode}: {what}{judged}; {self.heads_read} head(s) read, up to {self.order} tokens per pass"
+
+
+def resolve(cfg: DecodeConfig, model, table=None, drafter=None, acceptor=None) -> DecodePlan:
+    """The plan of ``cfg`` (validated) on ``model`` (its ``n_future`` heads) with
+    the stats ``table`` (or None); ``drafter`` / ``acceptor``: a caller's chain drafter / chain rule."""
+    n_heads, sampling = model.n_future, cfg.sampling
+    one_chain = cfg.trees.tree == "chain" and not cfg.speculation.lookup  # a lookup branch makes the chain a tree
+    if not one_chain and (drafter is not None or acceptor is not None):
+        raise UsageError("--tree static / dynamic build their own candidates and acceptance",
+                         "pass --tree chain with a custom drafter or acceptor")
+    argmax_only = sampling.greedy and sampling.penalty == 1
+    proposer = "dynamo" if cfg.mode == "dynamic" else "chain" if one_chain else "tree"
+    named = drafter_name(cfg.speculation.drafter, model.heads, table) if cfg.verifies else None
+    chain_drafter = _chain_drafter(named, drafter, argmax_only) if cfg.verifies and one_chain else None
+    cap = stats_order_cap(cfg, n_heads, table, chain_drafter == "joint")
+    tree = "chain" if proposer != "tree" else "path" if cfg.trees.tree == "chain" else cfg.trees.tree
+    joint_tree = tree == "dynamic" and table is not None and named == "joint" and getattr(table, "max_order", 2) >= 2
+    rule = None if not cfg.verifies else "custom" if acceptor is not None else (
+        "typical" if cfg.mode == "typical" else "greedy" if sampling.greedy else "sampled")
+    order = cap or cfg.order(n_heads)
+    return DecodePlan(
+        mode=cfg.mode, verifies=cfg.verifies, greedy=sampling.greedy, penalty=sampling.penalty,
+        penalised=sampling.penalty != 1, argmax_only=argmax_only, order=order, stats_cap=cap,
+        heads_read=1 if cfg.mode == "dynamic" and always_backs_off(cfg) else order,  # heads past those read are never computed
+        proposer=proposer, drafter=chain_drafter, tree=tree, lookup=cfg.speculation.lookup, joint_tree=joint_tree,
+        device_tree=tree == "static" and rule == "greedy" and not cfg.speculation.lookup, rule=rule,
+        grids=cfg.mode == "dynamic" or chain_drafter == "joint" or tree == "dynamic",
+        draft_vocab=cfg.speculation.draft_vocab)
+
+
+def drafter_name(name: str, heads, table=None) -> str:
+    """``--drafter``: ``auto`` is cp for CP heads (sequential drafts), else joint when a
+    co-occurrence table is at hand (it raises acceptance), else independent; cp needs CP heads."""
+    sequential = getattr(heads, "supports_sequential_drafts", False)
+    if name == "auto":
+        name = "cp" if sequential else "joint" if table is not None else "independent"
+    if name == "cp" and not sequential:
+        raise UsageError(f"--drafter cp needs cp heads, these are {heads.config.head_type!r}", "use --drafter independent or joint")
+    return name
+
+
+def _chain_drafter(named: str, custom, argmax_only: bool) -> str:
+    """The drafter of a chain: a caller's own, else the named one; independent drafts without a
+    penalty under greedy verification are each head's argmax (every row's in one call)."""
+    if custom is not None:
+        return "custom"
+    return "argmax" if named == "independent" and argmax_only else named

@@ -1,0 +1,135 @@
+"""The tree proposer (``--tree static|dynamic``, and ``--lookup``): per row per step, a tree of
+the heads' top guesses under the committed token, verified in one forward pass (``trees.py``:
+shapes, budgets, lookup branches). One shape (static: Medusa's, from the heads' measured per-rank
+accuracies) or budget (dynamic: EAGLE-2's, from the step's own head probabilities, or their
+co-occurrence-masked joint) for the run; ``--lookup`` on a chain makes the chain a one-path tree
+(the plan's ``path``) so that the lookup branch can sit beside it. Every row's guesses are read
+in one top-k call and one host read (a static tree under greedy verification none: its tokens
+are gathered on the device and read with the verdict).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .dynamo.step import Candidates, joint_cells
+from .proposal import Proposal, next_tokens
+from .sampling import penalised_logits, with_tokens
+from .trees import (MAX_RANKS, Shape, Tree, attend_rows, auto_budget, best_first, joint_tree, parse_nodes,
+                    read_accuracies, right_aligned, with_lookup)
+
+
+class Trees:
+    """Candidate trees (``--tree static|dynamic``): one shape (static: Medusa's, from the heads'
+    measured per-rank accuracies) or budget (dynamic: EAGLE-2's, from the step's own head
+    probabilities, or their co-occurrence-masked joint) for the run, a tree per row per step."""
+
+    def __init__(self, run, accuracies=None):
+        cfg, model, plan = run.cfg, run.model, run.plan
+        self.run, self.cfg, self.plan = run, cfg, plan
+        self.depth = plan.order - 1  # draft heads read: head d guesses the token d after the root
+        self.accuracy = accuracies or read_accuracies(getattr(model, "heads_dir", None), self.depth)
+        if plan.tree == "path":  # the heads' top guesses as a one-path tree
+            self.budget, self.shape = self.depth, Shape(tuple(range(-1, self.depth)), tuple(range(self.depth + 1)), (0,) * (self.depth + 1))
+        else:
+            nodes = parse_nodes(cfg.trees.tree_nodes)
+            self.budget = nodes if nodes is not None else auto_budget(model, self.accuracy, self.depth, plan.argmax_only)
+            self.shape = best_first(self.accuracy.log_scores(self.depth), self.budget) if plan.tree == "static" else None
+        # the joint ranks paths over the joint drafter's candidates (draft_k per head)
+        joint_k = min(cfg.speculation.draft_k, cfg.sampling.top_k)
+        self.ranks = min(joint_k if plan.joint_tree else min(MAX_RANKS, self.budget), run.vocab)
+        self._at: dict = {}  # each static shape's index tensors on the device
+
+    def label(self, trace) -> None:
+        trace.tree, trace.tree_nodes, trace.lookup = self.cfg.trees.tree, self.budget, self.plan.lookup
+        scores = "step probabilities x co-occurrence mask" if self.plan.joint_tree else "step probabilities"
+        trace.tree_accuracies = self.accuracy.source if self.cfg.trees.tree == "static" else scores
+
+    def ranks_for(self, depth: int) -> int:
+        if self.shape is None:
+            return self.ranks
+        shape = self.shape.within(depth)
+        return max(shape.max_rank(d) for d in range(1, depth + 1))
+
+    def guesses(self, out, rows, roots: dict[int, int], keep: list[int], anchors, depth: int) -> torch.Tensor:
+        """Rows ``keep``'s heads' top guesses at their anchors, on the device, packed for one
+        read # -> ids [R, depth, ranks] (static) or ids and scores [R, 2, depth, ranks] as
+        float64 (dynamic: this step's probabilities score the paths). With a penalty they rank
+        as the verification will judge: the context and the committed token penalised."""
+        logp = torch.stack([out.anchor_head_log_probs(i, anchors) for i in range(1, depth + 1)], dim=1)  # [B, D, V]
+        logp = logp.index_select(0, torch.tensor(keep, dtype=torch.long, device=logp.device))
+        if self.plan.penalised:
+            seen = torch.stack([with_tokens(rows[j].seen, [roots[j]]) for j in keep])[:, None]  # [R, 1, V]
+            logp = penalised_logits(logp, seen, self.plan.penalty)
+        vals, ids = torch.topk(logp.float(), self.ranks_for(depth), dim=-1)  # [R, D, ranks]
+        return ids if self.shape is not None else torch.stack([ids.double(), vals.double()], dim=-3)
+
+    def tree(self, host, root: int, depth: int, row) -> Tree:
+        """A row's tree from its ``guesses`` read on the host (its first ``depth`` levels)."""
+        if self.shape is not None:
+            return self.shape.within(depth).fill(root, host[:depth])
+        ids, scores = (np.asarray(part[:depth]) for part in host)
+        if not self.plan.joint_tree:
+            return best_first(list(scores), self.budget).fill(root, ids.astype(np.int64).tolist())
+        t = self.cfg.sampling.grid_temperature
+        p = np.exp((scores - scores.max(axis=1, keepdims=True)) / t)
+        probs = p / p.sum(axis=1, keepdims=True)  # [depth, k] the top-k at the temperature (float64)
+        covered = min(depth, getattr(self.run.table, "max_order", depth + 1) - 1)
+        cands = [Candidates(np.array([root]), np.ones(1, dtype=np.float32))]
+        cands += [Candidates(i, q.astype(np.float32)) for i, q in zip(ids[:covered].astype(np.int64), probs[:covered])]
+        cells = joint_cells(cands, self.run.draft_cfg, self.run.table, None)
+        row.trace.dynamic_kernel[cells.kernel] += 1
+        return joint_tree(ids.astype(np.int64), probs, root, self.budget, cells.dense()[0])
+
+    def shape_tensors(self, shape: Shape, device) -> dict[str, torch.Tensor]:
+        """A static shape's index tensors on ``device``, built once per shape: the guess each
+        non-root node takes (head, rank), ``Tree.judging``'s parents, depth + 1 and root flag,
+        the ancestor mask and the depths."""
+        key = (shape, str(device))
+        if key not in self._at:
+            tree = Tree([0] * len(shape), list(shape.parents), list(shape.depths), list(shape.ranks))
+            _, parents, level, root = torch.from_numpy(tree.judging()).to(device)
+            self._at[key] = {"heads": torch.tensor([d - 1 for d in shape.depths[1:]], device=device),
+                             "ranks": torch.tensor(list(shape.ranks[1:]), device=device),
+                             "parents": parents, "level": level, "root": root > 0,
+                             "attend": tree.attend(device), "offsets": tree.offsets(device)}
+        return self._at[key]
+
+    def __call__(self, out, rows, anchors, live) -> Proposal:
+        need = [j for j in live if rows[j].forced is None]  # after the prompt or a lone root
+        if need:
+            for j, token in zip(need, next_tokens(out, rows, need, anchors, self.plan)):
+                rows[j].forced = token
+        roots = {j: rows[j].forced for j in live}
+        depths = [min(self.depth, rows[j].budget - 1) for j in live]
+        keep = [j for j, d in zip(live, depths) if d > 0]
+        for j in live:
+            rows[j].forced = None
+        commits = [[roots[j]] for j in live]
+        no = [self.run.no_drafts] * len(live)
+        if self.plan.device_tree and min(depths) == self.depth:
+            # one shape for every row: tokens gathered and judged on the device, read with the verdict
+            at = self.shape_tensors(self.shape, self.run.device)
+            guesses = self.guesses(out, rows, roots, keep, anchors, self.depth)  # [B, D, ranks]
+            first = torch.tensor([[roots[j]] for j in live], dtype=torch.long, device=guesses.device)  # [B, 1]
+            ids = torch.cat([first, guesses[:, at["heads"], at["ranks"]]], -1)  # [B, N]
+            b, n = ids.shape
+            return Proposal(ids, [n] * b, commits, no, None, at["attend"].expand(b, n, n), at["offsets"].expand(b, n),
+                            self.shape, at)
+        host = self.guesses(out, rows, roots, keep, anchors, max(depths)).tolist() if keep else []
+        trees = {j: Tree([roots[j]], [-1], [0], [0]) for j in live}
+        for slot, j in enumerate(keep):
+            trees[j] = self.tree(host[slot], roots[j], depths[live.index(j)], rows[j])
+        if self.plan.lookup:  # each row's context is on the host already: no device read
+            for j in live:
+                rows[j].lookup_len = 0
+            for j in keep:
+                context = rows[j].prompt + rows[j].out_ids + [roots[j]]
+                trees[j], rows[j].lookup_len = with_lookup(trees[j], context, min(rows[j].lookup_k or self.plan.lookup, rows[j].budget - 1))
+        trees = [trees[j] for j in live]
+        width = max(len(t) for t in trees)
+        ids = torch.from_numpy(right_aligned([t.tokens for t in trees], width)).to(self.run.device)
+        attend = torch.from_numpy(attend_rows(trees, width)).to(self.run.device)
+        offsets = torch.from_numpy(right_aligned([t.depths for t in trees], width)).to(self.run.device)
+        return Proposal(ids, [len(t) for t in trees], commits, no, trees, attend, offsets)
