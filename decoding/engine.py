@@ -188,8 +188,9 @@ def _row(run: Run, index: int, ids: list[int], seed: int, profile: bool, batch_s
     s = cfg.sampling
     sampler = Sampler(s.greedy, s.temperature, s.top_k, seed, penalty=s.penalty, device=run.device)
     trace = Trace(mode=cfg.mode, prompt_tokens=len(ids), repetition_penalty=cfg.sampling.penalty,
-                  stats_order_cap=run.plan.stats_cap or 0, device=str(run.device), synchronised=profile, batch_size=batch_size)
-    return Row(index, list(ids), cfg, sampler, seen, None if cfg.sampling.greedy else np.random.default_rng(seed), trace)
+                  stats_order_cap=run.plan.stats_cap or 0, device=str(run.device), synchronised=profile, batch_size=batch_size,
+                  plan=run.plan.describe())
+    return Row(index, list(ids), cfg, sampler, seen, None if run.plan.greedy else np.random.default_rng(seed), trace)
 
 
 @torch.inference_mode()  # cheaper than no_grad per op: a small model's step is mostly op overhead
@@ -201,7 +202,7 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
     ``table``: co-occurrence stats (DynaMo's mask, the joint drafter); ``on_tokens(row, tokens)``
     streams final tokens per row; ``seeds[b]`` seeds row b's generators (default ``cfg.sampling.seed``);
     ``drafter`` / ``acceptor``: a chain drafter / chain rule of one's own (the signatures of
-    ``drafts.independent_drafts`` / ``verify.greedy_accept``); ``profile``: make the trace's model
+    ``drafts.independent_drafts`` / ``rules.greedy_accept``); ``profile``: make the trace's model
     / logic split exact on an accelerator (synchronise at every clock reading: the waits cost
     time); ``tree_accuracies``: a ``trees.Accuracies`` for ``--tree static`` (default: the file
     beside the heads, else the fallback prior).

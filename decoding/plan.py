@@ -39,12 +39,18 @@ class DecodePlan:
     draft_vocab: int | None  # --draft-vocab (the caches' draft unembedding)
 
     def describe(self) -> str:
-        """The plan in a line (what a step proposes and how it is judged)."""
-        shape = {"dynamo": "DynaMo's back-off, unverified", "chain": f"a chain drafted by {self.drafter}",
-                 "tree": f"a {self.tree} tree" + (f" with a lookup branch of up to {self.lookup}" if self.lookup else "")}
-        what = "one token per pass" if self.proposer == "chain" and self.drafter is None else shape[self.proposer]
+        """The plan in words (the trace's ``plan``, shown by ``generate --verbose``)."""
+        if self.proposer == "dynamo":
+            what = "DynaMo's back-off, committed unverified"
+        elif self.proposer == "chain":
+            what = f"a chain of {self.drafter} drafts" if self.drafter else "the base's next token, no drafts"
+        else:
+            what = ("the heads' top guesses as one path (--lookup on a chain)" if self.tree == "path"
+                    else f"a {self.tree} tree" + (" ranked by the co-occurrence-masked joint" if self.joint_tree else ""))
+            what += f", with a lookup branch of up to {self.lookup} tokens" if self.lookup else ""
         judged = f", verified by the {self.rule} rule" if self.rule else ""
-        return f"{self.mode}: {what}{judged}; {self.heads_read} head(s) read, up to {self.order} tokens per pass"
+        reads = "the base's argmax only" if self.argmax_only and self.rule in (None, "greedy") else "the base's logits"
+        return f"{what}{judged}; {self.heads_read} head(s) computed, {reads}"
 
 
 def resolve(cfg: DecodeConfig, model, table=None, drafter=None, acceptor=None) -> DecodePlan:

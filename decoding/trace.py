@@ -103,6 +103,7 @@ class Trace:
     lookup: int = 0  # --lookup K: a branch of up to K tokens copied from the context (0: none)
     lookup_tokens: int = 0  # kept tokens that only the lookup branch drafted
     batch_size: int = 1  # rows decoded together (one batch): passes and model time are shared by them
+    plan: str = ""  # what the call's steps propose, how they are judged and what they read (``DecodePlan.describe``)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -144,6 +145,8 @@ class Trace:
             lines.append(f"prompt lookup (up to {self.lookup} tokens): {self.lookup_tokens} kept tokens drafted by it alone")
         if not verbose:
             return "\n".join(lines)
+        if self.plan:
+            lines.append("plan: " + self.plan)
         if self.accepted_lengths:
             lines.append("accepted drafts per verification: " + _hist(self.accepted_lengths))
         if self.orders:

@@ -81,7 +81,7 @@ class Tree:
         return torch.tensor(self.depths, dtype=torch.long, device=device)
 
     def judging(self, width: int | None = None) -> np.ndarray:
-        """What ``verify.greedy_kept`` reads, right-aligned in ``width`` slots (pads first:
+        """What ``rules.greedy_kept`` reads, right-aligned in ``width`` slots (pads first:
         their own parents, depth -1, never kept) # -> [4, width] int64: tokens, parents (the
         root's: itself), depth + 1, root flag."""
         n = len(self)
