@@ -93,8 +93,8 @@ def drafter_name(name: str, heads, table=None) -> str:
 
 
 def _chain_drafter(named: str, custom, argmax_only: bool) -> str:
-    """The drafter of a chain: a caller's own, else the named one; independent drafts without a
-    penalty under greedy verification are each head's argmax (every row's in one call)."""
+    """The drafter of a chain: a caller's own, else the named one; greedy independent drafts
+    without a penalty are each head's argmax (every row's in one call)."""
     if custom is not None:
         return "custom"
     return "argmax" if named == "independent" and argmax_only else named
