@@ -37,6 +37,28 @@ def ranking_record(counts: torch.Tensor, size: int, source: str) -> dict:
             "vocab_size": int(counts.shape[0]), "source": source}
 
 
+def ranked_ids(record: dict, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` token ids a draft vocabulary of that many holds: the ranking's first ``size``,
+    then (where its text saw fewer tokens) the ids it never saw, ascending # -> [size] long."""
+    ids = torch.tensor(record["tokens"][:size], dtype=torch.long)
+    if ids.numel() < size:
+        unseen = torch.ones(vocab_size, dtype=torch.bool)
+        unseen[ids] = False
+        ids = torch.cat([ids, unseen.nonzero().squeeze(-1)[:size - ids.numel()]])
+    return ids
+
+
+def owns_draft_vocab(heads) -> bool:
+    """Heads that draft over a vocabulary of their own (eagle3: its ``lm_head`` with ``d2t`` /
+    ``t2d``, chosen by ``set_draft_vocab``) rather than through the base's unembedding."""
+    return callable(getattr(heads, "set_draft_vocab", None)) and getattr(heads, "t2d", None) is not None
+
+
+def drafter_vocab_ids(heads) -> torch.Tensor:
+    """The target ids such heads score now, ascending # -> [Vd] long (CPU)."""
+    return heads.t2d.nonzero().squeeze(-1).cpu()
+
+
 def read_ranking(heads_dir: str | Path | None, vocab_size: int | None = None) -> dict | None:
     """The heads dir's ``draft_vocab.json`` record, or None where it has none. Checked whole:
     ``tokens`` distinct integer ids in [0, ``vocab_size``), ``size`` an integer >= 0 (1.5 is

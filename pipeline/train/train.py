@@ -31,7 +31,8 @@ from multitoken.base.packing import PackedStream, PackPosition, take_sequences
 from multitoken.pipeline.train.trainer_config import TrainConfig, validate
 from multitoken.base.config_io import resolved_config_text
 from multitoken.pipeline.model.loading import LoraSpec, load_backbone
-from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, ranking_record
+from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE
+from multitoken.pipeline.train.draft_ranking import draft_vocab_text, set_drafter_vocab
 from multitoken.pipeline.model.heads_io import read_heads_config
 from multitoken.pipeline.model.model import MultiTokenModel
 
@@ -136,25 +137,6 @@ def make_streams(cfg: TrainConfig, data: DataConfig, model, position: dict | Non
     return iter(stream), eval_batches, epoch_start
 
 
-RANKED_TOKENS = 2_000_000  # tokens of the data counted for draft_vocab.json: ample for a frequency ranking
-
-
-def draft_vocab_text(cfg: TrainConfig, data: DataConfig, model) -> str | None:
-    """``draft_vocab.json``: the data's tokens by frequency over the first ``RANKED_TOKENS`` of
-    its stream (the whole data when shorter); None with ``--draft-vocab 0``."""
-    if not cfg.draft_vocab:
-        return None
-    tok, vocab = model.backbone.tokenizer, model.backbone.vocab_size
-    counts, seen = np.zeros(vocab, dtype=np.int64), 0
-    for seq, _ in PackedStream(data, tok, cfg.seq_len, _separator(tok, cfg), vocab_size=vocab, loop=False):
-        counts += np.bincount(seq, minlength=vocab)
-        seen += len(seq)
-        if seen >= RANKED_TOKENS:
-            break
-    record = ranking_record(torch.from_numpy(counts), cfg.draft_vocab, f"the first {seen} tokens of the training data")
-    return json.dumps(record) + "\n"
-
-
 @torch.no_grad()
 def evaluate(model, batches: list[np.ndarray]) -> dict[str, float]:
     """Per-head loss and top-1/top-5 accuracy, averaged over equally sized batches."""
@@ -238,6 +220,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     run = run_fingerprint(cfg, data, files)
     torch.manual_seed(cfg.seed)
     model = model if model is not None else load_trainable_model(cfg, dist)
+    ranking = set_drafter_vocab(cfg, data, model, _separator(model.backbone.tokenizer, cfg))  # before the optimizer and any checkpoint's weights
     model.train(True)  # stock linears (a decoding run may have packed them) before parameters are collected
     for p in model.base_head_parameters():  # head 1's own layer: base weights unless asked for
         p.requires_grad_(cfg.train_base_head)
@@ -289,7 +272,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     history.append({"step": step, **final})
     _checkpoint(cfg, dist, ckpt_root, step, model, optimizer, position, epoch_start, history, run)
     if dist.main:
-        _write_output(cfg, data, model, history, files)
+        _write_output(cfg, data, model, history, files, ranking)
     _barrier(dist)
     return {"step": step, "eval": final, "checkpoint_dir": str(ckpt_root), "out": cfg.out}
 
@@ -386,12 +369,14 @@ def _checkpoint(cfg, dist, root, step, model, optimizer, position, epoch_start, 
     _barrier(dist)
 
 
-def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict) -> None:
+def _write_output(cfg: TrainConfig, data: DataConfig, model, history: list[dict], files: dict, ranking: str | None) -> None:
     """Save heads, resolved config and metrics: staged, then published over ``--out`` all or
-    nothing (only the files its record lists are replaced; see ``heads_io.save_heads``)."""
+    nothing (only the files its record lists are replaced; see ``heads_io.save_heads``).
+    ``ranking``: the drafter's draft vocabulary set before training (else ranked now)."""
     extra = {"train_config.json": resolved_config_text("train", cfg, data, extra=files),
              "train_metrics.json": json.dumps(history, indent=2) + "\n"}
-    ranking = draft_vocab_text(cfg, data, model)
+    if ranking is None:
+        ranking = draft_vocab_text(cfg, data, model, _separator(model.backbone.tokenizer, cfg))
     if ranking is not None:
         extra[DRAFT_VOCAB_FILE] = ranking
     model.save_heads(Path(cfg.out), extra=extra, command="train")
