@@ -7,13 +7,16 @@ Stages, each resumable (a finished stage's output is reused, a killed one redone
    ``sample_every``-th batch sampled) into token shards (``distill/train``, ``distill/heldout``),
    until ``tokens`` new tokens exist or ``distill_seconds`` run out;
 3. train: every head type of ``heads`` at once on the training shards, heads only, the frozen
-   trunk run once per batch (``recipe_train``), for ``epochs`` passes or ``train_seconds``;
+   trunk run once per batch (``recipe_train``), for ``epochs`` passes or ``train_seconds``. The
+   training text's token ranking (``draft_vocab.json``) is made first: the eagle3 drafter's own
+   ``lm_head`` is set to its first ``draft_vocab`` tokens before it trains (EAGLE-3's training-
+   time test on the base's distribution there: ``adapters/eagle3.py``);
 4. measure: held-out top-1 / top-5 of every head and each draft head's accuracy per rank
-   (``rank_accuracy.json``, what ``--tree static`` reads), and the training text's token ranking
-   (``draft_vocab.json``, the drafts' vocabulary);
+   (``rank_accuracy.json``, what ``--tree static`` reads; eagle3's steps as a greedy chain of
+   drafts, ``recipe_train.rank_accuracy``), the ranking written beside the heads that read it;
 5. write ``heads-TYPE/`` (a heads dir each) and ``report/build_report.json`` (text size, times,
    machine, accuracies) under ``--out``.
-On a GPU the whole recipe runs in one call (``scripts/gpu_build_heads.sh``).
+On a GPU the whole recipe runs in one call (``scripts/gpu/build_heads.sh``).
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ from multitoken.adapters.registry import registered_heads
 from multitoken.base.atomic import atomic_write_text
 from multitoken.base.errors import UsageError
 from multitoken.decoding.trees import MAX_RANKS, accuracy_record
-from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, ranking_record
+from multitoken.pipeline.model.draft_vocab import DRAFT_VOCAB_FILE, drafter_vocab_ids, owns_draft_vocab, ranked_ids, ranking_record
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.train import recipe_data as rdata
 from multitoken.pipeline.train import recipe_train as rtrain
 
-HEAD_TYPES = ("replicated", "medusa", "conditioned")
+HEAD_TYPES = ("replicated", "medusa", "conditioned", "eagle3")
 REPORT = "report/build_report.json"  # inside a work dir of the output's record (see cmd_build_heads)
 
 
@@ -66,7 +69,8 @@ class RecipeConfig:
     train_seconds: float = field(default=0.0, metadata={"help": "fit training into this long (0: no limit)"})
     compute_dtype: str = field(default="float32", metadata={"help": "float32, or bfloat16 autocast (GPUs, CPUs with native bf16)",
                                                             "choices": ("float32", "bfloat16")})
-    draft_vocab: int = field(default=8192, metadata={"help": "tokens the drafts score by default (draft_vocab.json's size)"})
+    draft_vocab: int = field(default=8192, metadata={"help": "tokens the drafts score by default (draft_vocab.json's size); "
+                                                              "the eagle3 drafter's lm_head holds exactly these"})
     seed: int = field(default=0, metadata={"help": "random seed"})
 
 
@@ -91,9 +95,11 @@ def machine() -> dict:
     return info
 
 
-def _head_config(kind: str, n: int) -> dict:
-    cfg = {"head_type": kind, "n_future": n}
-    return {**cfg, "init": "copy"} if kind in ("replicated", "conditioned", "whs") else cfg
+def _head_config(kind: str, cfg: RecipeConfig) -> dict:
+    out = {"head_type": kind, "n_future": cfg.n_future}
+    if kind == "eagle3":  # the drafter's lm_head scores the ranking's first --draft-vocab tokens
+        return {**out, "draft_vocab_size": cfg.draft_vocab}
+    return {**out, "init": "copy"} if kind in ("replicated", "conditioned", "whs") else out
 
 
 def distill_stage(backbone, cfg: RecipeConfig, out: Path, ranks: rtrain.Ranks, log) -> dict:
@@ -152,8 +158,14 @@ def build(backbone, cfg: RecipeConfig, log=print) -> dict | None:
                       "heldout_rows": int(held["ids"].shape[0]), "heldout_tokens": int(held["valid"].sum())}
     log(f"text: {report['text']}")
     todo = [k for k in cfg.heads if not (out / f"heads-{k}" / "heads_config.json").is_file()]
+    ranking = ranking_record(torch.bincount(train["ids"][train["valid"]], minlength=backbone.vocab_size), cfg.draft_vocab,
+                             "the recipe's self-distilled training text (multitoken build-heads)")
     torch.manual_seed(cfg.seed)
-    sets = [rtrain.HeadSet(k, MultiTokenModel.attach(backbone, _head_config(k, cfg.n_future)), cfg.lr) for k in todo]
+    models = [MultiTokenModel.attach(backbone, _head_config(k, cfg)) for k in todo]
+    for model in models:  # a drafter with its own lm_head trains over the draft vocabulary it ships with
+        if owns_draft_vocab(model.heads):
+            model.heads.set_draft_vocab(ranked_ids(ranking, len(drafter_vocab_ids(model.heads)), backbone.vocab_size))
+    sets = [rtrain.HeadSet(k, m, cfg.lr) for k, m in zip(todo, models)]
     if sets:
         t0 = time.time()
         run = rtrain.train_sets(backbone, sets, train, epochs=cfg.epochs, batch_rows=cfg.batch_rows, warmup=cfg.warmup,
@@ -162,7 +174,7 @@ def build(backbone, cfg: RecipeConfig, log=print) -> dict | None:
         report["stages"]["train"] = {k: v for k, v in run.items() if k != "history"}
         report["stages"]["train"]["heads"] = todo
         if ranks.rank == 0:
-            _write_heads(backbone, cfg, out, sets, run, report, train, held, log)
+            _write_heads(cfg, out, sets, run, report, held, ranking, log)
         report["stages"]["train"]["seconds_total"] = round(time.time() - t0, 1)
     _barrier(ranks)
     if ranks.rank != 0:
@@ -178,18 +190,17 @@ def _quiet(_message) -> None:
     pass
 
 
-def _write_heads(backbone, cfg: RecipeConfig, out: Path, sets, run: dict, report: dict, train: dict, held: dict, log) -> None:
-    """Measure every trained head set on the held-out text and write its heads dir."""
-    counts = torch.bincount(train["ids"][train["valid"]], minlength=backbone.vocab_size)
-    ranking = ranking_record(counts, cfg.draft_vocab, "the recipe's self-distilled training text (multitoken build-heads)")
+def _write_heads(cfg: RecipeConfig, out: Path, sets, run: dict, report: dict, held: dict, ranking: dict, log) -> None:
+    """Measure every trained head set on the held-out text and write its heads dir, with the
+    training text's token ranking where the drafts read one (``ranking``, draft_vocab.json)."""
     for s in sets:
-        acc = rtrain.rank_accuracy(backbone, s.model, held, 32, cfg.compute_dtype, MAX_RANKS)
-        record = {"head": _head_config(s.name, cfg.n_future), "heldout": acc["summary"],
+        acc = rtrain.rank_accuracy(s.model.backbone, s.model, held, 32, cfg.compute_dtype, MAX_RANKS)
+        record = {"head": _head_config(s.name, cfg), "heldout": acc["summary"],
                   "train": report["stages"]["train"], "text": report["text"], "machine": report["machine"],
                   "history": [{k: v for k, v in h.items() if k.startswith(s.name + "/") or "/" not in k} for h in run["history"]]}
         extra = {"rank_accuracy.json": json.dumps(accuracy_record(acc["ranks"], acc["counts"]), indent=2) + "\n",
                  "train_metrics.json": json.dumps(record, indent=2) + "\n"}
-        if s.model.heads.num_head_layers:  # layer heads unembed drafts through the base's matrix
+        if s.model.heads.num_head_layers or owns_draft_vocab(s.model.heads):  # drafts over a ranked vocabulary
             extra[DRAFT_VOCAB_FILE] = json.dumps(ranking) + "\n"
         s.model.save_heads(out / f"heads-{s.name}", extra=extra, command="build-heads")
         log(f"heads-{s.name}: held-out {acc['summary']}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multitoken.adapters.base import Features
+from multitoken.adapters.base import Features, HeadAdapter
 
 
 def autocast(device: torch.device, dtype: str):
@@ -155,7 +155,17 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
 @torch.no_grad()
 def rank_accuracy(backbone, model, data: dict, batch_rows: int, dtype: str, max_ranks: int) -> dict:
     """Every head's top-1 / top-5 over the whole vocabulary on ``data``, head 1 included, and
-    the draft heads' accuracy per rank of their guesses (``rank_accuracy.json``'s counts)."""
+    the draft heads' accuracy per rank of their guesses (``rank_accuracy.json``'s counts).
+
+    Head i (1-based) at position t is right at rank r when its r-th best token is the text's
+    token t+i; on the recipe's held-out rows (the base's greedy continuations) that is the
+    base's own token there. Heads with a distribution of their own (``log_probs`` overridden:
+    CP's mixture, eagle3's drafter) are ranked by it; the others by their hidden state through
+    the base's unembedding. For eagle3 this is the training-time test run as drafting: head
+    i+1 is draft step i of a greedy chain started at t, step 1 fed token t+1 (the text's) and
+    each later step the previous step's own top-1 (mapped to the base's ids), its keys those of
+    step 1 at positions <= t and of its own earlier steps at t; ranks fall only inside the
+    drafter's draft vocabulary (a token outside it is never a hit)."""
     W = backbone.unembedding.weight
     n = model.n_future
     ranks, counts = [[0] * max_ranks for _ in range(n)], [0] * n
@@ -167,16 +177,24 @@ def rank_accuracy(backbone, model, data: dict, batch_rows: int, dtype: str, max_
             if model.heads.needs_next_tokens:
                 feats.next_ids = model.next_tokens(ids, feats.base)
             for i in range(n):
-                h = model.heads.hidden(i, feats)  # [b, T, H]
                 off = i + 1
                 ok = valid[:, off:] & valid[:, :-off]  # [b, T - off]
-                rows = h[:, :-off][ok]  # [N, H]
                 target = ids[:, off:][ok]  # [N]
-                top = (rows.float() @ W.float().T).topk(max_ranks, dim=-1).indices  # [N, R]
-                hits = (top == target[:, None]).sum(0).tolist()
+                scores = _head_scores(model, i, feats, W, lambda x: x[:, :-off][ok])  # [N, V]
+                best = scores.topk(max_ranks, dim=-1)  # [N, R]
+                hits = ((best.indices == target[:, None]) & torch.isfinite(best.values)).sum(0).tolist()
                 ranks[i] = [a + b for a, b in zip(ranks[i], hits)]
                 counts[i] += int(target.numel())
     summary = {f"head{i + 1}/top1": round(ranks[i][0] / max(counts[i], 1), 4) for i in range(n)}
     summary.update({f"head{i + 1}/top5": round(sum(ranks[i][:5]) / max(counts[i], 1), 4) for i in range(n)})
     summary["positions"] = counts[0]
     return {"summary": summary, "ranks": ranks[1:], "counts": counts[1:]}
+
+
+def _head_scores(model, i: int, feats: Features, W: torch.Tensor, pick) -> torch.Tensor:
+    """Head ``i``'s scores over the whole vocabulary at the positions ``pick`` keeps # [b, T, ...]
+    -> [N, ...]: -> [N, V] float (-inf: a token the head never drafts)."""
+    heads = model.heads
+    if type(heads).log_probs is not HeadAdapter.log_probs:  # a distribution of its own
+        return pick(heads.log_probs(i, feats)).float()
+    return pick(heads.hidden(i, feats)).float() @ W.float().T  # unembed the kept rows only

@@ -220,7 +220,7 @@ def train(cfg: TrainConfig, data: DataConfig, model=None) -> dict:
     run = run_fingerprint(cfg, data, files)
     torch.manual_seed(cfg.seed)
     model = model if model is not None else load_trainable_model(cfg, dist)
-    ranking = set_drafter_vocab(cfg, data, model, _separator(model.backbone.tokenizer, cfg))  # before the optimizer and any checkpoint's weights
+    ranking = set_drafter_vocab(cfg, data, model, _separator(model.backbone.tokenizer, cfg))  # before any checkpoint loads
     model.train(True)  # stock linears (a decoding run may have packed them) before parameters are collected
     for p in model.base_head_parameters():  # head 1's own layer: base weights unless asked for
         p.requires_grad_(cfg.train_base_head)

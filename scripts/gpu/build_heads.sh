@@ -42,10 +42,10 @@ else
       --distill-seconds "${DISTILL_S:-190}" --train-seconds "${TRAIN_S:-170}"
 fi
 dest="$work/$([ "$mode" = smoke ] && echo smoke || echo full)"
-# the heads in bfloat16 (what ships; a file comes back only under 16 MiB), the rest in one archive
+# the heads in bfloat16 (what ships; a file comes back only under 16 MiB; eagle3's id maps d2t / t2d kept), the rest in one archive
 for d in "$dest"/heads-*; do
   "${PY:-python3}" -c "import sys, torch; from safetensors.torch import load_file, save_file
-save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(sys.argv[1]).items()}, sys.argv[2], metadata={'format': 'pt'})" \
+save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in load_file(sys.argv[1]).items()}, sys.argv[2], metadata={'format': 'pt'})" \
     "$d/heads.safetensors" "$out/$(basename "$d").safetensors"
 done
 (cd "$dest" && tar czf "$out/build.tar.gz" --exclude=heads.safetensors --exclude=distill .)

@@ -15,13 +15,17 @@ from safetensors.torch import load_file
 
 from multitoken.pipeline.cli import main
 from multitoken.pipeline.model.loading import BackboneConfig
+from multitoken.pipeline.model.draft_vocab import ranked_ids, read_ranking
+from multitoken.pipeline.model.export_eagle3 import read_eagle3
 from multitoken.pipeline.model.model import MultiTokenModel
 from multitoken.pipeline.train import recipe_data
+from multitoken.pipeline.train.recipe import HEAD_TYPES
 
 from ..conftest import fixture_path as fixture
 
 REPO = Path(__file__).resolve().parents[2]
-TYPES = ("replicated", "medusa", "conditioned")
+TYPES = ("replicated", "medusa", "conditioned", "eagle3")
+DRAFT_VOCAB = 200  # of stories260K's 512: eagle3's lm_head scores these
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,7 @@ def build(texts, out, *extra) -> int:
     return main(["build-heads", "--data", str(texts[0]), "--heldout", str(texts[1]), "--out", str(out),
                  "--tokens", "1200", "--heldout-prompts", "6", "--prompt-len", "8", "--prompt-stride", "5",
                  "--new-tokens", "12", "--distill-batch", "16", "--shard-rows", "40", "--batch-rows", "8",
-                 "--warmup", "2", "--epochs", "1", "--threads", "1", *extra])
+                 "--warmup", "2", "--epochs", "1", "--threads", "1", "--draft-vocab", str(DRAFT_VOCAB), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +53,7 @@ def built(texts, tmp_path_factory):
 
 
 def test_every_head_type_is_a_heads_dir_measured_on_held_out_text(built):
+    assert HEAD_TYPES == TYPES  # the default build makes every type, the eagle3 drafter included
     report = json.loads((built / "report" / "build_report.json").read_text())
     assert report["text"]["train_rows"] == 100 and report["text"]["heldout_rows"] == 6  # 1200 / 12 rows
     for kind in TYPES:
@@ -62,6 +67,45 @@ def test_every_head_type_is_a_heads_dir_measured_on_held_out_text(built):
         assert (built / f"heads-{kind}" / "draft_vocab.json").is_file() == (kind != "medusa")
     trained = json.loads((built / "heads-conditioned" / "train_metrics.json").read_text())
     assert trained["train"]["steps"] == 100 // 8  # one epoch of 8-row steps
+
+
+def test_the_eagle3_drafter_drafts_over_the_ranking_is_scored_as_drafting_and_exports(built, tmp_path):
+    """Its lm_head scores the ranking's first --draft-vocab tokens; rank_accuracy.json's top-1 of
+    draft step s counts the positions t where a greedy chain drafted from the drafter's KV cache
+    (step 1 fed token t+1, each later step its own previous draft) guesses token t+s+1."""
+    from multitoken.decoding.trees import MAX_RANKS
+    from multitoken.pipeline.train.recipe_train import rank_accuracy
+
+    heads_dir = built / "heads-eagle3"
+    model = MultiTokenModel.from_pretrained(BackboneConfig(cpu_linear="stock"), str(heads_dir))
+    heads, V = model.heads, model.backbone.vocab_size
+    want = ranked_ids(read_ranking(heads_dir, V), DRAFT_VOCAB, V).sort().values
+    assert heads.draft_head.out_features == DRAFT_VOCAB and torch.equal(heads.t2d.nonzero().squeeze(-1), want)
+    held = recipe_data.read_shards(built / "distill" / "heldout")
+    acc = rank_accuracy(model.backbone, model, held, 32, "float32", MAX_RANKS)
+    hits, counts = [0] * (model.n_future - 1), [0] * (model.n_future - 1)
+    with torch.no_grad():
+        for ids, valid in zip(held["ids"], held["valid"]):
+            ids, T = ids[None].long(), ids.shape[0]
+            feats = model.features(ids)
+            fused = heads.fuse(feats.layer_states)
+            for t in range(T - 2):
+                cache = heads.new_cache()
+                logits, out = heads.step(fused[:, :t + 1], feats.next_ids[:, :t + 1], cache, torch.arange(t + 1)[None])
+                logits, out = logits[:, -1:], out[:, -1:]
+                for s in range(1, min(model.n_future, T - t - 1)):  # step s guesses token t+s+1
+                    token = heads.to_target(logits.argmax(-1))  # [1, 1]
+                    if valid[t] and valid[t + s + 1]:
+                        counts[s - 1] += 1
+                        hits[s - 1] += int(token.item() == ids[0, t + s + 1])
+                    logits, out = heads.step(out, token, cache, torch.full((1, 1), t + s))
+    assert counts == acc["counts"] and hits == [r[0] for r in acc["ranks"]]
+    written = json.loads((heads_dir / "rank_accuracy.json").read_text())["rank_accuracy"]
+    assert [row[0] for row in written] == [h / c for h, c in zip(hits, counts)]
+    assert main(["export", "--format", "eagle3", "--heads", str(heads_dir), "--out", str(tmp_path / "e3")]) == 0
+    config, tensors = read_eagle3(tmp_path / "e3")
+    assert config["draft_vocab_size"] == DRAFT_VOCAB and torch.equal(tensors["d2t"], heads.d2t)
+    assert torch.equal(tensors["lm_head.weight"], heads.draft_head.weight)
 
 
 def test_continuations_are_the_bases_greedy_text(built):
@@ -120,8 +164,9 @@ def test_the_gpu_script_runs_the_recipe_on_the_cpu(texts, tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for kind in TYPES:
-        tensors = load_file(str(out / f"heads-{kind}.safetensors"))
-        assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+        tensors = load_file(str(out / f"heads-{kind}.safetensors"))  # weights in bfloat16, eagle3's id maps as they are
+        assert all(t.dtype == (torch.bfloat16 if k not in ("d2t", "t2d") else tensors[k].dtype) for k, t in tensors.items())
+        assert kind != "eagle3" or (tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool)
         assert (out / f"heads-{kind}.safetensors").stat().st_size < 16 << 20
     import tarfile
 
@@ -135,7 +180,7 @@ def test_two_processes_under_torchrun_train_the_heads_one_process_does(texts, tm
     same rows as two micro-batches: gradients (g0 + g1) / 2 either way, bit for bit."""
     args = ["build-heads", "--data", str(texts[0]), "--heldout", str(texts[1]), "--tokens", "480",
             "--heldout-prompts", "4", "--prompt-len", "8", "--new-tokens", "12", "--distill-batch", "8",
-            "--shard-rows", "8", "--batch-rows", "8", "--warmup", "2", "--threads", "1", "--heads", "conditioned", "medusa"]
+            "--shard-rows", "8", "--batch-rows", "8", "--warmup", "2", "--threads", "1", "--heads", "conditioned", "medusa", "eagle3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = [sys.executable, "-m", "multitoken.pipeline.cli"]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
@@ -147,7 +192,7 @@ def test_two_processes_under_torchrun_train_the_heads_one_process_does(texts, tm
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     shards = sorted(p.name for p in (tmp_path / "two" / "distill" / "train").iterdir())
     assert len(shards) == 5 and shards == sorted(p.name for p in (tmp_path / "one" / "distill" / "train").iterdir())
-    for kind in ("conditioned", "medusa"):
+    for kind in ("conditioned", "medusa", "eagle3"):
         a = load_file(str(tmp_path / "two" / f"heads-{kind}" / "heads.safetensors"))
         b = load_file(str(tmp_path / "one" / f"heads-{kind}" / "heads.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), kind
