@@ -7,7 +7,7 @@ import torch
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.base.errors import UsageError
-from multitoken.pipeline.eval.equivalence import CRITERIA, MARGINS, SAME_QUALITY_RULE, VERDICTS
+from multitoken.pipeline.eval.equivalence import CRITERIA, MARGINS, MDE_FACTOR, SAME_QUALITY_RULE, VERDICTS
 from multitoken.pipeline.eval.sweep import (
     TABLE7_PROMPTS, TABLE8, SweepConfig, _judged, continuation_nll, decode_configs, parse_grid, read_prompts, run_hf_sample,
     same_quality, sweep,
@@ -137,7 +137,8 @@ def test_sweep_end_to_end_counts(tiny_model):
     for p in [*res["points"], res["hf_sample"]]:  # 2 prompts: intervals and mde, but fewer than 5 prompts for a verdict
         for key, test in p["vs_ar"].items():
             assert test["verdict"] == "undetermined" and (test["prompts"], test["runs"]) == (2, 4), key
-            assert test["lo"] <= test["diff"] <= test["hi"] and test["mde"] >= 0 and test["margin"] == MARGINS[key]
+            assert test["lo"] <= test["diff"] <= test["hi"] and test["margin"] == MARGINS[key]
+            assert test["mde"] == pytest.approx(MDE_FACTOR * test["se"])  # a NaN (no interval) fails
         assert p["same_quality"] is False
     assert res["same_quality_speedup"] is None and res["quality_test"]["resamples"] == 2000
     # the paired difference is the point's mean minus ar's (every run scored on both sides)
