@@ -103,8 +103,11 @@ def test_progress_off_a_terminal_is_whole_lines(tmp_path):
     import subprocess
     import sys
 
+    # two batches of 2 x 10 tokens (the defaults would sample 32 x 256 for a 40-token file)
     done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "distill", "--num-tokens", "40",
-                           "--out", str(tmp_path / "d.jsonl")], capture_output=True, text=True, timeout=300)
+                           "--batch-size", "2", "--max-new-tokens", "10", "--out", str(tmp_path / "d.jsonl")],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "\r" not in done.stderr and "distill: 100%" in done.stderr
-    assert all(line.startswith("distill:") for line in done.stderr.splitlines() if "%" in line)
+    bar = [line for line in done.stderr.splitlines() if "%" in line]
+    assert len(bar) >= 2 and all(line.startswith("distill:") for line in bar), bar
