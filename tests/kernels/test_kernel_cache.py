@@ -13,6 +13,9 @@ import pytest
 
 from multitoken.kernels import cpu_linear, rows_kernel
 
+# Every test compiles the kernel again into a fresh cache: `make test-heavy` (CI's second step).
+pytestmark = pytest.mark.heavy
+
 
 PLANT = """
 #include <stdio.h>

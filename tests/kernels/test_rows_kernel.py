@@ -101,6 +101,7 @@ def test_without_a_compiler_rows_falls_back_to_onednn_once_said(monkeypatch, cap
     assert err.count("rows kernel is unavailable") == 1 and "no C++ compiler found" in err
 
 
+@pytest.mark.heavy  # two more compiles (native, avx2) into a fresh cache
 def test_the_build_is_cached_per_machine_and_reused(tmp_path):
     """The first process compiles into $MULTITOKEN_CACHE/kernels/KEY/, the next loads that file;
     a build forced by ``MULTITOKEN_CPU_FEATURES`` goes to another key (the native one is kept)."""
@@ -150,6 +151,7 @@ print(" ".join(rk._flags()), rk.lanes())
 """
 
 
+@pytest.mark.heavy  # one compile per instruction set
 @pytest.mark.parametrize("level, flags", [("avx512", "-mno-avx512vnni"), ("avx2", "-mno-avx512f"), ("plain", "-mno-avx2")])
 def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, level, flags):
     """The builds ``MULTITOKEN_CPU_FEATURES`` asks for (AVX512 without VNNI, AVX2, plain loops),

@@ -25,6 +25,9 @@ from multitoken.pipeline.model.model import MultiTokenModel
 from ..conftest import REPO
 
 SMOL = MODELS["smollm2"]
+# The tests that read the fetched model need the package registry on a fresh cache: `make
+# test-heavy` (CI's second step) runs them; the ones that check fetch's refusals run by default.
+NETWORK = pytest.mark.network
 # Prompts of the sweep's kind, none of them in the heads' training text (wikitext-2 valid,
 # Shakespeare, TED sentences): everyday completions.
 PROMPTS = ["The best way to learn a new language is", "My grandmother's kitchen always smelled of",
@@ -55,6 +58,7 @@ def hf_greedy(backbone, ids: torch.Tensor, new: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+@NETWORK
 def test_fetch_converts_once_and_records_the_source(smol_dir, cache):
     record = json.loads((smol_dir / "conversion.json").read_text())
     assert record["gguf_sha256"] == SMOL.gguf_sha256 and record["dtype"] == "float32"
@@ -64,6 +68,7 @@ def test_fetch_converts_once_and_records_the_source(smol_dir, cache):
     assert said == [f"{SMOL.name}: already in the cache"]
 
 
+@NETWORK
 def test_gguf_base_loads_with_the_converted_logits_and_its_sha_as_fingerprint(smol_dir):
     gguf = smol_dir / json.loads((smol_dir / "conversion.json").read_text())["gguf_file"]
     direct = load_backbone(BackboneConfig(base=str(gguf), threads=1))
@@ -120,6 +125,7 @@ def test_missing_gguf_package_is_one_line_naming_the_extra(tmp_path, monkeypatch
         locate(str(tmp_path / "m.gguf"))
 
 
+@NETWORK
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
 def test_greedy_equals_transformers_on_smollm2(smol_model, tree):
     bb = smol_model.backbone
@@ -135,6 +141,7 @@ def test_greedy_equals_transformers_on_smollm2(smol_model, tree):
     assert tokens / passes > (1.2 if tree == "chain" else 1.4)
 
 
+@NETWORK
 def test_the_gguf_bases_linears_decode_from_their_codes(smol_model):
     """SmolLM2's GGUF holds its linears as Q4_1 and its embedding as Q8_0: on the rows kernel
     (the default) every decoder linear keeps its Q4_1 codes and the tied unembedding its Q8_0
@@ -162,6 +169,7 @@ def smol_conditioned(smol_dir):
     return MultiTokenModel.from_pretrained(backbone, SMOLLM2_CONDITIONED)
 
 
+@NETWORK
 @pytest.mark.parametrize("tree", ["chain", "dynamic"])
 def test_conditioned_heads_keep_greedy_exact(smol_conditioned, tree):
     """The token-conditioned heads' drafts read the base's argmax from the same pass: greedy
@@ -180,6 +188,7 @@ def test_conditioned_heads_keep_greedy_exact(smol_conditioned, tree):
     assert [r.token_ids for r in batched] == [hf_greedy(bb, ids, 24) for ids in rows]
 
 
+@NETWORK
 @pytest.mark.parametrize("tree", ["chain", "static"])
 def test_greedy_batch_rows_equal_transformers_on_smollm2(smol_model, tree):
     bb = smol_model.backbone
@@ -191,6 +200,7 @@ def test_greedy_batch_rows_equal_transformers_on_smollm2(smol_model, tree):
         assert res.token_ids == hf_greedy(bb, ids, 24), tree
 
 
+@NETWORK
 def test_transformers_generate_with_the_shipped_heads(smol_dir, tmp_path, monkeypatch):
     """The heads from plain transformers code: ``custom_generate=with_heads(...)``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,6 +216,7 @@ def test_transformers_generate_with_the_shipped_heads(smol_dir, tmp_path, monkey
     assert ours.tolist() == plain.tolist()
 
 
+@NETWORK
 def test_lookup_branch_keeps_greedy_exact_on_smollm2(smol_conditioned):
     """A prompt lookup branch beside the heads' chain (decoding/trees.py): transformers' greedy
     text, alone and batched, with runs copied from the context kept past the heads' depth."""

@@ -149,6 +149,7 @@ def test_a_resume_with_other_settings_or_a_foreign_folder_is_refused(built, text
     assert "not empty" in capsys.readouterr().err and (foreign / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.heavy
 def test_the_gpu_script_runs_the_recipe_on_the_cpu(texts, tmp_path):
     """scripts/gpu/build_heads.sh, the one call a GPU machine runs, in its smoke mode here."""
     payload = tmp_path / "payload"
@@ -175,6 +176,7 @@ def test_the_gpu_script_runs_the_recipe_on_the_cpu(texts, tmp_path):
     assert "./report/build_report.json" in names and "./heads-conditioned/rank_accuracy.json" in names
 
 
+@pytest.mark.heavy
 def test_two_processes_under_torchrun_train_the_heads_one_process_does(texts, tmp_path):
     """Two gloo ranks sharing each step's 8 rows end with the heads of one process running the
     same rows as two micro-batches: gradients (g0 + g1) / 2 either way, bit for bit."""

@@ -104,6 +104,7 @@ def _worker_args(tmp_path: Path, heads: Path, corpus: Path, tag: str, mode: str,
 # 1.2e-5 on one element on a 16-thread machine, 2e-6 on a 2-core one), so no element-wise
 # tolerance against the batch-4 run follows from the arithmetic; it is not compared.
 # "warmup" covers both phases (frozen backbone, then LoRA with DDP rebuilt over it).
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["warmup", pytest.param("heads", marks=pytest.mark.slow)])
 def test_ddp_two_ranks_end_equal_and_match_one_process(heads_dir, corpus, tmp_path, mode):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -121,6 +121,7 @@ def test_ray_equals_local_byte_for_byte(cluster, corpus, reference, tmp_path):
     assert not (work / "partials").exists() and not (work / "merge-parts").exists()  # cleaned up as locally
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("hold", ["count-1", "merge-3-0"])
 def test_worker_killed_mid_task_is_retried(cluster, control, corpus, reference, tmp_path, hold):
     (control / f"hold-{hold}").write_text("")
@@ -164,6 +165,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.heavy
 def test_driver_killed_then_rerun_reuses_partials(cluster, control, corpus, reference, tmp_path, capsys):
     """kill -9 of a driver (Python API, its own process, joining the cluster by address) while
     shard 0 is done and shard 1 half counted; the rerun, by the CLI in this process (on the warm

@@ -39,7 +39,8 @@ def reference(tmp_path_factory, corpus) -> Path:
     return build_ids(tmp_path_factory.mktemp("ref"), str(corpus), "reference", VOCAB, memory_mb=64, min_count=(2,))
 
 
-@pytest.mark.parametrize("num_proc,kill_after_runs", [pytest.param(1, 2, marks=pytest.mark.slow), (2, 3)])
+@pytest.mark.parametrize("num_proc,kill_after_runs", [pytest.param(1, 2, marks=pytest.mark.slow),
+                                                         pytest.param(2, 3, marks=pytest.mark.heavy)])
 def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, corpus, reference, num_proc, kill_after_runs):
     out = tmp_path / "killed"
     proc = subprocess.Popen(_cli(out, corpus, num_proc), start_new_session=True,
