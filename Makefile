@@ -11,7 +11,7 @@ CONSTRAINTS = constraints.txt
 PIP = $(VENV)/bin/python -m pip -q
 STAMP = $(VENV)/.multitoken-installed
 
-.PHONY: demo demo-real smollm2 test test-heavy test-avx2 test-gpu test-all clean-venv
+.PHONY: demo demo-real smollm2 llama-cpp-source test test-heavy test-avx2 test-gpu test-all clean-venv
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -53,9 +53,18 @@ test: $(STAMP)
 
 # What the default suite leaves to CI's second step: `network` (SmolLM2 fetched from its registry
 # package, then decoded) and `heavy` (Ray and stats kill -9 runs, the rows kernel compiled for
-# each instruction set and into fresh caches, torchrun / DDP training, the GPU script on the CPU).
-test-heavy: $(STAMP)
-	$(VENV)/bin/python -m pytest -m "(network or heavy) and not slow"
+# each instruction set and into fresh caches, torchrun / DDP training, the GPU script on the CPU)
+# and `interop` (llama.cpp's own converter run on our exported drafter, from the source below).
+test-heavy: $(STAMP) llama-cpp-source
+	$(VENV)/bin/python -m pytest -m "(network or heavy or interop) and not slow"
+
+# llama.cpp as source: the registry's llama-cpp-python sdist (it vendors llama.cpp), downloaded
+# once into the cache where the interop tests and the llama.cpp scripts look for it.
+LLAMA_CPP_CACHE ?= $(or $(MULTITOKEN_CACHE),.cache/multitoken)/llama.cpp
+LLAMA_CPP_SDIST = llama_cpp_python-0.3.36.tar.gz
+llama-cpp-source: $(LLAMA_CPP_CACHE)/$(LLAMA_CPP_SDIST)
+$(LLAMA_CPP_CACHE)/$(LLAMA_CPP_SDIST): | $(STAMP)
+	$(VENV)/bin/python -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(LLAMA_CPP_CACHE)
 
 # The CPU kernel and linear tests as a CPU without AVX512 runs them (AMD Zen 1-3, Intel Haswell to
 # Comet Lake), on any machine: the capability probe forced to AVX2 (kernels/cpu_features.py),
