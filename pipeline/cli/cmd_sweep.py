@@ -195,7 +195,21 @@ def format_table(result: dict) -> str:
     else:
         lines.append(f"same_quality_speedup: {sq['tokens_per_forward']:.2f} tokens/forward, wall-clock x{sq['wall_clock']:.2f}, CPU-time x{sq['cpu_time']:.2f} "
                      f"({sq['config']}, eps_b {sq['eps_b']:.2f}; NLL {sq['nll']:.3f} vs ar {sq['ar_nll']:.3f})")
+    if result["points"]:
+        lines.append(headline(result))
     return "\n".join(lines)
+
+
+def headline(result: dict) -> str:
+    """The speed DynaMo buys and what it costs, side by side: the fastest point (wall-clock) with
+    its verdicts against ar, then the fastest point of ar's quality, or that none was."""
+    fast = max(result["points"], key=lambda p: p["wall_speedup"]["mean"])
+    verdict = "same as ar's" if fast["same_quality"] else _verdict(fast).removeprefix("no: ")
+    sq = result["same_quality_speedup"]
+    same = (f"no point was of ar's quality on all four metrics ({len(result['prompts'])} prompts x {result['seeds']} seeds)"
+            if sq is None else f"of ar's quality: {sq['config']} eps_b {sq['eps_b']:.2f}, wall-clock x{sq['wall_clock']:.2f}")
+    return (f"headline: fastest {fast['config']} eps_b {fast['eps_b']:.2f}: {fast['tokens_per_forward']['mean']:.2f} tokens/forward, "
+            f"wall-clock x{fast['wall_speedup']['mean']:.2f} over ar sampling; its quality against ar: {verdict}; {same}")
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "h")

@@ -324,7 +324,10 @@ def sweep(model, cfg: SweepConfig, prompts: list[str], grid: list[float], table=
     # Batches of pairs (--batch-size) keep that order: ar before and after each batch's points.
     ar_runs, hf_runs, point_runs = [], [], [[] for _ in grid_cfgs]
     nll = NllMemo()
+    log(f"{len(pairs)} prompt x seed runs of {len(grid_cfgs)} points, ar before and after each"
+        f"{' and hf-sample' if cfg.hf_sample else ''}, {base_cfg.max_new_tokens} tokens per run; warming up")
     _warm_up(model, [(prompt_ids[i], s) for i, s in pairs[:cfg.batch_size]], base_cfg, grid_cfgs, table)
+    log(f"warmed up ({time.perf_counter() - started:.0f} s)")
     for first in range(0, len(pairs), cfg.batch_size):
         chunk = pairs[first:first + cfg.batch_size]
         runs_in = [(prompt_ids[i], s) for i, s in chunk]

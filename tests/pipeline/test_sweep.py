@@ -105,6 +105,23 @@ def test_a_looping_point_with_good_nll_is_not_same_quality():
         assert one_bad["vs_ar"][key]["verdict"] == "worse"
 
 
+def test_the_headline_puts_the_fastest_points_speed_beside_its_quality():
+    from multitoken.pipeline.cli.cmd_sweep import headline
+
+    ar_runs = _ar_runs()
+    fine = _point(ar_runs, 1.5, eps=0.6, wall=1.3, nll=0.02)
+    looping = _point(ar_runs, 2.9, eps=0.0, wall=2.4, nll=-0.18, repetition=0.187, distinct2=-0.36, distinct3=-0.3)
+    result = {"points": [fine, looping], "prompts": ["p"] * 10, "seeds": 2,
+              "same_quality_speedup": same_quality([fine, looping], _ar_summary(ar_runs))}
+    line = headline(result)
+    assert "fastest CO+AT+G-3 eps_b 0.00: 2.90 tokens/forward, wall-clock x2.40 over ar sampling" in line
+    assert "its quality against ar: worse rep,d2,d3; better NLL" in line
+    assert line.endswith("of ar's quality: CO+AT+G-3 eps_b 0.60, wall-clock x1.30")
+    line = headline({**result, "points": [looping], "same_quality_speedup": None})
+    assert line.endswith("no point was of ar's quality on all four metrics (10 prompts x 2 seeds)")
+    assert "same as ar's" in headline({**result, "points": [fine]})
+
+
 def test_ar_reference_uses_the_points_sampling_settings():
     cfg = SweepConfig(seeds=2, decode=DecodeConfig(max_new_tokens=17, temperature=0.9, top_k=7, repetition_penalty=1.3),
                       ablations=True)
@@ -126,7 +143,10 @@ def test_hf_sample_is_seeded_and_honours_the_budget(tiny_model):
 
 def test_sweep_end_to_end_counts(tiny_model):
     cfg = SweepConfig(seeds=2, decode=DecodeConfig(max_new_tokens=8))
-    res = sweep(tiny_model, cfg, ["Once upon", "The cat"], [0.0, 1.0], table=None, log=lambda m: None)
+    said = []
+    res = sweep(tiny_model, cfg, ["Once upon", "The cat"], [0.0, 1.0], table=None, log=said.append)
+    assert said[0].startswith("4 prompt x seed runs of 2 points") and said[0].endswith("warming up")  # before any run
+    assert said[1].startswith("warmed up") and len(said) == 2 + 4 and said[-1].startswith("prompt 2/2 seed 1: done (4/4")
     by_eps = {p["eps_b"]: p for p in res["points"]}
     # eps_b = 1 always backs off to one token; eps_b = 0 never does: steps of 3, 3, 2 tokens
     # after the prompt's pass = 3 forward passes for 8 tokens (the last step needs no pass).
@@ -185,6 +205,7 @@ def test_cli_sweep_writes_json_csv_png(tiny_model, tmp_path, capsys):
     assert "same_quality_speedup" in printed and "hf-sample" in printed and "same quality?" in printed
     assert "no: undetermined NLL,rep,d2,d3" in printed and "NLL (margin ±0.05)" in printed
     assert "2 prompts: every verdict is undetermined below 5" in printed
+    assert printed.splitlines()[-3].startswith("headline: fastest AT+G-3 eps_b ")
 
 
 def test_ablations_add_one_curve_each(tiny_model):
