@@ -215,9 +215,47 @@ def test_the_table_check_exits_non_zero_on_a_stale_page(tmp_path, monkeypatch):
     table = {"id": "t", "machine": "m", "date": None, "command": "c", "source": "s", "columns": ["a"], "rows": [["1"]]}
     (docs / "results" / "x.json").write_text(json.dumps({"tables": [table]}))
     (docs / "p.md").write_text("# P\n\n<!-- table: t -->\nold\n<!-- /table -->\n")
+    pick = {"what": "the thing", "table": "t", "row": "1", "tokens_per_forward": None, "speed": "a"}
+    (docs / "summary.json").write_text(json.dumps({"rows": [pick]}))
+    (tmp_path / "README.md").write_text("# R\n\n<!-- summary -->\nold\n<!-- /summary -->\n")
     monkeypatch.setattr(tables_script, "DOCS", docs)
     monkeypatch.setattr(tables_script, "RESULTS", docs / "results")
+    monkeypatch.setattr(tables_script, "SUMMARY", docs / "summary.json")
+    monkeypatch.setattr(tables_script, "README", tmp_path / "README.md")
     monkeypatch.setattr(tables_script.load_tables, "__defaults__", (docs / "results",))
     assert tables_script.main(["--check"]) == 1
     assert tables_script.main([]) == 0 and tables_script.main(["--check"]) == 0
     assert "| 1 |" in (docs / "p.md").read_text()
+    readme = (tmp_path / "README.md").read_text()
+    assert "| the thing | - | 1 | 1 |" in readme and "1. *m; undated; `c`.* Speed: a. ([p.md](docs/benchmarks/p.md))" in readme
+
+
+def test_the_readme_results_are_the_summary_its_picks_render():
+    tables_script = load_script(SCRIPTS / "benchmark_tables.py")
+    tables, pages = tables_script.load_tables(), tables_script.table_pages()
+    picks = json.loads(tables_script.SUMMARY.read_text())["rows"]
+    readme = (REPO / "README.md").read_text()
+    assert readme.count("<!-- summary -->") == 1 and len(picks) >= 5
+    assert readme == tables_script.fill_summary(readme, tables, picks, pages), "run python scripts/benchmark_tables.py"
+    for pick in picks:  # every figure shown is the picked cell of its table, whose machine and command are named
+        table = tables[pick["table"]]
+        assert tables_script.cell(table, pick["row"], pick["speed"]) in readme
+        assert f"*{table['machine']}; " in readme and f"`{table['command']}`" in readme
+    first = picks[0]
+    source = tables[first["table"]]
+    col = source["columns"].index(first["speed"])
+    rows = [[*r[:col], "9.99", *r[col + 1:]] if r[0] == first["row"] else r for r in source["rows"]]
+    changed = {**tables, first["table"]: {**source, "rows": rows}}
+    assert "| 9.99 |" in tables_script.fill_summary(readme, changed, picks, pages)
+
+
+def test_a_summary_pick_of_a_missing_row_or_column_fails_naming_it():
+    tables_script = load_script(SCRIPTS / "benchmark_tables.py")
+    tables, pages = tables_script.load_tables(), tables_script.table_pages()
+    page = "x\n<!-- summary -->\n<!-- /summary -->\n"
+    pick = {"what": "w", "table": "sweep-embedded", "row": "0.0", "tokens_per_forward": "tokens / forward", "speed": "wall-clock x"}
+    assert "| w | 2.91 |" in tables_script.fill_summary(page, tables, [pick], pages)
+    for bad, said in (({"row": "0.05"}, "no row '0.05'"), ({"speed": "nope"}, "no column 'nope'"),
+                      ({"table": "gone"}, "table gone")):
+        with pytest.raises(SystemExit, match=said):
+            tables_script.fill_summary(page, tables, [{**pick, **bad}], pages)
