@@ -70,7 +70,7 @@ def plot_speeds(parts: list[dict], path: str | Path, subtitle: str = "") -> Path
     seen = dict.fromkeys(kind_of(k) for p in parts for k in p["methods"])
     handles = [Patch(color=c, label=n) for c, n in seen] + [Patch(facecolor="white", edgecolor="0.25", hatch="//",
                                                                   label="+ prompt lookup branch")]
-    axes[heights.index(max(heights)), 0].legend(handles=handles, fontsize=7, loc="lower right")  # the tallest panel
+    fig.legend(handles=handles, fontsize=7, loc="lower center", ncol=len(handles), frameon=False)  # clear of the bars' notes
     fig.suptitle("chains and trees against transformers" + (f": {subtitle}" if subtitle else ""), fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))
     return save_figure(fig, path)
