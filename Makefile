@@ -75,9 +75,9 @@ $(LLAMA_CPP_CACHE)/$(LLAMA_CPP_SDIST): | $(STAMP)
 # The CPU kernel and linear tests as a CPU without AVX512 runs them (AMD Zen 1-3, Intel Haswell to
 # Comet Lake), on any machine: the capability probe forced to AVX2 (kernels/cpu_features.py),
 # so the rows kernel is compiled with -mno-avx512f (its own cache entry), without the AVX512-VNNI
-# screen, oneDNN is capped at AVX2 and bfloat16 layers keep F.linear. CI runs it after `make test`.
-CPU_TESTS = tests/kernels/test_cpu_features.py tests/kernels/test_cpu_linear.py tests/kernels/test_rows_kernel.py \
-	tests/kernels/test_grid_weights.py tests/pipeline/test_draft_vocab.py
+# prefilter, oneDNN is capped at AVX2 and bfloat16 layers keep F.linear. CI runs it after `make test`.
+CPU_TESTS = tests/kernels/test_cpu_features.py tests/kernels/test_cpu_linear.py tests/kernels/test_gemv_rows.py \
+	tests/kernels/test_gguf_codes.py tests/kernels/test_format_table.py tests/pipeline/test_draft_vocab.py
 test-avx2: $(STAMP)
 	MULTITOKEN_CPU_FEATURES=avx2 $(VENV)/bin/python -m pytest -q $(CPU_TESTS)
 

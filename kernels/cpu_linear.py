@@ -1,10 +1,10 @@
 """Prepacked CPU linears for decoding: a step over 2-16 tokens reads each weight once, as a one-token step does.
 
-Two layouts: oneDNN's blocked one (``--cpu-linear packed``) and the column blocks of our own
-compiled multi-row GEMV (``--cpu-linear rows``, float32, rows_kernel.py: built with the machine's
-C++ compiler on first use; where it cannot be, those layers take oneDNN's layout; a weight that is
-exactly a GGUF's Q4_1 / Q8_0 codes or 16-bit floats keeps those codes, grid_weights.py). What follows
-holds for both; the rows kernel's one-row step runs at MKL's GEMV rate, oneDNN's does not.
+The weight formats are one table (format_table.py): oneDNN's blocked layout (``--cpu-linear
+packed``) and the formats of our own compiled multi-row GEMV (``--cpu-linear rows``, float32
+weights, gemv_rows.py: built on first use; where it cannot be, those layers take oneDNN's layout;
+a weight that is exactly a GGUF's Q4_1 / Q8_0 codes or 16-bit floats keeps that format,
+gguf_codes.py). ``PackedLinear`` reads its weight through its format's entry and nothing else.
 
 torch's fp32 ``F.linear`` on the CPU calls MKL, whose cost grows almost linearly with the rows
 for a few rows; oneDNN on a weight reordered once into its blocked layout reads the weight once
@@ -25,8 +25,8 @@ bitsandbytes layers are other classes and peft LoRA layers are not entered). The
 replaces the dense one (its storage is released; ``unpack`` restores it exactly from the packed
 copy), except where the weight is shared with another module (a tied embedding keeps its dense
 copy for the lookup). One-token steps use the packed weight too: where every linear is packed
-(SmolLM2, pythia-160m and up) the same logits whatever the row count; one copy of the weights; at a measured 10-15% over MKL's fp32 GEMV (README,
-Benchmarks). A packed layer keeps its device and dtype: move or cast a model before it decodes,
+(SmolLM2, pythia-160m and up) the same logits whatever the row count; one copy of the weights.
+A packed layer keeps its device and dtype: move or cast a model before it decodes,
 or after ``train()``.
 """
 
@@ -35,32 +35,39 @@ from __future__ import annotations
 import copy
 import ctypes
 import sys
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multitoken.kernels import cpu_features, grid_weights, rows_kernel
+from multitoken.kernels import cpu_features, gemv_rows, gguf_codes
+from multitoken.kernels.format_table import CODES, FORMATS, Spec
 
 PACKED, ROWS, STOCK = "packed", "rows", "stock"
 ROWS_F32 = "rows-f32"  # the rows kernel on float32 blocks only: GGUF codes not kept (what they are worth)
 CPU_LINEARS = (PACKED, ROWS, ROWS_F32, STOCK)
 ONEDNN = "onednn"  # the layout of a PACKED layer (and of a ROWS model's bf16 layers)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Smallest weight packed (elements). oneDNN spends ~15 us per call (measured on a [64, 64] layer:
-# 17 us against F.linear's 2 us), about what reading 100k fp32 weights from memory takes: below
-# that a layer is call overhead either way (a stories260K step took 1.4-1.9x longer packed).
+# Smallest weight packed (elements): oneDNN's fixed cost per call is about what reading this many
+# fp32 weights from memory takes, so below it a layer is call overhead either way (a tiny model
+# such as stories260K decodes faster on torch's own linears).
 MIN_WEIGHTS = 100_000
-# Rows the layout is chosen for: any hint >= 2 gives oneDNN's blocked layout (1 keeps the plain
-# one), and that layout serves every row count without a reorder.
-ROW_HINT = 16
 
 _STATE: dict = {"usable": {}, "warned": False}  # usable: dtype -> bool, probed once per process
 
 
+@runtime_checkable
+class ArgmaxHead(Protocol):
+    """A module that can give its logits' argmax without making them: ``argmax(x)`` # [..., K] ->
+    [...] long, exactly ``self(x).argmax(-1)``, or None where it cannot here (then take the logits)."""
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None: ...
+
+
 def grids_on() -> bool:
-    """Whether the rows layout can keep weights found on a Q4_1 / Q8_0 grid as their codes here
-    (grid_weights.py; exact, so ``rows`` does; ``rows-f32`` keeps float32 blocks, to measure)."""
+    """Whether the rows layout can keep weights in a narrow format here (gguf_codes.py: exact,
+    so ``rows`` does; ``rows-f32`` keeps float32 blocks, to measure)."""
     return rows_usable() and _STATE["usable"].get("grid", False)
 
 
@@ -70,24 +77,8 @@ def _say_once(message: str) -> None:
         print(f"multitoken: {message}; CPU linears fall back to F.linear", file=sys.stderr)
 
 
-def _reorder(weight: torch.Tensor, layout: str = ONEDNN, grids: bool = True) -> tuple[torch.Tensor, int | None]:
-    """The weight [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor), or in the rows
-    kernel's: its grid codes where it lies on a Q4_1 / Q8_0 grid (grid_weights.py; the kind
-    second), else column blocks [N / L, K, L] (rows_kernel.py)."""
-    if layout == ROWS:
-        found = grid_weights.find_grid(weight.detach()) if grids and grids_on() else None
-        if found is not None:
-            return grid_weights.pack_grid(*found), found[0]
-        return rows_kernel.block_weight(weight), None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_HINT), None
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [..., K] -> [..., N]
-
-
 def usable(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this torch build runs the packed ops in ``dtype`` and they agree with
+    """Whether this torch build runs oneDNN's packed ops in ``dtype`` and they agree with
     ``F.linear`` (probed once per process and dtype on a small layer)."""
     if dtype not in _STATE["usable"]:
         _STATE["usable"][dtype] = _probe(dtype)
@@ -102,15 +93,15 @@ def rows_usable() -> bool:
 
 
 def _probe_rows() -> bool:
-    if rows_kernel.library() is None:
-        return False  # said on stderr by rows_kernel
+    if gemv_rows.library() is None:
+        return False  # said on stderr by gemv_rows
     gen = torch.Generator().manual_seed(0)
     w, b, x = (torch.randn(*s, generator=gen) for s in ((40, 64), (40,), (9, 64)))  # a partial last block
-    y = rows_kernel.rows_linear(x, rows_kernel.block_weight(w), 40, b)
+    y = gemv_rows.linear(x, gemv_rows.block_weight(w), 40, b)
     if not torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4):  # sums of 64 products
         _say_once("the compiled rows kernel disagrees with F.linear")
         return False
-    _STATE["usable"]["grid"] = grid_weights.probe()
+    _STATE["usable"]["grid"] = gguf_codes.probe()
     return True
 
 
@@ -123,8 +114,9 @@ def _probe(dtype: torch.dtype) -> bool:
         return False
     gen = torch.Generator().manual_seed(0)
     w, b, x = (torch.randn(*s, generator=gen).to(dtype) for s in ((32, 64), (32,), (3, 64)))
+    onednn = FORMATS[ONEDNN]
     try:
-        y = _packed_linear(x, _reorder(w)[0], b)
+        y = onednn.linear(x, onednn.pack(w), 32, b)
     except (RuntimeError, AttributeError) as err:  # op missing (AttributeError) or failing
         _say_once(f"the oneDNN packed linear is unavailable in {dtype} ({type(err).__name__}: {err})")
         return False
@@ -136,24 +128,31 @@ def _probe(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight lives in oneDNN's blocked layout or the rows kernel's column
-    blocks (``layout``), for inference.
+    """An ``nn.Linear`` whose weight lives in one of format_table's formats, for inference.
 
-    ``stock`` is the original module (kept outside the module tree, so the packed model shows
-    no parameter here); its weight's storage is released unless ``shared``. ``packed`` is the
-    opaque oneDNN tensor (ONEDNN) or the [N / L, K, L] blocks (ROWS); ``weight`` reads the values
-    back in the plain layout (a fresh copy per read, for code that inspects weights; writing to
-    it changes nothing)."""
+    Its interface: ``forward`` (the linear), ``argmax`` (the logits' argmax, or None),
+    ``format`` (the table's name), ``weight_key()`` (what identifies the stored weight), and
+    ``weight`` / ``bias`` read back as an ``nn.Linear``'s (a fresh plain copy per read of the
+    weight; writing to it changes nothing). ``stock`` is the original module (kept outside the
+    module tree, so the packed model shows no parameter here); its weight's storage is released
+    unless ``shared``."""
 
-    def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool, layout: str = ONEDNN, grid: int | None = None,
-                 grids: bool = True):
+    def __init__(self, stock: nn.Linear, packed: torch.Tensor, shared: bool, spec: Spec, mode: str):
         super().__init__()
         object.__setattr__(self, "stock", stock)  # not a submodule: no parameters, no state_dict
         self.in_features, self.out_features = stock.in_features, stock.out_features
-        self.packed, self.shared, self.layout, self.grid = packed, shared, layout, grid
-        self.grids = grids  # whether codes were looked for (``rows``), or float32 blocks kept (``rows-f32``)
+        self.packed, self.shared, self.spec, self.mode = packed, shared, spec, mode
         self.dense: torch.Tensor | None = None  # set by the fallback
-        self.screen: dict | None = None  # the argmax screen's int8 copy (rows layout), made on first use
+        self.scratch: dict = {}  # the argmax's copies (an int8 screen, norms), made on first use
+
+    @property
+    def format(self) -> str:
+        return self.spec.name
+
+    @property
+    def layout(self) -> str:
+        """ROWS for the compiled kernel's formats, ONEDNN for oneDNN's."""
+        return ONEDNN if self.spec.code is None else ROWS
 
     @property
     def weight(self) -> torch.Tensor:
@@ -163,55 +162,36 @@ class PackedLinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.stock.bias
 
+    def weight_key(self) -> tuple:
+        """Identifies the stored weight (a repack changes it): for per-weight caches such as a plan's."""
+        return id(self.packed), self.out_features, self.in_features, self.spec.name, self.stock.weight.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        # kept lean: a SmolLM2 step calls ~200 of these, and each microsecond here is 0.2 ms a step
+        # kept lean: a SmolLM2 step calls ~200 of these. The kernels check dtype, device and
+        # shapes themselves: what they refuse (a RuntimeError) takes F.linear from then on.
         if self.dense is None and not (x.requires_grad and torch.is_grad_enabled()):
-            bias = self.stock.bias
             try:
-                if self.layout == ROWS:
-                    if x.dtype == torch.float32 and x.is_cpu:
-                        if self.grid:
-                            return grid_weights.grid_linear(x, self.packed, self.grid, self.out_features, bias)
-                        return rows_kernel.rows_linear(x, self.packed, self.out_features, bias)
-                    raise RuntimeError(f"the rows kernel takes float32 CPU inputs, not {x.dtype} on {x.device.type}")
-                return _packed_linear(x, self.packed, bias)
+                return self.spec.linear(x, self.packed, self.out_features, self.stock.bias)
             except RuntimeError as err:
-                _say_once(f"the packed linear failed ({err})")
+                _say_once(f"the packed linear failed ({str(err).splitlines()[0]})")
                 self.dense = self.dense_weight()
         # autograd (a gradient w.r.t. x through a frozen packed layer) or the fallback
         return F.linear(x, self.dense if self.dense is not None else self.dense_weight(), self.bias)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``self(x).argmax(-1)`` exactly # [..., K] -> [...] long, reading the weight mostly from
-        an int8 copy (rows_kernel.rows_argmax; made on first use, a quarter of the fp32 blocks'
-        size), or None where that does not apply (not the rows layout, a bias, not a float32 CPU
-        input, more rows than the kernel takes): then take ``self(x).argmax(-1)``. Q8_0 grid codes
-        (a GGUF's unembedding) are screened by int16 dot products (grid_screen.cpp, where the
-        kernel was built with AVX512-VNNI: only there is the screen's bound made), other codes
-        give the logits' argmax directly."""
-        if self.grid and self.dense is None and x.dtype == torch.float32 and x.device.type == "cpu":
-            if self.grid == grid_weights.Q8 and self.bias is None and grid_weights.screen_built():
-                if self.screen is None:
-                    self.screen = {"l1": grid_weights.grid_l1(self.packed, self.out_features)}
-                found = grid_weights.grid_argmax(x, self.packed, self.out_features, self.screen["l1"])
-                if found is not None:
-                    return found
-            return self(x).argmax(-1)
-        if (self.grid or self.layout != ROWS or self.dense is not None or self.bias is not None
-                or x.dtype != torch.float32 or x.device.type != "cpu"):
+        """``self(x).argmax(-1)`` exactly # [..., K] -> [...] long, through the format's argmax
+        (the float32 blocks' int8 screen, the Q8_0 codes' int16 prefilter), or None where it has
+        none or it does not apply (a bias, the fallback, not a float32 CPU input, more rows than
+        the kernel takes): then take ``self(x).argmax(-1)``."""
+        if self.spec.argmax is None or self.dense is not None or self.stock.bias is not None:
             return None
-        if self.screen is None:
-            self.screen = rows_kernel.screen_weight(self.packed)
-        found = rows_kernel.rows_argmax(x, self.packed, self.screen, self.out_features)
-        return None if found is None else found[0]
+        return self.spec.argmax(x, self.packed, self.out_features, self.scratch)
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight [N, K] in the plain layout, exactly (a reorder, no arithmetic)."""
+        """The weight [N, K] in the plain layout, exactly (a reorder or an exact decode)."""
         if self.shared:
             return self.stock.weight.detach()
-        if self.grid:
-            return grid_weights.dense_grid(self.packed, self.grid, self.out_features)
-        return rows_kernel.dense_weight(self.packed, self.out_features) if self.layout == ROWS else self.packed.to_dense()
+        return self.spec.dense(self.packed, self.out_features)
 
     def unpacked(self) -> nn.Linear:
         """The stock module with its dense weight back (the same Parameter objects)."""
@@ -223,43 +203,53 @@ class PackedLinear(nn.Module):
         stock = copy.deepcopy(self.stock, memo)  # a released weight copies empty; a shared one via memo
         if not self.shared:
             stock.weight.data = self.dense_weight()
-        return _packed(stock, self.shared, self.layout, self.grids)
+        return _packed(stock, self.shared, self.mode)
 
     def extra_repr(self) -> str:
-        grid = f", {grid_weights.NAMES[self.grid]} grid" if self.grid else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"packed ({self.layout}{grid})")
+                f"packed ({self.spec.name})")
 
 
-def _layout(module: nn.Module, mode: str) -> str | None:
-    """The layout ``mode`` packs ``module`` in, or None where it stays stock: ROWS for float32
-    weights where the compiled kernel runs (``rows``), else oneDNN's where it runs."""
-    w = module.weight
-    if not (type(module) is nn.Linear and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
-            and w.numel() >= MIN_WEIGHTS and (module.bias is None or module.bias.dtype == w.dtype)):
-        return None
-    return _layout_for(w.dtype, mode)
-
-
-def _layout_for(dtype: torch.dtype, mode: str) -> str | None:
-    """The layout a packable weight of ``dtype`` takes under ``mode`` (None: no kernel runs here)."""
+def _formats_for(dtype: torch.dtype, mode: str) -> tuple[str, ...]:
+    """The formats a packable weight of ``dtype`` may take under ``mode``, tried in order (the
+    last always holds it); empty: no kernel runs here, the layer stays stock."""
     if mode in (ROWS, ROWS_F32) and dtype == torch.float32 and rows_usable():
-        return ROWS
-    return ONEDNN if usable(dtype) else None
+        return (*(CODES if mode == ROWS and grids_on() else ()), "f32")
+    return (ONEDNN,) if usable(dtype) else ()
 
 
-def layout_of(module: nn.Module) -> str | None:
-    """A packed module's layout (None: not packed)."""
-    return module.layout if isinstance(module, PackedLinear) else None
+def _packable(module: nn.Module) -> bool:
+    w = module.weight
+    return (type(module) is nn.Linear and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
+            and w.numel() >= MIN_WEIGHTS and (module.bias is None or module.bias.dtype == w.dtype))
 
 
-def _packed(stock: nn.Linear, shared: bool, layout: str = ONEDNN, grids: bool = True) -> PackedLinear:
-    """``stock`` packed; its weight's storage released unless ``shared`` (the packed copy replaces it)."""
-    packed, grid = _reorder(stock.weight, layout, grids)
-    packed = PackedLinear(stock, packed, shared, layout, grid, grids)
+def format_of(module: nn.Module) -> str | None:
+    """A packed module's format name (None: not packed)."""
+    return module.format if isinstance(module, PackedLinear) else None
+
+
+def weight_key(module: nn.Module) -> tuple:
+    """What identifies a linear's stored weight, packed or not (for per-weight caches)."""
+    if isinstance(module, PackedLinear):
+        return module.weight_key()
+    w = module.weight
+    return w.data_ptr(), tuple(w.shape), w.dtype, type(module).__name__
+
+
+def _packed(stock: nn.Linear, shared: bool, mode: str) -> PackedLinear:
+    """``stock`` packed in the first format of ``mode`` that holds it; its weight's storage
+    released unless ``shared`` (the packed copy replaces it)."""
+    weight = stock.weight.detach()
+    for name in _formats_for(weight.dtype, mode):
+        if (packed := FORMATS[name].pack(weight)) is not None:
+            break
+    else:
+        raise RuntimeError(f"no format of {mode} holds a {weight.dtype} weight here")
+    layer = PackedLinear(stock, packed, shared, FORMATS[name], mode)
     if not shared:
         stock.weight.data = torch.empty(0, dtype=stock.weight.dtype)
-    return packed
+    return layer
 
 
 def _children(root: nn.Module):
@@ -315,18 +305,18 @@ def _trim_heap() -> None:
 def pack(root: nn.Module, mode: str = PACKED) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear`` in the layout
     ``mode`` asks for (``packed``: oneDNN's; ``rows``: the compiled kernel's for float32, GGUF codes
-    kept as codes; ``rows-f32``: the same on float32 blocks only); returns
+    and 16-bit values kept in their narrow formats; ``rows-f32``: float32 blocks only); returns
     how many were swapped (none where the ops are unusable). Idempotent."""
-    found = [(parent, name, child, layout) for parent, name, child in _children(root)
-             if type(child) is nn.Linear and (layout := _layout(child, mode)) is not None]
+    found = [(parent, name, child) for parent, name, child in _children(root)
+             if type(child) is nn.Linear and _packable(child) and _formats_for(child.weight.dtype, mode)]
     counts = _weight_counts(root) if found else {}
     maps = _file_maps() if found else []
-    mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child, _ in found)
+    mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child in found)
     swapped: dict[int, PackedLinear] = {}  # a module held by two parents is packed once
-    for parent, name, child, layout in found:
+    for parent, name, child in found:
         if id(child) not in swapped:
             try:
-                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, layout, mode != ROWS_F32)
+                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, mode)
             except RuntimeError as err:  # this one stays stock
                 _say_once(f"a weight {tuple(child.weight.shape)} could not be packed ({err})")
                 continue
@@ -351,9 +341,9 @@ def unpack(root: nn.Module) -> int:
 def prepare(root: nn.Module, mode: str) -> int:
     """The linears ``mode`` asks for (``packed``, ``rows``, ``rows-f32`` or ``stock``); returns how
     many are packed. Layers packed for another mode are unpacked first."""
-    packed = [m for m in root.modules() if isinstance(m, PackedLinear)]
-    if mode == STOCK or any(m.layout != _layout_for(m.stock.weight.dtype, mode)  # dtype kept in stock
-                            or m.grids != (mode != ROWS_F32) for m in packed):
+    if mode not in CPU_LINEARS:
+        raise ValueError(f"unknown CPU linear {mode!r}: one of {', '.join(CPU_LINEARS)}")
+    if mode == STOCK or any(m.mode != mode for m in root.modules() if isinstance(m, PackedLinear)):
         unpack(root)
     if mode == STOCK:
         return 0

@@ -1,6 +1,6 @@
 """CPU linears for decoding: torch's stock ``F.linear`` against weights prepacked for oneDNN
 (``--cpu-linear packed``, kernels/cpu_linear.py) and the compiled rows kernel
-(``--cpu-linear rows``, rows_kernel.py; where it builds), side by side in one process.
+(``--cpu-linear rows``, gemv_rows.py; where it builds), side by side in one process.
 
 Three parts, each printed as a table and written to the JSON:
 
@@ -36,11 +36,12 @@ from transformers import DynamicCache
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.kernels import cpu_linear
+from multitoken.kernels.format_table import CODES
 from multitoken.pipeline.eval.benchmark import SHAPES, Bench, add_out, best_of, random_lm
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 
-# the compiled rows kernel where it builds here (rows_kernel.py), beside oneDNN's and torch's
+# the compiled rows kernel where it builds here (gemv_rows.py), beside oneDNN's and torch's
 ROWS_FLOAT = "rows_f32"  # step rows: the rows kernel with grid codes turned off (--cpu-linear rows-f32)
 KINDS = (cpu_linear.STOCK, cpu_linear.PACKED) + ((cpu_linear.ROWS,) if cpu_linear.rows_usable() else ())
 PROMPT = "The results of the study show that"
@@ -85,7 +86,7 @@ def step_costs(stock, rows: int, context: int, reps: int) -> dict:
     for kind in KINDS[1:]:
         models[kind] = copy.deepcopy(stock)
         swapped = cpu_linear.pack(models[kind], kind)
-    if any(getattr(m, "grid", None) for m in models.get(cpu_linear.ROWS, stock).modules()):
+    if any(cpu_linear.format_of(m) in CODES for m in models.get(cpu_linear.ROWS, stock).modules()):
         models[ROWS_FLOAT] = copy.deepcopy(stock)  # the rows kernel on float32 blocks: what the grids are worth
         cpu_linear.pack(models[ROWS_FLOAT], cpu_linear.ROWS_F32)
     caches = {kind: _cached(m, context) for kind, m in models.items()}

@@ -4,13 +4,13 @@ on pythia-160m / 410m shapes (random fp32 weights: cost only). Decoding no longe
 fixed rule: pipeline/runtime/unembed_costs.py measures the same forms per backbone, dtype and thread
 count when a row count is first needed (bench_decode.py records those costs).
 
-Where the compiled rows kernel builds (``--cpu-linear rows``, the default), ``rows_kernel`` times its
+Where the compiled rows kernel builds (``--cpu-linear rows``, the default), ``gemv_rows`` times its
 logits and ``rows_argmax`` the argmax screen greedy decoding reads instead (the same argmax: an
 int8 copy read in full, the tokens near the best computed exactly; ``rows_exact`` counts those).
 ``rows_q8_grid`` times the logits of the same weight put on a Q8_0 grid (as a GGUF's embedding is)
-and read from its codes (grid_weights.py; asserted bit-identical to the kernel's float blocks of
+and read from its codes (gguf_codes.py; asserted bit-identical to the kernel's float blocks of
 that weight); ``rows_q8_argmax`` the exact argmax greedy steps take from those codes (the int16
-screen, grid_screen.cpp; AVX512-VNNI builds).
+screen, argmax_prefilter.cpp; AVX512-VNNI builds).
 
 As a reference for what the machine can do, ``compiled_loop`` times a plain numba loop (one dot
 product per row and token, fastmath; needs the ``[fast]`` extra): where it is far below
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from multitoken.decoding.config import DecodeConfig
-from multitoken.kernels import cpu_linear, grid_weights, rows_kernel
+from multitoken.kernels import cpu_linear, gguf_codes, gemv_rows
 from multitoken.pipeline.eval.benchmark import (FIXTURES, PROMPTS, Bench, add_out, best_of, hf_runner, load, our_runner,
                                                 over_prompts)
 
@@ -108,7 +108,7 @@ def calls_ms(calls: dict, reps: int) -> dict[str, float]:
 
 def on_q8(w: torch.Tensor) -> torch.Tensor:
     """``w`` [V, H] quantized to Q8_0 (blocks of 32 inputs, a float16 scale each) and dequantized."""
-    b = w.reshape(w.shape[0], -1, grid_weights.QK)
+    b = w.reshape(w.shape[0], -1, gguf_codes.QK)
     d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
     q = torch.round(b / torch.where(d > 0, d, 1.0)).clamp(-127, 127) + 0.0  # +0.0: integer codes, no -0.0
     return (q * d).reshape(w.shape)
@@ -118,14 +118,14 @@ def check_exact(x, w, v: int, blocked, screen, grid, codes, l1, row: dict) -> No
     """The timed fast calls give the plain results: the screen's argmax is the logits', the Q8
     codes' logits are bit-identical to the kernel's float blocks of the same weight."""
     if blocked is not None:
-        best, exact = rows_kernel.rows_argmax(x, blocked, screen, v)
-        assert torch.equal(best, rows_kernel.rows_linear(x, blocked, v, None).argmax(-1))
+        best, exact = gemv_rows.argmax(x, blocked, screen, v)
+        assert torch.equal(best, gemv_rows.linear(x, blocked, v, None).argmax(-1))
         row["rows_exact"] = exact
     if codes is not None:
-        same = rows_kernel.rows_linear(x, rows_kernel.block_weight(grid), v, None)
-        assert torch.equal(grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None).view(torch.int32), same.view(torch.int32))
+        same = gemv_rows.linear(x, gemv_rows.block_weight(grid), v, None)
+        assert torch.equal(gguf_codes.linear(x, codes, gguf_codes.Q8, v, None).view(torch.int32), same.view(torch.int32))
         if "rows_q8_argmax" in row:
-            assert torch.equal(grid_weights.grid_argmax(x, codes, v, l1), same.argmax(-1))
+            assert torch.equal(gguf_codes.q8_argmax(x, codes, v, l1), same.argmax(-1))
 
 
 def main(argv=None) -> dict:
@@ -147,11 +147,11 @@ def main(argv=None) -> dict:
     for shape in args.shapes.split(","):
         v, h = SHAPES[shape]
         w = torch.randn(v, h) * 0.02
-        blocked = rows_kernel.block_weight(w) if kernel else None
-        screen = rows_kernel.screen_weight(blocked) if kernel else None
+        blocked = gemv_rows.block_weight(w) if kernel else None
+        screen = gemv_rows.screen_weight(blocked) if kernel else None
         grid = on_q8(w) if kernel and cpu_linear.grids_on() else None
-        codes = grid_weights.pack_grid(*grid_weights.find_grid(grid)) if grid is not None else None
-        l1 = grid_weights.grid_l1(codes, v) if codes is not None else None
+        codes = gguf_codes.pack(*gguf_codes.find_codes(grid)) if grid is not None else None
+        l1 = gguf_codes.l1_norms(codes, v) if codes is not None else None
         rows_out = {}
         for r in map(int, args.rows.split(",")):
             x = torch.randn(r, h)
@@ -160,12 +160,12 @@ def main(argv=None) -> dict:
             if loop is not None:
                 calls["compiled_loop"] = lambda: loop(x, w)
             if kernel:
-                calls["rows_kernel"] = lambda: rows_kernel.rows_linear(x, blocked, v, None)
-                calls["rows_argmax"] = lambda: rows_kernel.rows_argmax(x, blocked, screen, v)
+                calls["rows_kernel"] = lambda: gemv_rows.linear(x, blocked, v, None)
+                calls["rows_argmax"] = lambda: gemv_rows.argmax(x, blocked, screen, v)
             if codes is not None:
-                calls["rows_q8_grid"] = lambda: grid_weights.grid_linear(x, codes, grid_weights.Q8, v, None)
-                if grid_weights.grid_argmax(x, codes, v, l1) is not None:  # AVX512-VNNI builds
-                    calls["rows_q8_argmax"] = lambda: grid_weights.grid_argmax(x, codes, v, l1)
+                calls["rows_q8_grid"] = lambda: gguf_codes.linear(x, codes, gguf_codes.Q8, v, None)
+                if gguf_codes.q8_argmax(x, codes, v, l1) is not None:  # AVX512-VNNI builds
+                    calls["rows_q8_argmax"] = lambda: gguf_codes.q8_argmax(x, codes, v, l1)
             rows_out[r] = calls_ms(calls, args.reps)
             check_exact(x, w, v, blocked, screen, grid, codes, l1, rows_out[r])
             print(f"{shape:12s} rows {r}: " + "  ".join(f"{k} {ms:7.2f}" + ("" if k == "rows_exact" else " ms")

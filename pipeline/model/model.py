@@ -202,12 +202,12 @@ class MultiTokenModel(nn.Module):
         if not size:
             return None
         built = self.__dict__.setdefault("_draft_unembeds", {})
-        layout = cpu_linear.layout_of(bb.unembedding)
-        key = (size, type(bb.unembedding).__name__, layout, str(bb.device))  # a repack or a move rebuilds it
+        packed = cpu_linear.format_of(bb.unembedding)
+        key = (size, type(bb.unembedding).__name__, packed, str(bb.device))  # a repack or a move rebuilds it
         if key not in built:
             ids = torch.tensor(self._ranking["tokens"][:size], dtype=torch.long)
             built[key] = draft = DraftUnembedding(bb.unembedding, ids.sort().values, bb.vocab_size)
-            if layout is not None:  # the decoding linears are packed: this one too, as they were
+            if packed is not None:  # the decoding linears are packed: this one too, as they were
                 cpu_linear.pack(draft, self._cpu_linear())
         return built[key]
 

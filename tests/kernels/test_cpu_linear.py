@@ -5,6 +5,7 @@ alone, memory replaced, and training / LoRA / greedy decoding around them."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.kernels import cpu_features, cpu_linear
+from multitoken.kernels import cpu_features, cpu_linear, format_table
 from multitoken.pipeline.model.loading import BackboneConfig, LoraSpec, load_backbone
 from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.pipeline.model.model import MultiTokenModel
@@ -126,7 +127,7 @@ def test_a_failing_op_falls_back_to_f_linear_once_said(monkeypatch, capsys):
 
     def broken(*args):
         raise RuntimeError("no kernel")
-    monkeypatch.setattr(cpu_linear, "_packed_linear", broken)
+    monkeypatch.setattr(layer, "spec", dataclasses.replace(layer.spec, linear=broken))
     x = torch.randn(3, 64)
     assert torch.equal(layer(x), F.linear(x, w, b)) and torch.equal(layer(x), F.linear(x, w, b))
     assert capsys.readouterr().err.count("fall back to F.linear") == 1
@@ -135,7 +136,9 @@ def test_a_failing_op_falls_back_to_f_linear_once_said(monkeypatch, capsys):
 def test_an_unusable_op_packs_nothing(monkeypatch, capsys):
     monkeypatch.setitem(cpu_linear._STATE, "usable", {})
     monkeypatch.setitem(cpu_linear._STATE, "warned", False)
-    monkeypatch.setattr(cpu_linear, "_reorder", lambda w: (_ for _ in ()).throw(RuntimeError("missing op")))
+    onednn = format_table.FORMATS[cpu_linear.ONEDNN]
+    missing = dataclasses.replace(onednn, pack=lambda w: (_ for _ in ()).throw(RuntimeError("missing op")))
+    monkeypatch.setitem(format_table.FORMATS, cpu_linear.ONEDNN, missing)
     seq = _layers(96, 64, torch.float32)
     assert cpu_linear.pack(seq) == 0 and type(seq[0]) is nn.Linear and seq[0].weight.numel() == 96 * 64
     assert "fall back to F.linear" in capsys.readouterr().err

@@ -147,14 +147,13 @@ def test_the_gguf_bases_linears_decode_from_their_codes(smol_model):
     (the default) every decoder linear keeps its Q4_1 codes and the tied unembedding its Q8_0
     ones, and the dense weights read back bit for bit (the tests above: the same greedy text)."""
     from multitoken.kernels.cpu_linear import PackedLinear, grids_on
-    from multitoken.kernels.grid_weights import Q4, Q8
 
     if not grids_on():
         pytest.skip("needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
     smol_model.new_caches()  # packs, once
     bb = smol_model.backbone
     layers = [m for m in bb.model.model.layers.modules() if isinstance(m, PackedLinear)]
-    assert len(layers) == 7 * 30 and {m.grid for m in layers} == {Q4} and bb.unembedding.grid == Q8
+    assert len(layers) == 7 * 30 and {m.format for m in layers} == {"q4_1"} and bb.unembedding.format == "q8_0"
     stock = bb.model.model.embed_tokens.weight  # the tied embedding's dense copy, kept for the lookup
     assert torch.equal(bb.unembedding.dense_weight().view(torch.int32), stock.detach().view(torch.int32))
     q4 = layers[0]

@@ -1,7 +1,7 @@
-"""Exact narrow storage for float32 weights: a weight whose values all lie on a Q4_1 or Q8_0 grid
-(a GGUF base once transformers has dequantized it) or are all bfloat16 / float16 values (a 16-bit
-checkpoint or heads loaded in float32) is kept as those codes, and the rows kernel
-(rows_kernel.py) decodes them on the fly.
+"""GGUF's Q4_1 / Q8_0 codes (and 16-bit floats) as exact narrow storage for float32 weights: a
+weight whose values all lie on a Q4_1 or Q8_0 grid (a GGUF base once transformers has dequantized
+it) or are all bfloat16 / float16 values (a 16-bit checkpoint or heads loaded in float32) is kept
+in that format (formats.py), and the compiled GEMV (gemv_rows.py) decodes it on the fly.
 
 Why: a decoding step is bound by reading the weights. transformers loads a quantized GGUF by
 dequantizing it to float32, and every step then reads 32 bits per weight where the file held 5
@@ -11,13 +11,13 @@ weights of an output is ``d * q + m`` (Q4_1: codes q in 0..15, d and m float16) 
 decoding is one rounding, the very one the dequantization made; 16-bit floats widen exactly.
 The kernel thus sees the same float32 weights and adds the same fused multiply-adds in the same
 order as the float32 blocks: its logits are bit-identical to theirs
-(tests/kernels/test_grid_weights.py).
+(tests/kernels/test_gguf_codes.py).
 
 Greedy steps read only the argmax of the unembedding: on a Q8_0 grid (a GGUF's tied embedding)
-``grid_argmax`` takes it from int16 dot products and recounts exactly only the outputs that can
-reach the best (grid_screen.cpp), the same argmax as the logits'.
+``q8_argmax`` takes it from int16 dot products and recounts exactly only the outputs that can
+reach the best (argmax_prefilter.cpp), the same argmax as the logits'.
 
-Nothing is assumed from the file: ``find_grid`` recovers ``d``, ``m`` and the codes from the
+Nothing is assumed from the file: ``find_codes`` recovers ``d``, ``m`` and the codes from the
 float32 values and keeps them only if they reproduce every weight bit for bit; any other weight
 (float32 values, a LoRA-merged one) keeps its float32 blocks.
 """
@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from multitoken.kernels import rows_kernel
+from multitoken.kernels import gemv_rows
+from multitoken.kernels.formats import QK, Format
 
-QK = 32  # inputs per grid block (GGUF's Q4_1 / Q8_0 block)
-Q4, Q8, BF16, F16 = 4, 8, 16, 17  # the kinds, as the kernel's grid_linear takes them
-KINDS = frozenset((Q4, Q8, BF16, F16))
-NAMES = {Q4: "Q4_1", Q8: "Q8_0", BF16: "bfloat16", F16: "float16"}
+Q4, Q8, BF16, F16 = Format.Q4_1, Format.Q8_0, Format.BF16, Format.F16
 HALVES = {BF16: torch.bfloat16, F16: torch.float16}  # 16-bit floats: the float blocks' layout, 2 bytes each
 CHUNK_ROWS = 4096  # outputs checked at a time (bounds the peak memory of the search)
 
@@ -104,27 +102,34 @@ def _blocks_of(weight: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     return weight[start:start + rows].reshape(-1, weight.shape[1] // QK, QK)  # [R, T, QK]
 
 
-def find_grid(weight: torch.Tensor) -> tuple[int, list[tuple]] | None:
-    """The kind (Q4 or Q8, the smaller that fits) and the codes of a float32 ``weight`` [N, K] on
-    one grid throughout (per chunk of ``CHUNK_ROWS`` outputs), or None. A float checkpoint fails
-    early, at little cost: its blocks' least weights are not float16 values (past one chunk, its
-    first 64 rows say so)."""
+def codes_in(weight: torch.Tensor, kind: Format) -> list | None:
+    """The codes of a float32 ``weight`` [N, K] in ``kind`` (parts per chunk of ``CHUNK_ROWS``
+    outputs; BF16 / F16: the weight itself), or None where not every weight is reproduced bit for
+    bit. A float checkpoint fails early, at little cost: its blocks' least weights are not float16
+    values (past one chunk, its first 64 rows say so)."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not n:
         return None
-    for kind, search in GRIDS.items() if k % QK == 0 else ():
-        if n > CHUNK_ROWS and search(_blocks_of(weight, 0, 64)) is None:  # a big weight off the grid: said early
-            continue
-        parts = []
-        for start in range(0, n, CHUNK_ROWS):
-            if (found := search(_blocks_of(weight, start, CHUNK_ROWS))) is None:
-                break
-            parts.append(found)
-        else:
+    if kind in HALVES:
+        dtype = HALVES[kind]
+        same = _same(weight[:64].to(dtype).float(), weight[:64]) and _same(weight.to(dtype).float(), weight)
+        return [weight] if same else None
+    if k % QK or (n > CHUNK_ROWS and GRIDS[kind](_blocks_of(weight, 0, 64)) is None):  # a big weight off the grid: said early
+        return None
+    parts = []
+    for start in range(0, n, CHUNK_ROWS):
+        if (found := GRIDS[kind](_blocks_of(weight, start, CHUNK_ROWS))) is None:
+            return None
+        parts.append(found)
+    return parts
+
+
+def find_codes(weight: torch.Tensor) -> tuple[Format, list] | None:
+    """The narrowest format that holds a float32 ``weight`` [N, K] exactly (Q4_1, Q8_0, then
+    bfloat16, float16) and its codes, or None."""
+    for kind in (Q4, Q8, BF16, F16):
+        if (parts := codes_in(weight, kind)) is not None:
             return kind, parts
-    for kind, dtype in HALVES.items():  # a 16-bit checkpoint loaded in float32 (trained heads, say)
-        if _same(weight[:64].to(dtype).float(), weight[:64]) and _same(weight.to(dtype).float(), weight):
-            return kind, [weight]
     return None
 
 
@@ -140,13 +145,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def pack_grid(kind: int, parts: list[tuple]) -> torch.Tensor:
-    """The codes of ``find_grid`` in the kernel's chunks # -> [B, K / QK, bytes] uint8: per column
+def pack(kind: Format, parts: list[tuple]) -> torch.Tensor:
+    """The codes of ``find_codes`` in the kernel's chunks # -> [B, K / QK, bytes] uint8: per column
     block of L outputs and QK inputs, d [L] fp16, (Q4) m [L] fp16, then the codes: Q4, per input
     L / 2 bytes (output j in byte j's low nibble, output j + L / 2 in its high one); Q8, L int8."""
     if kind in HALVES:
-        return _as_bytes(rows_kernel.block_weight(parts[0]).to(HALVES[kind])).flatten(2)  # [B, K, 2L]
-    width = rows_kernel.lanes()
+        return _as_bytes(gemv_rows.block_weight(parts[0]).to(HALVES[kind])).flatten(2)  # [B, K, 2L]
+    width = gemv_rows.lanes()
     fields = [torch.cat(f) for f in zip(*parts)]  # d [N, T], (m [N, T],) q [N, T, QK]
     scales = [_as_bytes(_by_blocks(f, width).transpose(1, 2)) for f in fields[:-1]]  # [B, T, L] fp16 -> [B, T, 2L]
     codes = _by_blocks(fields[-1], width).permute(0, 2, 3, 1)  # [B, T, QK, L]
@@ -157,21 +162,21 @@ def pack_grid(kind: int, parts: list[tuple]) -> torch.Tensor:
     return torch.cat([*scales, codes], dim=-1).contiguous()
 
 
-def dense_grid(packed: torch.Tensor, kind: int, n: int) -> torch.Tensor:
-    """The float32 weight [N, K] back from ``pack_grid``'s chunks, exactly (d q + m: d q is exact)."""
+def dense(packed: torch.Tensor, kind: Format, n: int) -> torch.Tensor:
+    """The float32 weight [N, K] back from ``pack``'s chunks, exactly (d q + m: d q is exact)."""
     if kind in HALVES:
-        return rows_kernel.dense_weight(packed.view(HALVES[kind]).float(), n)
+        return gemv_rows.dense_weight(packed.view(HALVES[kind]).float(), n)
     blocks, chunks, _ = packed.shape
     d, m, q = _fields(packed, kind)
     w = q.float() * d.unsqueeze(2) + m.unsqueeze(2)  # [B, T, QK, L]
     return w.permute(0, 3, 1, 2).reshape(blocks * d.shape[-1], chunks * QK)[:n].contiguous()
 
 
-def _fields(packed: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_1 / Q8_0 ``pack_grid``'s d, m [B, T, L] (float32, exact) and codes q [B, T, QK, L] (as stored:
+def _fields(packed: torch.Tensor, kind: Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 / Q8_0 ``pack``'s d, m [B, T, L] (float32, exact) and codes q [B, T, QK, L] (as stored:
     uint8 / int8)."""
     blocks, chunks, _ = packed.shape
-    width = rows_kernel.lanes()
+    width = gemv_rows.lanes()
     d = packed[..., :2 * width].contiguous().view(torch.float16).float()  # [B, T, L]
     if kind == Q4:
         m = packed[..., 2 * width:4 * width].contiguous().view(torch.float16).float()
@@ -180,61 +185,43 @@ def _fields(packed: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor
     return d, torch.zeros_like(d), packed[..., 2 * width:].contiguous().view(torch.int8).reshape(blocks, chunks, QK, width)
 
 
-def grid_linear(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] fp32 -> [..., N] from the codes, ``rows_kernel.MAX_ROWS`` rows per kernel call
+def linear(x: torch.Tensor, packed: torch.Tensor, kind: Format, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] fp32 -> [..., N] from the codes, ``gemv_rows.MAX_ROWS`` rows per kernel call
     (a prompt's pass too: no dense copy is ever made, and every row's logits are a step's)."""
-    if kind not in KINDS:
-        raise ValueError(f"grid_linear: unknown weight format {kind!r} (the kernel reads {sorted(KINDS)})")
-    k = x.shape[-1]
     x = x if x.is_contiguous() else x.contiguous()  # rows [M, K] in memory
-    m = x.numel() // k
-    out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)  # rows [M, N] in memory
-    call = rows_kernel.library().grid_linear
-    # a decoding step: one call on the tensors as they are (a SmolLM2 step makes ~200 of these,
-    # so no reshape or slice objects on this path)
-    for start in range(0, m, rows_kernel.MAX_ROWS):
-        part = min(rows_kernel.MAX_ROWS, m - start)
-        call(x.data_ptr() + 4 * start * k, packed.data_ptr(), kind, out.data_ptr() + 4 * start * n, part, k, n)
-    if bias is not None:
-        out.add_(bias)
-    return out
+    return gemv_rows.library().gemv(x, packed, kind, n, bias)
 
 
-# The exact argmax of a Q8_0 grid (grid_screen.cpp): greedy steps need only the argmax of the
+# The exact argmax of Q8_0 codes (argmax_prefilter.cpp): greedy steps need only the argmax of the
 # unembedding, and the int16 screen finds it from integer dot products, recounting exactly only
 # the outputs within the screen's bound of the best.
-def grid_l1(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Per output of a Q8_0 ``pack_grid``, sum_k |w_kv| rounded up # -> [N] fp32: the screen's bound
+def l1_norms(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Per output of a Q8_0 ``pack``, sum_k |w_kv| rounded up # -> [N] fp32: the screen's bound
     scales with it."""
     d, _, q = _fields(packed, Q8)
     l1 = (d.double().abs() * q.abs().sum(2)).sum(1).reshape(-1)[:n]  # [N]: integer sums of the codes
     return torch.nextafter(l1.float(), torch.tensor(float("inf")))
 
 
-def screen_built() -> bool:
-    """Whether the kernel has the int16 screen (built with AVX512-VNNI: cpu_features.py)."""
-    return bool(rows_kernel.library().grid_screen_built())
+def prefilter_built() -> bool:
+    """Whether the kernel has the int16 prefilter (built with AVX512-VNNI: cpu_features.py)."""
+    return bool(gemv_rows.library().prefilter_built())
 
 
-def grid_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, l1: torch.Tensor) -> torch.Tensor | None:
-    """``grid_linear(x, packed, Q8, n, None).argmax(-1)`` exactly (the first on ties) # [..., K] ->
-    [...] long; None where the screen does not apply here (no AVX512-VNNI, more than
+def q8_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, l1: torch.Tensor) -> torch.Tensor | None:
+    """``linear(x, packed, Q8, n, None).argmax(-1)`` exactly (the first on ties) # [..., K] ->
+    [...] long; None where the prefilter does not apply here (no AVX512-VNNI, more than
     ``MAX_ROWS`` rows, a non-finite input or logit): then take that argmax."""
     k = x.shape[-1]
-    x = x if x.is_contiguous() else x.contiguous()  # rows [M, K] in memory
-    m = x.numel() // k
-    if not (0 < m <= rows_kernel.MAX_ROWS and screen_built()):
+    rows = x.reshape(-1, k).contiguous()  # [M, K]
+    if not (0 < rows.shape[0] <= gemv_rows.MAX_ROWS and prefilter_built()):
         return None
-    lib = rows_kernel.library()
-    xq, amax = torch.empty(m, k, dtype=torch.int16), torch.empty(m, dtype=torch.float32)
-    approx, best = torch.empty(m, n, dtype=torch.float32), torch.empty(x.shape[:-1], dtype=torch.long)
-    picked = lib.grid_argmax(x.data_ptr(), packed.data_ptr(), l1.data_ptr(), xq.data_ptr(), amax.data_ptr(),
-                             approx.data_ptr(), best.data_ptr(), m, k, n)
-    return None if picked < 0 else best
+    best, picked = gemv_rows.library().q8_argmax(rows, packed, l1, n)
+    return None if picked < 0 else best.reshape(x.shape[:-1])
 
 
 def probe() -> bool:
-    """Whether the kernel's grid blocks reproduce the float32 blocks bit for bit here (a weight of
+    """Whether the kernel's narrow formats reproduce the float32 blocks bit for bit here (a weight of
     each kind with a partial last block, 1 and 13 rows); once per process, from cpu_linear."""
     gen = torch.Generator().manual_seed(0)
     d = torch.rand(40, 2, 1, generator=gen).half().float() / 64
@@ -245,13 +232,13 @@ def probe() -> bool:
     half = torch.randn(40, 2 * QK, generator=gen)
     for kind, w in ((Q4, (q4 * d + m).reshape(40, 2 * QK)), (Q8, (q8 * d).reshape(40, 2 * QK)),
                     (BF16, half.bfloat16().float()), (F16, half.half().float())):
-        found = find_grid(w)
+        found = find_codes(w)
         if found is None or found[0] != kind:
             return False
-        packed = pack_grid(*found)
+        packed = pack(*found)
         for rows in (1, 13):
             x = torch.randn(rows, 2 * QK, generator=gen)
-            got = grid_linear(x, packed, found[0], 40, None)
-            if not torch.equal(got.view(torch.int32), rows_kernel.rows_linear(x, rows_kernel.block_weight(w), 40, None).view(torch.int32)):
+            got = linear(x, packed, found[0], 40, None)
+            if not torch.equal(got.view(torch.int32), gemv_rows.linear(x, gemv_rows.block_weight(w), 40, None).view(torch.int32)):
                 return False
     return True

@@ -1,6 +1,6 @@
-// The exact argmax of a Q8_0 grid's logits (a GGUF's tied unembedding) at a fraction of their
-// arithmetic. Built appended to rows_kernel.cpp (one translation unit: its L, QK, chunk layout and
-// helpers). Greedy steps need only the argmax, and on the codes the float32 chain's 2 fused
+// The exact argmax of Q8_0 codes' logits (a GGUF's tied unembedding) at a fraction of their
+// arithmetic: a prefilter that rules out most outputs, then exact recounts. Included by ops.cpp after
+// gemv_rows.cpp (one translation unit: its L, QK, chunk layout and helpers). Greedy steps need only the argmax, and on the codes the float32 chain's 2 fused
 // multiply-adds per row and 32 weights set the cost of a step over several rows; VNNI's int16
 // dot products do 32 products per instruction, exactly:
 //   1. each row x is put on an int16 grid, x ~ s xq with s = max|x| / 32767 (|x - s xq| <= 0.51 s);
@@ -14,7 +14,7 @@
 //      the first on ties, is that of the logits grid_linear returns, bit for bit.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // rows per pass over the weight: 2 zmm of int sums each (the float sums, updated once per chunk,
-// live in L1); 6 measured faster than 12 for 9 rows on an AMD EPYC (3.3 against 3.7 ms)
+// live in L1); fewer rows per pass than the float kernel's 12 keep those sums in registers
 constexpr int SCREEN_ROWS = 6;
 constexpr int XQ_MAX = 32767;
 
@@ -101,7 +101,7 @@ static inline float grid_exact_at(const float* x, const uint8_t* wp, int K, int 
 // from the int16 screen and exact recounts. l1 [N]: sum_k |w_kv|, rounded up; xq [M, K], amax [M]
 // (each row's max |x|), approx [M, N]: scratch. Returns how many outputs were recounted, -1 if x is not finite or a
 // recount is not, -2 where this build has no AVX512-VNNI (the caller takes the logits' argmax).
-extern "C" int64_t grid_argmax(const float* x, const uint8_t* wp, const float* l1, int16_t* xq, float* amax,
+static int64_t q8_argmax(const float* x, const uint8_t* wp, const float* l1, int16_t* xq, float* amax,
                                float* approx, int64_t* best, int M, int K, int N) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (K % QK != 0) return -2;
@@ -145,10 +145,10 @@ extern "C" int64_t grid_argmax(const float* x, const uint8_t* wp, const float* l
 }
 
 // Whether this build has the screen (AVX512-VNNI): callers skip its scratch where it has not.
-extern "C" int grid_screen_built() {
+static bool prefilter_built() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    return 1;
+    return true;
 #else
-    return 0;
+    return false;
 #endif
 }

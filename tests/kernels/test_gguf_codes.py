@@ -1,7 +1,7 @@
-"""Exact low-bit grids (kernels/grid_weights.py): weights on a Q4_1 / Q8_0 grid (a GGUF
-base, dequantized) are found, kept as their codes and decoded by the rows kernel to logits
-bit-identical to the float32 blocks'; anything off the grid keeps the float32 blocks; greedy
-decoding on a grid model equals transformers' stock output."""
+"""GGUF codes (kernels/gguf_codes.py): weights on a Q4_1 / Q8_0 grid (a GGUF base, dequantized)
+are found, kept as their codes and decoded by the compiled GEMV to logits bit-identical to the
+float32 blocks'; anything off the grid keeps the float32 blocks; greedy decoding on a grid model
+equals transformers' stock output. (The format table's tests, over every format: test_format_table.py.)"""
 
 from __future__ import annotations
 
@@ -9,26 +9,27 @@ import pytest
 import torch
 from torch import nn
 
-from multitoken.kernels import cpu_features, cpu_linear, grid_weights, rows_kernel
+from multitoken.kernels import cpu_features, cpu_linear, formats, gemv_rows, gguf_codes
 from multitoken.kernels.cpu_linear import ROWS, PackedLinear
-from multitoken.kernels.grid_weights import BF16, F16, Q4, Q8, QK
+from multitoken.kernels.formats import QK
+from multitoken.kernels.gguf_codes import BF16, F16, Q4, Q8
 
 from .conftest import build_tied_llama
 from .test_cpu_linear import _model
-from .test_rows_kernel import assert_greedy_equals_stock
+from .test_gemv_rows import assert_greedy_equals_stock
 
 pytestmark = pytest.mark.skipif(not cpu_linear.grids_on(),
                                 reason="needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
 
 
-# The int16 screen's instructions (grid_screen.cpp), as the capability probe the kernel's build
+# The int16 prefilter's instructions (argmax_prefilter.cpp), as the capability probe the kernel's build
 # follows reports them (MULTITOKEN_CPU_FEATURES=avx2 or avx512 turns them off); else it declines.
 VNNI = cpu_features.features().vnni
 
 
 def test_the_build_has_the_screen_where_the_probe_says():
     """The kernel was compiled for what the probe reports: its lanes and its screen."""
-    assert grid_weights.screen_built() == VNNI and rows_kernel.lanes() == cpu_features.features().lanes()
+    assert gguf_codes.prefilter_built() == VNNI and gemv_rows.lanes() == cpu_features.features().lanes()
 
 
 def on_q4(w: torch.Tensor) -> torch.Tensor:
@@ -66,38 +67,38 @@ GRIDS = [(Q4, on_q4, 5 / 8), (Q8, on_q8, 34 / 32), (BF16, lambda w: w.bfloat16()
 @pytest.mark.parametrize("kind, grid, size", GRIDS, ids=["q4_1", "q8_0", "bf16", "f16"])
 def test_grid_codes_give_the_float_blocks_logits_bit_for_bit(kind, grid, size):
     w = grid(_weight(1000, 96, 0))  # 1000: a partial last column block
-    found = grid_weights.find_grid(w)
+    found = gguf_codes.find_codes(w)
     assert found is not None and found[0] == kind
-    packed = grid_weights.pack_grid(*found)
-    assert packed.dtype == torch.uint8 and packed.numel() == -(-1000 // rows_kernel.lanes()) * rows_kernel.lanes() * 96 * size
-    assert torch.equal(_bits(grid_weights.dense_grid(packed, kind, 1000)), _bits(w))
-    blocked = rows_kernel.block_weight(w)
+    packed = gguf_codes.pack(*found)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-1000 // gemv_rows.lanes()) * gemv_rows.lanes() * 96 * size
+    assert torch.equal(_bits(gguf_codes.dense(packed, kind, 1000)), _bits(w))
+    blocked = gemv_rows.block_weight(w)
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 3, 12, 13, rows_kernel.MAX_ROWS):
+    for rows in (1, 2, 3, 12, 13, gemv_rows.MAX_ROWS):
         x = torch.randn(rows, 96, generator=gen)
-        got = grid_weights.grid_linear(x, packed, kind, 1000, None)
-        assert torch.equal(_bits(got), _bits(rows_kernel.rows_linear(x, blocked, 1000, None))), rows
+        got = gguf_codes.linear(x, packed, kind, 1000, None)
+        assert torch.equal(_bits(got), _bits(gemv_rows.linear(x, blocked, 1000, None))), rows
     bias = torch.randn(1000, generator=gen)
-    assert torch.equal(_bits(grid_weights.grid_linear(x, packed, kind, 1000, bias)), _bits(rows_kernel.rows_linear(x, blocked, 1000, bias)))
-    x = torch.randn(2 * rows_kernel.MAX_ROWS + 3, 96, generator=gen)  # a prompt's pass: 64 rows per call
-    assert torch.equal(_bits(grid_weights.grid_linear(x, packed, kind, 1000, None)[-3:]),
-                       _bits(rows_kernel.rows_linear(x[-3:], blocked, 1000, None)))
+    assert torch.equal(_bits(gguf_codes.linear(x, packed, kind, 1000, bias)), _bits(gemv_rows.linear(x, blocked, 1000, bias)))
+    x = torch.randn(2 * gemv_rows.MAX_ROWS + 3, 96, generator=gen)  # a prompt's pass: 64 rows per call
+    assert torch.equal(_bits(gguf_codes.linear(x, packed, kind, 1000, None)[-3:]),
+                       _bits(gemv_rows.linear(x[-3:], blocked, 1000, None)))
 
 
 def test_weights_off_every_grid_keep_float_blocks(monkeypatch):
-    monkeypatch.setattr(grid_weights, "CHUNK_ROWS", 64)
+    monkeypatch.setattr(gguf_codes, "CHUNK_ROWS", 64)
     w = _weight(200, 64, 2)
-    assert grid_weights.find_grid(w) is None  # plain float32
-    assert grid_weights.find_grid(on_q4(w)[:, :40].contiguous()) is None  # Q4_1 values, K not a multiple of 32
+    assert gguf_codes.find_codes(w) is None  # plain float32
+    assert gguf_codes.find_codes(on_q4(w)[:, :40].contiguous()) is None  # Q4_1 values, K not a multiple of 32
     near = w.bfloat16().float()
     near[150, 5] = torch.nextafter(near[150, 5], torch.tensor(1.0))  # one float32 value past the first 64 rows
-    assert grid_weights.find_grid(near) is None
+    assert gguf_codes.find_codes(near) is None
     late = on_q4(w)
     late[150, 5] = torch.nextafter(late[150, 5], torch.tensor(1.0))  # one weight off, past the first chunk
-    assert grid_weights.find_grid(late) is None
+    assert gguf_codes.find_codes(late) is None
     mixed = on_q4(w)
     mixed[100:] = on_q8(w[100:])  # Q8_0 past the first chunk: one grid throughout, or none
-    assert grid_weights.find_grid(mixed) is None
+    assert gguf_codes.find_codes(mixed) is None
 
 
 def test_a_packed_grid_layer_round_trips_and_answers_argmax():
@@ -108,11 +109,11 @@ def test_a_packed_grid_layer_round_trips_and_answers_argmax():
     seq = nn.Sequential(layer)
     assert cpu_linear.pack(seq, ROWS) == 1
     packed = seq[0]
-    assert packed.grid == Q8 and packed.packed.dtype == torch.uint8 and "Q8_0 grid" in repr(packed)
+    assert packed.format == "q8_0" and packed.packed.dtype == torch.uint8 and "packed (q8_0)" in repr(packed)
     assert torch.equal(_bits(packed.weight), _bits(stock))
     x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(5))
     assert torch.equal(packed.argmax(x), packed(x).argmax(-1))
-    assert (packed.screen is not None) == VNNI  # the int16 screen's bound, made on first use, only where it runs
+    assert ('l1' in packed.scratch) == VNNI  # the int16 prefilter's bound, made on first use, only where it runs
     assert cpu_linear.unpack(seq) == 1 and torch.equal(_bits(seq[0].weight), _bits(stock))
 
 
@@ -132,32 +133,32 @@ def _near_tied_q8(n: int, k: int, seed: int) -> torch.Tensor:
     return (q * d).reshape(n, k) + 0.0
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, rows_kernel.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, gemv_rows.MAX_ROWS])
 def test_the_int16_screen_gives_the_codes_argmax_exactly(rows):
     """grid_argmax equals the argmax of grid_linear's logits (the first on ties), on random codes
     and on near-ties that only the exact recount can settle; where the build has no AVX512-VNNI
     it declines (None) and callers take the logits' argmax."""
     k, n = 96, 3001  # 3001: a partial last column block
     for seed, w in enumerate((on_q8(_weight(n, k, 9)), _near_tied_q8(n, k, 10))):
-        found = grid_weights.find_grid(w)
+        found = gguf_codes.find_codes(w)
         assert found is not None and found[0] == Q8
-        packed = grid_weights.pack_grid(*found)
-        l1 = grid_weights.grid_l1(packed, n)
+        packed = gguf_codes.pack(*found)
+        l1 = gguf_codes.l1_norms(packed, n)
         assert bool((l1.double() >= w.double().abs().sum(1)).all())  # rounded up
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + seed))
         x[:, 3] *= 20  # a wide range: the int16 grid's step follows the largest entry
         x[0] = w[7] * 10  # aimed at the near-tied outputs
-        got = grid_weights.grid_argmax(x, packed, n, l1)
+        got = gguf_codes.q8_argmax(x, packed, n, l1)
         if not VNNI:
             assert got is None
             continue
-        logits = grid_weights.grid_linear(x, packed, Q8, n, None)
+        logits = gguf_codes.linear(x, packed, Q8, n, None)
         assert torch.equal(got, logits.argmax(-1)), seed
         if seed == 1:
             assert int(got[0]) in (7, *range(100, 400), n - 1) and int(got[0]) != n - 1  # a duplicate never beats the first
     bad = x.clone()
     bad[0, 5] = float("nan")
-    assert grid_weights.grid_argmax(bad, packed, n, l1) is None
+    assert gguf_codes.q8_argmax(bad, packed, n, l1) is None
 
 
 def test_rows_f32_keeps_float32_blocks_for_measuring_and_prepare_switches_between_them():
@@ -166,11 +167,11 @@ def test_rows_f32_keeps_float32_blocks_for_measuring_and_prepare_switches_betwee
         layer.weight.copy_(on_q4(_weight(3000, 96, 6)))
     seq = nn.Sequential(layer)
     x = torch.randn(3, 96)
-    assert cpu_linear.pack(seq, cpu_linear.ROWS_F32) == 1 and seq[0].grid is None and seq[0].packed.dtype == torch.float32
+    assert cpu_linear.pack(seq, cpu_linear.ROWS_F32) == 1 and seq[0].format == "f32" and seq[0].packed.dtype == torch.float32
     f32 = seq(x)
-    assert cpu_linear.prepare(seq, ROWS) == 1 and seq[0].grid == Q4  # the same codes found again
+    assert cpu_linear.prepare(seq, ROWS) == 1 and seq[0].format == "q4_1"  # the same codes found again
     assert torch.equal(seq(x), f32)  # the codes decode to the float32 values: the same logits, bit for bit
-    assert cpu_linear.prepare(seq, cpu_linear.ROWS_F32) == 1 and seq[0].grid is None
+    assert cpu_linear.prepare(seq, cpu_linear.ROWS_F32) == 1 and seq[0].format == "f32"
 
 
 @pytest.fixture(scope="module")
@@ -193,15 +194,19 @@ def test_greedy_on_grid_codes_equals_transformers_stock(grid_llama_dir, monkeypa
     model = _model(grid_llama_dir, cpu_linear=ROWS)
     bb = model.backbone
     assert_greedy_equals_stock(model)
-    grids = {m.grid for m in bb.model.modules() if isinstance(m, PackedLinear)}
-    assert grids == {Q4, Q8} and bb.unembedding.grid == Q8
+    grids = {m.format for m in bb.model.modules() if isinstance(m, PackedLinear)}
+    assert grids == {"q4_1", "q8_0"} and bb.unembedding.format == "q8_0"
 
 
-def test_an_unknown_format_is_an_error_never_memory_read_as_logits():
-    packed = grid_weights.pack_grid(*grid_weights.find_grid(on_q8(_weight(32, 64, 5))))
+def test_an_unknown_format_is_an_error_in_python_and_in_the_kernel():
+    """formats.py's enum is the one list: Python refuses a value outside it, and so does the
+    compiled op (its TORCH_CHECK), before any memory is read as logits."""
+    packed = gguf_codes.pack(*gguf_codes.find_codes(on_q8(_weight(32, 64, 5))))
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="unknown weight format 5"):
-        grid_weights.grid_linear(x, packed, 5, 32, None)
-    out = torch.zeros(2, 32)  # the kernel itself, past the check: NaN, not what memory held
-    rows_kernel.library().grid_linear(x.data_ptr(), packed.data_ptr(), 5, out.data_ptr(), 2, 64, 32)
-    assert out.isnan().all()
+        formats.parse(5)
+    for value in (5, -1, max(formats.Format) + 1):
+        with pytest.raises(RuntimeError, match=f"unknown weight format {value}"):
+            gemv_rows.library().gemv(x, packed, value, 32, None)
+    assert torch.equal(gemv_rows.library().gemv(x, packed, formats.Format.Q8_0, 32, None),
+                       gguf_codes.linear(x, packed, Q8, 32, None))  # the enum's value is the kernel's

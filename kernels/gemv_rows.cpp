@@ -1,6 +1,7 @@
-// The compiled rows kernel (rows_kernel.py builds this file with the machine's C++ compiler): a
-// multi-row GEMV over column blocks of L outputs, the argmax screen's int8 blocks, and the exact
-// narrow storage of grid_weights.py (Q4_1 / Q8_0 codes, 16-bit floats).
+// The multi-row GEMV over column blocks of L outputs (gemv_rows.py builds it, through ops.cpp, which
+// includes this file and registers the torch ops): float32 blocks, the argmax screen's int8 blocks,
+// and the exact narrow formats of gguf_codes.py (Q4_1 / Q8_0 codes, 16-bit floats). No torch here:
+// raw rows in, raw rows out; ops.cpp checks shapes, dtypes and formats before anything runs.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -16,8 +17,7 @@ constexpr int L = 16, MB = 4;  // AVX2: 8 ymm of sums
 #endif
 constexpr int PREFETCH = 8192;  // bytes ahead of the weight read
 // The float blocks' prefetch. Where GCC tunes for AMD Zen: into L2, as far ahead as R rows' work
-// lets the read run (on a Zen 4 the L1 hint left a 9-row block of SmolLM2's unembedding waiting
-// on memory: 7.6 ms against 5.1); elsewhere the L1 hint measured on an Intel Xeon.
+// lets the read run (the L1 hint left larger row blocks waiting on memory there); elsewhere the L1 hint.
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 template <int R> constexpr int float_ahead() { return R <= 2 ? 4096 : R <= 6 ? 8192 : 6144; }
 constexpr int FLOAT_LOCALITY = 2;
@@ -336,26 +336,22 @@ static void blocks(const float* x, const W* wp, const float* scale, float* out, 
         column_block<W>(x, (const W*)((const char*)wp + b * column_bytes<W>(K)), scale, out, M, K, N, b * L);
 }
 
-extern "C" int rows_lanes() { return L; }
+static int rows_lanes() { return L; }
 
 // x [M, K], wp [ceil(N / L), K, L] (zero-padded past N), out [M, N]
-extern "C" void rows_linear(const float* x, const float* wp, float* out, int M, int K, int N) {
+static void rows_linear(const float* x, const float* wp, float* out, int M, int K, int N) {
     blocks<float>(x, wp, nullptr, out, M, K, N);
 }
 
-// x [M, K] times grid codes -> out [M, N]; kind 4: Q4_1, 8: Q8_0 (K a multiple of QK), 16:
-// bfloat16, 17: float16. Any other kind writes NaN everywhere (the caller checks kinds first;
-// never uninitialised memory).
-extern "C" void grid_linear(const float* x, const uint8_t* wp, int kind, float* out, int M, int K, int N) {
-    if (kind == 4) blocks<Q4>(x, (const Q4*)wp, nullptr, out, M, K, N);
-    else if (kind == 8) blocks<Q8>(x, (const Q8*)wp, nullptr, out, M, K, N);
-    else if (kind == 16) blocks<BF16>(x, (const BF16*)wp, nullptr, out, M, K, N);
-    else if (kind == 17) blocks<F16>(x, (const F16*)wp, nullptr, out, M, K, N);
-    else for (int64_t i = 0; i < (int64_t)M * N; ++i) out[i] = __builtin_nanf("");
+// x [M, K] times a narrow format's blocks -> out [M, N] (ops.cpp has checked the format, the
+// shapes and K % QK for the codes).
+template <typename W>
+static void narrow_linear(const float* x, const uint8_t* wp, float* out, int M, int K, int N) {
+    blocks<W>(x, (const W*)wp, nullptr, out, M, K, N);
 }
 
 // The screen's logits alone: x [M, K] times the int8 blocks q, each output times its scale.
-extern "C" void rows_screened(const float* x, const int8_t* q, const float* scale, float* out, int M, int K, int N) {
+static void rows_screened(const float* x, const int8_t* q, const float* scale, float* out, int M, int K, int N) {
     blocks<int8_t>(x, q, scale, out, M, K, N);
 }
 
@@ -371,7 +367,7 @@ static inline float exact_at(const float* x, const float* wp, int K, int v) {
 // int8 copy q [ceil(N / L), K, L] (times scale [N]) in full and the fp32 blocks wp only at the
 // outputs whose screened value, within err[n] * |x|_1 of its exact one, can reach the best.
 // approx [M, N]: scratch. Returns how many outputs were computed exactly, or -1 if x is not finite.
-extern "C" int64_t rows_argmax(const float* x, const int8_t* q, const float* scale, const float* err,
+static int64_t rows_argmax(const float* x, const int8_t* q, const float* scale, const float* err,
                                const float* wp, float* approx, int64_t* best, int M, int K, int N) {
     blocks<int8_t>(x, q, scale, approx, M, K, N);
     int64_t picked = 0;

@@ -1,4 +1,4 @@
-"""The compiled rows kernel (kernels/rows_kernel.py, ``--cpu-linear rows``): values
+"""The compiled multi-row GEMV (kernels/gemv_rows.py, ``--cpu-linear rows``): values
 against F.linear within fp32 rounding, rows bit-identical whatever the row count and threads,
 the exact round trip of its blocks, the mode switches, its build cache, the fallback without a
 compiler, and greedy decoding on it equal to transformers' stock output."""
@@ -15,16 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multitoken.base.errors import UsageError
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.kernels import cpu_features, cpu_linear, rows_kernel
+from multitoken.kernels import cpu_features, cpu_linear, gemv_rows
 from multitoken.pipeline.runtime import unembed_costs
 from multitoken.kernels.cpu_linear import ONEDNN, ROWS, PackedLinear
 
+from .conftest import needs_kernels
 from .test_cpu_linear import BF16, _bound, _layers, _model
 
-pytestmark = pytest.mark.skipif(not cpu_linear.rows_usable(),
-                                reason="needs the compiled rows kernel: an x86-64 CPU and a C++ compiler with OpenMP")
+pytestmark = needs_kernels()
 
 
 def _rows(seq: nn.Sequential) -> PackedLinear:
@@ -38,13 +39,13 @@ def test_rows_equal_f_linear_within_rounding(shape, bias):
     seq = _layers(*shape, torch.float32, bias)
     w, b = seq[0].weight.clone(), None if seq[0].bias is None else seq[0].bias.clone()
     layer = _rows(seq)
-    for rows in (1, 3, 16, rows_kernel.MAX_ROWS, rows_kernel.MAX_ROWS + 6):  # the last: a prompt's batched matmul
+    for rows in (1, 3, 16, gemv_rows.MAX_ROWS, gemv_rows.MAX_ROWS + 6):  # the last: a prompt's batched matmul
         x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
         got, ref = layer(x), F.linear(x, w, b)
         assert got.shape == ref.shape and got.dtype == ref.dtype
         assert bool(((got - ref).abs() <= _bound(x, w, b)).all()), rows
-    assert torch.equal(layer.weight, w) and torch.equal(rows_kernel.dense_weight(layer.packed, shape[0]), w)
-    assert layer.packed.shape == (-(-shape[0] // rows_kernel.lanes()), shape[1], rows_kernel.lanes())
+    assert torch.equal(layer.weight, w) and torch.equal(gemv_rows.dense_weight(layer.packed, shape[0]), w)
+    assert layer.packed.shape == (-(-shape[0] // gemv_rows.lanes()), shape[1], gemv_rows.lanes())
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -52,7 +53,7 @@ def test_a_row_is_bit_identical_whatever_the_rows_and_threads(threads):
     """Each output is one chain of fused multiply-adds in input order: alone, in any of 1..64
     rows (2-D or 3-D input), on one thread or two, the same bits."""
     layer = _rows(_layers(200, 96, torch.float32))  # 7 blocks: uneven shares on two threads
-    x = torch.randn(rows_kernel.MAX_ROWS, 96, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(gemv_rows.MAX_ROWS, 96, generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # [64, N] on this process's threads
     torch.set_num_threads(threads)
@@ -71,8 +72,8 @@ def test_modes_switch_layouts_and_bf16_stays_onednn():
     w = seq[0].weight.clone()
     bf16 = ONEDNN if BF16 else None
     assert cpu_linear.prepare(seq, ROWS) == 1 + BF16
-    assert [cpu_linear.layout_of(m) for m in seq] == [ROWS, bf16]  # the kernel is float32 only
-    assert cpu_linear.prepare(seq, cpu_linear.PACKED) == 1 + BF16 and [cpu_linear.layout_of(m) for m in seq] == [ONEDNN, bf16]
+    assert [cpu_linear.format_of(m) for m in seq] == ["f32", bf16]  # the kernel is float32 only
+    assert cpu_linear.prepare(seq, cpu_linear.PACKED) == 1 + BF16 and [cpu_linear.format_of(m) for m in seq] == [ONEDNN, bf16]
     assert cpu_linear.prepare(seq, ROWS) == 1 + BF16 and seq[0].layout == ROWS and torch.equal(seq[0].weight, w)
     copied = copy.deepcopy(seq)
     x = torch.randn(5, 64)
@@ -91,9 +92,11 @@ def test_gradients_go_through_f_linear():
 
 
 def test_without_a_compiler_rows_falls_back_to_onednn_once_said(monkeypatch, capsys):
-    monkeypatch.setattr(rows_kernel, "_STATE", {"loaded": False, "lib": None, "why": None})
+    """Outside CI (``MULTITOKEN_REQUIRE_KERNELS`` unset) a machine without a compiler decodes on oneDNN."""
+    monkeypatch.delenv(gemv_rows.REQUIRE, raising=False)
+    monkeypatch.setattr(gemv_rows, "_STATE", {"loaded": False, "lib": None, "why": None})
     monkeypatch.setitem(cpu_linear._STATE, "usable", {})
-    monkeypatch.setattr(rows_kernel, "_compiler", lambda: None)
+    monkeypatch.setattr(gemv_rows, "_compiler", lambda: None)
     seq = _layers(96, 64, torch.float32)
     assert cpu_linear.pack(seq, ROWS) == 1 and seq[0].layout == ONEDNN
     assert cpu_linear.pack(_layers(96, 64, torch.float32), ROWS) == 1
@@ -105,26 +108,26 @@ def test_without_a_compiler_rows_falls_back_to_onednn_once_said(monkeypatch, cap
 def test_the_build_is_cached_per_machine_and_reused(tmp_path):
     """The first process compiles into $MULTITOKEN_CACHE/kernels/KEY/, the next loads that file;
     a build forced by ``MULTITOKEN_CPU_FEATURES`` goes to another key (the native one is kept)."""
-    code = ("from multitoken.kernels import rows_kernel as r; import sys; "
+    code = ("from multitoken.kernels import gemv_rows as r; import sys; "
             "sys.exit(0 if r.library() is not None else 1)")
     env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path), cpu_features.ENV: "native"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
-    built = list((tmp_path / "kernels").glob("*/rows_linear.so"))
+    built = list((tmp_path / "kernels").glob("*/multitoken_*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     assert built[0].stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").rglob("*"))) == 3  # dir, .so, .sha256: no temp left
     subprocess.run([sys.executable, "-c", code], env={**env, cpu_features.ENV: "avx2"}, check=True, timeout=300)
-    assert len(list((tmp_path / "kernels").glob("*/rows_linear.so"))) == 2  # a forced build has a key of its own
+    assert len(list((tmp_path / "kernels").glob("*/multitoken_*.so"))) == 2  # a forced build has a key of its own
 
 
 ISA_CHECK = """
 import sys, torch
-from multitoken.kernels import cpu_features, rows_kernel as rk
+from multitoken.kernels import cpu_features, gemv_rows as rk
 features = cpu_features.features()
 assert features.level == sys.argv[1], features
 assert rk.library() is not None, rk._STATE["why"]
-assert rk.lanes() == features.lanes() and bool(rk.library().grid_screen_built()) == features.vnni, features
+assert rk.lanes() == features.lanes() and bool(rk.library().prefilter_built()) == features.vnni, features
 gen = torch.Generator().manual_seed(0)
 w = torch.randn(1000, 96, generator=gen) * 0.1
 w[9] = w[2]
@@ -133,20 +136,19 @@ screen = rk.screen_weight(blocked)
 for m in (1, 3, 4, 5, 13, 64):
     x = torch.randn(m, 96, generator=gen)
     x[:, 1] *= 40
-    logits = rk.rows_linear(x, blocked, 1000, None)
+    logits = rk.linear(x, blocked, 1000, None)
     assert bool(((logits - x @ w.T).abs() <= 97 * 2.0 ** -23 * (x.abs() @ w.abs().T)).all()), m
-    assert torch.equal(rk.rows_argmax(x, blocked, screen, 1000)[0], logits.argmax(-1)), m
-    approx = torch.empty(m, 1000)
-    rk.library().rows_screened(x.data_ptr(), screen["q"].data_ptr(), screen["scale"].data_ptr(), approx.data_ptr(), m, 96, 1000)
+    assert torch.equal(rk.argmax(x, blocked, screen, 1000)[0], logits.argmax(-1)), m
+    approx = rk.screened(x, screen, 1000)
     assert bool(((approx - logits).abs() <= x.abs().sum(1, keepdim=True) * screen["err"][:1000]).all()), m
-from multitoken.kernels import grid_weights
-assert grid_weights.probe()  # Q4_1 / Q8_0 codes: the float blocks' logits bit for bit
+from multitoken.kernels import gguf_codes
+assert gguf_codes.probe()  # Q4_1 / Q8_0 codes: the float blocks' logits bit for bit
 d = (torch.rand(40, 2, 1, generator=gen) / 64).half().float()
 q = torch.randint(-127, 128, (40, 2, 32), generator=gen).float()
 q[..., 0] = 127  # each block's largest code: d is found from it
-found = grid_weights.find_grid((q * d).reshape(40, 64))
-packed = grid_weights.pack_grid(*found)
-assert grid_weights.grid_argmax(torch.randn(3, 64), packed, 40, grid_weights.grid_l1(packed, 40)) is None  # no VNNI: declines
+found = gguf_codes.find_codes((q * d).reshape(40, 64))
+packed = gguf_codes.pack(*found)
+assert gguf_codes.q8_argmax(torch.randn(3, 64), packed, 40, gguf_codes.l1_norms(packed, 40)) is None  # no VNNI: declines
 print(" ".join(rk._flags()), rk.lanes())
 """
 
@@ -184,13 +186,13 @@ def test_greedy_on_the_rows_kernel_equals_transformers_stock(tied_llama_dir):
     assert_greedy_equals_stock(model)
     layouts = {m.layout for m in model.modules() if isinstance(m, PackedLinear)}
     assert layouts == {ROWS} and bb.unembedding.shared
-    assert bb.unembedding.screen is not None  # greedy read the argmax screen, not the logits
+    assert "screen" in bb.unembedding.scratch  # greedy read the argmax screen, not the logits
 
 
-# The argmax screen (rows_kernel.rows_argmax) ----------------------------------------------------
+# The argmax screen (gemv_rows.rows_argmax) ----------------------------------------------------
 def _screened(w: torch.Tensor):
-    blocked = rows_kernel.block_weight(w)
-    return blocked, rows_kernel.screen_weight(blocked)
+    blocked = gemv_rows.block_weight(w)
+    return blocked, gemv_rows.screen_weight(blocked)
 
 
 def _hidden(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -209,17 +211,15 @@ def test_screened_logits_stay_within_their_bound(shape):
     w = torch.randn(n, k, generator=gen) * torch.logspace(-6, 1, n)[:, None]
     w[3] = 0
     blocked, screen = _screened(w)
-    for rows in (1, 3, 12, 13, rows_kernel.MAX_ROWS):  # 12: one full register block; 13: one more row
+    for rows in (1, 3, 12, 13, gemv_rows.MAX_ROWS):  # 12: one full register block; 13: one more row
         x = _hidden(rows, k, rows)
-        approx = torch.empty(rows, n)
-        rows_kernel.library().rows_screened(x.data_ptr(), screen["q"].data_ptr(), screen["scale"].data_ptr(),
-                                            approx.data_ptr(), rows, k, n)
-        exact = rows_kernel.rows_linear(x, blocked, n, None)
+        approx = gemv_rows.screened(x, screen, n)
+        exact = gemv_rows.linear(x, blocked, n, None)
         assert bool(((approx - exact).abs() <= x.abs().sum(1, keepdim=True) * screen["err"][:n]).all()), rows
     assert screen["q"].dtype == torch.int8 and screen["q"].shape == blocked.shape
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 9, 12, 16, rows_kernel.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 12, 16, gemv_rows.MAX_ROWS])
 def test_screened_argmax_is_the_exact_kernels(rows):
     """Random weights, and near-ties: outputs that differ from the best by a few ulps in exact
     arithmetic (many outputs computed exactly, decided by the kernel's own rounding) and exact
@@ -234,18 +234,18 @@ def test_screened_argmax_is_the_exact_kernels(rows):
         blocked, screen = _screened(w)
         x = _hidden(rows, k, rows)
         x[0] = near[7] * 10  # a row aimed at the near-tied outputs
-        got, picked = rows_kernel.rows_argmax(x, blocked, screen, 3000)
-        assert torch.equal(got, rows_kernel.rows_linear(x, blocked, 3000, None).argmax(-1))
+        got, picked = gemv_rows.argmax(x, blocked, screen, 3000)
+        assert torch.equal(got, gemv_rows.linear(x, blocked, 3000, None).argmax(-1))
         assert rows <= picked < rows * 3000
     assert picked > 100  # the near-ties were settled by exact chains, not by the screen
 
 
 def test_screen_declines_what_it_cannot_settle():
     blocked, screen = _screened(torch.randn(500, 64))
-    assert rows_kernel.rows_argmax(torch.randn(rows_kernel.MAX_ROWS + 1, 64), blocked, screen, 500) is None
+    assert gemv_rows.argmax(torch.randn(gemv_rows.MAX_ROWS + 1, 64), blocked, screen, 500) is None
     bad = torch.randn(2, 64)
     bad[1, 3] = float("nan")
-    assert rows_kernel.rows_argmax(bad, blocked, screen, 500) is None
+    assert gemv_rows.argmax(bad, blocked, screen, 500) is None
 
 
 def test_packed_linear_argmax_only_where_it_is_exact():
@@ -253,8 +253,8 @@ def test_packed_linear_argmax_only_where_it_is_exact():
     bias or oneDNN's layout answers None (the caller takes the logits)."""
     layer = _rows(_layers(3000, 96, torch.float32, bias=False))
     x = _hidden(6, 96, 0).reshape(2, 3, 96)
-    assert layer.screen is None
-    assert torch.equal(layer.argmax(x), layer(x).argmax(-1)) and layer.screen["q"].dtype == torch.int8
+    assert "screen" not in layer.scratch
+    assert torch.equal(layer.argmax(x), layer(x).argmax(-1)) and layer.scratch["screen"]["q"].dtype == torch.int8
     assert layer.argmax(x[0]).shape == (3,)
     assert _rows(_layers(3000, 96, torch.float32, bias=True)).argmax(x) is None
     seq = _layers(3000, 96, torch.float32, bias=False)
@@ -284,7 +284,7 @@ def test_the_measured_plan_times_a_screen_beside_the_logits():
     x = _hidden(9, 96, 0)
     plan = unembed_costs.costs_for(layer, x)
     plan.screens(9)
-    assert set(plan.table[9]) == {unembed_costs.LINEAR, unembed_costs.ARGMAX} and layer.screen is not None
+    assert set(plan.table[9]) == {unembed_costs.LINEAR, unembed_costs.ARGMAX} and "screen" in layer.scratch
     plain = unembed_costs.costs_for(nn.Linear(96, 3000, bias=False), x)
     assert plain.screens(9) and unembed_costs.ARGMAX not in plain.table[9]  # nothing to weigh: the caller finds no screen
 
@@ -327,14 +327,45 @@ def test_greedy_drafts_argmax_is_their_logits_argmax(tied_llama_dir, monkeypatch
         assert torch.equal(draft.argmax(rows), draft(rows).argmax(-1))
 
 
-def test_a_failed_build_leaves_no_kernel_folder(tmp_path, monkeypatch):
+FAILED_BUILD = """
+import sys
+from multitoken.kernels import gemv_rows
+lib = gemv_rows.cached_library(sys.argv[1])
+try:
+    gemv_rows._build(sys.argv[1])
+except RuntimeError as err:
+    print(err)
+print(lib.parent.exists())
+"""
+
+
+def test_a_failed_build_leaves_no_kernel_folder(tmp_path):
     """A compiler that fails: one RuntimeError line (the fallback's notice quotes it), and the
-    key's folder it made is gone again."""
+    key's folder it made is gone again (in a process of its own: this one holds the ops)."""
     fake = tmp_path / "broken-c++"
     fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'broken 1.0'; exit 0; fi\necho 'boom: no' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path / "cache"))
-    lib = rows_kernel.cached_library(str(fake))
-    with pytest.raises(RuntimeError, match="broken-c\\+\\+ failed: boom: no"):
-        rows_kernel._build(str(fake))
-    assert not lib.parent.exists() and (tmp_path / "cache" / "kernels").is_dir()
+    env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", FAILED_BUILD, str(fake)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines() == ["broken-c++ failed: boom: no", "False"], done.stdout + done.stderr[-2000:]
+    assert (tmp_path / "cache" / "kernels").is_dir()
+
+
+def test_required_kernels_turn_the_fallback_into_an_error(monkeypatch):
+    """``MULTITOKEN_REQUIRE_KERNELS=1`` (CI): no compiler is an error naming the fix, not a
+    fallback; the tests' skip mark then skips nothing."""
+    monkeypatch.setattr(gemv_rows, "_STATE", {"loaded": False, "lib": None, "why": None})
+    monkeypatch.setattr(gemv_rows, "_compiler", lambda: None)
+    monkeypatch.setenv(gemv_rows.REQUIRE, "1")
+    with pytest.raises(UsageError, match="no C\\+\\+ compiler found") as err:
+        gemv_rows.library()
+    assert gemv_rows.REQUIRE in err.value.fix
+    assert not needs_kernels().args[0]  # the skip condition: False
+
+
+def test_the_skip_mark_compiles_nothing(tmp_path):
+    """Collecting the kernel tests builds nothing: the mark asks for a compiler, not a build."""
+    code = "from multitoken.kernels import gemv_rows; print(gemv_rows.available())"
+    env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "True" and not (tmp_path / "kernels").exists()
