@@ -9,8 +9,7 @@ from collections import Counter
 import torch
 
 from multitoken.adapters.base import Features
-from multitoken.kernels.cpu_linear import PackedLinear
-from multitoken.pipeline.model.draft_vocab import DraftUnembedding
+from multitoken.kernels.cpu_linear import ArgmaxHead
 from multitoken.pipeline.runtime.unembed_costs import LINEAR, TRANSPOSED, apply, costs_for
 
 
@@ -82,14 +81,15 @@ class StepOutput:
         through its argmax screen (the rows kernel's), timed, and counted as a call over the whole
         vocabulary (``_unembed``'s rule); None where it has none, or where the unembedding's
         measured costs find the logits cheaper for this many rows."""
-        if not isinstance(unembedding, (PackedLinear, DraftUnembedding)):
+        if not isinstance(unembedding, ArgmaxHead):
             return None
-        if isinstance(unembedding, PackedLinear) and not costs_for(unembedding, rows).screens(rows.shape[0] * rows.shape[1]):
+        whole = unembedding is self.model.backbone.unembedding  # a draft vocabulary's has no measured costs
+        if whole and not costs_for(unembedding, rows).screens(rows.shape[0] * rows.shape[1]):
             return None
         start = self.clock()
         best = unembedding.argmax(rows)
         self.model_s += self.clock() - start
-        if best is not None and unembedding is self.model.backbone.unembedding:
+        if best is not None and whole:
             self.unembed_rows[rows.shape[0] * rows.shape[1]] += 1
         return best
 

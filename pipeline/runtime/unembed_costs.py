@@ -12,7 +12,7 @@ An accelerator reads the weight once per call whatever the row count (memory-bou
 
 The choice changes the float rounding of logits, never which rows are computed: both forms are
 the same dot products summed in another order (tests bound the difference). Where the head has an
-argmax screen (the rows kernel's ``PackedLinear.argmax``: the logits' argmax bit for bit, mostly
+argmax (``cpu_linear.ArgmaxHead``, such as the rows kernel's ``PackedLinear.argmax``: the logits' argmax bit for bit, mostly
 from a narrower copy), its time is measured beside the logits too, and greedy steps take the screen
 only for the row counts where it is the cheaper: a screen's arithmetic grows with the rows while
 the logits' read of the weight does not, so past some row count the logits cost less.
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from multitoken.kernels.cpu_linear import ArgmaxHead, weight_key
 
 LINEAR, TRANSPOSED = "linear", "transposed"
 ARGMAX = "argmax"  # the head's argmax screen: timed beside the logits' forms, never a logits form
@@ -115,7 +117,7 @@ def _timer(head: torch.nn.Module, hidden: int, dtype: torch.dtype, device: torch
     def measure(rows: list[int]) -> dict[int, dict[str, float]]:
         xs = {r: torch.randn(r, hidden, generator=torch.Generator().manual_seed(r)).to(device=device, dtype=dtype) for r in rows}
         times = {(r, f): [] for r in rows for f in (forms if r > 1 else (LINEAR,))}
-        if callable(getattr(head, "argmax", None)):
+        if isinstance(head, ArgmaxHead):
             times.update({(r, ARGMAX): [] for r in rows if head.argmax(xs[r]) is not None})  # also its warm-up (the first builds the screen)
         for r, f in times:  # warm-up: first calls allocate
             if f != ARGMAX:
@@ -140,9 +142,7 @@ def costs_for(head: torch.nn.Module, rows: torch.Tensor) -> UnembedCosts:
         return PINNED
     if rows.device.type != "cpu":
         return UnembedCosts()
-    packed = getattr(head, "packed", None)  # a prepacked weight (cpu_linear.py): no data pointer
-    weight = head.weight if packed is None else packed
-    key = (weight.data_ptr() if packed is None else id(packed), tuple(weight.shape), weight.dtype, rows.dtype, torch.get_num_threads(), type(head))
+    key = (weight_key(head), rows.dtype, torch.get_num_threads(), type(head))
     if key not in _COSTS:
         _COSTS[key] = UnembedCosts(_timer(head, rows.shape[-1], rows.dtype, rows.device))
     return _COSTS[key]
