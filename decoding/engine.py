@@ -240,7 +240,8 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
 def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) -> None:
     """Decode every row to its end (see the module doc)."""
     model, plan, timer = run.model, run.plan, Timer(run.clock, [row.trace for row in rows])
-    caches = model.new_caches(plan.draft_vocab)  # packs the CPU linears on a model's first run
+    model.prepare_linears()  # the CPU linear setting, applied where decoding starts (docs/kernels.md)
+    caches = model.new_caches(plan.draft_vocab)
     timer.prepared()
     batch = list(rows)  # the rows in the caches and in ``out``, in batch order
 

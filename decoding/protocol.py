@@ -85,6 +85,10 @@ class DecodingModel(Protocol):
     @property
     def n_future(self) -> int: ...
 
+    def prepare_linears(self) -> int:
+        """Apply the model's CPU linear setting (once per model and setting): the engine calls it
+        where a run starts, before ``new_caches``."""
+
     def new_caches(self, draft_vocab: int | None = None) -> Caches:
         """Empty caches for one run; its steps' head rows score ``draft_vocab`` tokens (0: the
         whole vocabulary; None: the heads' recorded size, DecodeConfig's ``--draft-vocab``)."""

@@ -182,11 +182,11 @@ class MultiTokenModel(nn.Module):
 
     # Incremental decoding (see incremental.py) --------------------------------------------
     def new_caches(self, draft_vocab: int | None = None):
-        """Empty KV caches for one decoding run: the backbone's plus one per head layer. On the
-        CPU the linears are packed first (once; ``BackboneConfig.cpu_linear``). ``draft_vocab``:
-        how many of the heads' most frequent tokens their drafts score (``draft_vocab.py``; 0:
-        the whole vocabulary; None: the size the heads dir records, else the whole vocabulary)."""
-        self.prepare_linears()
+        """Empty KV caches for one decoding run: the backbone's plus one per head layer. The CPU
+        linears are as ``prepare_linears`` last set them (decoding calls it where a run starts).
+        ``draft_vocab``: how many of the heads' most frequent tokens their drafts score
+        (``draft_vocab.py``; 0: the whole vocabulary; None: the size the heads dir records, else
+        the whole vocabulary)."""
         return new_caches(self, self.draft_unembedding(draft_vocab))
 
     def draft_unembedding(self, size: int | None = None) -> DraftUnembedding | None:
@@ -212,9 +212,10 @@ class MultiTokenModel(nn.Module):
         return built[key]
 
     def prepare_linears(self) -> int:
-        """The decoding linears ``cpu_linear`` asks for: the compiled rows kernel's blocks (the
-        default; oneDNN's layout where it cannot be built), oneDNN's, or stock; returns how many
-        are packed. Only CPU float weights are packed (cpu_linear.py)."""
+        """The one place the CPU linear setting (``--cpu-linear``, ``BackboneConfig.cpu_linear``)
+        is applied: the compiled kernel's formats (the default; oneDNN's layout where it cannot be
+        built), oneDNN's, or stock; returns how many linears are packed. Decoding calls it where a
+        run starts; a model already prepared for the setting is left as it is (docs/kernels.md)."""
         return cpu_linear.prepare(self, self._cpu_linear())
 
     def _cpu_linear(self) -> str:

@@ -186,6 +186,10 @@ def test_decoding_packs_every_linear_and_replaces_the_dense_weights(tiny_llama_d
     stock = {n: m.weight.detach().clone() for n, m in model.named_modules() if type(m) is nn.Linear}
     params = {id(p) for p in model.parameters()}
     model.new_caches()
+    assert PackedLinear not in set(_linears(model).values())  # caches change no linear: the setting is applied apart
+    assert model.prepare_linears() == len(stock)
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert model.prepare_linears() == len(stock) and all(model.get_submodule(n) is m for n, m in packed.items())  # kept
     assert set(_linears(model).values()) == {PackedLinear} and len(_linears(model)) == len(stock)
     for name, m in model.named_modules():
         if isinstance(m, PackedLinear):
@@ -244,7 +248,7 @@ def test_heads_loaded_onto_a_decoded_backbone_are_built_stock_then_packed(tiny_l
     """A backbone a decoding run packed: copy-initialised heads still copy its dense weights, and
     heads loaded from disk get packed by the next decoding run."""
     first = _model(tiny_llama_dir)
-    first.new_caches()
+    first.prepare_linears()
     final = {n: m.weight.clone() for n, m in first.backbone.layers[-1].named_modules() if isinstance(m, PackedLinear)}
     copied = MultiTokenModel.attach(first.backbone, {"head_type": "replicated", "n_future": 2, "init": "copy"})
     layer = copied.heads.layers[0]

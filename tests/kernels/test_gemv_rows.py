@@ -296,6 +296,7 @@ def test_a_steps_base_argmax_is_its_logits_argmax(tied_llama_dir, kernel, screen
     over a prompt's last row and a 5-token step."""
     _screen_plan(monkeypatch, screen_s)
     model = _model(tied_llama_dir, cpu_linear=kernel)
+    model.prepare_linears()
     caches = model.new_caches()
     ids = torch.randint(0, model.backbone.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -313,6 +314,7 @@ def test_greedy_drafts_argmax_is_their_logits_argmax(tied_llama_dir, monkeypatch
 
     _screen_plan(monkeypatch, 0.5)
     model = _model(tied_llama_dir, cpu_linear=ROWS)
+    model.prepare_linears()
     bb = model.backbone
     ids = torch.randint(0, bb.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():

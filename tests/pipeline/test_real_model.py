@@ -150,7 +150,7 @@ def test_the_gguf_bases_linears_decode_from_their_codes(smol_model):
 
     if not grids_on():
         pytest.skip("needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
-    smol_model.new_caches()  # packs, once
+    smol_model.prepare_linears()  # packs, once
     bb = smol_model.backbone
     layers = [m for m in bb.model.model.layers.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == 7 * 30 and {m.format for m in layers} == {"q4_1"} and bb.unembedding.format == "q8_0"
