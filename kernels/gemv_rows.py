@@ -47,7 +47,7 @@ from multitoken.embedded import cache_dir
 from multitoken.kernels import cpu_features, formats
 from multitoken.kernels.formats import Format
 
-MAX_ROWS = 64  # rows per call the kernel takes (ops.cpp's too); more go through a batched matmul
+MAX_ROWS = 64  # rows per kernel call (handed to ops.cpp); the float32 blocks take a batched matmul past it
 # The C++ (package data): ops.cpp is compiled and includes the other two; all three key the cache.
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("ops.cpp", "gemv_rows.cpp", "argmax_prefilter.cpp"))
@@ -75,9 +75,9 @@ def _compiler() -> str | None:
 
 def _flags() -> list[str]:
     """The compiler's flags: this CPU's instructions, less those above ``MULTITOKEN_CPU_FEATURES``,
-    and the formats' values and the namespace (formats.py: one source of truth)."""
+    and the values the C++ takes from here (the namespace, ``MAX_ROWS``, formats.py's formats)."""
     return ["-O3", *cpu_features.kernel_flags(), "-fopenmp", "-fno-math-errno",
-            f"-DMT_NAMESPACE={namespace()}", *formats.defines()]
+            f"-DMT_NAMESPACE={namespace()}", f"-DMT_MAX_ROWS={MAX_ROWS}", *formats.defines()]
 
 
 def cached_library(compiler: str) -> Path:

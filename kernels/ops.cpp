@@ -3,7 +3,8 @@
 // shapes, format). One translation unit: the kernels are included below, not linked.
 //
 // Formats: the values come from kernels/formats.py's ``Format`` enum, passed as -DMT_FORMAT_<NAME>
-// by the build (one source of truth); an unknown value is an error here as it is in Python.
+// by the build (one source of truth; so are MT_MAX_ROWS and the namespace); an unknown value is an
+// error here as it is in Python.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -11,14 +12,14 @@
 #include "gemv_rows.cpp"
 #include "argmax_prefilter.cpp"
 
-#if !defined(MT_NAMESPACE) || !defined(MT_FORMAT_F32) || !defined(MT_FORMAT_Q4_1) || !defined(MT_FORMAT_Q8_0) || \
+#if !defined(MT_NAMESPACE) || !defined(MT_MAX_ROWS) || !defined(MT_FORMAT_F32) || !defined(MT_FORMAT_Q4_1) || !defined(MT_FORMAT_Q8_0) || \
     !defined(MT_FORMAT_BF16) || !defined(MT_FORMAT_F16)
 #error "built without the formats and namespace of kernels/formats.py: build through gemv_rows.py"
 #endif
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 64;  // rows per kernel call: a decoding step's; longer inputs are cut into such calls
+constexpr int64_t MAX_ROWS = MT_MAX_ROWS;  // rows per kernel call (gemv_rows.MAX_ROWS); longer inputs are cut into such calls
 
 // Rows x [..., K]: float32, CPU, contiguous, at least one dimension.
 void check_rows(const at::Tensor& x, const char* op) {
