@@ -11,7 +11,7 @@
 //      is the grid kernel's own logit (its chain's rounding is in the (K ...) u term);
 //   4. only the outputs whose approx + bound reaches the best approx - bound are recomputed by the
 //      grid kernel's chain (d q exact, one fused multiply-add per feature in order): the argmax,
-//      the first on ties, is that of the logits grid_linear returns, bit for bit.
+//      the first on ties, is that of the logits the gemv op returns for Q8_0, bit for bit.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // rows per pass over the weight: 2 zmm of int sums each (the float sums, updated once per chunk,
 // live in L1); fewer rows per pass than the float kernel's 12 keep those sums in registers

@@ -1,12 +1,12 @@
 """The capability probe: which CPU features the fast CPU paths find here, asked in one place by
-the code (rows_kernel.py's build, cpu_linear.py's oneDNN bf16 choice) and by the tests.
+the code (gemv_rows.py's build, cpu_linear.py's oneDNN bf16 choice) and by the tests.
 
 What each fast path needs, and what other CPUs get instead:
 
 - the rows kernel's 512-bit blocks (32 outputs, 12 rows in registers): AVX512F; with AVX2 + FMA
   its 256-bit blocks (16 outputs, 4 rows); without AVX2 plain loops (16 outputs);
-- the int16 argmax screen of Q8_0 codes (grid_screen.cpp): AVX512-VNNI (with AVX512BW); without
-  it greedy steps take the argmax of the codes' logits;
+- the int16 argmax prefilter of Q8_0 codes (argmax_prefilter.cpp): AVX512-VNNI (with
+  AVX512BW); without it greedy steps take the argmax of the codes' logits;
 - oneDNN's packed bfloat16 linear: what torch's oneDNN says it runs (AVX512 BW, VL and DQ, or
   AVX-NE-CONVERT); without it bfloat16 layers keep ``F.linear``, said once on stderr.
 

@@ -11,10 +11,10 @@ An accelerator reads the weight once per call whatever the row count (memory-bou
 ``F.linear``, nothing measured (nor on ``meta``, which has no values to time).
 
 The choice changes the float rounding of logits, never which rows are computed: both forms are
-the same dot products summed in another order (tests bound the difference). Where the head has an
-argmax (``cpu_linear.ArgmaxHead``, such as the rows kernel's ``PackedLinear.argmax``: the logits' argmax bit for bit, mostly
-from a narrower copy), its time is measured beside the logits too, and greedy steps take the screen
-only for the row counts where it is the cheaper: a screen's arithmetic grows with the rows while
+the same dot products summed in another order (tests bound the difference). Where the head has
+an argmax of its own (``cpu_linear.ArgmaxHead``, such as the rows kernel's ``PackedLinear.argmax``:
+the logits' argmax bit for bit, mostly from a narrower copy), its time is measured beside the
+logits too, and greedy steps take the screen only for the row counts where it is the cheaper: a screen's arithmetic grows with the rows while
 the logits' read of the weight does not, so past some row count the logits cost less.
 """
 
