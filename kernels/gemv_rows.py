@@ -100,18 +100,33 @@ def _recorded(lib: Path) -> str | None:
         return None
 
 
+def _ninja_dir() -> str | None:
+    """The folder of the ``ninja`` package's binary (a dependency), which torch's build runs by
+    name: a venv's bin folder is not on PATH unless the venv is activated."""
+    try:
+        import ninja  # the PyPI package: ninja.BIN_DIR holds its binary
+    except ImportError:
+        return None
+    return getattr(ninja, "BIN_DIR", None)
+
+
 @contextlib.contextmanager
 def _cxx(compiler: str):
-    """$CXX set to ``compiler`` while torch's build runs (it reads the variable)."""
-    before = os.environ.get("CXX")
+    """$CXX set to ``compiler`` and the ninja package's binary put first on $PATH while torch's
+    build runs (it reads both)."""
+    before = {key: os.environ.get(key) for key in ("CXX", "PATH")}
     os.environ["CXX"] = compiler
+    ninja_dir = _ninja_dir()
+    if ninja_dir:
+        os.environ["PATH"] = os.pathsep.join(filter(None, (ninja_dir, before["PATH"])))
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("CXX", None)
-        else:
-            os.environ["CXX"] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _compile(compiler: str, build: Path) -> Path:

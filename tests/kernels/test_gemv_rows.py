@@ -9,6 +9,7 @@ import copy
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -331,6 +332,7 @@ def test_greedy_drafts_argmax_is_their_logits_argmax(tied_llama_dir, monkeypatch
 
 FAILED_BUILD = """
 import sys
+from pathlib import Path
 from multitoken.kernels import gemv_rows
 lib = gemv_rows.cached_library(sys.argv[1])
 try:
@@ -371,3 +373,17 @@ def test_the_skip_mark_compiles_nothing(tmp_path):
     env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.strip() == "True" and not (tmp_path / "kernels").exists()
+
+
+def test_the_build_finds_the_ninja_dependency_without_an_activated_venv(monkeypatch):
+    """torch's build runs `ninja` by name: the ninja package's binary is put first on PATH while it
+    runs (a venv's bin folder is not on PATH unless activated), and PATH and CXX come back after."""
+    import ninja
+
+    monkeypatch.setenv("PATH", "/nowhere")
+    monkeypatch.delenv("CXX", raising=False)
+    with gemv_rows._cxx("/usr/bin/g++"):
+        assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+        assert (Path(ninja.BIN_DIR) / "ninja").is_file()
+        assert os.environ["CXX"] == "/usr/bin/g++"
+    assert os.environ["PATH"] == "/nowhere" and "CXX" not in os.environ
