@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import sys
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from torch import nn
 
 from multitoken.kernels import cpu_features, gemv_rows, gguf_codes
 from multitoken.kernels.format_table import CODES, FORMATS, Spec
+from multitoken.kernels.formats import Format
 
 PACKED, ROWS, STOCK = "packed", "rows", "stock"
 ROWS_F32 = "rows-f32"  # the rows kernel on float32 blocks only: GGUF codes not kept (what they are worth)
@@ -53,6 +54,10 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # fp32 weights from memory takes, so below it a layer is call overhead either way (a tiny model
 # such as stories260K decodes faster on torch's own linears).
 MIN_WEIGHTS = 100_000
+
+# A weight's GGUF codes where they are known (gguf_file.GGUFCodes): (Format, parts) as
+# gguf_codes.find_codes gives them, or None (then the floats are searched).
+Codes = Callable[[torch.Tensor], "tuple[Format, list] | None"]
 
 _STATE: dict = {"usable": {}, "warned": False}  # usable: dtype -> bool, probed once per process
 
@@ -237,15 +242,20 @@ def weight_key(module: nn.Module) -> tuple:
     return w.data_ptr(), tuple(w.shape), w.dtype, type(module).__name__
 
 
-def _packed(stock: nn.Linear, shared: bool, mode: str) -> PackedLinear:
-    """``stock`` packed in the first format of ``mode`` that holds it; its weight's storage
+def _packed(stock: nn.Linear, shared: bool, mode: str, codes: Codes | None = None) -> PackedLinear:
+    """``stock`` packed in the first format of ``mode`` that holds it (the codes ``codes`` gives for
+    its weight first, where ``mode`` keeps codes: read, not searched for); its weight's storage
     released unless ``shared`` (the packed copy replaces it)."""
     weight = stock.weight.detach()
-    for name in _formats_for(weight.dtype, mode):
-        if (packed := FORMATS[name].pack(weight)) is not None:
-            break
+    names = _formats_for(weight.dtype, mode)
+    if codes is not None and CODES[0] in names and (known := codes(weight)) is not None:
+        name, packed = known[0].name.lower(), gguf_codes.pack(*known)
     else:
-        raise RuntimeError(f"no format of {mode} holds a {weight.dtype} weight here")
+        for name in names:
+            if (packed := FORMATS[name].pack(weight)) is not None:
+                break
+        else:
+            raise RuntimeError(f"no format of {mode} holds a {weight.dtype} weight here")
     layer = PackedLinear(stock, packed, shared, FORMATS[name], mode)
     if not shared:
         stock.weight.data = torch.empty(0, dtype=stock.weight.dtype)
@@ -302,11 +312,12 @@ def _trim_heap() -> None:
 
 
 @torch.inference_mode(False)  # decoding packs inside inference mode; the tensors outlive it (training)
-def pack(root: nn.Module, mode: str = PACKED) -> int:
+def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear`` in the layout
     ``mode`` asks for (``packed``: oneDNN's; ``rows``: the compiled kernel's for float32, GGUF codes
     and 16-bit values kept in their narrow formats; ``rows-f32``: float32 blocks only); returns
-    how many were swapped (none where the ops are unusable). Idempotent."""
+    how many were swapped (none where the ops are unusable). Idempotent. ``codes``: the codes of
+    the base's GGUF (gguf_file.py), taken for the weights they rebuild; the others' are searched."""
     found = [(parent, name, child) for parent, name, child in _children(root)
              if type(child) is nn.Linear and _packable(child) and _formats_for(child.weight.dtype, mode)]
     counts = _weight_counts(root) if found else {}
@@ -316,7 +327,7 @@ def pack(root: nn.Module, mode: str = PACKED) -> int:
     for parent, name, child in found:
         if id(child) not in swapped:
             try:
-                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, mode)
+                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, mode, codes)
             except RuntimeError as err:  # this one stays stock
                 _say_once(f"a weight {tuple(child.weight.shape)} could not be packed ({err})")
                 continue
@@ -338,14 +349,14 @@ def unpack(root: nn.Module) -> int:
     return len(found)
 
 
-def prepare(root: nn.Module, mode: str) -> int:
+def prepare(root: nn.Module, mode: str, codes: Codes | None = None) -> int:
     """The linears ``mode`` asks for (``packed``, ``rows``, ``rows-f32`` or ``stock``); returns how
-    many are packed. Layers packed for another mode are unpacked first."""
+    many are packed (``codes``: as ``pack``'s). Layers packed for another mode are unpacked first."""
     if mode not in CPU_LINEARS:
         raise ValueError(f"unknown CPU linear {mode!r}: one of {', '.join(CPU_LINEARS)}")
     if mode == STOCK or any(m.mode != mode for m in root.modules() if isinstance(m, PackedLinear)):
         unpack(root)
     if mode == STOCK:
         return 0
-    pack(root, mode)
+    pack(root, mode, codes)
     return sum(isinstance(m, PackedLinear) for m in root.modules())
