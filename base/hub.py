@@ -167,6 +167,20 @@ def quiet_hub_retries() -> None:
     logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
 
 
+def source_gguf(base: str, hub_kwargs: dict) -> Path | None:
+    """The GGUF file behind ``base`` where it is on disk: the file itself, or the one a converted
+    checkpoint's ``conversion.json`` names beside it (its codes are read from it: kernels/gguf_file.py)."""
+    if "gguf_file" in hub_kwargs:
+        return Path(base) / hub_kwargs["gguf_file"]
+    record = Path(base) / "conversion.json"
+    try:
+        name = json.loads(record.read_text()).get("gguf_file") if record.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    path = Path(base) / name if isinstance(name, str) and name == Path(name).name else None
+    return path if path is not None and path.is_file() else None
+
+
 def source_sha256(base: str, hub_kwargs: dict) -> str | None:
     """sha256 of the GGUF file behind ``base``: the file itself, or the one a converted
     checkpoint's ``conversion.json`` names (written by ``multitoken fetch``)."""

