@@ -107,7 +107,8 @@ def _ninja_dir() -> str | None:
         import ninja  # the PyPI package: ninja.BIN_DIR holds its binary
     except ImportError:
         return None
-    return getattr(ninja, "BIN_DIR", None)
+    folder = getattr(ninja, "BIN_DIR", None)
+    return folder if folder and os.path.isfile(os.path.join(folder, "ninja")) else None
 
 
 @contextlib.contextmanager
