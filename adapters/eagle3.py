@@ -62,6 +62,7 @@ class Eagle3Config:
 class Eagle3Drafter(HeadAdapter):
     needs_layer_states = True  # the fused states come from three trunk layers
     needs_next_tokens = True  # step 1 reads token t+1
+    drafts_autoregressively = True  # decoding runs ``step`` with a cache of its own (decoding/drafts.py), not per-head scores
 
     def __init__(self, config: Eagle3Config, backbone):
         L, V = backbone.num_layers, backbone.vocab_size
@@ -107,8 +108,9 @@ class Eagle3Drafter(HeadAdapter):
             self.norm.weight.copy_(final.weight.detach().to(self.norm.weight))
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft vocabulary ids -> the base's token ids # [...] -> [...]."""
-        return draft_ids + self.d2t[draft_ids]
+        """Draft vocabulary ids -> the base's token ids # [...] -> [...] (``take``: a 0-d id
+        indexes on the device, where ``d2t[id]`` would read it to the host)."""
+        return draft_ids + torch.take(self.d2t, draft_ids)
 
     def target_log_probs(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft logits as a log-distribution over the whole vocabulary # [..., Vd] -> [..., V]
@@ -267,9 +269,9 @@ class Eagle3Drafter(HeadAdapter):
 def _check_served(layer_states, num_layers: int) -> None:
     """The trunk's layer states are there (the decoding engine's per-head steps keep none)."""
     if len(layer_states) < num_layers - 1:
-        raise UsageError("eagle3 heads read three of the trunk's layer states, which this pass did not keep: "
-                         "decoding with eagle3 drafters is not available in this engine yet",
-                         "export them (multitoken export --format eagle3) for llama.cpp / vLLM, or decode with other heads")
+        raise UsageError("eagle3 heads read three of the trunk's layer states, which this pass did not keep "
+                         "(a one-position head score: eagle3 drafts only as a chain)",
+                         "decode with --mode speculative or typical and --tree chain, or read log_probs of a full pass")
 
 
 def _key_validity(ctx, B: int, T: int, device) -> torch.Tensor:

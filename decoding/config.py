@@ -16,7 +16,7 @@ VERIFYING_MODES = ("speculative", "typical")  # the modes whose drafts the base 
 KERNELS = ("auto", "dense", "numpy", "numba")  # how DynaMo's grids are built (dynamo/)
 TREES = ("chain", "static", "dynamic")
 MAX_TREE_NODES = 256
-DRAFTERS = ("auto", "independent", "cp", "joint")
+DRAFTERS = ("auto", "independent", "cp", "joint", "eagle3")
 DYNAMO_PENALTY = 1.1  # DynaMo's repetition penalty (its sampling setting)
 
 
@@ -74,7 +74,7 @@ class DynamoOptions:
 class Speculation:
     """Drafts and their verification (speculative and typical modes)."""
 
-    drafter: str = field(default="auto", metadata={"help": "drafts: independent heads, cp (sequential), joint (co-occurrence-masked joint); auto = cp for cp heads, else joint with stats, else independent", "choices": DRAFTERS})
+    drafter: str = field(default="auto", metadata={"help": "drafts: independent heads, cp (sequential), joint (co-occurrence-masked joint), eagle3 (its drafter, autoregressive); auto = eagle3 / cp for those heads, else joint with stats, else independent", "choices": DRAFTERS})
     draft_k: int = field(default=20, metadata={"help": "joint drafter: candidates per head (acceptance barely moves past ~20, lookup cost does)"})
     draft_vocab: int | None = field(default=None, metadata={"help": (
         "layer heads' drafts score only their N most frequent training tokens (FR-Spec; verification still reads the "

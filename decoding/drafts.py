@@ -6,17 +6,19 @@ The chain drafters share one signature too: ``draft(heads, first, g, row, run) -
 ``g`` drafts after the committed token ``first``, with the distributions they were drawn from);
 ``heads`` are the row's head scores at its anchor (``RowHeads``). The plan names the drafter
 (``DecodePlan.drafter``); two draft every row of a step at once: ``joint`` (every row's top-k in
-one read) and ``argmax`` (each head's argmax for every row in one call).
+one read) and ``argmax`` (each head's argmax for every row in one call); ``eagle3``'s drafter
+keeps a KV cache per row (``Eagle3Chains``, below).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .dynamo.step import Candidates, dynamic_propose, head_candidates, joint_cells, sample_index
-from .proposal import Drafts, Proposal, RowHeads, anchor_argmax, anchor_scores, chain_step, next_tokens
-from .sampling import with_tokens
+from .proposal import Drafts, Proposal, RowHeads, anchor_argmax, anchor_scores, chain_step, draw_draft, next_tokens
 
 
 def candidates_of(out, rows: list[int], anchors, heads: range, k: int, temperature: float) -> list[list[Candidates]]:
@@ -50,15 +52,6 @@ def dynamo(run):
 
 
 # Chains ------------------------------------------------------------------------------------
-def _draw(scores: torch.Tensor, row, context: torch.Tensor, plan):
-    """A draft from a head's scores (raw logits or log-probs: the same distribution), processed
-    like the target # [V] -> (id [], q [V] | None). ``context`` [j]: the tokens between the
-    committed context and this draft, penalised like the context, as the verification row
-    judging it does. Greedy drafts have no q: greedy verification compares tokens only."""
-    seen = with_tokens(row.seen, context) if plan.penalised else row.seen
-    return row.sampler.draft(scores, seen)
-
-
 def _pack(tokens: list[torch.Tensor], probs: list[torch.Tensor | None], device) -> Drafts:
     """Drafts from 0-d device ids (stacked where they are: no host round trip)."""
     if not tokens:
@@ -72,7 +65,7 @@ def independent_drafts(heads: RowHeads, first: int, g: int, row, run) -> Drafts:
     context = torch.tensor([first], dtype=torch.long, device=row.seen.device)  # [1 + i]
     tokens, probs = [], []
     for i in range(1, g + 1):
-        tok, q = _draw(heads[i], row, context, run.plan)
+        tok, q = draw_draft(heads[i], row, context, run.plan)
         tokens.append(tok)
         probs.append(q)
         context = torch.cat([context, tok.reshape(1)])
@@ -89,7 +82,7 @@ def cp_drafts(heads: RowHeads, first: int, g: int, row, run) -> Drafts:
         start = run.clock()
         logp = run.model.heads.conditional_log_probs(e, prefix)[0]  # [V]
         heads.out.model_s += run.clock() - start
-        tok, q = _draw(logp, row, prefix[0], run.plan)
+        tok, q = draw_draft(logp, row, prefix[0], run.plan)
         tokens.append(tok)
         probs.append(q)
         prefix = torch.cat([prefix, tok.reshape(1, 1)], 1)
@@ -131,6 +124,87 @@ def joint_drafts(heads: RowHeads, first: int, g: int, row, run) -> Drafts:
     return Drafts(torch.tensor(tokens, dtype=torch.long, device=run.device), q)
 
 
+# EAGLE-3 ------------------------------------------------------------------------------------
+# The drafter (``adapters/eagle3.py``) runs autoregressively after each pass,
+# from the fused trunk states of the tokens that pass kept, with a KV cache of its own.
+#
+# A row's drafter cache holds one slot per position t of the row's text: the drafter's first step
+# there (``fc`` of the three aux layers' states at t, and the embedding of token t+1). Each step a
+# row first catches up over the positions the last pass kept (the prompt after the prompt's pass;
+# the commit and the accepted drafts after a verification, which end at its anchor), each with
+# the token after it: the text's, then the token decided after the anchor (the chain's
+# ``first``). The catch-up's last slot *is* the first draft step at the anchor; steps 2..g each
+# add a slot at the next position (the layer's own pre-norm output and the previous draft) and
+# are cropped after drafting, so the cache holds the text alone. This is the computation the
+# training-time test trains (step i at position t+i-1 sees the first-step slots up to t and its
+# own chain's later slots), which ``tests/decoding/test_eagle3.py`` checks against ``log_probs``.
+#
+# One cache per row, the drafter run row by row: rows keep different counts each step, and a
+# cache per row needs no holes and makes a row's drafts exactly those of its run alone
+# (correctness first; batching the rows' drafter passes with a slot mask is left). No host read:
+# the text's ids are the host's (copied to the device), the drafts and their q stay on the device
+# until the verifier's one read per step.
+
+
+@dataclass
+class _RowDrafter:
+    cache: object  # the drafter's ``DraftCache``
+    done: int = 0  # text positions the cache holds
+
+
+class Eagle3Chains:
+    """The eagle3 drafter as a chain's ``draft_rows(out, rows, anchors, jobs, run) -> [Drafts]``
+    (the signature above): row j of job (j, first, g) catches up, then drafts g tokens after ``first``."""
+
+    def __init__(self, run):
+        self.run, self.heads = run, run.model.heads
+        self.rows: dict[int, _RowDrafter] = {}  # the caller's row index -> its drafter state
+
+    def __call__(self, out, rows, anchors, jobs, run) -> list[Drafts]:
+        live = {row.index for row in rows}
+        for index in [i for i in self.rows if i not in live]:  # finished rows: their caches go
+            del self.rows[index]
+        return [self._row(out, j, anchors[j], first, g, rows[j]) for j, first, g in jobs]
+
+    def _row(self, out, j: int, anchor: int, first: int, g: int, row) -> Drafts:
+        """Row j's g drafts; ``anchor`` its last kept slot in ``out``, ``first`` the token after it."""
+        run, heads = self.run, self.heads
+        state = self.rows.setdefault(row.index, _RowDrafter(heads.new_cache()))
+        text = row.prompt + row.out_ids  # the row's text up to the anchor's token
+        new = len(text) - state.done  # the positions the last pass kept, ending at the anchor
+        if not 0 < new <= anchor + 1:
+            raise RuntimeError(f"the eagle3 drafter holds {state.done} positions of a {len(text)}-token text: "
+                               "a step kept no trunk states for the rest")
+        start = run.clock()
+        states = [s[j:j + 1, anchor + 1 - new:anchor + 1] for s in out.feats.layer_states]  # (L-1) x [1, new, H]
+        tokens = torch.tensor([text[state.done + 1:] + [first]], dtype=torch.long, device=run.device)  # [1, new]
+        positions = torch.arange(state.done, len(text), device=run.device)[None]  # [1, new]
+        logits, hidden = heads.step(heads.fuse(states), tokens, state.cache, positions)  # [1, new, Vd], [1, new, H]
+        state.done = len(text)
+        context = torch.tensor([first], dtype=torch.long, device=run.device)  # [1 + i]: the penalty's context
+        drafts, probs = [], []
+        for i in range(g):
+            tok, q = self._pick(logits[0, -1], row, context)
+            drafts.append(tok)
+            probs.append(q)
+            if i + 1 < g:  # step i + 2 at position len(text) + i, reading step i + 1's output and its draft
+                context = torch.cat([context, tok.reshape(1)])
+                at = torch.full((1, 1), len(text) + i, dtype=torch.long, device=run.device)
+                logits, hidden = heads.step(hidden[:, -1:], tok.reshape(1, 1), state.cache, at)
+        state.cache.crop(state.done)  # the chain's own slots go: the cache holds the text
+        out.model_s += run.clock() - start  # the drafter's passes are model time
+        probs = [q for q in probs if q is not None]
+        return Drafts(torch.stack(drafts), torch.stack(probs) if probs else None)
+
+    def _pick(self, logits: torch.Tensor, row, context: torch.Tensor):
+        """A draft from the drafter's logits over its draft vocabulary # [Vd] -> (target id [],
+        q [V] | None): greedy without a penalty its argmax; else drawn like any head's draft
+        from its distribution over the whole vocabulary (probability 0 outside the draft one)."""
+        if self.run.plan.argmax_only:
+            return self.heads.to_target(logits.argmax(-1)), None
+        return draw_draft(self.heads.target_log_probs(logits), row, context, self.run.plan)
+
+
 # A step's drafting rows: ``draft_rows(out, rows, anchors, jobs, run) -> [Drafts]``, one per job
 # (j, first, g): row j drafts g tokens after ``first``.
 def _row_by_row(draft):
@@ -169,7 +243,8 @@ def chain(run, custom=None):
     """The base's next token (or the one the last verification decided) and a chain of drafts
     after it by the plan's drafter (``custom``: a caller's chain drafter); none without one (``ar``)."""
     plan = run.plan
-    draft_rows = None if plan.drafter is None else _row_by_row(custom) if plan.drafter == "custom" else DRAFT_ROWS[plan.drafter]
+    draft_rows = (None if plan.drafter is None else _row_by_row(custom) if plan.drafter == "custom"
+                  else Eagle3Chains(run) if plan.drafter == "eagle3" else DRAFT_ROWS[plan.drafter])
 
     def propose(out, rows, anchors, live) -> Proposal:
         need = [j for j in live if rows[j].forced is None]

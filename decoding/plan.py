@@ -29,7 +29,7 @@ class DecodePlan:
     stats_cap: int | None  # the stats' highest order where it caps the heads read, else None
     heads_read: int  # heads a pass computes (DynaMo at eps_b = 1 backs off unread: head 1 only)
     proposer: str  # "dynamo": DynaMo's final tokens; "chain": the base's token and a chain of drafts; "tree": a candidate tree
-    drafter: str | None  # a chain's: independent | argmax (independent, greedy, no penalty) | cp | joint | custom; None: no drafts
+    drafter: str | None  # a chain's: independent | argmax (independent, greedy, no penalty) | cp | joint | eagle3 | custom; None: no drafts
     tree: str  # the tree proposer's shape: "path" (--lookup on a chain: the heads' top guesses as one path), static, dynamic; else "chain"
     lookup: int  # a branch of up to this many tokens copied from the context, grafted on the tree (0: none)
     joint_tree: bool  # a dynamic tree ranked by DynaMo's co-occurrence-masked joint (the joint drafter's)
@@ -61,6 +61,10 @@ def resolve(cfg: DecodeConfig, model, table=None, drafter=None, acceptor=None) -
     if not one_chain and (drafter is not None or acceptor is not None):
         raise UsageError("--tree static / dynamic build their own candidates and acceptance",
                          "pass --tree chain with a custom drafter or acceptor")
+    own = drafts_autoregressively(model.heads)
+    if own and (cfg.mode == "dynamic" or not one_chain):
+        raise UsageError("eagle3 heads draft chains only: --mode dynamic, --tree static / dynamic and --lookup are not "
+                         "available with them yet", "use --mode speculative or typical with --tree chain")
     argmax_only = sampling.greedy and sampling.penalty == 1
     proposer = "dynamo" if cfg.mode == "dynamic" else "chain" if one_chain else "tree"
     named = drafter_name(cfg.speculation.drafter, model.heads, table) if cfg.verifies else None
@@ -74,19 +78,30 @@ def resolve(cfg: DecodeConfig, model, table=None, drafter=None, acceptor=None) -
     return DecodePlan(
         mode=cfg.mode, verifies=cfg.verifies, greedy=sampling.greedy, penalty=sampling.penalty,
         penalised=sampling.penalty != 1, argmax_only=argmax_only, order=order, stats_cap=cap,
-        heads_read=1 if cfg.mode == "dynamic" and always_backs_off(cfg) else order,  # heads past those read are never computed
+        # heads past those read are never computed; the eagle3 drafter runs in the proposer, not in the pass
+        heads_read=1 if cfg.mode == "dynamic" and always_backs_off(cfg) or chain_drafter == "eagle3" else order,
         proposer=proposer, drafter=chain_drafter, tree=tree, lookup=cfg.speculation.lookup, joint_tree=joint_tree,
         device_tree=tree == "static" and rule == "greedy" and not cfg.speculation.lookup, rule=rule,
         grids=cfg.mode == "dynamic" or chain_drafter == "joint" or tree == "dynamic",
         draft_vocab=cfg.speculation.draft_vocab)
 
 
+def drafts_autoregressively(heads) -> bool:
+    """Heads that are a drafter of their own, run step by step with a KV cache (eagle3)."""
+    return getattr(heads, "drafts_autoregressively", False)
+
+
 def drafter_name(name: str, heads, table=None) -> str:
-    """``--drafter``: ``auto`` is cp for CP heads (sequential drafts), else joint when a
-    co-occurrence table is at hand (it raises acceptance), else independent; cp needs CP heads."""
-    sequential = getattr(heads, "supports_sequential_drafts", False)
+    """``--drafter``: ``auto`` is eagle3 for eagle3 heads, cp for CP heads (sequential drafts),
+    else joint when a co-occurrence table is at hand (it raises acceptance), else independent;
+    cp needs CP heads, eagle3 eagle3 heads (which draft with nothing else)."""
+    sequential, own = getattr(heads, "supports_sequential_drafts", False), drafts_autoregressively(heads)
     if name == "auto":
-        name = "cp" if sequential else "joint" if table is not None else "independent"
+        name = "eagle3" if own else "cp" if sequential else "joint" if table is not None else "independent"
+    if (name == "eagle3") != own:
+        kind = heads.config.head_type if heads is not None else "no"
+        raise UsageError(f"--drafter {name} does not draft with {kind!r} heads",
+                         "use --drafter auto" + (" (eagle3 heads draft with their own drafter)" if own else ""))
     if name == "cp" and not sequential:
         raise UsageError(f"--drafter cp needs cp heads, these are {heads.config.head_type!r}", "use --drafter independent or joint")
     return name

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import penalised_logits
+from .sampling import penalised_logits, with_tokens
 from .trees import Shape, Tree
 
 
@@ -82,6 +82,15 @@ def chain_step(commits: list[list[int]], drafts: list[Drafts], device) -> Propos
         seqs = [torch.cat([torch.tensor(c, dtype=torch.long, device=device), d.tokens]) for c, d in zip(commits, drafts)]
         ids = left_pad(seqs, width, device)
     return Proposal(ids, lengths, commits, drafts)
+
+
+def draw_draft(scores: torch.Tensor, row, context: torch.Tensor, plan):
+    """A draft from a head's scores (raw logits or log-probs: the same distribution), processed
+    like the target # [V] -> (id [], q [V] | None). ``context`` [j]: the tokens between the
+    committed context and this draft, penalised like the context, as the verification row
+    judging it does. Greedy drafts have no q: greedy verification compares tokens only."""
+    seen = with_tokens(row.seen, context) if plan.penalised else row.seen
+    return row.sampler.draft(scores, seen)
 
 
 # Scores at the anchors ------------------------------------------------------------------------

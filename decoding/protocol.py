@@ -39,7 +39,8 @@ class StepResult(Protocol):
     model_s: float  # seconds spent in model computations since the pass (lazy unembeddings, heads)
     unembed_rows: Counter  # rows per unembedding call made for this pass -> calls
     hiddens: dict[int, torch.Tensor]  # layer heads' states [B, T, H] (their logits come unembedded on demand)
-    feats: Any  # ``.base`` [B, T, H]: the heads' input (CP's sequential drafts condition on it)
+    feats: Any  # ``.base`` [B, T, H]: the heads' input (CP's sequential drafts condition on it); ``.layer_states``
+    # (L-1) x [B, T, H]: the trunk layers' outputs, kept for heads with ``needs_layer_states`` (the eagle3 drafter fuses three)
 
     def base_logits(self) -> torch.Tensor:
         """Base (head 1) logits after positions first..T-1 # [B, T - first, V]."""
@@ -79,7 +80,8 @@ class DecodingModel(Protocol):
     """A base model with multi-token heads, as the engine drives it."""
 
     backbone: Backbone
-    heads: Any  # a HeadAdapter: ``config.head_type``, ``supports_sequential_drafts`` (then ``conditional_log_probs``)
+    heads: Any  # a HeadAdapter: ``config.head_type``, ``supports_sequential_drafts`` (then ``conditional_log_probs``),
+    # ``drafts_autoregressively`` (then ``fuse``, ``new_cache``, ``step``, ``to_target``, ``target_log_probs``: eagle3)
     heads_dir: Any  # where the heads came from (a static tree reads its per-rank accuracies there), or None
 
     @property

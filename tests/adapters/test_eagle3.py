@@ -124,14 +124,9 @@ def test_training_learns_the_bases_next_tokens(tiny_llama_dir, targets):
         assert last.metrics[f"head{h}/top1"] > max(0.2, first.metrics[f"head{h}/top1"] + 0.1)
 
 
-def test_the_engine_refuses_eagle3_drafts_in_one_line(tiny_backbone):
-    """Until the engine drafts with it, a verifying decode says so (the per-head steps keep no
-    trunk states), rather than failing inside; plain decoding reads only the base."""
-    from multitoken.decoding import DecodeConfig, generate
-
+def test_a_draft_step_has_no_hidden_state_for_the_base_unembedding(tiny_backbone):
+    """A draft step is scored by the drafter's own lm_head: ``hidden`` says so in one line
+    (decoding drafts through ``step``: tests/decoding/test_eagle3.py)."""
     model = _model(tiny_backbone, n_future=3)
-    assert len(generate(model, [1, 5, 9], DecodeConfig(mode="ar", max_new_tokens=3)).token_ids) == 3
-    with pytest.raises(UsageError, match="not available in this engine yet"):
-        generate(model, [1, 5, 9], DecodeConfig(mode="speculative", max_new_tokens=3))
     with pytest.raises(UsageError, match="own draft_head"):
         model.heads.hidden(1, model.features(random_ids(tiny_backbone)))

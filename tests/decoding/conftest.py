@@ -32,10 +32,16 @@ def tiny_backbones(tiny_neox_dir, tiny_llama_dir) -> dict:
     return {arch: load_backbone(BackboneConfig(base=str(d))) for arch, d in (("gpt_neox", tiny_neox_dir), ("llama", tiny_llama_dir))}
 
 
-# eagle3 drafters are not served by this engine yet (issue 42, point 2): it refuses them in one
-# line (tests/adapters/test_eagle3.py); they join these tests when it drafts with them.
+# Heads with a score per head at every position (trees, DynaMo, per-head reads): eagle3 drafters
+# are scored by their own autoregressive steps and draft chains only (tests/decoding/test_eagle3.py)
 @pytest.fixture(params=[h for h in registered_heads() if h != "eagle3"])
 def head_type(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=registered_heads())
+def chain_head_type(request) -> str:
+    """Every head type: each drafts chains (eagle3 with its own drafter)."""
     return request.param
 
 

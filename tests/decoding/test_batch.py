@@ -32,9 +32,9 @@ def alone(model, prompts, cfg, seeds=None, **kwargs) -> list[list[int]]:
     return [generate(model, p, DecodeConfig(**{**cfg.__dict__, "seed": s}), **kwargs).token_ids for p, s in zip(prompts, seeds)]
 
 
-def test_greedy_rows_equal_batch_one_and_transformers_generate(tiny_backbones, arch, head_type):
+def test_greedy_rows_equal_batch_one_and_transformers_generate(tiny_backbones, arch, chain_head_type):
     backbone = tiny_backbones[arch]
-    model = attach(backbone, head_type)
+    model = attach(backbone, chain_head_type)
     prompts = encode(backbone)
     refs = [hf_greedy(backbone, torch.tensor([p]), 16) for p in prompts]
     for mode in ("ar", "speculative"):

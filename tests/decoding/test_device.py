@@ -157,10 +157,10 @@ def test_independent_drafts_stay_on_the_device(only_meta, greedy, layer_heads):
 
 @pytest.fixture(scope="module")
 def meta_models(tiny_llama_dir):
-    """CP and replicated heads on a tiny Llama, everything moved to meta (a fresh backbone: the
+    """CP, replicated and eagle3 heads on a tiny Llama, everything moved to meta (a fresh backbone: the
     shared one stays usable)."""
     models = {}
-    for head_type in ("cp", "replicated"):
+    for head_type in ("cp", "replicated", "eagle3"):
         model = attach(load_backbone(BackboneConfig(base=str(tiny_llama_dir))), head_type)
         models[head_type] = model.to(META)
     return models
@@ -358,3 +358,25 @@ def test_a_whole_run_stays_on_the_device_and_reads_it_a_fixed_number_of_times_pe
     assert all(len(reads) == per_step for reads in later), mode.steps
     if cfg.mode == "dynamic":  # the top-k of every row's heads it reads, in one read: eps_b = 1 reads head 1 only
         assert all(reads == [(rows * (1 if cfg.dynamo.eps_b == 1 else 3), 2, 4)] for reads in later), mode.steps
+
+
+EAGLE3_RUNS = ("speculative greedy", "speculative sampled", "speculative penalised greedy", "typical")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("name", EAGLE3_RUNS)
+def test_eagle3_chains_stay_on_the_device_with_one_read_per_step(meta_models, monkeypatch, name, rows):
+    """The eagle3 drafter catches up and drafts on the device (its cache, its draws, the text's
+    ids copied to it): a chain still reads the device once per step, the verdict with the drafts."""
+    model = meta_models["eagle3"]
+    settings, after_prompt, per_step = RUNS[name]
+    cfg = DecodeConfig(top_k=4, max_new_tokens=8, stop_at_eos=False, **settings)
+    mode = StepReads(META, model)
+    monkeypatch.setattr(model, "step", mode.step)
+    with mode:
+        got = generate_batch(model, [[1, 2, 3], [4, 5]][:rows], cfg, seeds=list(range(rows)))
+    assert not mode.bad, mode.bad
+    assert all(len(r.token_ids) == 8 for r in got) and got[0].trace.plan.startswith("a chain of eagle3 drafts")
+    first, *later = mode.steps
+    assert len(first) == after_prompt == 1 and len(later) >= 3, mode.steps
+    assert all(len(reads) == per_step == 1 for reads in later[:-1]), mode.steps

@@ -24,9 +24,9 @@ def hf_greedy(backbone, ids: torch.Tensor, new: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_greedy_speculative_and_ar_equal_transformers_generate(tiny_backbones, arch, head_type):
+def test_greedy_speculative_and_ar_equal_transformers_generate(tiny_backbones, arch, chain_head_type):
     backbone = tiny_backbones[arch]
-    model = attach(backbone, head_type)
+    model = attach(backbone, chain_head_type)
     for prompt in PROMPTS:
         ids = backbone.tokenizer(prompt, return_tensors="pt").input_ids
         ref = hf_greedy(backbone, ids, 24)

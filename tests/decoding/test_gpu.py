@@ -42,9 +42,9 @@ def cuda_backbones(tiny_neox_dir, tiny_llama_dir) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_speculative_and_ar_equal_generate_on_cuda(cuda_backbones, arch, head_type, dtype):
+def test_greedy_speculative_and_ar_equal_generate_on_cuda(cuda_backbones, arch, chain_head_type, dtype):
     backbone = cuda_backbones[(arch, dtype)]
-    model = attach(backbone, head_type)
+    model = attach(backbone, chain_head_type)
     for prompt in PROMPTS:
         ids = backbone.tokenizer(prompt, return_tensors="pt").input_ids
         ref = hf_greedy(backbone, ids, 24)
