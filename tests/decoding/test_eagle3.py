@@ -1,19 +1,24 @@
 """Decoding with the eagle3 drafter (decoding/drafts.py): its drafts from its own KV cache
-are the chain the training-time test computes over the final text, and the modes it does not
-serve say so in one line. Greedy exactness against transformers and the
+are the chain the training-time test computes over the final text, sampled chains keep the
+base's distribution (drafts over a draft vocabulary included), rows equal their runs alone, and
+the modes it does not serve say so in one line. Greedy exactness against transformers and the
 device reads are in test_exactness / test_batch / test_device with the other heads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from multitoken.base.errors import UsageError
 from multitoken.decoding.config import DecodeConfig
-from multitoken.decoding.engine import generate
+from multitoken.decoding.engine import generate, generate_batch
 from multitoken.decoding.rules import greedy_accept, typical_rule
+from multitoken.pipeline.model.model import MultiTokenModel
 
 from .conftest import attach
+from .test_batch import alone, encode
+from .test_exactness import merge_small_cells
 
 
 def loose_typical(drafts, q, p, sampler, **kwargs):
@@ -48,6 +53,65 @@ def test_engine_drafts_are_the_training_time_chain_over_the_final_text(tiny_back
     kept = sum(length * count for length, count in res.trace.accepted_lengths.items())
     if rule is loose_typical:
         assert kept >= len(chains)  # several positions kept per step: the catch-up ran over them
+
+
+def exact_triples(backbone, prompt: list[int]) -> torch.Tensor:
+    """p(x1, x2, x3 | prompt) for every triple # -> [V, V, V]."""
+    v = backbone.vocab_size
+    with torch.no_grad():
+        p1 = backbone.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p2 = backbone.model(torch.tensor([prompt + [a] for a in range(v)])).logits[:, -1].softmax(-1)  # [V, V]
+        seqs = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])
+        p3 = backbone.model(seqs).logits[:, -1].softmax(-1).reshape(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def small_drafter(backbone, vocab_ids=None) -> MultiTokenModel:
+    """An untrained eagle3 drafter of 2 steps on the 4-token model, far from the base (q != p);
+    ``vocab_ids``: the draft vocabulary (None: every token)."""
+    torch.manual_seed(0)
+    size = 0 if vocab_ids is None else len(vocab_ids)
+    model = MultiTokenModel.attach(backbone, {"head_type": "eagle3", "n_future": 3, "draft_vocab_size": size})
+    if vocab_ids is not None:
+        model.heads.set_draft_vocab(vocab_ids)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("vocab_ids", [None, [1, 3]], ids=["whole-vocab", "draft-vocab"])
+def test_sampled_eagle3_chains_keep_the_base_distribution(small_vocab_backbone, vocab_ids):
+    """Two sampled drafts per step (the second from the drafter's own cached step), judged by
+    rejection sampling: every 3-token continuation follows the base (chi-square), with drafts
+    kept and rejected; over a draft vocabulary the drafts' q is 0 outside it."""
+    model = small_drafter(small_vocab_backbone, vocab_ids)
+    prompt, v = [0, 3, 1], small_vocab_backbone.vocab_size
+    counts, accepted = torch.zeros(v, v, v), torch.zeros(3)
+    for seed in range(500):
+        res = generate(model, prompt, DecodeConfig(mode="speculative", temperature=1.0, top_k=v, max_new_tokens=3,
+                                                   seed=seed, stop_at_eos=False))
+        counts[tuple(res.token_ids)] += 1
+        for length, c in res.trace.accepted_lengths.items():
+            accepted[length] += c
+    expected = exact_triples(small_vocab_backbone, prompt) * counts.sum()
+    stat = chisquare(*merge_small_cells(counts.flatten(), expected.flatten()))
+    assert stat.pvalue > 1e-3, (counts, expected)
+    assert accepted[0] > 20 and accepted[1:].sum() > 20  # both branches ran
+    if vocab_ids is not None:
+        assert accepted[2] > 0  # two drafts kept in one step: both were in the draft vocabulary
+
+
+@pytest.mark.parametrize("mode", ["speculative", "typical"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_eagle3_rows_equal_their_runs_alone(tiny_backbones, mode, greedy):
+    """Rows of one batch keep different counts each step (each drafter cache its own): every
+    row equals its run alone with its seed, sampled and typical included."""
+    model = attach(tiny_backbones["llama"], "eagle3")
+    prompts, seeds = encode(model.backbone), [3, 1, 4, 1]
+    cfg = DecodeConfig(mode=mode, greedy=greedy, max_new_tokens=14, stop_at_eos=False, temperature=1.0)
+    got = generate_batch(model, prompts, cfg, seeds=seeds)
+    assert [r.token_ids for r in got] == alone(model, prompts, cfg, seeds)
 
 
 @pytest.mark.parametrize("settings,what", [
