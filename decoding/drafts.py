@@ -161,13 +161,19 @@ class Eagle3Chains:
         self.rows: dict[int, _RowDrafter] = {}  # the caller's row index -> its drafter state
 
     def __call__(self, out, rows, anchors, jobs, run) -> list[Drafts]:
-        live = {row.index for row in rows}
-        for index in [i for i in self.rows if i not in live]:  # finished rows: their caches go
-            del self.rows[index]
+        self.forget(rows)
         return [self._row(out, j, anchors[j], first, g, rows[j]) for j, first, g in jobs]
 
-    def _row(self, out, j: int, anchor: int, first: int, g: int, row) -> Drafts:
-        """Row j's g drafts; ``anchor`` its last kept slot in ``out``, ``first`` the token after it."""
+    def forget(self, rows) -> None:
+        """Drop the caches of rows no longer in ``rows`` (finished)."""
+        live = {row.index for row in rows}
+        for index in [i for i in self.rows if i not in live]:
+            del self.rows[index]
+
+    def catch_up(self, out, j: int, anchor: int, first: int, row):
+        """Row j's drafter cache extended over the positions ``out`` kept up to ``anchor`` (its
+        last kept slot), ``first`` the token after it # -> (its state, the first draft step's
+        logits [1, new, Vd] and pre-norm output [1, new, H]: the anchor's is the last)."""
         run, heads = self.run, self.heads
         state = self.rows.setdefault(row.index, _RowDrafter(heads.new_cache()))
         text = row.prompt + row.out_ids  # the row's text up to the anchor's token
@@ -181,6 +187,14 @@ class Eagle3Chains:
         positions = torch.arange(state.done, len(text), device=run.device)[None]  # [1, new]
         logits, hidden = heads.step(heads.fuse(states), tokens, state.cache, positions)  # [1, new, Vd], [1, new, H]
         state.done = len(text)
+        out.model_s += run.clock() - start  # the drafter's passes are model time
+        return state, logits, hidden
+
+    def _row(self, out, j: int, anchor: int, first: int, g: int, row) -> Drafts:
+        """Row j's g drafts; ``anchor`` its last kept slot in ``out``, ``first`` the token after it."""
+        run, heads = self.run, self.heads
+        state, logits, hidden = self.catch_up(out, j, anchor, first, row)
+        start = run.clock()
         context = torch.tensor([first], dtype=torch.long, device=run.device)  # [1 + i]: the penalty's context
         drafts, probs = [], []
         for i in range(g):
@@ -189,7 +203,7 @@ class Eagle3Chains:
             probs.append(q)
             if i + 1 < g:  # step i + 2 at position len(text) + i, reading step i + 1's output and its draft
                 context = torch.cat([context, tok.reshape(1)])
-                at = torch.full((1, 1), len(text) + i, dtype=torch.long, device=run.device)
+                at = torch.full((1, 1), state.done + i, dtype=torch.long, device=run.device)
                 logits, hidden = heads.step(hidden[:, -1:], tok.reshape(1, 1), state.cache, at)
         state.cache.crop(state.done)  # the chain's own slots go: the cache holds the text
         out.model_s += run.clock() - start  # the drafter's passes are model time

@@ -25,14 +25,14 @@ import numpy as np
 import torch
 
 from .config import DecodeConfig, check_context, check_seed, stats_order_cap
-from .drafts import chain, dynamo
+from .drafts import Eagle3Chains, chain, dynamo
 from .dynamo.step import prepare_kernel
 from .plan import DecodePlan, resolve
 from .proposal import Drafts, left_pad
 from .sampling import Sampler
 from .text import continuation_text
 from .trace import Timer, Trace, clock_for
-from .tree_proposer import Trees
+from .tree_proposer import Eagle3Trees, Trees
 from .trees import adapt_lookup, looked_up
 from .verify import TreeVerdict, Verifier
 from multitoken.base.boundary import check_call, check_prompt_ids, check_seeds, check_vocab
@@ -225,8 +225,8 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
         prepare_kernel(cfg, table, plan.order)  # numba compiles / loads its cache here, off the clock
     if plan.proposer == "dynamo":
         propose = dynamo(run)
-    elif plan.proposer == "tree":
-        propose = Trees(run, tree_accuracies)  # auto times the verify step here, off the clock
+    elif plan.proposer == "tree":  # the static / dynamic heads' trees time the verify step here (auto), off the clock
+        propose = Eagle3Trees(run, Eagle3Chains(run)) if plan.drafter == "eagle3" else Trees(run, tree_accuracies)
         for row in rows:
             propose.label(row.trace)
     else:

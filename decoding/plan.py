@@ -29,7 +29,8 @@ class DecodePlan:
     stats_cap: int | None  # the stats' highest order where it caps the heads read, else None
     heads_read: int  # heads a pass computes (DynaMo at eps_b = 1 backs off unread: head 1 only)
     proposer: str  # "dynamo": DynaMo's final tokens; "chain": the base's token and a chain of drafts; "tree": a candidate tree
-    drafter: str | None  # a chain's: independent | argmax (independent, greedy, no penalty) | cp | joint | eagle3 | custom; None: no drafts
+    drafter: str | None  # a chain's: independent | argmax (independent, greedy, no penalty) | cp | joint | eagle3 | custom
+    # (eagle3: its dynamic tree's too); None: no drafts
     tree: str  # the tree proposer's shape: "path" (--lookup on a chain: the heads' top guesses as one path), static, dynamic; else "chain"
     lookup: int  # a branch of up to this many tokens copied from the context, grafted on the tree (0: none)
     joint_tree: bool  # a dynamic tree ranked by DynaMo's co-occurrence-masked joint (the joint drafter's)
@@ -46,7 +47,8 @@ class DecodePlan:
             what = f"a chain of {self.drafter} drafts" if self.drafter else "the base's next token, no drafts"
         else:
             what = ("the heads' top guesses as one path (--lookup on a chain)" if self.tree == "path"
-                    else f"a {self.tree} tree" + (" ranked by the co-occurrence-masked joint" if self.joint_tree else ""))
+                    else f"a {self.tree} tree" + (" ranked by the co-occurrence-masked joint" if self.joint_tree else
+                                                  " grown by the eagle3 drafter" if self.drafter == "eagle3" else ""))
             what += f", with a lookup branch of up to {self.lookup} tokens" if self.lookup else ""
         judged = f", verified by the {self.rule} rule" if self.rule else ""
         reads = "the base's argmax only" if self.argmax_only and self.rule in (None, "greedy") else "the base's logits"
@@ -62,13 +64,14 @@ def resolve(cfg: DecodeConfig, model, table=None, drafter=None, acceptor=None) -
         raise UsageError("--tree static / dynamic build their own candidates and acceptance",
                          "pass --tree chain with a custom drafter or acceptor")
     own = drafts_autoregressively(model.heads)
-    if own and (cfg.mode == "dynamic" or not one_chain):
-        raise UsageError("eagle3 heads draft chains only: --mode dynamic, --tree static / dynamic and --lookup are not "
-                         "available with them yet", "use --mode speculative or typical with --tree chain")
+    if own and (cfg.mode == "dynamic" or cfg.trees.tree == "static" or cfg.speculation.lookup):
+        raise UsageError("eagle3 heads draft chains and dynamic trees only: --mode dynamic, --tree static and --lookup "
+                         "are not available with them", "use --mode speculative or typical with --tree chain or dynamic")
     argmax_only = sampling.greedy and sampling.penalty == 1
     proposer = "dynamo" if cfg.mode == "dynamic" else "chain" if one_chain else "tree"
     named = drafter_name(cfg.speculation.drafter, model.heads, table) if cfg.verifies else None
-    chain_drafter = _chain_drafter(named, drafter, argmax_only) if cfg.verifies and one_chain else None
+    chain_drafter = _chain_drafter(named, drafter, argmax_only) if cfg.verifies and one_chain else (
+        "eagle3" if cfg.verifies and own else None)  # eagle3's trees are its drafter's too
     cap = stats_order_cap(cfg, n_heads, table, chain_drafter == "joint")
     tree = "chain" if proposer != "tree" else "path" if cfg.trees.tree == "chain" else cfg.trees.tree
     joint_tree = tree == "dynamic" and table is not None and named == "joint" and getattr(table, "max_order", 2) >= 2
@@ -82,7 +85,7 @@ def resolve(cfg: DecodeConfig, model, table=None, drafter=None, acceptor=None) -
         heads_read=1 if cfg.mode == "dynamic" and always_backs_off(cfg) or chain_drafter == "eagle3" else order,
         proposer=proposer, drafter=chain_drafter, tree=tree, lookup=cfg.speculation.lookup, joint_tree=joint_tree,
         device_tree=tree == "static" and rule == "greedy" and not cfg.speculation.lookup, rule=rule,
-        grids=cfg.mode == "dynamic" or chain_drafter == "joint" or tree == "dynamic",
+        grids=cfg.mode == "dynamic" or chain_drafter == "joint" or tree == "dynamic" and chain_drafter != "eagle3",
         draft_vocab=cfg.speculation.draft_vocab)
 
 

@@ -127,9 +127,117 @@ class Trees:
             for j in keep:
                 context = rows[j].prompt + rows[j].out_ids + [roots[j]]
                 trees[j], rows[j].lookup_len = with_lookup(trees[j], context, min(rows[j].lookup_k or self.plan.lookup, rows[j].budget - 1))
-        trees = [trees[j] for j in live]
-        width = max(len(t) for t in trees)
-        ids = torch.from_numpy(right_aligned([t.tokens for t in trees], width)).to(self.run.device)
-        attend = torch.from_numpy(attend_rows(trees, width)).to(self.run.device)
-        offsets = torch.from_numpy(right_aligned([t.depths for t in trees], width)).to(self.run.device)
-        return Proposal(ids, [len(t) for t in trees], commits, no, trees, attend, offsets)
+        return tree_proposal([trees[j] for j in live], commits, self.run)
+
+
+def tree_proposal(trees: list[Tree], commits: list[list[int]], run) -> Proposal:
+    """Every row's tree (node 0 its committed token) right-aligned in one step, with each
+    node's ancestors and depth, copied to the device once."""
+    width = max(len(t) for t in trees)
+    ids = torch.from_numpy(right_aligned([t.tokens for t in trees], width)).to(run.device)
+    attend = torch.from_numpy(attend_rows(trees, width)).to(run.device)
+    offsets = torch.from_numpy(right_aligned([t.depths for t in trees], width)).to(run.device)
+    return Proposal(ids, [len(t) for t in trees], commits, [run.no_drafts] * len(trees), trees, attend, offsets)
+
+
+# EAGLE-2 with the eagle3 drafter -------------------------------------------------------------
+EAGLE3_CHILDREN = 4  # children per expanded node, and nodes expanded per depth (EAGLE-2's top-k)
+
+
+class Eagle3Trees:
+    """EAGLE-2's dynamic tree grown by the eagle3 drafter itself (``--tree dynamic``): after
+    its catch-up (``Eagle3Chains.catch_up``), the root's top children; then per depth the
+    best nodes by path probability (the product of the drafter's own probabilities along it)
+    are expanded in one drafter step, each seeing the text and its ancestors' slots, into
+    their top children; the ``--tree-nodes`` best of all the candidates are the tree (a
+    node's path probability never exceeds its parent's: they form a tree). The drafter's
+    ranking ignores the repetition penalty (verification applies it). Grown on the device,
+    every row's tree read in one host read; verified like any tree (its children distinct)."""
+
+    def __init__(self, run, chains):
+        self.run, self.plan, self.chains = run, run.plan, chains  # ``drafts.Eagle3Chains``: its caches and catch-up
+        self.depth = run.plan.order - 1
+        nodes = parse_nodes(run.cfg.trees.tree_nodes)
+        self.budget = nodes if nodes is not None else EAGLE3_CHILDREN * self.depth  # auto: a full top-k per depth
+        self.top = min(EAGLE3_CHILDREN, self.budget)
+
+    def label(self, trace) -> None:
+        trace.tree, trace.tree_nodes, trace.lookup = "dynamic", self.budget, 0
+        trace.tree_accuracies = "the eagle3 drafter's step probabilities"
+
+    def __call__(self, out, rows, anchors, live) -> Proposal:
+        need = [j for j in live if rows[j].forced is None]  # after the prompt or a lone root
+        if need:
+            for j, token in zip(need, next_tokens(out, rows, need, anchors, self.plan)):
+                rows[j].forced = token
+        roots = {j: rows[j].forced for j in live}
+        depths = {j: min(self.depth, rows[j].budget - 1) for j in live}
+        keep = [j for j in live if depths[j] > 0]
+        self.chains.forget([rows[j] for j in live])
+        packs = [self._grow(out, j, anchors[j], roots[j], depths[j], rows[j]) for j in keep]  # [5, n_j] each
+        host = torch.cat(packs, 1).tolist() if packs else []  # the step's one read of the trees
+        trees, start = {j: Tree([roots[j]], [-1], [0], [0]) for j in live}, 0
+        for j, pack in zip(keep, packs):
+            trees[j] = _tree_of([col[start:start + pack.shape[1]] for col in host], roots[j])
+            start += pack.shape[1]
+        for j in live:
+            rows[j].forced = None
+        return tree_proposal([trees[j] for j in live], [[roots[j]] for j in live], self.run)
+
+    def _grow(self, out, j: int, anchor: int, root: int, depth: int, row) -> torch.Tensor:
+        """Row j's best tree candidates on the device, best first # -> [5, n] float64: token,
+        parent + 1 (a candidate index; 0: the root), depth - 1, path log-probability, candidate
+        index (offset so that zeros read as the root's children)."""
+        run, heads = self.run, self.chains.heads
+        state, logits, hidden = self.chains.catch_up(out, j, anchor, root, row)
+        start, ctx, dev = run.clock(), state.cache.length, run.device
+        top = min(self.top, logits.shape[-1])
+        vals, ids = torch.log_softmax(logits[0, -1].float(), -1).topk(top)  # the root's children
+        tok, score = heads.to_target(ids), vals.double()  # [C] this depth's candidates
+        parent = torch.full((top,), -1, dtype=torch.long, device=dev)  # their parents (candidate index)
+        slot_of = torch.full((top,), -1, dtype=torch.long, device=dev)  # their parents' expanded slots (-1: the root)
+        cands = [(tok, parent, torch.ones_like(tok), score)]
+        seen_slots = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [M, M] expanded slot -> the slots it sees
+        outs, offset = hidden[0, -1:], 0  # the root's output, then each expanded slot's # [1 + M, H]
+        for d in range(1, depth):
+            pick = score.topk(min(self.top, score.numel())).indices  # the best of depth d, expanded
+            m, e = seen_slots.shape[0], pick.numel()
+            sees = torch.cat([torch.zeros(1, m, dtype=torch.bool, device=dev), seen_slots])[slot_of[pick] + 1]  # [E, M]
+            seen_slots = torch.cat([torch.cat([seen_slots, torch.zeros(m, e, dtype=torch.bool, device=dev)], 1),
+                                    torch.cat([sees, torch.eye(e, dtype=torch.bool, device=dev)], 1)])  # [M + E, M + E]
+            attend = torch.cat([torch.ones(e, ctx, dtype=torch.bool, device=dev), seen_slots[m:]], 1)[None]  # [1, E, ctx + M + E]
+            at = torch.full((1, e), ctx + d - 1, dtype=torch.long, device=dev)  # depth d sits d - 1 after the root's step
+            logits, h = heads.step(outs[slot_of[pick] + 1][None], tok[pick][None], state.cache, at, attend)
+            outs = torch.cat([outs, h[0]])
+            vals, ids = torch.log_softmax(logits[0].float(), -1).topk(top)  # [E, K]
+            score = (score[pick][:, None] + vals.double()).reshape(-1)
+            parent = (offset + pick).repeat_interleave(top)
+            slot_of = (m + torch.arange(e, device=dev)).repeat_interleave(top)
+            offset += cands[-1][0].numel()
+            tok = heads.to_target(ids).reshape(-1)
+            cands.append((tok, parent, torch.full_like(tok, d + 1), score))
+        state.cache.crop(ctx)  # the tree's slots go: the cache holds the text
+        tokens, parents, depths, scores = (torch.cat(part) for part in zip(*cands))
+        best = scores.topk(min(self.budget, scores.numel())).indices  # sorted: best first
+        out.model_s += run.clock() - start
+        return torch.stack([tokens[best].double(), parents[best].double() + 1, depths[best].double() - 1, scores[best], best.double()])
+
+
+def _tree_of(cols: list[list[float]], root: int) -> Tree:
+    """A row's tree from its ``_grow`` pack read on the host: nodes by depth then score (parents
+    first), a candidate whose parent was not kept (a tie at the cut) left out."""
+    tokens, parents, depths, scores, index = cols
+    order = sorted(range(len(tokens)), key=lambda i: (depths[i], -scores[i]))
+    node_of, out_tokens, out_parents, out_depths, out_ranks = {-1: 0}, [root], [-1], [0], [0]
+    children: dict[int, int] = {}
+    for i in order:
+        parent = node_of.get(int(parents[i]) - 1)
+        if parent is None:
+            continue
+        node_of[int(index[i])] = len(out_tokens)
+        out_tokens.append(int(tokens[i]))
+        out_parents.append(parent)
+        out_depths.append(int(depths[i]) + 1)
+        out_ranks.append(children.get(parent, 0))
+        children[parent] = children.get(parent, 0) + 1
+    return Tree(out_tokens, out_parents, out_depths, out_ranks)

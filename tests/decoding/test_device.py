@@ -360,14 +360,16 @@ def test_a_whole_run_stays_on_the_device_and_reads_it_a_fixed_number_of_times_pe
         assert all(reads == [(rows * (1 if cfg.dynamo.eps_b == 1 else 3), 2, 4)] for reads in later), mode.steps
 
 
-EAGLE3_RUNS = ("speculative greedy", "speculative sampled", "speculative penalised greedy", "typical")
+EAGLE3_RUNS = ("speculative greedy", "speculative sampled", "speculative penalised greedy", "typical", "dynamic tree greedy",
+               "dynamic tree typical")
 
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("name", EAGLE3_RUNS)
 def test_eagle3_chains_stay_on_the_device_with_one_read_per_step(meta_models, monkeypatch, name, rows):
     """The eagle3 drafter catches up and drafts on the device (its cache, its draws, the text's
-    ids copied to it): a chain still reads the device once per step, the verdict with the drafts."""
+    ids copied to it): a chain still reads the device once per step, the verdict with the
+    drafts; a dynamic tree as the heads' do (every row's tree in one read, then its verdict)."""
     model = meta_models["eagle3"]
     settings, after_prompt, per_step = RUNS[name]
     cfg = DecodeConfig(top_k=4, max_new_tokens=8, stop_at_eos=False, **settings)
@@ -376,7 +378,7 @@ def test_eagle3_chains_stay_on_the_device_with_one_read_per_step(meta_models, mo
     with mode:
         got = generate_batch(model, [[1, 2, 3], [4, 5]][:rows], cfg, seeds=list(range(rows)))
     assert not mode.bad, mode.bad
-    assert all(len(r.token_ids) == 8 for r in got) and got[0].trace.plan.startswith("a chain of eagle3 drafts")
+    assert all(len(r.token_ids) == 8 for r in got) and "eagle3" in got[0].trace.plan
     first, *later = mode.steps
-    assert len(first) == after_prompt == 1 and len(later) >= 3, mode.steps
-    assert all(len(reads) == per_step == 1 for reads in later[:-1]), mode.steps
+    assert len(first) == after_prompt and len(later) >= 3, mode.steps
+    assert all(len(reads) == per_step for reads in later[:-2]), mode.steps
