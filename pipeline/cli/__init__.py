@@ -67,7 +67,8 @@ DESCRIPTIONS = {
              "95% intervals, as JSON, CSV and a plot.",
     "export": "Write the heads of a heads dir in the layout a serving engine loads. --format medusa writes medusa heads "
               "as vLLM's medusa speculative model (config.json, model.safetensors, a README naming the base and its "
-              "licence); eagle3 is not available yet.",
+              "licence); --format eagle3 writes an eagle3 drafter in EAGLE-3's checkpoint layout (what llama.cpp's "
+              "converter, with --target-model-dir, and vLLM's EAGLE-3 loader read).",
     "import": "Read a Medusa checkpoint, in vLLM's layout or FasterDecoding's, into a heads dir on --base, weight for "
               "weight. Heads whose lm heads differ from the base's unembedding, or that draft from a truncated "
               "vocabulary, are refused: multitoken's Medusa heads share the base's.",
