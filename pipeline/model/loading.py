@@ -170,6 +170,8 @@ def load_backbone(
     spec = check_supported(model_config.model_type)
     qlayers = _quantized_layers(model_config, config)
     kwargs: dict = {"dtype": dtype, **hub_kwargs}
+    if hub_kwargs.get("local_files_only"):  # transformers looks for a peft adapter on the Hub without it,
+        kwargs["adapter_kwargs"] = {"local_files_only": True}  # through huggingface_hub's retries
     if qlayers is not None:
         quant = _quantization_config(config.quantization, dtype, qlayers.skip_modules())
         kwargs.update(quantization_config=quant, device_map={"": config.device})
