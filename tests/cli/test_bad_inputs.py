@@ -11,11 +11,7 @@ from the embedded stories260K assets.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,22 +21,7 @@ from multitoken.embedded import EMBEDDED_HEADS, EMBEDDED_STATS
 
 from ..conftest import fixture_path
 from .bad_input_cases import CASES
-from .cli_helpers import phrase_corpus
-
-
-def run_forked(cases: dict, workdir: Path) -> dict[str, subprocess.CompletedProcess]:
-    """Each case's command line in its own process, forked from one that imported the CLI
-    once (cli_zygote.py): what ``run_cli`` gives, without torch's import per case."""
-    spec = {n: {"args": [str(a) for a in c.args], "cwd": str(c.cwd) if c.cwd else None, "env": c.env}
-            for n, c in cases.items()}
-    (workdir / "cases.json").write_text(json.dumps(spec))
-    zygote = Path(__file__).with_name("cli_zygote.py")
-    parallel = str(max(2, min(4, os.cpu_count() or 1)))
-    done = subprocess.run([sys.executable, zygote, workdir / "cases.json", workdir / "results.json", parallel],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr
-    results = json.loads((workdir / "results.json").read_text())
-    return {n: subprocess.CompletedProcess(spec[n]["args"], r["returncode"], r["stdout"], r["stderr"]) for n, r in results.items()}
+from .cli_helpers import phrase_corpus, run_forked
 
 
 @pytest.fixture(scope="module")
