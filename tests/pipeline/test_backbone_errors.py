@@ -1,14 +1,17 @@
 """Bad ``--base/--device/--quantization`` values from the command line: one error (its line and
 its fix line), no traceback, non-zero exit, before any weight is read; and the quantization
-split that keeps in float the layers no kernel of this CPU takes."""
+split that keeps in float the layers no kernel of this CPU takes.
+
+Every command line of this module runs once, in its own process forked from one that imported
+the CLI (``tests/cli/cli_zygote.py``), from the ``runs`` fixture; each test reads its outcome."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
-import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,18 +19,107 @@ import torch
 
 from multitoken.pipeline.model.quantization import fits_4bit, packed_cpu_4bit, quantized_layers
 
+from ..cli.cli_helpers import run_forked
+
 # The Hub as seen from a machine without network: nothing listens on port 9 of this machine, so
 # the probe is refused at once, on every machine, with or without network.
 OFFLINE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
+PROBE = ["127.0.0.1", 9]  # the one connect the Hub's probe makes
+MISTYPED = ["./no/such/model", "~/no-such-model-dir", "/no/such/model", "runs/modle"]
+FETCHED_DAMAGE = {"changed": "its sha256 differs", "grown": "changed since it was fetched", "removed": "is missing"}
+GGUF_TAILS = {"empty": b"", "garbage": bytes(range(256)) * 64}
 
 
-def _cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "multitoken.pipeline.cli", "generate", "Once upon a time", "--max-new-tokens", "4", *args],
-        capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})}, timeout=600, check=False,
-    )
-    return done, time.perf_counter() - start
+@dataclass
+class Run:
+    args: list
+    cwd: Path | None = None
+    env: dict | None = None
+
+
+def _generate(*args, prompt: str = "Once upon a time", **where) -> Run:
+    return Run(["generate", prompt, "--max-new-tokens", "4", *args], **where)
+
+
+def _unavailable_devices() -> list[str]:
+    """Devices this machine lacks: cuda / mps when absent, else an index past the last one."""
+    cuda = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    mps = "mps:1" if torch.backends.mps.is_available() else "mps"
+    return [cuda, mps, "cuda:7" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count() + 6}"]
+
+
+def _hub_cache(root: Path, tiny_llama_dir: Path) -> Path:
+    """The cache layout huggingface_hub writes, holding someone/tiny-llama: refs/main names the
+    snapshot holding the files."""
+    repo = root / "models--someone--tiny-llama"
+    shutil.copytree(tiny_llama_dir, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    return root
+
+
+def _nan_base(tiny_llama_dir: Path, base: Path) -> Path:
+    """The tiny Llama with one NaN in one MLP weight."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_llama_dir, base)
+    weights = load_file(str(base / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return base
+
+
+def _fetched(tiny_llama_dir: Path, base: Path, damage: str | None = None) -> Path:
+    """The tiny Llama as `multitoken fetch` leaves it (every file recorded: size, sha256, mtime),
+    then ``damage``d: a config edited in place (same size), a weight file grown, a tokenizer
+    file removed."""
+    from multitoken.base.weight_files import CONVERSION, files_record
+
+    shutil.copytree(tiny_llama_dir, base)
+    (base / CONVERSION).write_text(json.dumps({"files": files_record(base)}))
+    if damage == "changed":
+        text = (base / "config.json").read_text()
+        (base / "config.json").write_text(text.replace('"silu"', '"gelu"'))
+        assert len((base / "config.json").read_text()) == len(text)
+    elif damage == "grown":
+        with open(base / "model.safetensors", "ab") as f:
+            f.write(b"\0")
+    elif damage == "removed":
+        os.remove(next(p for p in sorted(base.iterdir()) if p.name.startswith("tokenizer")))
+    return base
+
+
+def _gguf(path: Path, tail: bytes) -> Path:
+    """A GGUF whose header is cut or garbage."""
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + tail)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_llama_dir) -> dict:
+    """{name: (its folder or input, the finished run)} for every command line of the module."""
+    root = tmp_path_factory.mktemp("backbone_errors")
+    (root / "runs").mkdir()  # "runs/modle": its first folder exists here, so it is a path
+    hub, fetched_cache = _hub_cache(root / "hub", tiny_llama_dir), root / "mt"  # SmolLM2 not fetched there
+    fetched_cache.mkdir()
+    offline = {**os.environ, **OFFLINE, "HF_HUB_CACHE": str(hub), "MULTITOKEN_CACHE": str(fetched_cache)}
+    inputs = {"nan": _nan_base(tiny_llama_dir, root / "damaged"),
+              **{f"fetched-{d}": _fetched(tiny_llama_dir, root / f"fetched-{d}", d) for d in FETCHED_DAMAGE},
+              **{f"gguf-{t}": _gguf(root / f"{t}.gguf", raw) for t, raw in GGUF_TAILS.items()}}
+    table = {"device-foo": _generate("--device", "foo"),
+             **{f"device-{d}": _generate("--device", d) for d in _unavailable_devices()},
+             **{f"path-{p}": _generate("--base", p, cwd=root, env=offline) for p in MISTYPED},
+             "hub-unreachable": _generate("--base", "EleutherAI/pythia-70m", env=offline),
+             "hub-offline": _generate("--base", "EleutherAI/pythia-70m", env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                                                "HF_HUB_CACHE": str(hub), "MULTITOKEN_CACHE": str(fetched_cache)}),
+             "fetched-not-yet": _generate("--base", "fetched:SmolLM2-135M-Instruct", env=offline),
+             "hub-cached": _generate("--base", "someone/tiny-llama", "--json", env=offline),
+             "4bit-embedded": _generate("--quantization", "4bit", "--json"),
+             "4bit-fits-none": _generate("--base", tiny_llama_dir, "--quantization", "4bit", "--json"),
+             **{name: _generate("--base", path, prompt="x") for name, path in inputs.items()}}
+    done = run_forked(table, root / "zygote")
+    return {name: (inputs.get(name), done[name]) for name in table}
 
 
 def _one_error(done: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
@@ -41,76 +133,56 @@ def _one_error(done: subprocess.CompletedProcess, code: int, *fragments: str) ->
     return lines[0]
 
 
-def _unavailable_devices() -> list[str]:
-    """Devices this machine lacks: cuda / mps when absent, else an index past the last one."""
-    cuda = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
-    mps = "mps:1" if torch.backends.mps.is_available() else "mps"
-    return [cuda, mps, "cuda:7" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count() + 6}"]
-
-
-def test_unknown_device_is_refused():
-    done, _ = _cli("--device", "foo")
-    _one_error(done, 2, "unknown device 'foo'")
+def test_unknown_device_is_refused(runs):
+    _one_error(runs["device-foo"][1], 2, "unknown device 'foo'")
 
 
 @pytest.mark.parametrize("device", _unavailable_devices())
-def test_unavailable_device_is_refused(device):
-    done, _ = _cli("--device", device)
-    line = _one_error(done, 2, f"device {device!r}")
+def test_unavailable_device_is_refused(runs, device):
+    line = _one_error(runs[f"device-{device}"][1], 2, f"device {device!r}")
     assert "not available" in line or "does not exist" in line
 
 
-@pytest.mark.parametrize("spelling", ["./no/such/model", "~/no-such-model-dir", "/no/such/model", "runs/modle"])
-def test_mistyped_local_path_is_not_found_without_asking_the_hub(tmp_path, spelling):
-    (tmp_path / "runs").mkdir()  # "runs/modle": its first folder exists here, so it is a path
-    done, _ = _cli("--base", spelling, cwd=tmp_path, env=OFFLINE)
+@pytest.mark.parametrize("spelling", MISTYPED)
+def test_mistyped_local_path_is_not_found_without_asking_the_hub(runs, spelling):
+    done = runs[f"path-{spelling}"][1]
     _one_error(done, 1, f"{spelling!r} not found")
+    assert done.connects == []
 
 
-@pytest.mark.parametrize("env, reason", [(OFFLINE, "Hub is unreachable (127.0.0.1"),
-                                         ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set")])
-def test_hub_id_offline_fails_fast_with_one_line(tmp_path, env, reason):
-    env = {**env, "HF_HUB_CACHE": str(tmp_path), "MULTITOKEN_CACHE": str(tmp_path / "mt")}  # SmolLM2 not fetched
-    done, _ = _cli("--base", "EleutherAI/pythia-70m", env=env)
+@pytest.mark.parametrize("run, reason, connects", [("hub-unreachable", "Hub is unreachable (127.0.0.1", [PROBE]),
+                                                   ("hub-offline", "HF_HUB_OFFLINE is set", [])])
+def test_hub_id_offline_fails_fast_with_one_line(runs, run, reason, connects):
+    done = runs[run][1]
     _one_error(done, 1, "'EleutherAI/pythia-70m' is not a local directory, not in the Hugging Face cache", reason)
     fix = done.stderr.splitlines()[1]  # one line: the names that work offline
     assert all(name in fix for name in ("fetched:SmolLM2-135M-Instruct", "multitoken fetch smollm2",
                                         "embedded:stories260K", "local checkpoint dir")), fix
-    # Was 25 s of retries. Timed from after `import torch`, which every command pays first (1.5 s
-    # on an idle machine of our kind, 3-4 s on a busy one) and which says nothing about the Hub.
-    timed = ("import sys, time, torch\n"
-             "from multitoken.pipeline.cli import main\n"
-             "start = time.perf_counter()\n"
-             "code = main(['generate', 'Once', '--base', 'EleutherAI/pythia-70m'])\n"
-             "print(time.perf_counter() - start)\n"
-             "sys.exit(code)\n")
-    done = subprocess.run([sys.executable, "-c", timed], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=600, check=False)
-    assert done.returncode == 1 and reason in done.stderr, done.stderr[-3000:]
-    elapsed = float(done.stdout)
-    assert elapsed < 3.0, f"{elapsed:.1f} s"
+    # Was 25 s of huggingface_hub's retries: the probe's one connect at most, no request after it.
+    # Timed from the command's start, after the imports every command pays first (made before the
+    # fork), which say nothing about the Hub.
+    assert done.connects == connects
+    assert done.main_s < 3.0, f"{done.main_s:.1f} s"
 
 
-def test_a_fetched_name_not_fetched_yet_says_to_fetch_it(tmp_path):
-    done, _ = _cli("--base", "fetched:SmolLM2-135M-Instruct", env={**OFFLINE, "MULTITOKEN_CACHE": str(tmp_path)})
+def test_a_fetched_name_not_fetched_yet_says_to_fetch_it(runs):
+    done = runs["fetched-not-yet"][1]
     _one_error(done, 1, "fetched:SmolLM2-135M-Instruct is not fetched on this machine")
     assert "multitoken fetch SmolLM2-135M-Instruct" in done.stderr
 
 
-def test_hub_id_offline_loads_from_the_local_cache(tmp_path, tiny_llama_dir):
-    # The cache layout huggingface_hub writes: refs/main names the snapshot holding the files.
-    repo = tmp_path / "models--someone--tiny-llama"
-    snapshot = repo / "snapshots" / ("0" * 40)
-    shutil.copytree(tiny_llama_dir, snapshot)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0" * 40)
-    done, _ = _cli("--base", "someone/tiny-llama", "--json", env={**OFFLINE, "HF_HUB_CACHE": str(tmp_path)})
+def test_hub_id_offline_loads_from_the_local_cache(runs):
+    done = runs["hub-cached"][1]
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert '"token_ids"' in done.stdout
+    # Every file from the cache: after the probe, at most huggingface_hub's own one-off request
+    # (its agent registry, once per process, never retried). Was 9 connects and ~20 s of
+    # retries, asking the Hub for a peft adapter's config.
+    assert done.connects[0] == PROBE and len(done.connects) <= 2, done.connects
 
 
-def test_4bit_on_the_embedded_model_quantizes_what_fits(stories_dir):
-    done, _ = _cli("--quantization", "4bit", "--json")
+def test_4bit_on_the_embedded_model_quantizes_what_fits(runs, stories_dir):
+    done = runs["4bit-embedded"][1]
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     notes = [line for line in done.stderr.splitlines() if line.startswith("note: 4bit")]
     if packed_cpu_4bit("cpu"):  # this CPU has AVX512-BF16: the 172-wide MLP cannot be packed
@@ -121,8 +193,8 @@ def test_4bit_on_the_embedded_model_quantizes_what_fits(stories_dir):
         assert notes == []
 
 
-def test_4bit_that_fits_no_layer_is_refused(tiny_llama_dir):
-    done, _ = _cli("--base", str(tiny_llama_dir), "--quantization", "4bit", "--json")
+def test_4bit_that_fits_no_layer_is_refused(runs):
+    done = runs["4bit-fits-none"][1]
     if packed_cpu_4bit("cpu"):  # 32-wide: no Linear has in_features % 64 == 0
         _one_error(done, 2, "4bit quantization fits none of", "32x32")
     else:
@@ -179,70 +251,38 @@ def test_partially_quantized_backbone_matches_its_layer_split_and_runs(stories_d
     assert (quantized.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
-def test_a_base_with_a_nan_weight_is_refused_in_one_line(tiny_llama_dir, tmp_path):
+def test_a_base_with_a_nan_weight_is_refused_in_one_line(runs):
     """A damaged checkpoint (one NaN in one weight) fails as it loads, naming the weight, instead of
     decoding as garbage with exit 0."""
-    from safetensors.torch import load_file, save_file
-
     from multitoken.base.errors import CheckpointError
     from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
-    base = tmp_path / "damaged"
-    shutil.copytree(tiny_llama_dir, base)
-    weights = load_file(str(base / "model.safetensors"))
-    name = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
-    weights[name][0, 0] = float("nan")
-    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    base, done = runs["nan"]
     with pytest.raises(CheckpointError, match=r"mlp\.down_proj\.weight holds 1 non-finite values"):
         load_backbone(BackboneConfig(base=str(base)))
-    done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "x", "--base", str(base)],
-                          capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "non-finite" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("damage", ["changed", "grown", "removed"])
-def test_a_fetched_folder_whose_files_changed_is_refused_in_one_line(tiny_llama_dir, tmp_path, damage):
+@pytest.mark.parametrize("damage", list(FETCHED_DAMAGE))
+def test_a_fetched_folder_whose_files_changed_is_refused_in_one_line(runs, tiny_llama_dir, tmp_path, damage):
     """`multitoken fetch` records every file it wrote (size, sha256, mtime); a load checks them:
     a config edited in place (same size), a weight file grown, a tokenizer file removed."""
-    import json
-    import os
-
     from multitoken.base.errors import CheckpointError
-    from multitoken.base.weight_files import CONVERSION, files_record
     from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 
-    base = tmp_path / "fetched"
-    shutil.copytree(tiny_llama_dir, base)
-    (base / CONVERSION).write_text(json.dumps({"files": files_record(base)}))
-    load_backbone(BackboneConfig(base=str(base)))  # as fetched: loads
-    if damage == "changed":
-        text = (base / "config.json").read_text()
-        (base / "config.json").write_text(text.replace('"silu"', '"gelu"'))  # same length
-        assert len((base / "config.json").read_text()) == len(text)
-        expected = "its sha256 differs"
-    elif damage == "grown":
-        with open(base / "model.safetensors", "ab") as f:
-            f.write(b"\0")
-        expected = "changed since it was fetched"
-    else:
-        victim = next(p for p in sorted(base.iterdir()) if p.name.startswith("tokenizer"))
-        os.remove(victim)
-        expected = "is missing"
+    load_backbone(BackboneConfig(base=str(_fetched(tiny_llama_dir, tmp_path / "fetched"))))  # as fetched: loads
+    base, done = runs[f"fetched-{damage}"]
+    expected = FETCHED_DAMAGE[damage]
     with pytest.raises(CheckpointError, match=expected):
         load_backbone(BackboneConfig(base=str(base)))
-    done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "x", "--base", str(base)],
-                          capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and expected in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("tail", [b"", bytes(range(256)) * 64])
-def test_a_damaged_gguf_is_named_in_one_line(tmp_path, tail):
+@pytest.mark.parametrize("tail", list(GGUF_TAILS))
+def test_a_damaged_gguf_is_named_in_one_line(runs, tail):
     """A GGUF whose header is cut or garbage: one line naming the file (not its folder), no
     struct.error traceback from transformers' reader."""
     pytest.importorskip("gguf", reason="GGUF bases need the [gguf] extra")
-    bad = tmp_path / "damaged.gguf"
-    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + tail)
-    done = subprocess.run([sys.executable, "-m", "multitoken.pipeline.cli", "generate", "x", "--base", str(bad)],
-                          capture_output=True, text=True, timeout=300)
+    bad, done = runs[f"gguf-{tail}"]
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert f"{str(bad)!r} is not a GGUF file transformers can read" in done.stderr
