@@ -259,3 +259,22 @@ def test_a_summary_pick_of_a_missing_row_or_column_fails_naming_it():
                       ({"table": "gone"}, "table gone")):
         with pytest.raises(SystemExit, match=said):
             tables_script.fill_summary(page, tables, [{**pick, **bad}], pages)
+
+
+def test_torch_quantised_matmuls_are_timed_on_the_weights_ours_read(tmp_path):
+    """bench_quant_linear: torch's int4 matmul reads the same Q4_1 weight as our kernel (so the two
+    agree to float32 rounding), every method of a shape is timed, and the record is written."""
+    quant = load_script(SCRIPTS / "bench_quant_linear.py")
+    out = tmp_path / "q.json"
+    record = quant.main(["--shapes", "k_proj", "--rows", "1,3", "--reps", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(record["results"]))
+    for row in record["results"]["k_proj"].values():
+        assert {"f_linear", "onednn", "torch_int4", "torch_int8", "ours_f32", "ours_q4_1", "ours_q8_0"} <= set(row)
+        # float32 chains over 576 products of |w x| <= ~0.1: every result within 1e-4 of its own weight's float64
+        assert all(row[key] < 1e-4 for key in row if key.startswith("err_")), row
+    gen = torch.Generator().manual_seed(0)
+    weight, codes, d, m = quant.q4_1_weight(16, 64, gen)  # torch packs N in 16s
+    int4 = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+    x = torch.eye(64)  # the product with the identity reads the weight back as torch decodes it
+    got = torch._weight_int4pack_mm_for_cpu(x, int4, quant.GROUP, torch.stack([d.T, (m + 8 * d).T], -1).contiguous())
+    torch.testing.assert_close(got.T, weight, rtol=0, atol=1e-6)
