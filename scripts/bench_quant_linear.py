@@ -12,6 +12,9 @@ calls (ms) of:
 - ``torch_int8``: ``torch._weight_int8pack_mm``: int8 codes with one scale per output row (the
   only layout it takes), so its weight is a per-row quantisation of the Q8_0 weight's shape, not
   the Q8_0 weight itself: the same bytes per weight, other values.
+- ``torch_int4_bf16`` / ``torch_int8_bf16``: the same two with bfloat16 activations and scales,
+  the dtype torch's fast CPU paths for them are written for (float32 activations take a slow
+  path); their results round to bfloat16, so they are not exact.
 
 Each row also records how far each fast result lies from the float64 product of its own weight
 (``err_*``): ours keep the exactness contract (docs/kernels.md), torch's int4 path rounds on
@@ -67,11 +70,14 @@ def calls_for(n: int, k: int, x: torch.Tensor, gen: torch.Generator) -> tuple[di
     i8, s8 = per_row_int8(w8)
     scale_zero = torch.stack([d4.T, (m4 + 8 * d4).T], -1).contiguous()  # [K/32, N, 2]
     int4 = torch._convert_weight_to_int4pack_for_cpu(codes4, 2)
+    xb, scale_zero_bf16, s8_bf16 = x.bfloat16(), scale_zero.bfloat16(), s8.bfloat16()
     packed = {"f32": FORMATS["f32"].pack(w4), "q4_1": FORMATS["q4_1"].pack(w4), "q8_0": FORMATS["q8_0"].pack(w8),
               "onednn": FORMATS["onednn"].pack(w4)}
     calls = {"f_linear": lambda: F.linear(x, w4), "onednn": lambda: FORMATS["onednn"].linear(x, packed["onednn"], n, None),
              "torch_int4": lambda: torch._weight_int4pack_mm_for_cpu(x, int4, GROUP, scale_zero),
-             "torch_int8": lambda: torch._weight_int8pack_mm(x, i8, s8)}
+             "torch_int8": lambda: torch._weight_int8pack_mm(x, i8, s8),
+             "torch_int4_bf16": lambda: torch._weight_int4pack_mm_for_cpu(xb, int4, GROUP, scale_zero_bf16),
+             "torch_int8_bf16": lambda: torch._weight_int8pack_mm(xb, i8, s8_bf16)}
     for name in ("f32", "q4_1", "q8_0"):
         if packed[name] is not None:  # None: the compiled kernel is not built here
             calls[f"ours_{name}"] = (lambda name: lambda: FORMATS[name].linear(x, packed[name], n, None))(name)
@@ -79,6 +85,7 @@ def calls_for(n: int, k: int, x: torch.Tensor, gen: torch.Generator) -> tuple[di
     refs = {"f_linear": q4_ref, "onednn": q4_ref, "torch_int4": q4_ref, "ours_f32": q4_ref, "ours_q4_1": q4_ref,
             "ours_q8_0": F.linear(x.double(), w8.double()),
             "torch_int8": F.linear(x.double(), (i8.double() * s8.double()[:, None]))}
+    refs.update(torch_int4_bf16=q4_ref, torch_int8_bf16=refs["torch_int8"])
     return calls, refs
 
 
