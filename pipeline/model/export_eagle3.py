@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from multitoken.base.errors import CheckpointError, UsageError
+from multitoken.base.errors import CheckpointError
 from multitoken.base.finite import check_finite
 from multitoken.base.outputs import EAGLE3_EXPORT
 from multitoken.base.publish import staged_output
 from multitoken.embedded import portable_base
+from multitoken.pipeline.model import export_medusa
 from multitoken.pipeline.model.export_medusa import LICENSE, README, base_license
-from multitoken.pipeline.model.heads_io import BASE_HEAD_PREFIX, read_heads_config
 from multitoken.pipeline.model.model import MultiTokenModel
 
 CONFIG = "config.json"
@@ -46,22 +46,10 @@ RENAMED = {"draft_head.weight": "lm_head.weight"}  # ours -> EAGLE-3's; every ot
 
 
 def check_exportable(heads_dir: str) -> None:
-    """One line for heads the engines cannot serve as trained (read from the heads dir's
-    record, before the base loads)."""
-    record = read_heads_config(heads_dir)
-    kind, n = record["head_config"]["head_type"], record["head_config"]["n_future"]
-    if kind != "eagle3":
-        raise UsageError(f"--format eagle3 exports eagle3 heads; {heads_dir} holds {kind} heads",
-                         "export a heads dir made with `multitoken attach --head eagle3` (and trained)")
-    if n < 2:
-        raise UsageError(f"{heads_dir} has no draft steps to export (n_future 1: only the base's own head)",
-                         "attach eagle3 heads with --n 2 or more")
-    if record.get("lora"):
-        raise UsageError(f"the heads in {heads_dir} were trained with a LoRA adapter on the base; an engine would "
-                         "serve them on the untuned base", "train the heads on a frozen base, or merge the adapter into the base first")
-    if any(k.startswith(BASE_HEAD_PREFIX) for k in record["shapes"]):
-        raise UsageError(f"the heads in {heads_dir} carry a retrained final layer of the base, which an EAGLE-3 "
-                         "checkpoint cannot hold", "export heads trained on a frozen base")
+    """One line for heads the engines cannot serve as trained (export_medusa's checks, in
+    EAGLE-3's words)."""
+    export_medusa.check_exportable(heads_dir, "eagle3", drafts="draft steps", server="an engine",
+                                   holder="an EAGLE-3 checkpoint")
 
 
 def eagle3_tensors(model: MultiTokenModel) -> dict[str, torch.Tensor]:

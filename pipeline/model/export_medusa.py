@@ -53,22 +53,24 @@ _LICENSE_FILES = ("LICENSE", "LICENSE.md", "LICENSE.txt", "LICENCE")
 
 
 # Export ------------------------------------------------------------------------------------
-def check_exportable(heads_dir: str) -> None:
-    """One line for heads vLLM's ``medusa`` cannot serve as they were trained (read from the
-    heads dir's record, before the base loads)."""
+def check_exportable(heads_dir: str, head_type: str = "medusa", *, drafts: str = "Medusa heads",
+                     server: str = "vLLM", holder: str = "vLLM's medusa") -> None:
+    """One line for heads an engine cannot serve as they were trained (read from the heads dir's
+    record, before the base loads): ``--format head_type`` takes only ``head_type`` heads with
+    ``drafts`` to export, trained on a frozen base that ``server`` serves and ``holder`` holds."""
     record = read_heads_config(heads_dir)
     kind, n = record["head_config"]["head_type"], record["head_config"]["n_future"]
-    if kind != "medusa":
-        raise UsageError(f"--format medusa exports medusa heads; {heads_dir} holds {kind} heads",
-                         "export a heads dir made with `multitoken attach --head medusa` (and trained)")
+    if kind != head_type:
+        raise UsageError(f"--format {head_type} exports {head_type} heads; {heads_dir} holds {kind} heads",
+                         f"export a heads dir made with `multitoken attach --head {head_type}` (and trained)")
     if n < 2:
-        raise UsageError(f"{heads_dir} has no Medusa heads to export (n_future 1: only the base's own head)",
-                         "attach medusa heads with --n 2 or more")
+        raise UsageError(f"{heads_dir} has no {drafts} to export (n_future 1: only the base's own head)",
+                         f"attach {head_type} heads with --n 2 or more")
     if record.get("lora"):
-        raise UsageError(f"the heads in {heads_dir} were trained with a LoRA adapter on the base; vLLM would "
+        raise UsageError(f"the heads in {heads_dir} were trained with a LoRA adapter on the base; {server} would "
                          "serve them on the untuned base", "train the heads on a frozen base, or merge the adapter into the base first")
     if any(k.startswith(BASE_HEAD_PREFIX) for k in record["shapes"]):
-        raise UsageError(f"the heads in {heads_dir} carry a retrained final layer of the base, which vLLM's medusa "
+        raise UsageError(f"the heads in {heads_dir} carry a retrained final layer of the base, which {holder} "
                          "cannot hold", "export heads trained on a frozen base")
 
 
