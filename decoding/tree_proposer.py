@@ -97,11 +97,7 @@ class Trees:
         return self._at[key]
 
     def __call__(self, out, rows, anchors, live) -> Proposal:
-        need = [j for j in live if rows[j].forced is None]  # after the prompt or a lone root
-        if need:
-            for j, token in zip(need, next_tokens(out, rows, need, anchors, self.plan)):
-                rows[j].forced = token
-        roots = {j: rows[j].forced for j in live}
+        roots = tree_roots(out, rows, live, anchors, self.plan)
         depths = [min(self.depth, rows[j].budget - 1) for j in live]
         keep = [j for j, d in zip(live, depths) if d > 0]
         for j in live:
@@ -128,6 +124,16 @@ class Trees:
                 context = rows[j].prompt + rows[j].out_ids + [roots[j]]
                 trees[j], rows[j].lookup_len = with_lookup(trees[j], context, min(rows[j].lookup_k or self.plan.lookup, rows[j].budget - 1))
         return tree_proposal([trees[j] for j in live], commits, self.run)
+
+
+def tree_roots(out, rows, live, anchors, plan) -> dict[int, int]:
+    """Each live row's tree root: its forced token, the base's next token where none is forced
+    yet (after the prompt or a lone root), forced from then on."""
+    need = [j for j in live if rows[j].forced is None]
+    if need:
+        for j, token in zip(need, next_tokens(out, rows, need, anchors, plan)):
+            rows[j].forced = token
+    return {j: rows[j].forced for j in live}
 
 
 def tree_proposal(trees: list[Tree], commits: list[list[int]], run) -> Proposal:
@@ -166,11 +172,7 @@ class Eagle3Trees:
         trace.tree_accuracies = "the eagle3 drafter's step probabilities"
 
     def __call__(self, out, rows, anchors, live) -> Proposal:
-        need = [j for j in live if rows[j].forced is None]  # after the prompt or a lone root
-        if need:
-            for j, token in zip(need, next_tokens(out, rows, need, anchors, self.plan)):
-                rows[j].forced = token
-        roots = {j: rows[j].forced for j in live}
+        roots = tree_roots(out, rows, live, anchors, self.plan)
         depths = {j: min(self.depth, rows[j].budget - 1) for j in live}
         keep = [j for j in live if depths[j] > 0]
         self.chains.forget([rows[j] for j in live])
