@@ -121,29 +121,38 @@ class Eagle3Drafter(HeadAdapter):
         return out.index_copy_(-1, ids, logp)
 
     # Drafting: what the engine calls ------------------------------------------------------
-    def fuse(self, layer_states) -> torch.Tensor:
+    def fuse(self, layer_states, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> torch.Tensor:
         """``fc`` over the three aux layers' input states # (L-1) x [B, T, H] -> [B, T, H]
-        (``layer_states[j]`` is layer j's output = layer j+1's input)."""
+        (``layer_states[j]`` is layer j's output = layer j+1's input); with ``rows`` [R] and
+        ``cols`` [R, T'], only the states at (rows[r], cols[r, t]) # -> [R, T', H]."""
         _check_served(layer_states, self.backbone.num_layers)
-        states = torch.cat([layer_states[k - 1] for k in self.config.aux_layers], dim=-1)  # [B, T, 3H]
-        return self.fc(states.to(self.fc.weight.dtype))
+        picked = [layer_states[k - 1] for k in self.config.aux_layers]
+        if rows is not None:
+            picked = [s[rows[:, None], cols] for s in picked]  # [R, T', H] each
+        return self.fc(torch.cat(picked, dim=-1).to(self.fc.weight.dtype))  # [.., 3H] -> [.., H]
 
     def new_cache(self) -> DraftCache:
         return DraftCache()
 
     def step(self, hidden: torch.Tensor, token_ids: torch.Tensor, cache: DraftCache, positions: torch.Tensor,
-             attend: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter pass over T new slots, extending ``cache``. ``hidden`` [B, T, H]: fused
-        states (``fuse``) or the previous step's output; ``token_ids`` [B, T] the tokens they stand
-        before; ``positions`` [B, T]; ``attend`` [B, T, S] bool (True = sees the slot), default:
-        slots at positions <= the query's. Returns (draft logits [B, T, Vd], pre-norm hidden [B, T, H])."""
+             attend: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+             span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter pass over T new slots of each of B rows, written into ``cache``.
+        ``hidden`` [B, T, H]: fused states (``fuse``) or the previous step's output; ``token_ids``
+        [B, T] the tokens they stand before; ``positions`` [B, T]; ``slots`` [B, T] where they are
+        cached (default: at their positions, a chain's slots); ``span`` (host) the slots read,
+        [0, span) (default: up to the largest slot, which reads it to the host: the engine
+        passes it); ``attend`` [B, T, span] bool (True = sees the slot), default: the slots up to
+        the query's position. Returns (draft logits [B, T, Vd], pre-norm hidden [B, T, H])."""
         layer = self.midlayer
         x = layer.attention_input(self.backbone.embeddings(token_ids).to(hidden.dtype), hidden)  # [B, T, 2H]
         cos, sin = self.rotary(x, positions)
         q, k, v = layer.self_attn.qkv(x, cos, sin)
-        keys, values, slots = cache.extend(k, v, positions)
+        slots = positions if slots is None else slots
+        span = max(cache.length, int(slots.max()) + 1) if span is None else span
+        keys, values = cache.write(k, v, slots, span)  # [B, h, span, D]
         if attend is None:
-            attend = slots[:, None, :] <= positions[:, :, None]  # [B, T, S]
+            attend = torch.arange(span, device=positions.device)[None, None, :] <= positions[:, :, None]  # [B, T, span]
         o = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=attend[:, None])
         out = layer.finish(o, hidden)
         return self.draft_head(self.norm(out)), out

@@ -147,28 +147,39 @@ class Eagle3Layer(nn.Module):
 
 
 class DraftCache:
-    """The drafter's own KV cache: keys / values [B, h, S, D] and each slot's position [B, S].
-    A query sees the slots at positions up to its own (a chain); ``attend`` overrides that."""
+    """The drafter's own KV cache for B rows: keys / values [B, h, capacity, D], where slot s of
+    a row holds position s of its text (a chain writes its slots at its positions), so rows of
+    different lengths share it with no holes to track: a query of a chain sees the slots up to
+    its own position, and a slot past a row's text is stale until a pass writes it. ``length``
+    (host) is the span the passes have written: attention reads slots [0, span)."""
 
     def __init__(self):
-        self.keys = self.values = self.positions = None
+        self.keys = self.values = None
+        self.length = 0
 
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, span: int):
+        """Write this pass's keys / values [B, h, T, D] at ``slots`` [B, T] (each < ``span``);
+        returns the slots [0, span) # -> k, v [B, h, span, D]. The buffer grows by doubling
+        (zeros: a stale slot is finite, so a masked read of it is exactly 0)."""
+        B, h, _, D = k.shape
+        if self.keys is None or self.keys.shape[2] < span:
+            cap = max(span, 2 * (0 if self.keys is None else self.keys.shape[2]))
+            keys, values = k.new_zeros(B, h, cap, D), v.new_zeros(B, h, cap, D)
+            if self.keys is not None:
+                keys[:, :, :self.length] = self.keys[:, :, :self.length]
+                values[:, :, :self.length] = self.values[:, :, :self.length]
+            self.keys, self.values = keys, values
+        rows = torch.arange(B, device=slots.device)[:, None]  # [B, 1]
+        self.keys[rows, :, slots] = k.transpose(1, 2)  # advanced indices first: [B, T, h, D]
+        self.values[rows, :, slots] = v.transpose(1, 2)
+        self.length = max(self.length, span)
+        return self.keys[:, :, :span], self.values[:, :, :span]
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """Append this step's slots; returns everything cached # -> k, v [B, h, S, D], positions [B, S]."""
+    def keep_rows(self, index: list[int]) -> None:
+        """The rows ``index`` in that order (finished rows leave; -1: a new, empty row)."""
         if self.keys is None:
-            self.keys, self.values, self.positions = k, v, positions
-        else:
-            self.keys = torch.cat([self.keys, k], dim=2)
-            self.values = torch.cat([self.values, v], dim=2)
-            self.positions = torch.cat([self.positions, positions], dim=1)
-        return self.keys, self.values, self.positions
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` slots (drop rejected drafts)."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-            self.positions = self.positions[:, :length]
+            return
+        grown = [torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (self.keys, self.values)]  # row -1: empty
+        n = self.keys.shape[0]
+        at = torch.tensor([i if i >= 0 else n for i in index], dtype=torch.long, device=self.keys.device)
+        self.keys, self.values = (x.index_select(0, at) for x in grown)

@@ -6,13 +6,11 @@ The chain drafters share one signature too: ``draft(heads, first, g, row, run) -
 ``g`` drafts after the committed token ``first``, with the distributions they were drawn from);
 ``heads`` are the row's head scores at its anchor (``RowHeads``). The plan names the drafter
 (``DecodePlan.drafter``); two draft every row of a step at once: ``joint`` (every row's top-k in
-one read) and ``argmax`` (each head's argmax for every row in one call); ``eagle3``'s drafter
-keeps a KV cache per row (``Eagle3Chains``, below).
+one read) and ``argmax`` (each head's argmax for every row in one call); so does ``eagle3``'s drafter, one
+pass per draft step for all rows over a KV cache of its own (``Eagle3Chains``, below).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -134,89 +132,109 @@ def joint_drafts(heads: RowHeads, first: int, g: int, row, run) -> Drafts:
 # the commit and the accepted drafts after a verification, which end at its anchor), each with
 # the token after it: the text's, then the token decided after the anchor (the chain's
 # ``first``). The catch-up's last slot *is* the first draft step at the anchor; steps 2..g each
-# add a slot at the next position (the layer's own pre-norm output and the previous draft) and
-# are cropped after drafting, so the cache holds the text alone. This is the computation the
-# training-time test trains (step i at position t+i-1 sees the first-step slots up to t and its
-# own chain's later slots), which ``tests/decoding/test_eagle3.py`` checks against ``log_probs``.
+# add a slot at the next position (the layer's own pre-norm output and the previous draft),
+# which the next catch-up overwrites, so the cache holds the text alone. This is the computation
+# the training-time test trains (step i at position t+i-1 sees the first-step slots up to t and
+# its own chain's later slots), which ``tests/decoding/test_eagle3.py`` checks against ``log_probs``.
 #
-# One cache per row, the drafter run row by row: rows keep different counts each step, and a
-# cache per row needs no holes and makes a row's drafts exactly those of its run alone
-# (correctness first; batching the rows' drafter passes with a slot mask is left). No host read:
-# the text's ids are the host's (copied to the device), the drafts and their q stay on the device
-# until the verifier's one read per step.
-
-
-@dataclass
-class _RowDrafter:
-    cache: object  # the drafter's ``DraftCache``
-    done: int = 0  # text positions the cache holds
+# Rows are batched: one ``DraftCache`` holds every drafting row, slot s of a row its position s
+# (``adapters/eagle3_layer.py``), so rows that kept different counts need no holes: the catch-up
+# runs every row's new positions left-aligned in one pass (a shorter row's pad slots lie past
+# its text, written again before any query of it reads them), then each draft step is one pass
+# for all rows. A row whose chain is shorter (its budget's end) rides along and draws nothing
+# more: its generator sees exactly the draws of its run alone. A row that drafts nothing this
+# step never drafts again (its budget is spent), so it leaves the cache. No host read: the
+# text's ids and the slots are the host's (copied to the device), the drafts and their q stay on
+# the device until the verifier's one read per step.
 
 
 class Eagle3Chains:
     """The eagle3 drafter as a chain's ``draft_rows(out, rows, anchors, jobs, run) -> [Drafts]``
-    (the signature above): row j of job (j, first, g) catches up, then drafts g tokens after ``first``."""
+    (the signature below): the rows of the jobs (j, first, g) catch up together, then draft
+    their g tokens after ``first`` with one drafter pass per draft step for all of them."""
 
     def __init__(self, run):
         self.run, self.heads = run, run.model.heads
-        self.rows: dict[int, _RowDrafter] = {}  # the caller's row index -> its drafter state
+        self.cache = self.heads.new_cache()  # every drafting row's; cache row r is row ``order[r]``
+        self.order: list[int] = []  # the caller's row index of each cache row
+        self.done: dict[int, int] = {}  # the caller's row index -> text positions its cache row holds
 
     def __call__(self, out, rows, anchors, jobs, run) -> list[Drafts]:
-        self.forget(rows)
-        return [self._row(out, j, anchors[j], first, g, rows[j]) for j, first, g in jobs]
-
-    def forget(self, rows) -> None:
-        """Drop the caches of rows no longer in ``rows`` (finished)."""
-        live = {row.index for row in rows}
-        for index in [i for i in self.rows if i not in live]:
-            del self.rows[index]
-
-    def catch_up(self, out, j: int, anchor: int, first: int, row):
-        """Row j's drafter cache extended over the positions ``out`` kept up to ``anchor`` (its
-        last kept slot), ``first`` the token after it # -> (its state, the first draft step's
-        logits [1, new, Vd] and pre-norm output [1, new, H]: the anchor's is the last)."""
-        run, heads = self.run, self.heads
-        state = self.rows.setdefault(row.index, _RowDrafter(heads.new_cache()))
-        text = row.prompt + row.out_ids  # the row's text up to the anchor's token
-        new = len(text) - state.done  # the positions the last pass kept, ending at the anchor
-        if not 0 < new <= anchor + 1:
-            raise RuntimeError(f"the eagle3 drafter holds {state.done} positions of a {len(text)}-token text: "
-                               "a step kept no trunk states for the rest")
-        start = run.clock()
-        states = [s[j:j + 1, anchor + 1 - new:anchor + 1] for s in out.feats.layer_states]  # (L-1) x [1, new, H]
-        tokens = torch.tensor([text[state.done + 1:] + [first]], dtype=torch.long, device=run.device)  # [1, new]
-        positions = torch.arange(state.done, len(text), device=run.device)[None]  # [1, new]
-        logits, hidden = heads.step(heads.fuse(states), tokens, state.cache, positions)  # [1, new, Vd], [1, new, H]
-        state.done = len(text)
+        logits, hidden = self.catch_up(out, rows, anchors, jobs)  # [R, Vd], [R, 1, H]
+        start, dev = run.clock(), run.device
+        gs = [g for *_, g in jobs]
+        ctx = [self.done[rows[j].index] for j, *_ in jobs]  # step i + 2 sits at position ctx + i
+        contexts = [torch.tensor([first], dtype=torch.long, device=dev) for _, first, _ in jobs]  # the penalty's [1 + i]
+        drafts, probs = [[] for _ in jobs], [[] for _ in jobs]
+        for i in range(max(gs)):
+            tok = self._pick(logits, [rows[j] for j, *_ in jobs], contexts, [g > i for g in gs], drafts, probs)  # [R]
+            if i + 1 < max(gs):  # step i + 2, reading step i + 1's output and its draft
+                at = torch.tensor([[c + i] for c in ctx], dtype=torch.long, device=dev)  # [R, 1]
+                logits, hidden = self.heads.step(hidden, tok[:, None], self.cache, at, span=max(ctx) + i + 1)
+                logits = logits[:, 0]
         out.model_s += run.clock() - start  # the drafter's passes are model time
-        return state, logits, hidden
+        return [Drafts(torch.stack(d), torch.stack(q) if q else None) for d, q in zip(drafts, probs)]
 
-    def _row(self, out, j: int, anchor: int, first: int, g: int, row) -> Drafts:
-        """Row j's g drafts; ``anchor`` its last kept slot in ``out``, ``first`` the token after it."""
-        run, heads = self.run, self.heads
-        state, logits, hidden = self.catch_up(out, j, anchor, first, row)
-        start = run.clock()
-        context = torch.tensor([first], dtype=torch.long, device=run.device)  # [1 + i]: the penalty's context
-        drafts, probs = [], []
-        for i in range(g):
-            tok, q = self._pick(logits[0, -1], row, context)
-            drafts.append(tok)
-            probs.append(q)
-            if i + 1 < g:  # step i + 2 at position len(text) + i, reading step i + 1's output and its draft
-                context = torch.cat([context, tok.reshape(1)])
-                at = torch.full((1, 1), state.done + i, dtype=torch.long, device=run.device)
-                logits, hidden = heads.step(hidden[:, -1:], tok.reshape(1, 1), state.cache, at)
-        state.cache.crop(state.done)  # the chain's own slots go: the cache holds the text
+    def _rows(self, index: list[int]) -> None:
+        """Cache rows for the caller's rows ``index``, in that order: the others leave, a new one starts empty."""
+        if index != self.order:
+            self.cache.keep_rows([self.order.index(i) if i in self.order else -1 for i in index])
+            self.done = {i: self.done.get(i, 0) for i in index}
+            self.order = list(index)
+
+    def catch_up(self, out, rows, anchors, jobs):
+        """Every job's row (j, first, _) extended over the positions ``out`` kept up to ``anchors[j]``
+        (its last kept slot), ``first`` the token after it, in one drafter pass # -> the first draft
+        step at each anchor: logits [R, Vd], pre-norm output [R, 1, H]."""
+        run, heads, dev = self.run, self.heads, self.run.device
+        self._rows([rows[j].index for j, *_ in jobs])
+        texts = [rows[j].prompt + rows[j].out_ids for j, *_ in jobs]  # each row's text up to its anchor's token
+        dones = [self.done[i] for i in self.order]
+        news = [len(text) - done for text, done in zip(texts, dones)]  # the positions the last pass kept
+        for (j, *_), new, done, text in zip(jobs, news, dones, texts):
+            if not 0 < new <= anchors[j] + 1:
+                raise RuntimeError(f"the eagle3 drafter holds {done} positions of a {len(text)}-token text: "
+                                   "a step kept no trunk states for the rest")
+        start, width = run.clock(), max(news)
+        # left-aligned: row r's new positions, then pads (the anchor's state, token 0) at the slots after them
+        cols = [[anchors[j] + 1 - new + min(t, new - 1) for t in range(width)] for (j, *_), new in zip(jobs, news)]
+        tokens = [text[done + 1:] + [first] + [0] * (width - new)
+                  for text, done, (_, first, _), new in zip(texts, dones, jobs, news)]
+        at = torch.tensor([[done + t for t in range(width)] for done in dones], dtype=torch.long, device=dev)  # [R, W]
+        fused = heads.fuse(out.feats.layer_states, torch.tensor([j for j, *_ in jobs], device=dev),
+                           torch.tensor(cols, dtype=torch.long, device=dev))  # [R, W, H]
+        logits, hidden = heads.step(fused, torch.tensor(tokens, dtype=torch.long, device=dev), self.cache, at,
+                                    span=max(dones) + width)  # [R, W, Vd], [R, W, H]
+        for i, text in zip(self.order, texts):
+            self.done[i] = len(text)
+        rows_at, last = torch.arange(len(jobs), device=dev), torch.tensor([n - 1 for n in news], device=dev)
         out.model_s += run.clock() - start  # the drafter's passes are model time
-        probs = [q for q in probs if q is not None]
-        return Drafts(torch.stack(drafts), torch.stack(probs) if probs else None)
+        return logits[rows_at, last], hidden[rows_at, last][:, None]
 
-    def _pick(self, logits: torch.Tensor, row, context: torch.Tensor):
-        """A draft from the drafter's logits over its draft vocabulary # [Vd] -> (target id [],
-        q [V] | None): greedy without a penalty its argmax; else drawn like any head's draft
-        from its distribution over the whole vocabulary (probability 0 outside the draft one)."""
-        if self.run.plan.argmax_only:
-            return self.heads.to_target(logits.argmax(-1)), None
-        return draw_draft(self.heads.target_log_probs(logits), row, context, self.run.plan)
+    def _pick(self, logits: torch.Tensor, rows, contexts, drawing: list[bool], drafts, probs) -> torch.Tensor:
+        """Each drawing row's next draft from the drafter's logits over its draft vocabulary
+        # [R, Vd] -> tokens [R] (0 where a row draws no more), appended to ``drafts`` / ``probs``:
+        greedy without a penalty the argmax; else drawn like any head's draft, by the row's own
+        sampler, from the distribution over the whole vocabulary (probability 0 outside the draft one)."""
+        plan, heads = self.run.plan, self.heads
+        if plan.argmax_only:
+            tok = heads.to_target(logits.argmax(-1))  # [R]
+            for r in (r for r, on in enumerate(drawing) if on):
+                drafts[r].append(tok[r])
+            return tok
+        logp = heads.target_log_probs(logits)  # [R, V]
+        toks = []
+        for r, row in enumerate(rows):
+            if not drawing[r]:
+                toks.append(torch.zeros((), dtype=torch.long, device=logits.device))
+                continue
+            t, q = draw_draft(logp[r], row, contexts[r], plan)
+            drafts[r].append(t)
+            if q is not None:
+                probs[r].append(q)
+            contexts[r] = torch.cat([contexts[r], t.reshape(1)])
+            toks.append(t)
+        return torch.stack(toks)
 
 
 # A step's drafting rows: ``draft_rows(out, rows, anchors, jobs, run) -> [Drafts]``, one per job

@@ -157,11 +157,12 @@ class Eagle3Trees:
     are expanded in one drafter step, each seeing the text and its ancestors' slots, into
     their top children; the ``--tree-nodes`` best of all the candidates are the tree (a
     node's path probability never exceeds its parent's: they form a tree). The drafter's
-    ranking ignores the repetition penalty (verification applies it). Grown on the device,
-    every row's tree read in one host read; verified like any tree (its children distinct)."""
+    ranking ignores the repetition penalty (verification applies it). Every row grows at once,
+    one drafter pass per depth, on the device; every row's tree read in one host read;
+    verified like any tree (its children distinct)."""
 
     def __init__(self, run, chains):
-        self.run, self.plan, self.chains = run, run.plan, chains  # ``drafts.Eagle3Chains``: its caches and catch-up
+        self.run, self.plan, self.chains = run, run.plan, chains  # ``drafts.Eagle3Chains``: its cache and catch-up
         self.depth = run.plan.order - 1
         nodes = parse_nodes(run.cfg.trees.tree_nodes)
         self.budget = nodes if nodes is not None else EAGLE3_CHILDREN * self.depth  # auto: a full top-k per depth
@@ -174,62 +175,73 @@ class Eagle3Trees:
     def __call__(self, out, rows, anchors, live) -> Proposal:
         roots = tree_roots(out, rows, live, anchors, self.plan)
         depths = {j: min(self.depth, rows[j].budget - 1) for j in live}
-        keep = [j for j in live if depths[j] > 0]
-        self.chains.forget([rows[j] for j in live])
-        packs = [self._grow(out, j, anchors[j], roots[j], depths[j], rows[j]) for j in keep]  # [5, n_j] each
-        host = torch.cat(packs, 1).tolist() if packs else []  # the step's one read of the trees
-        trees, start = {j: Tree([roots[j]], [-1], [0], [0]) for j in live}, 0
-        for j, pack in zip(keep, packs):
-            trees[j] = _tree_of([col[start:start + pack.shape[1]] for col in host], roots[j])
-            start += pack.shape[1]
+        jobs = [(j, roots[j], depths[j]) for j in live if depths[j] > 0]
+        host = self._grow(out, rows, anchors, jobs).tolist() if jobs else []  # the step's one read of the trees
+        trees = {j: Tree([roots[j]], [-1], [0], [0]) for j in live}
+        for (j, root, depth), cols in zip(jobs, host):
+            trees[j] = _tree_of(cols, root, depth)
         for j in live:
             rows[j].forced = None
         return tree_proposal([trees[j] for j in live], [[roots[j]] for j in live], self.run)
 
-    def _grow(self, out, j: int, anchor: int, root: int, depth: int, row) -> torch.Tensor:
-        """Row j's best tree candidates on the device, best first # -> [5, n] float64: token,
-        parent + 1 (a candidate index; 0: the root), depth - 1, path log-probability, candidate
-        index (offset so that zeros read as the root's children)."""
-        run, heads = self.run, self.chains.heads
-        state, logits, hidden = self.chains.catch_up(out, j, anchor, root, row)
-        start, ctx, dev = run.clock(), state.cache.length, run.device
+    def _grow(self, out, rows, anchors, jobs) -> torch.Tensor:
+        """The best tree candidates of every job's row (j, root, depth) on the device, best
+        first # -> [R, 5, n] float64: token, parent + 1 (a candidate index; 0: the root), depth
+        - 1, path log-probability, candidate index (offset so that zeros read as the root's
+        children). Every row expands as many nodes per depth, in one drafter pass; a row
+        shallower than the deepest (its budget's end) grows along, its deeper candidates scored
+        -inf and left out by ``_tree_of``."""
+        run, heads, cache = self.run, self.chains.heads, self.chains.cache
+        logits, hidden = self.chains.catch_up(out, rows, anchors, jobs)  # [R, Vd], [R, 1, H]
+        start, dev, R = run.clock(), run.device, len(jobs)
+        ctx = [self.chains.done[rows[j].index] for j, *_ in jobs]  # each row's text length: its tree's slots follow
+        at_ctx = torch.tensor(ctx, dtype=torch.long, device=dev)  # [R]
         top = min(self.top, logits.shape[-1])
-        vals, ids = torch.log_softmax(logits[0, -1].float(), -1).topk(top)  # the root's children
-        tok, score = heads.to_target(ids), vals.double()  # [C] this depth's candidates
-        parent = torch.full((top,), -1, dtype=torch.long, device=dev)  # their parents (candidate index)
-        slot_of = torch.full((top,), -1, dtype=torch.long, device=dev)  # their parents' expanded slots (-1: the root)
+        vals, ids = torch.log_softmax(logits.float(), -1).topk(top)  # [R, C] the roots' children
+        tok, score = heads.to_target(ids), vals.double()  # [R, C] this depth's candidates
+        parent = torch.full((R, top), -1, dtype=torch.long, device=dev)  # their parents (candidate index)
+        slot_of = torch.full((R, top), -1, dtype=torch.long, device=dev)  # their parents' expanded slots (-1: the root)
         cands = [(tok, parent, torch.ones_like(tok), score)]
-        seen_slots = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [M, M] expanded slot -> the slots it sees
-        outs, offset = hidden[0, -1:], 0  # the root's output, then each expanded slot's # [1 + M, H]
-        for d in range(1, depth):
-            pick = score.topk(min(self.top, score.numel())).indices  # the best of depth d, expanded
-            m, e = seen_slots.shape[0], pick.numel()
-            sees = torch.cat([torch.zeros(1, m, dtype=torch.bool, device=dev), seen_slots])[slot_of[pick] + 1]  # [E, M]
-            seen_slots = torch.cat([torch.cat([seen_slots, torch.zeros(m, e, dtype=torch.bool, device=dev)], 1),
-                                    torch.cat([sees, torch.eye(e, dtype=torch.bool, device=dev)], 1)])  # [M + E, M + E]
-            attend = torch.cat([torch.ones(e, ctx, dtype=torch.bool, device=dev), seen_slots[m:]], 1)[None]  # [1, E, ctx + M + E]
-            at = torch.full((1, e), ctx + d - 1, dtype=torch.long, device=dev)  # depth d sits d - 1 after the root's step
-            logits, h = heads.step(outs[slot_of[pick] + 1][None], tok[pick][None], state.cache, at, attend)
-            outs = torch.cat([outs, h[0]])
-            vals, ids = torch.log_softmax(logits[0].float(), -1).topk(top)  # [E, K]
-            score = (score[pick][:, None] + vals.double()).reshape(-1)
-            parent = (offset + pick).repeat_interleave(top)
-            slot_of = (m + torch.arange(e, device=dev)).repeat_interleave(top)
-            offset += cands[-1][0].numel()
-            tok = heads.to_target(ids).reshape(-1)
+        seen_slots = torch.zeros(R, 0, 0, dtype=torch.bool, device=dev)  # [R, M, M] expanded slot -> the slots it sees
+        outs, offset = hidden, 0  # the root's output, then each expanded slot's # [R, 1 + M, H]
+        for d in range(1, max(depth for *_, depth in jobs)):
+            pick = score.topk(min(self.top, score.shape[1])).indices  # [R, E] the best of depth d, expanded
+            m, e = seen_slots.shape[1], pick.shape[1]
+            src = slot_of.gather(1, pick) + 1  # [R, E] their parents' rows of ``outs``
+            sees = torch.cat([seen_slots.new_zeros(R, 1, m), seen_slots], 1)  # [R, 1 + M, M]: the root sees no node
+            sees = sees.gather(1, src[..., None].expand(R, e, m))  # [R, E, M]
+            seen_slots = torch.cat([torch.cat([seen_slots, seen_slots.new_zeros(R, m, e)], 2),
+                                    torch.cat([sees, torch.eye(e, dtype=torch.bool, device=dev).expand(R, e, e)], 2)], 1)
+            span = max(ctx) + m + e
+            rel = torch.arange(span, device=dev)[None] - at_ctx[:, None]  # [R, span]: a slot's place in its row's tree
+            tree = seen_slots[:, m:].gather(2, rel.clamp(0, m + e - 1)[:, None].expand(R, e, span))  # [R, E, span]
+            attend = (rel < 0)[:, None] | (tree & (rel < m + e)[:, None])  # the text, then the node's ancestors and itself
+            at = (at_ctx + d - 1)[:, None].expand(R, e)  # depth d sits d - 1 after the root's step
+            slots = at_ctx[:, None] + m + torch.arange(e, device=dev)[None]  # [R, E] after the text and the earlier nodes
+            logits, h = heads.step(outs.gather(1, src[..., None].expand(R, e, outs.shape[-1])), tok.gather(1, pick), cache,
+                                   at, attend, slots, span)  # [R, E, Vd], [R, E, H]
+            outs = torch.cat([outs, h], 1)
+            vals, ids = torch.log_softmax(logits.float(), -1).topk(top)  # [R, E, K]
+            score = (score.gather(1, pick)[..., None] + vals.double()).reshape(R, -1)
+            parent = (offset + pick).repeat_interleave(top, dim=1)
+            slot_of = (m + torch.arange(e, device=dev)).repeat_interleave(top)[None].expand(R, -1)
+            offset += cands[-1][0].shape[1]
+            tok = heads.to_target(ids).reshape(R, -1)
             cands.append((tok, parent, torch.full_like(tok, d + 1), score))
-        state.cache.crop(ctx)  # the tree's slots go: the cache holds the text
-        tokens, parents, depths, scores = (torch.cat(part) for part in zip(*cands))
-        best = scores.topk(min(self.budget, scores.numel())).indices  # sorted: best first
+        tokens, parents, depths, scores = (torch.cat(part, 1) for part in zip(*cands))  # [R, n]
+        deeper = depths > torch.tensor([depth for *_, depth in jobs], device=dev)[:, None]  # past a row's own depth
+        scores = scores.masked_fill(deeper, float("-inf"))
+        best = scores.topk(min(self.budget, scores.shape[1])).indices  # [R, n'] sorted: best first
         out.model_s += run.clock() - start
-        return torch.stack([tokens[best].double(), parents[best].double() + 1, depths[best].double() - 1, scores[best], best.double()])
+        take = lambda x: x.gather(1, best).double()  # noqa: E731
+        return torch.stack([take(tokens), take(parents) + 1, take(depths) - 1, take(scores), best.double()], 1)
 
 
-def _tree_of(cols: list[list[float]], root: int) -> Tree:
+def _tree_of(cols: list[list[float]], root: int, depth: int) -> Tree:
     """A row's tree from its ``_grow`` pack read on the host: nodes by depth then score (parents
-    first), a candidate whose parent was not kept (a tie at the cut) left out."""
+    first), a candidate deeper than ``depth`` or whose parent was not kept (a tie at the cut) left out."""
     tokens, parents, depths, scores, index = cols
-    order = sorted(range(len(tokens)), key=lambda i: (depths[i], -scores[i]))
+    order = sorted((i for i in range(len(tokens)) if depths[i] < depth), key=lambda i: (depths[i], -scores[i]))
     node_of, out_tokens, out_parents, out_depths, out_ranks = {-1: 0}, [root], [-1], [0], [0]
     children: dict[int, int] = {}
     for i in order:

@@ -44,8 +44,8 @@ def test_engine_drafts_are_the_training_time_chain_over_the_final_text(tiny_back
 
     calls, step = [], model.heads.step
 
-    def spy(hidden, token_ids, cache, positions, attend=None):  # every drafter pass: its positions and logits
-        logits, out = step(hidden, token_ids, cache, positions, attend)
+    def spy(hidden, token_ids, cache, positions, *args, **kwargs):  # every drafter pass: its positions and logits
+        logits, out = step(hidden, token_ids, cache, positions, *args, **kwargs)
         calls.append((positions[0].tolist(), logits[0]))
         return logits, out
 
@@ -131,7 +131,7 @@ def test_sampled_eagle3_chains_keep_the_base_distribution(small_vocab_backbone, 
 @pytest.mark.parametrize("mode", ["speculative", "typical"])
 @pytest.mark.parametrize("greedy", [True, False])
 def test_eagle3_rows_equal_their_runs_alone(tiny_backbones, mode, greedy, tree):
-    """Rows of one batch keep different counts each step (each drafter cache its own): every
+    """Rows of one batch keep different counts each step (one drafter cache, slot = position): every
     row equals its run alone with its seed, sampled and typical included, chains and trees."""
     model = attach(tiny_backbones["llama"], "eagle3")
     prompts, seeds = encode(model.backbone), [3, 1, 4, 1]
@@ -180,8 +180,8 @@ def test_dynamic_trees_grow_the_drafters_own_chain_and_decode_exactly(tiny_backb
     monkeypatch.setattr(tree_proposer.Eagle3Trees, "__call__", spy)
     calls, step = [], model.heads.step
 
-    def spy_step(hidden, token_ids, cache, positions, attend=None):  # catch-ups (attend None), then expansions
-        logits, out = step(hidden, token_ids, cache, positions, attend)
+    def spy_step(hidden, token_ids, cache, positions, attend=None, *args, **kwargs):  # catch-ups (attend None), then expansions
+        logits, out = step(hidden, token_ids, cache, positions, attend, *args, **kwargs)
         calls.append((attend is None, positions[0].tolist(), logits[0]))
         return logits, out
 
