@@ -6,10 +6,12 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 from multitoken.base.errors import UsageError
+from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
-from multitoken.pipeline.integrations.hf_generate import with_heads
+from multitoken.pipeline.integrations.hf_generate import attached, with_heads
 from multitoken.pipeline.model.model import MultiTokenModel
 
 from ..conftest import REPO
@@ -102,14 +104,14 @@ def test_the_readme_block_runs_as_written_on_the_embedded_model(tmp_path, monkey
     assert scope["tokenizer"].decode(out[0], skip_special_tokens=True) in capsys.readouterr().out
     kept = json.loads((tmp_path / STEP_TIMES_FILE).read_text())  # measured once, kept for this machine
     assert len(kept) == 1 and "heads=replicatedx3" in next(iter(kept)) and "cpu=" in next(iter(kept))
-    (mt, _), = getattr(model, ATTACHED).values()
+    (mt, _), = getattr(model, ATTACHED)["heads"].values()
     trees._STEP_TIMES.clear()  # a new process: the times come from the file, not from timing
     with monkeypatch.context() as patch:
         patch.setattr(mt, "step", lambda *a, **k: pytest.fail("the verify step was timed again"))
         assert trees.step_times(mt, argmax=True) == {int(b): t for b, t in next(iter(kept.values())).items()}
     again = model.generate(ids, max_new_tokens=64, do_sample=False,
                            custom_generate=scope["with_heads"](scope["HEADS"], tree="static"))
-    assert again.tolist() == out.tolist() and len(getattr(model, ATTACHED)) == 1  # the heads loaded once
+    assert again.tolist() == out.tolist() and len(getattr(model, ATTACHED)["heads"]) == 1  # the heads loaded once
 
 
 def test_heads_and_stats_take_the_names_the_command_line_takes():
@@ -117,3 +119,96 @@ def test_heads_and_stats_take_the_names_the_command_line_takes():
     with pytest.raises(UsageError, match="embedded:stories260K-heads") as err:
         with_heads("embedded:no-such-heads")
     assert "embedded:no-such-heads: the package ships no folder of that name" in str(err.value)  # resolve_base's check
+
+
+def _fresh(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _greedy(model, ids, **kw):
+    return model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=2, **kw).tolist()
+
+
+def test_the_heads_run_on_packed_linears_of_a_copy_the_callers_model_unchanged(heads_and_model, tiny_llama_dir):
+    """Our CPU linears on a runner: every linear of the copy packed, the caller's module tree,
+    Parameters and values as they were, and its own generate still torch's stock greedy."""
+    heads, _ = heads_and_model
+    model, ids = _fresh(tiny_llama_dir), torch.tensor([[1, 45, 230, 17, 99]])
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    plain = _greedy(model, ids)
+    assert _greedy(model, ids, custom_generate=with_heads(str(heads))) == plain
+    mt, _ = attached(model, str(heads), None)
+    packed = [m for m in mt.backbone.model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert mt.backbone.model is not model and len(packed) == len(linears)  # every linear, on the copy
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, (ptr, value) in before.items():
+        assert after[k].data_ptr() == ptr and torch.equal(after[k], value), k
+    assert _greedy(model, ids) == plain
+
+
+def test_stock_linears_decode_on_the_callers_model(heads_and_model, tiny_llama_dir):
+    heads, _ = heads_and_model
+    model, ids = _fresh(tiny_llama_dir), torch.tensor([[1, 300, 12]])
+    assert _greedy(model, ids, custom_generate=with_heads(str(heads), cpu_linear="stock")) == _greedy(model, ids)
+    mt, _ = attached(model, str(heads), None, "stock")
+    assert mt.backbone.model is model and not any(isinstance(m, PackedLinear) for m in mt.modules())
+    with pytest.raises(UsageError, match="unknown cpu_linear 'fast'") as err:
+        with_heads(str(heads), cpu_linear="fast")
+    assert "rows" in err.value.fix and "stock" in err.value.fix
+
+
+def test_a_model_our_linears_cannot_take_keeps_its_own_saying_why_once(heads_and_model, tiny_llama_dir, capsys):
+    heads, _ = heads_and_model
+    model, ids = _fresh(tiny_llama_dir).half(), torch.tensor([[1, 45, 230]])
+    for _ in range(2):
+        assert _greedy(model, ids, custom_generate=with_heads(str(heads))) == _greedy(model, ids)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "with_heads" in line]
+    assert notes == ["multitoken: with_heads decodes on the model's own linears: its weights are float16, and our "
+                     "CPU linears take float32 / bfloat16 (cpu_linear=\"stock\" asks for them without this note)"]
+    assert attached(model, str(heads), None)[0].backbone.model is model
+
+
+def test_weights_changed_after_the_first_call_are_decoded_not_the_old_copy(heads_and_model, tiny_llama_dir, tmp_path):
+    """The runner is a copy: weights loaded into the caller's model after (a fine-tune's: every
+    layer but the embedding, which the heads' base check reads) build it again."""
+    from ..conftest import build_tiny_llama
+
+    heads, _ = heads_and_model
+    model, ids = _fresh(tiny_llama_dir), torch.tensor([[1, 45, 230, 17, 99]])
+    method = with_heads(str(heads))
+    first = _greedy(model, ids, custom_generate=method)
+    runner = attached(model, str(heads), None)[0].backbone.model
+    other = _fresh(build_tiny_llama(tmp_path / "other", seed=1))
+    model.load_state_dict({k: v for k, v in other.state_dict().items() if "embed_tokens" not in k}, strict=False)
+    plain = _greedy(model, ids)
+    assert plain != first  # the premise: the new weights continue the prompt otherwise
+    assert _greedy(model, ids, custom_generate=method) == plain
+    assert attached(model, str(heads), None)[0].backbone.model is not runner
+
+
+def test_a_later_call_neither_copies_packs_nor_times_and_a_one_token_reply_is_one_forward(
+        heads_and_model, tiny_llama_dir, monkeypatch):
+    """What a call costs once the model has met with_heads: the decode alone. A one-token reply
+    is the prompt's one forward pass, as transformers' own generate makes it."""
+    from multitoken.decoding import trees
+    from multitoken.pipeline.integrations import hf_generate
+
+    heads, _ = heads_and_model
+    model, ids = _fresh(tiny_llama_dir), torch.tensor([[1, 45, 230, 17, 99]])
+    _greedy(model, ids, custom_generate=with_heads(str(heads), tree="static"))  # copies, packs, times
+    mt, _ = attached(model, str(heads), None)
+    trees._STEP_TIMES.clear()  # as a new process would: the times from STEP_TIMES_FILE
+    monkeypatch.setattr(hf_generate, "_runner", lambda *a: pytest.fail("the model was copied again"))
+    packed = [m for m in mt.modules() if isinstance(m, PackedLinear)]
+    forwards, step = [], mt.step
+    monkeypatch.setattr(mt, "step", lambda new_ids, *a, **k: forwards.append(new_ids.shape) or step(new_ids, *a, **k))
+    out = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=2,
+                         custom_generate=with_heads(str(heads), tree="static"))
+    assert out.tolist() == model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=2).tolist()
+    assert forwards == [torch.Size([1, 5])]  # the prompt's pass, nothing timed
+    assert packed and [m for m in mt.modules() if isinstance(m, PackedLinear)] == packed  # the same packed layers, none again
