@@ -281,3 +281,36 @@ def test_torch_quantised_matmuls_are_timed_on_the_weights_ours_read(tmp_path):
     x = torch.eye(64)  # the product with the identity reads the weight back as torch decodes it
     got = torch._weight_int4pack_mm_for_cpu(x, int4, quant.GROUP, torch.stack([d.T, (m + 8 * d).T], -1).contiguous())
     torch.testing.assert_close(got.T, weight, rtol=0, atol=1e-6)
+
+
+def test_with_heads_against_plain_generate_pairs_prompts_and_stops_on_a_differing_text(tmp_path, monkeypatch):
+    """bench_with_heads at a tiny size on the embedded model: per method tokens/s, paired ratios
+    and tokens per forward, the results table the pages render; a with_heads whose text differs
+    from plain generate's makes it exit non-zero, its record kept."""
+    from multitoken.embedded import DEFAULT_BASE
+
+    script, tables = load_script(SCRIPTS / "bench_with_heads.py"), load_script(SCRIPTS / "benchmark_tables.py")
+    argv = ["--base", str(DEFAULT_BASE), "--heads", "embedded:stories260K-heads", "--trees", "chain",
+            "--num-prompts", "2", "--max-new-tokens", "6", "--reps", "1"]
+    record = script.main([*argv, "--out", str(tmp_path / "w.json")])
+    chain = record["methods"]["with_heads tree=chain"]
+    assert record["methods"]["plain generate"]["ratio_geomean"] == 1.0 and chain["equal_to_plain"]
+    assert chain["tokens"] == 12 and 1.0 <= chain["tokens_per_forward"] <= 4.0 and chain["ratio_geomean"] > 0
+    assert set(record["first_call"]) == {"plain generate", "with_heads tree=chain"}
+    assert "| with_heads tree=chain |" in tables.render({**record["table"], "file": "smollm2.json"})
+    real = script.with_heads
+
+    def off_by_one(heads, **kw):  # transformers' text with its last token changed
+        method = real(heads, **kw)
+
+        def wrong(*a, **k):
+            out = method(*a, **k)
+            out[:, -1] = (out[:, -1] + 1) % 512
+            wrong.traces = method.traces
+            return out
+        return wrong
+
+    monkeypatch.setattr(script, "with_heads", off_by_one)
+    with pytest.raises(SystemExit, match="with_heads tree=chain differ from plain generate's greedy output"):
+        script.main([*argv, "--out", str(tmp_path / "wrong.json")])
+    assert json.loads((tmp_path / "wrong.json").read_text())["methods"]["with_heads tree=chain"]["equal_to_plain"] is False

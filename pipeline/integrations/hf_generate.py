@@ -73,7 +73,8 @@ def with_heads(heads: str, stats: str | None = None, *, cpu_linear: str = ROWS, 
     """A ``custom_generate`` method decoding with the heads in ``heads`` (a heads dir, or
     ``embedded:NAME`` / ``fetched:NAME``) and co-occurrence ``stats`` (same forms; DynaMo / joint
     drafts), on the CPU linears ``cpu_linear`` asks for (``kernels.cpu_linear.CPU_LINEARS``;
-    ``stock``: the model's own); ``decode``: other ``DecodeConfig`` fields (mode, tree, tree_nodes, eps_b, ...)."""
+    ``stock``: the model's own); ``decode``: other ``DecodeConfig`` fields (mode, tree, tree_nodes, eps_b, ...).
+    The method's ``traces`` hold its latest call's per-row traces (forward passes, tokens per forward, accepts)."""
     heads = resolve_base(str(heads))
     stats = resolve_base(str(stats)) if stats is not None else None
     if not (Path(heads) / "heads_config.json").is_file():
@@ -93,8 +94,10 @@ def with_heads(heads: str, stats: str | None = None, *, cpu_linear: str = ROWS, 
         cfg = _decode_config(generation_config, decode, input_ids.shape[1])
         rows = prompt_rows(input_ids, model_kwargs.get("attention_mask"))
         results = generate_batch(mt, rows, cfg, table=table)
+        multitoken_generate.traces = [r.trace for r in results]
         return _sequences(input_ids, [r.token_ids for r in results], generation_config)
 
+    multitoken_generate.traces = []
     return multitoken_generate
 
 

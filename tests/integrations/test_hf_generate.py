@@ -55,9 +55,11 @@ def test_a_padded_batch_keeps_each_rows_prompt_and_output(heads_and_model):
     rows = [[1, 45, 230, 17, 99], [1, 300, 12]]
     ids = torch.tensor([rows[0], [0, 0] + rows[1]])  # left padded, as transformers' batches are
     mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    method = with_heads(str(heads))
     ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=2,
-                          custom_generate=with_heads(str(heads)))
+                          custom_generate=method)
     assert ours[:, :5].tolist() == ids.tolist()
+    assert [t.new_tokens for t in method.traces] == [12, 12]  # the latest call's trace per row
     for i, row in enumerate(rows):
         alone = model.generate(torch.tensor([row]), max_new_tokens=12, do_sample=False, pad_token_id=2)
         assert ours[i, 5:].tolist()[:12] == alone[0, len(row):].tolist()
