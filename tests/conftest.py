@@ -60,6 +60,14 @@ def build_tiny_llama(out: Path, *, layers: int = 3, hidden: int = 32, seed: int 
     return out
 
 
+def readme_block(needle: str) -> str:
+    """The README's python block that contains ``needle``, as written."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    return next(b for b in blocks if needle in b)
+
+
 def rank_odd_tokens(model, heads_dir: Path, size: int) -> list[int]:
     """Give ``model`` a heads dir whose token ranking (draft_vocab.json) puts the odd ids first,
     lowest first; returns the ``size`` ids its drafts then score."""

@@ -14,7 +14,7 @@ from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.integrations.hf_generate import attached, with_heads
 from multitoken.pipeline.model.model import MultiTokenModel
 
-from ..conftest import REPO
+from ..conftest import readme_block
 
 
 @pytest.fixture(autouse=True)
@@ -75,12 +75,6 @@ def test_options_without_a_counterpart_are_refused(heads_and_model, tmp_path):
         with_heads(str(tmp_path))
 
 
-def _readme_block() -> str:
-    """The README's python block that calls ``with_heads``."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
-    return next(b for b in blocks if "with_heads(" in b)
-
-
 def test_the_readme_block_runs_as_written_on_the_embedded_model(tmp_path, monkeypatch, capsys):
     """The README's block, with only its BASE and HEADS lines pointed at the embedded stories260K
     (SmolLM2 is not fetched here): it runs, prints transformers' greedy text, and a second
@@ -94,7 +88,7 @@ def test_the_readme_block_runs_as_written_on_the_embedded_model(tmp_path, monkey
     from multitoken.pipeline.integrations.hf_generate import ATTACHED, STEP_TIMES_FILE
 
     monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path))
-    block = _readme_block()
+    block = readme_block("with_heads(")
     for name, value in (("BASE", repr(str(DEFAULT_BASE))), ("HEADS", repr("embedded:stories260K-heads"))):
         block, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", block, flags=re.M)
         assert n == 1, f"the README block no longer sets {name} on one line"

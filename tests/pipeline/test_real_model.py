@@ -243,6 +243,31 @@ def test_transformers_generate_with_the_shipped_heads(smol_dir, tmp_path, monkey
 
 
 @NETWORK
+def test_the_readmes_with_heads_block_runs_as_written_on_smollm2(smol_dir, tmp_path, monkeypatch, capsys):
+    """The README's block unchanged, SmolLM2 found where ``fetch`` put it (a cache whose models/
+    is the fetched one; step times into a fresh file): transformers' greedy text, decoded on the
+    GGUF's codes packed on a copy, the user's model left on torch's linears."""
+    from transformers import AutoModelForCausalLM
+
+    from multitoken.kernels.cpu_linear import PackedLinear
+    from multitoken.pipeline.integrations.hf_generate import ATTACHED
+
+    from ..conftest import readme_block
+
+    (tmp_path / "models").symlink_to(smol_dir.parent, target_is_directory=True)
+    monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path))
+    scope: dict = {}
+    exec(compile(readme_block("with_heads("), "README.md", "exec"), scope)
+    model, ids, out = scope["hf_model"], scope["ids"], scope["out"]
+    plain = AutoModelForCausalLM.from_pretrained(smol_dir).generate(ids, max_new_tokens=64, do_sample=False)
+    assert out.tolist() == plain.tolist()
+    assert scope["tokenizer"].decode(out[0], skip_special_tokens=True) in capsys.readouterr().out
+    (mt, _), = getattr(model, ATTACHED)["heads"].values()
+    formats = {m.format for m in mt.backbone.model.modules() if isinstance(m, PackedLinear)}
+    assert "q4_1" in formats and not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@NETWORK
 def test_lookup_branch_keeps_greedy_exact_on_smollm2(smol_conditioned):
     """A prompt lookup branch beside the heads' chain (decoding/trees.py): transformers' greedy
     text, alone and batched, with runs copied from the context kept past the heads' depth."""
