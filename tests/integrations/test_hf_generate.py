@@ -153,6 +153,7 @@ def test_stock_linears_decode_on_the_callers_model(heads_and_model, tiny_llama_d
     assert _greedy(model, ids, custom_generate=with_heads(str(heads), cpu_linear="stock")) == _greedy(model, ids)
     mt, _ = attached(model, str(heads), None, "stock")
     assert mt.backbone.model is model and not any(isinstance(m, PackedLinear) for m in mt.modules())
+    assert attached(model, str(heads), None, "stock")[0] is mt  # decoding left the weights' stamp as it was
     with pytest.raises(UsageError, match="unknown cpu_linear 'fast'") as err:
         with_heads(str(heads), cpu_linear="fast")
     assert "rows" in err.value.fix and "stock" in err.value.fix
