@@ -209,3 +209,15 @@ def test_a_later_call_neither_copies_packs_nor_times_and_a_one_token_reply_is_on
     assert out.tolist() == model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=2).tolist()
     assert forwards == [torch.Size([1, 5])]  # the prompt's pass, nothing timed
     assert packed and [m for m in mt.modules() if isinstance(m, PackedLinear)] == packed  # the same packed layers, none again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
+def test_a_model_on_cuda_decodes_on_its_own_linears_saying_so_once(heads_and_model, tiny_llama_dir, capsys):
+    heads, _ = heads_and_model
+    model, ids = _fresh(tiny_llama_dir).to("cuda"), torch.tensor([[1, 45, 230, 17, 99]], device="cuda")
+    for _ in range(2):
+        assert _greedy(model, ids, custom_generate=with_heads(str(heads))) == _greedy(model, ids)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "with_heads" in line]
+    assert len(notes) == 1 and "the model is on cuda:0, and our linears are CPU kernels" in notes[0]
+    assert attached(model, str(heads), None)[0].backbone.model is model
