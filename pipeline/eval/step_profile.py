@@ -1,0 +1,201 @@
+"""Where a decoding step's time goes: torch.profiler over ``generate``, each op the profiler
+records attributed to the part of the model it ran in, and the time no op accounts for.
+
+``labelled(model)`` wraps, for the duration of a ``with``, the forward of every module of
+interest (and a packed linear's ``argmax``, the greedy unembedding) in a ``record_function``
+label: ``mt.linear:<format>:<name>`` for a linear (``stock`` where it is not packed), and
+``mt.attention`` / ``mt.rotary`` / ``mt.norm`` / ``mt.mlp`` / ``mt.embed`` / ``mt.layer`` by
+module class, ``mt.step`` around ``model.step``. Nothing else changes: the wrappers are instance
+attributes, removed on exit.
+
+``attribute(events, ...)`` reads the profiler's events on the thread that ran ``generate``,
+from the end of the prompt's pass (the first ``mt.step``) to the end of the run: an op whose
+callers are only labels is a *top-level* op (the time C++ spent on behalf of one Python call);
+its time goes to the innermost label around it (our kernels, ``multitoken_<level>::*``, to
+their format and linear). What no top-level op covers is Python and dispatch between ops: the
+interpreter, module calls, argument parsing, the profiler's own cost per op (which is why the
+unprofiled step's wall time is measured beside it, ``measured_us``). Times are microseconds per
+step (a forward pass after the prompt's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter, defaultdict
+
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from multitoken.decoding.engine import generate
+from multitoken.kernels.cpu_linear import PackedLinear
+
+PREFIX = "mt."
+KERNEL_OPS = "multitoken_"  # our torch ops' namespaces (multitoken_native, multitoken_avx2, ...)
+STEP, GENERATE = "mt.step", "mt.generate"
+# module class name (its end) -> label, tried in order: norms before layers ("LayerNorm")
+CLASS_LABELS = (("Norm", "mt.norm"), ("RotaryEmbedding", "mt.rotary"), ("Attention", "mt.attention"),
+                ("MLP", "mt.mlp"), ("DecoderLayer", "mt.layer"), ("Layer", "mt.layer"))
+# innermost label -> the part of the step its ops are counted in
+PARTS = {"mt.attention": "attention (scores, softmax, KV cache)", "mt.rotary": "attention (scores, softmax, KV cache)",
+         "mt.norm": "norms", "mt.mlp": "MLP activation and product", "mt.embed": "embedding",
+         "mt.layer": "residual adds", STEP: "step set-up (mask, positions)", GENERATE: "decoding logic (outside the model)"}
+RESIDUE = "Python and dispatch between ops"
+
+
+def label_of(name: str, module: nn.Module) -> str | None:
+    """The label a module's calls run under (None: not one of interest)."""
+    leaf = name.rsplit(".", 1)[-1] or "model"
+    if isinstance(module, PackedLinear):
+        return f"mt.linear:{module.format}:{leaf}"
+    if isinstance(module, nn.Linear):
+        return f"mt.linear:stock:{leaf}"
+    if isinstance(module, nn.Embedding):
+        return "mt.embed"
+    cls = type(module).__name__
+    return next((label for end, label in CLASS_LABELS if cls.endswith(end)), None)
+
+
+def _wrap(label: str, fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return run
+
+
+@contextlib.contextmanager
+def labelled(model: nn.Module, extra: dict[str, nn.Module] | None = None):
+    """``model``'s modules (and ``extra``: name -> module, e.g. a draft unembedding outside the
+    model's tree) called under their labels, and ``model.step`` under ``mt.step``, inside the ``with``."""
+    modules = dict(model.named_modules())
+    modules.update({f"{name}.{sub}".rstrip("."): m for name, root in (extra or {}).items()
+                    for sub, m in root.named_modules()})
+    wrapped = []
+    for name, module in modules.items():
+        label = label_of(name, module)
+        if label is None or "forward" in module.__dict__:
+            continue
+        attrs = ("forward", "argmax") if isinstance(module, PackedLinear) else ("forward",)
+        for attr in attrs:
+            module.__dict__[attr] = _wrap(label.replace("mt.linear", "mt.argmax") if attr == "argmax" else label,
+                                          getattr(module, attr))
+            wrapped.append((module, attr))
+    if hasattr(model, "step"):
+        model.__dict__["step"] = _wrap(STEP, model.step)
+        wrapped.append((model, "step"))
+    try:
+        yield
+    finally:
+        for module, attr in wrapped:
+            module.__dict__.pop(attr, None)
+
+
+def _labels(event) -> list[str]:
+    """The labels around ``event``, innermost first; empty where an op (not a label) calls it."""
+    out, parent = [], event.cpu_parent
+    while parent is not None:
+        if not parent.name.startswith(PREFIX):
+            return []
+        out.append(parent.name)
+        parent = parent.cpu_parent
+    return out
+
+
+def _linear(label: str) -> tuple[str, str] | None:
+    """(format, linear name) of a linear's or argmax's label, else None."""
+    kind, _, rest = label.partition(":")
+    if kind not in ("mt.linear", "mt.argmax"):
+        return None
+    fmt, _, name = rest.partition(":")
+    return fmt, name + (" (argmax)" if kind == "mt.argmax" else "")
+
+
+def _window(events) -> tuple[int, float, float, int]:
+    """(thread, start, end, steps): the run's thread, from the end of its first step to its end."""
+    runs = [e for e in events if e.name == GENERATE]
+    if len(runs) != 1:
+        raise ValueError(f"expected one {GENERATE} label in the profile, found {len(runs)}")
+    run = runs[0]
+    steps = sorted((e for e in events if e.name == STEP and e.thread == run.thread), key=lambda e: e.time_range.start)
+    if len(steps) < 2:
+        raise ValueError("the run made no step after the prompt's pass: ask for more new tokens")
+    return run.thread, steps[0].time_range.end, run.time_range.end, len(steps) - 1
+
+
+def attribute(events) -> dict:
+    """Microseconds per step by part of the step (see the module doc) from a profile's events."""
+    thread, start, end, steps = _window(events)
+    inside = [e for e in events if e.thread == thread and e.time_range.start >= start and e.time_range.end <= end]
+    parts: Counter = Counter()
+    formats: Counter = Counter()
+    linears: dict[str, Counter] = defaultdict(Counter)
+    counts = Counter()
+    wrappers = 0.0  # the linears' labelled time less their ops': their Python wrappers
+    for e in inside:
+        span = e.time_range.end - e.time_range.start
+        if e.name.startswith(PREFIX):
+            if _linear(e.name) is not None:
+                wrappers += span
+            continue
+        counts["ops"] += 1
+        labels = _labels(e)
+        if not labels and e.cpu_parent is not None:
+            continue  # nested in another op: its caller's time holds it
+        counts["top_level_ops"] += 1
+        if e.self_cpu_memory_usage > 0:
+            counts["allocating_ops"] += 1
+            counts["allocated_bytes"] += e.self_cpu_memory_usage
+        linear = next((found for label in labels if (found := _linear(label)) is not None), None)
+        if linear is not None:
+            wrappers -= span
+            fmt, name = linear
+            if e.name.startswith(KERNEL_OPS):
+                formats[fmt] += span
+                linears[name][fmt] += span
+                parts[f"linear kernels: {fmt}"] += span
+            else:
+                parts["linear (other ops: torch's linear, bias, copies)"] += span
+            continue
+        part = next((PARTS[label] for label in labels if label in PARTS), PARTS[GENERATE])
+        parts[part] += span
+    wall = end - start
+    ops = sum(parts.values())
+    parts["Python in the linears' wrappers"] = max(wrappers, 0.0)
+    parts["Python and dispatch elsewhere"] = max(wall - ops - parts["Python in the linears' wrappers"], 0.0)
+    per = lambda x: round(x / steps, 1)
+    return {"steps": steps, "wall_us": per(wall), "ops_us": per(ops), "residue_us": per(wall - ops),
+            "parts_us": {k: per(v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+            "kernels_by_format_us": {k: per(v) for k, v in formats.items()},
+            "kernels_by_linear_us": {name: {k: per(v) for k, v in by.items()} for name, by in sorted(linears.items())},
+            "ops_per_step": per(counts["ops"]), "top_level_ops_per_step": per(counts["top_level_ops"]),
+            "allocating_ops_per_step": per(counts["allocating_ops"]),
+            "allocated_kb_per_step": round(counts["allocated_bytes"] / 1024 / steps, 1)}
+
+
+def profile_run(model, ids, cfg, table=None, extra: dict[str, nn.Module] | None = None) -> tuple[dict, object]:
+    """One ``generate`` of ``ids`` under the profiler, labelled -> (``attribute``'s dict, its result)."""
+    with labelled(model, extra), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function(GENERATE):
+            result = generate(model, ids, cfg, table=table)
+    found = attribute(prof.events())
+    found["tokens_per_forward"] = round(result.trace.tokens_per_forward, 3)
+    return found, result
+
+
+def measured_us(trace) -> float:
+    """An unprofiled run's wall time per step after the prompt's pass (microseconds)."""
+    steps = max(trace.forward_passes - 1, 1)
+    return round((trace.wall_s - trace.prefill_s) / steps * 1e6, 1)
+
+
+def draft_unembeddings(model) -> dict[str, nn.Module]:
+    """The model's draft unembeddings built so far (outside its module tree), by a name."""
+    built = model.__dict__.get("_draft_unembeds", {})
+    return {f"draft_unembed{i}": m for i, m in enumerate(built.values())}
+
+
+def formats(model: nn.Module) -> dict[str, int]:
+    """How many of the model's linears run in each format (``stock``: not packed)."""
+    found = Counter(label_of(name, m).split(":")[1] for name, m in model.named_modules() if isinstance(m, nn.Linear | PackedLinear))
+    return dict(sorted(found.items()))
