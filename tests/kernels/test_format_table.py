@@ -92,6 +92,35 @@ def test_compiled_rows_do_not_depend_on_the_row_count(fmt):
         assert torch.equal(_bits(spec.linear(x[None, :rows], packed, N, None)[0]), _bits(alone[:rows])), rows
 
 
+@pytest.fixture
+def restore_threads(request):
+    """torch's thread count as it was before the test, whatever the test set."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", COMPILED, indirect=True)
+def test_threads_give_every_output_the_one_thread_bits(fmt, restore_threads):
+    """The kernels split a call's column blocks over torch's (OpenMP) threads, each output's chain
+    in one thread: one row or many, two or three threads (uneven shares, a partial last block), the
+    one-thread bits; so are the argmax's."""
+    spec = FORMATS[fmt]
+    packed = spec.pack(VALUES[fmt](_weight(N, K, 0)))
+    x = torch.randn(gemv_rows.MAX_ROWS, K, generator=torch.Generator().manual_seed(4))
+    x[:, 5] *= 20  # a clear best for the argmax, whose screens' work is threaded too
+    outputs = {}
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        scratch = {}
+        outputs[threads] = [(spec.linear(x[:rows], packed, N, None), spec.argmax and spec.argmax(x[:rows], packed, N, scratch))
+                            for rows in (1, 3, 13, gemv_rows.MAX_ROWS)]
+    for threads in (2, 3):
+        for (one, one_best), (many, best) in zip(outputs[1], outputs[threads]):
+            assert torch.equal(_bits(many), _bits(one)), (threads, len(one))
+            assert (best is None and one_best is None) or torch.equal(best, one_best), (threads, len(one))
+
+
 @pytest.mark.parametrize("fmt", WITH_ARGMAX, indirect=True)
 def test_argmax_is_the_logits_argmax(fmt):
     spec = FORMATS[fmt]
