@@ -107,6 +107,7 @@ def tables(record: dict, cells: list[dict], lcpp: dict | None, source: str) -> l
     rows = [[part, *(c["parts_us"].get(part, 0.0) for c in cells)] for part in parts]
     rows += [["**profiled step (sum of the above)**", *(c["wall_us"] for c in cells)],
              ["unprofiled step (best run)", *(c["measured_us"] for c in cells)],
+             ["unprofiled step less the profiled ops (Python, dispatch)", *(round(c["measured_us"] - c["ops_us"], 1) for c in cells)],
              ["tokens per forward", *(c["tokens_per_forward"] for c in cells)],
              ["ops per step (top level / all)", *(f"{c['top_level_ops_per_step']} / {c['ops_per_step']}" for c in cells)],
              ["allocating ops per step (KiB)", *(f"{c['allocating_ops_per_step']} ({c['allocated_kb_per_step']})" for c in cells)]]

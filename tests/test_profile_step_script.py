@@ -14,7 +14,7 @@ tables_script = load_script(SCRIPTS / "benchmark_tables.py")
 
 
 def _cell(mode, threads, kernel):
-    return {"mode": mode, "threads": threads, "wall_us": 100.0, "measured_us": 90.0, "tokens_per_forward": 1.0,
+    return {"mode": mode, "threads": threads, "wall_us": 100.0, "measured_us": 90.0, "ops_us": kernel, "tokens_per_forward": 1.0,
             "parts_us": {"linear kernels: q4_1": kernel, "Python and dispatch elsewhere": 100.0 - kernel},
             "kernels_by_linear_us": {"q_proj": {"q4_1": kernel}}, "top_level_ops_per_step": 10.0, "ops_per_step": 20.0,
             "allocating_ops_per_step": 5.0, "allocated_kb_per_step": 1.5}
@@ -33,6 +33,7 @@ def test_the_tables_render_as_the_docs_pages_do(tmp_path):
     assert step["columns"] == ["part (us per step)", "ar, 1 thread", "ar, 2 threads"]
     assert ["linear kernels: q4_1", 40.0, 25.0] in step["rows"]
     assert ["unprofiled step (best run)", 90.0, 90.0] in step["rows"]
+    assert ["unprofiled step less the profiled ops (Python, dispatch)", 50.0, 65.0] in step["rows"]
     assert tables["profile-kernels"]["rows"] == [["q_proj (q4_1)", 40.0, 25.0]]
     assert tables["profile-llama-cpp"]["rows"] == [["MUL_MAT", 900.0]] and "AMD EPYC" in step["machine"]
     assert "| linear kernels: q4_1 | 40.0 | 25.0 |" in tables_script.render(step)
