@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multitoken.kernels import cpu_features, gemv_rows, gguf_codes
+from multitoken.kernels import cpu_features, gemv_rows, gguf_codes, pack_cache
 from multitoken.kernels.format_table import CODES, FORMATS, Spec
 from multitoken.kernels.formats import Format
 
@@ -242,13 +242,17 @@ def weight_key(module: nn.Module) -> tuple:
     return w.data_ptr(), tuple(w.shape), w.dtype, type(module).__name__
 
 
-def _packed(stock: nn.Linear, shared: bool, mode: str, codes: Codes | None = None) -> PackedLinear:
+def _packed(stock: nn.Linear, shared: bool, mode: str, codes: Codes | None = None,
+            cached: tuple[str, torch.Tensor] | None = None) -> PackedLinear:
     """``stock`` packed in the first format of ``mode`` that holds it (the codes ``codes`` gives for
-    its weight first, where ``mode`` keeps codes: read, not searched for); its weight's storage
-    released unless ``shared`` (the packed copy replaces it)."""
+    its weight first, where ``mode`` keeps codes: read, not searched for), or as ``cached`` (format
+    name, packed tensor: read back from pack_cache); its weight's storage released unless
+    ``shared`` (the packed copy replaces it)."""
     weight = stock.weight.detach()
     names = _formats_for(weight.dtype, mode)
-    if codes is not None and CODES[0] in names and (known := codes(weight)) is not None:
+    if cached is not None:
+        name, packed = cached
+    elif codes is not None and CODES[0] in names and (known := codes(weight)) is not None:
         name, packed = known[0].name.lower(), gguf_codes.pack(*known)
     else:
         for name in names:
@@ -311,6 +315,36 @@ def _trim_heap() -> None:
         return
 
 
+class _Cached:
+    """One ``pack`` call's packed weights on disk (pack_cache.py): the compiled formats' layers
+    of ``children`` read back where an entry holds them all, else stored once packed. Off below
+    ``pack_cache.MIN_CACHED`` weights, for oneDNN's layout (an opaque tensor) and for codes
+    whose source has no identity."""
+
+    def __init__(self, children: list[nn.Linear], mode: str, codes: Codes | None):
+        self.found: dict[str, tuple[str, torch.Tensor]] = {}
+        self.key = None
+        rows = [c for c in children if mode in (ROWS, ROWS_F32) and _formats_for(c.weight.dtype, mode)[-1] == "f32"]
+        source = getattr(codes, "identity", None) if codes is not None else (lambda: None)
+        if not rows or source is None or sum(c.weight.numel() for c in rows) < pack_cache.MIN_CACHED:
+            return
+        self.digests = {id(c): pack_cache.digest(c.weight) for c in rows}
+        setting = {"mode": mode, "grids": grids_on(), "codes": source(), **pack_cache.layout(gemv_rows.lanes())}
+        self.key = pack_cache.entry_key(list(self.digests.values()), setting)
+        self.found = pack_cache.load(self.key, list(self.digests.values())) or {}
+
+    def get(self, child: nn.Linear) -> tuple[str, torch.Tensor] | None:
+        """(format name, packed tensor) of ``child`` from the entry, or None (pack it)."""
+        hit = self.found.get(self.digests[id(child)]) if self.found else None
+        return hit if hit is not None and hit[0] in FORMATS and FORMATS[hit[0]].code is not None else None
+
+    def store(self, swapped: dict[int, PackedLinear]) -> None:
+        """Write the entry where it was missed and every layer it covers was packed."""
+        if self.key is None or self.found or not all(i in swapped for i in self.digests):
+            return
+        pack_cache.store(self.key, {self.digests[i]: (swapped[i].format, swapped[i].packed) for i in self.digests})
+
+
 @torch.inference_mode(False)  # decoding packs inside inference mode; the tensors outlive it (training)
 def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear`` in the layout
@@ -323,15 +357,17 @@ def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int
     counts = _weight_counts(root) if found else {}
     maps = _file_maps() if found else []
     mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child in found)
+    cache = _Cached(list({id(c): c for _, _, c in found}.values()), mode, codes)
     swapped: dict[int, PackedLinear] = {}  # a module held by two parents is packed once
     for parent, name, child in found:
         if id(child) not in swapped:
             try:
-                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, mode, codes)
+                swapped[id(child)] = _packed(child, counts[id(child.weight)] > 1, mode, codes, cache.get(child))
             except RuntimeError as err:  # this one stays stock
                 _say_once(f"a weight {tuple(child.weight.shape)} could not be packed ({err})")
                 continue
         setattr(parent, name, swapped[id(child)])
+    cache.store(swapped)
     if mapped:
         _own_copies(root, maps)
     if swapped:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from multitoken.kernels import pack_cache
 from multitoken.kernels.formats import QK, Format
 
 KEY_ROWS = 1024  # rows keyed or checked at a time (their temporaries stay in cache)
@@ -125,6 +126,11 @@ class GGUFCodes:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._index: dict | None = None
+
+    def identity(self) -> str:
+        """The file's content digest (pack_cache.py keys packed weights by it: a changed file is
+        another key)."""
+        return pack_cache.file_digest(self.path)
 
     def _tensors(self):
         """(kind, where its blocks start, rows, bytes per row, its rows' first blocks [N, QK] fp32)
