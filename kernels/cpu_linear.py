@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multitoken.base.progress import status
 from multitoken.kernels import cpu_features, gemv_rows, gguf_codes, pack_cache
 from multitoken.kernels.format_table import CODES, FORMATS, Spec
 from multitoken.kernels.formats import Format
@@ -358,6 +359,8 @@ def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int
     maps = _file_maps() if found else []
     mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child in found)
     cache = _Cached(list({id(c): c for _, _, c in found}.values()), mode, codes)
+    if found and not cache.found:
+        status(f"packing {len(found)} linears" + (" (kept for the next runs)" if cache.key else ""))
     swapped: dict[int, PackedLinear] = {}  # a module held by two parents is packed once
     for parent, name, child in found:
         if id(child) not in swapped:

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from multitoken.base.errors import UsageError
+from multitoken.base.progress import status
 from multitoken.embedded import cache_dir
 from multitoken.kernels import cpu_features, formats
 from multitoken.kernels.formats import Format
@@ -168,6 +169,7 @@ def _build(compiler: str) -> Path:
     made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     failed = None
+    status("compiling the CPU kernels (once per machine)")
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         try:
             built = _compile(compiler, Path(tmp))

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from multitoken.base.progress import status
+
 from .sparse import applies, layout, live_cells, masked_values, seen_cells
 
 
@@ -290,6 +292,7 @@ def prepare_kernel(cfg, table, order: int) -> None:
     for n in range(2, min(order, table.max_order, 3) + 1):
         layout(table, n)
         if kernel == "numba":
+            status("loading the DynaMo kernels (numba)")
             from . import numba_step  # lazy: numba is the optional [fast] extra, and importing it costs ~1 s
 
             numba_step.prepare(table, n)

@@ -95,13 +95,17 @@ class _Streamer:
         from multitoken.decoding.text import TextStream  # lazy: the decoding package imports torch
 
         self.stream = TextStream(tokenizer, prompt_ids)
-        print(prompt, end="", flush=True)
+        self.prompt = prompt  # printed with the first tokens: the start-up's status line shows until then
+
+    def _text(self, text: str) -> str:
+        text, self.prompt = self.prompt + text, ""
+        return text
 
     def __call__(self, tokens: list[int]) -> None:
-        print(self.stream.push(tokens), end="", flush=True)
+        print(self._text(self.stream.push(tokens)), end="", flush=True)
 
     def finish(self) -> None:
-        print(self.stream.finish(), flush=True)
+        print(self._text(self.stream.finish()), flush=True)
 
 
 def run(args) -> None:

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from multitoken.embedded import BASE_FORMS, default_base, resolve_base
+from multitoken.embedded import BASE_FORMS, default_base, portable_base, resolve_base
 from multitoken.base.errors import CheckpointError, UsageError
 from multitoken.base.hub import check_no_custom_code, custom_code_error, locate, source_gguf, source_sha256
 from multitoken.base.dtypes import DTYPES, resolve_dtype
 from multitoken.base.finite import check_finite
+from multitoken.base.progress import status
 from multitoken.base.threads import set_threads, threads_field
 from multitoken.base.weight_files import check_base_dir, check_lora_dir
 from multitoken.base.tokenizer import load_tokenizer
@@ -162,6 +163,7 @@ def load_backbone(
     set_threads(config.threads)
     dtype = resolve_dtype(config.dtype)
     base, hub_kwargs = locate(resolve_base(str(config.base)))
+    status(f"loading {portable_base(str(config.base))}")
     from transformers import AutoModelForCausalLM
 
     if Path(base).is_dir():
