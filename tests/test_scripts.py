@@ -314,3 +314,19 @@ def test_with_heads_against_plain_generate_pairs_prompts_and_stops_on_a_differin
     with pytest.raises(SystemExit, match="with_heads tree=chain differ from plain generate's greedy output"):
         script.main([*argv, "--out", str(tmp_path / "wrong.json")])
     assert json.loads((tmp_path / "wrong.json").read_text())["methods"]["with_heads tree=chain"]["equal_to_plain"] is False
+
+
+def test_startup_runs_a_fresh_cli_process_and_times_its_phases_in_order(tmp_path):
+    """bench_startup: one child of the real CLI on the embedded model, its stages time-stamped;
+    imports end before it is ready, the first token after, the process outlasts them all; the
+    child's cache is its own, linking the real models and kernels (built once, reused)."""
+    from multitoken.embedded import cache_dir
+
+    startup = load_script(SCRIPTS / "bench_startup.py")
+    env = startup._cache(tmp_path / "child")
+    assert env["MULTITOKEN_CACHE"] == str(tmp_path / "child")
+    assert (tmp_path / "child" / "kernels").resolve() == (cache_dir() / "kernels").resolve()
+    run = startup._run(["generate", "Once upon a time", "--json", "--max-new-tokens", "1", "--mode", "ar"], env)
+    assert [text for _, text in run["stages"]][:2] == ["multitoken generate: starting", "loading embedded:stories260K"]
+    assert 0 < run["imports_s"] < run["ready_s"] <= run["first_token_s"] < run["process_s"]
+    assert 0 <= run["prepare_s"] < run["ready_s"]

@@ -289,10 +289,12 @@ def prepare_kernel(cfg, table, order: int) -> None:
     kernel = cfg.dynamo.kernel
     if kernel == "dense" or table is None or not hasattr(table, "inv_unigrams") or table.absent != 0:
         return
-    for n in range(2, min(order, table.max_order, 3) + 1):
+    top = min(order, table.max_order, 3)
+    if kernel == "numba" and top >= 2:
+        status("loading the DynaMo kernels (numba)")
+    for n in range(2, top + 1):
         layout(table, n)
         if kernel == "numba":
-            status("loading the DynaMo kernels (numba)")
             from . import numba_step  # lazy: numba is the optional [fast] extra, and importing it costs ~1 s
 
             numba_step.prepare(table, n)
