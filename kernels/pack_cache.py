@@ -65,8 +65,14 @@ def digest(t: torch.Tensor) -> str:
 
 
 def file_digest(path: str | Path) -> str:
-    """xxh3-128 of a file's bytes, read in full every time (a file rewritten in place with its
-    size and time kept is still told apart)."""
+    """xxh3-128 of a file's bytes (read once per process and file version: its size, and its
+    modification and change times, the latter set by the system on every write, never by a user)."""
+    st = Path(path).stat()
+    return _file_digest(str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _file_digest(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str:
     h = xxhash.xxh3_128()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 24), b""):

@@ -5,6 +5,7 @@ entry is packed again and rewritten; nothing is written outside the cache folder
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -76,11 +77,14 @@ def test_changed_weights_are_another_entry_never_the_stale_one(grid_llama_dir, c
 
 
 def test_the_key_follows_the_gguf_bytes(tmp_path):
-    """A GGUF rewritten in place (same size, same modification time) is another identity."""
+    """A GGUF rewritten in place (same size, same modification time) is another identity, in the
+    same process too."""
     path = tmp_path / "base.gguf"
     path.write_bytes(bytes(range(256)) * 64)
     st = path.stat()
     before = gguf_file.GGUFCodes(path).identity()
+    assert gguf_file.GGUFCodes(path).identity() == before
+    time.sleep(0.05)  # past the file system's clock tick: the write below moves the change time
     data = bytearray(path.read_bytes())
     data[5000] ^= 1
     path.write_bytes(bytes(data))
