@@ -150,3 +150,15 @@ def packed_tiny_linears():
     before, cpu_linear.MIN_WEIGHTS = cpu_linear.MIN_WEIGHTS, 0
     yield
     cpu_linear.MIN_WEIGHTS = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def packed_weights_apart(tmp_path_factory):
+    """The packed weights the suite's models cache (kernels/pack_cache.py) go to a folder of the
+    session's, so the user's cache keeps its own entries (subprocesses use $MULTITOKEN_CACHE's)."""
+    from multitoken.kernels import pack_cache
+
+    folder = tmp_path_factory.mktemp("packed")
+    before, pack_cache.folder = pack_cache.folder, lambda: folder
+    yield
+    pack_cache.folder = before

@@ -19,6 +19,8 @@ from .test_cpu_linear import _model
 from .test_gemv_rows import assert_greedy_equals_stock
 from .test_gguf_codes import grid_llama_dir, on_q4  # noqa: F401  (a fixture, used by name)
 
+# as collected: the session fixture that sets the suite's own folder (conftest) runs after collection
+DEFAULT_FOLDER = pack_cache.folder
 pytestmark = pytest.mark.skipif(not cpu_linear.grids_on(),
                                 reason="needs the compiled rows kernel (an x86-64 CPU and a C++ compiler with OpenMP)")
 
@@ -118,6 +120,7 @@ def test_a_damaged_entry_is_packed_again_and_rewritten(grid_llama_dir, cache, se
 
 
 def test_nothing_is_written_outside_the_cache_folder(grid_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(pack_cache, "folder", DEFAULT_FOLDER)  # the suite's own folder is set apart (conftest)
     monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(pack_cache, "MIN_CACHED", 0)
