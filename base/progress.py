@@ -41,9 +41,10 @@ def progress_bar(**kwargs):
 # A status line: what a command is doing while nothing else is printed (its start-up: imports,
 # loading, packing, compiling). One line on a terminal's stderr, rewritten by the next status and
 # erased by the first thing the command writes to stdout or stderr; nothing where stderr is not
-# a terminal (a log keeps only what the command prints).
+# a terminal (a log keeps only what the command prints), nor outside the CLI (``status_on``: a
+# REPL or a notebook prints its prompt past our streams, which would leave the line standing).
 CLEAR = "\r\033[K"  # back to the line's start, erase to its end
-_STATUS: dict = {"streams": None}  # (stdout, stderr) as they were while a status line shows
+_STATUS: dict = {"on": False, "streams": None}  # streams: (stdout, stderr) as they were while a line shows
 
 
 class _ClearFirst:
@@ -60,10 +61,17 @@ class _ClearFirst:
         return getattr(self._stream, name)
 
 
+def status_on(on: bool = True) -> None:
+    """Let ``status`` show (the CLI does, for the process), or stop it."""
+    _STATUS["on"] = on
+    if not on:
+        status_clear()
+
+
 def status(text: str) -> None:
-    """Show ``text`` as the status line (on a terminal's stderr only)."""
+    """Show ``text`` as the status line (where ``status_on`` was called, on a terminal's stderr)."""
     err = _STATUS["streams"][1] if _STATUS["streams"] else sys.stderr
-    if not (hasattr(err, "isatty") and err.isatty()):
+    if not (_STATUS["on"] and hasattr(err, "isatty") and err.isatty()):
         return
     if _STATUS["streams"] is None:
         _STATUS["streams"] = (sys.stdout, sys.stderr)

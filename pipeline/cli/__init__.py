@@ -13,7 +13,7 @@ import importlib
 import sys
 
 from multitoken.base.errors import MultitokenError, UsageError
-from multitoken.base.progress import status, status_clear
+from multitoken.base.progress import status, status_on
 from multitoken.base.quiet import quiet_dependencies  # the scripts use the same switch
 from multitoken.embedded import BASE_FORMS, EMBEDDED_PREFIX, packaged_dirs, resolve_base
 from multitoken.pipeline.cli.args import add_dataclass_args, set_default
@@ -166,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_dependencies()
     command = next((a for a in argv if not a.startswith("-")), None)  # no option takes a value before it
+    status_on()
     if command in COMMANDS and not {"-h", "--help", "--version"} & set(argv):
         status(f"multitoken {command}: starting")  # most commands import torch first: seconds
     try:
         parser = build_parser(command)
         args, unknown = parser.parse_known_args(argv)
     except SystemExit:  # argparse's own usage errors and --help
-        status_clear()
+        status_on(False)
         raise
     try:
         if unknown:
@@ -186,6 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multitoken {args.command}: interrupted", file=sys.stderr)
         return 130
     finally:
-        status_clear()
+        status_on(False)  # erased, and off for whatever the process runs after main
     return 0
 

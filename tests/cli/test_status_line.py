@@ -33,7 +33,7 @@ def terminal(monkeypatch):
         return err, out
 
     yield install
-    progress.status_clear()
+    progress.status_on(False)
 
 
 def test_the_status_shows_before_the_command_loads_and_the_first_output_erases_it(terminal, monkeypatch):
@@ -49,6 +49,7 @@ def test_the_status_shows_before_the_command_loads_and_the_first_output_erases_i
 
 def test_a_stage_rewrites_the_line_and_stdout_erases_it(terminal):
     err, out = terminal()
+    progress.status_on()
     progress.status("loading a model")
     progress.status("packing 3 linears")
     print("Once upon a time")
@@ -56,13 +57,18 @@ def test_a_stage_rewrites_the_line_and_stdout_erases_it(terminal):
     assert out.getvalue() == "Once upon a time\n" and sys.stdout is out
 
 
-def test_nothing_is_added_where_stderr_is_not_a_terminal(monkeypatch):
+def test_nothing_is_added_where_stderr_is_not_a_terminal_nor_outside_the_cli(monkeypatch, terminal):
     err, out = io.StringIO(), io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setattr(sys, "stdout", out)
+    progress.status_on()
     progress.status("loading a model")
     print("text")
     assert err.getvalue() == "" and out.getvalue() == "text\n" and sys.stdout is out
+    progress.status_on(False)
+    tty, _ = terminal()
+    progress.status("loading a model")  # a library call (a REPL, a notebook): the CLI did not turn it on
+    assert tty.getvalue() == ""
 
 
 def test_help_shows_no_status(terminal):
