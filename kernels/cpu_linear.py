@@ -317,14 +317,12 @@ def _trim_heap() -> None:
 
 
 class _Cached:
-    """One ``pack`` call's packed weights on disk (pack_cache.py): the compiled formats' layers
-    of ``children`` read back where an entry holds them all, else stored once packed. Off below
-    ``pack_cache.MIN_CACHED`` weights, for oneDNN's layout (an opaque tensor) and for codes
-    whose source has no identity."""
+    """One ``pack`` call's compiled-format layers on disk (pack_cache.py): read back where an entry
+    holds them all, else stored once packed. Off below ``pack_cache.MIN_CACHED`` weights, for
+    oneDNN's layout (an opaque tensor) and for codes whose source has no identity."""
 
     def __init__(self, children: list[nn.Linear], mode: str, codes: Codes | None):
-        self.found: dict[str, tuple[str, torch.Tensor]] = {}
-        self.key = None
+        self.found, self.key = {}, None  # digest -> (format name, packed tensor); the entry's key
         rows = [c for c in children if mode in (ROWS, ROWS_F32) and _formats_for(c.weight.dtype, mode)[-1] == "f32"]
         source = getattr(codes, "identity", None) if codes is not None else (lambda: None)
         if not rows or source is None or sum(c.weight.numel() for c in rows) < pack_cache.MIN_CACHED:
@@ -337,7 +335,7 @@ class _Cached:
     def get(self, child: nn.Linear) -> tuple[str, torch.Tensor] | None:
         """(format name, packed tensor) of ``child`` from the entry, or None (pack it)."""
         hit = self.found.get(self.digests[id(child)]) if self.found else None
-        return hit if hit is not None and hit[0] in FORMATS and FORMATS[hit[0]].code is not None else None
+        return hit if hit and hit[0] in FORMATS and FORMATS[hit[0]].code is not None else None
 
     def store(self, swapped: dict[int, PackedLinear]) -> None:
         """Write the entry where it was missed and every layer it covers was packed."""
@@ -358,6 +356,8 @@ def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int
     counts = _weight_counts(root) if found else {}
     maps = _file_maps() if found else []
     mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child in found)
+    if found:
+        status(f"preparing {len(found)} linears")  # read back from the cache, else packed (said next)
     cache = _Cached(list({id(c): c for _, _, c in found}.values()), mode, codes)
     if found and not cache.found:
         status(f"packing {len(found)} linears" + (" (kept for the next runs)" if cache.key else ""))
