@@ -11,7 +11,8 @@ the verification pass itself: no extra forward, no sequential drafting. The proj
 at zero, so untrained (or loaded from plain replicated heads) they are replicated heads.
 
 Sampled decoding stays exact (verification does not depend on how drafts were made); its
-drafts are conditioned on the base's argmax, not on the sampled token.
+drafts are conditioned on the base's argmax, not on the sampled token. DynaMo's dynamic mode
+defers the head layers until t+1 is sampled and conditions them on it (docs/decoding.md).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ KERNELS = ("auto", "dense", "numpy", "numba")  # how DynaMo's grids are built (d
 TREES = ("chain", "static", "dynamic")
 MAX_TREE_NODES = 256
 DRAFTERS = ("auto", "independent", "cp", "joint", "eagle3")
+JOINTS = ("auto", "conditional", "outer")  # how DynaMo's grids join the heads (dynamo/step.py: Prefix)
 DYNAMO_PENALTY = 1.1  # DynaMo's repetition penalty (its sampling setting)
 
 
@@ -58,6 +59,11 @@ class DynamoOptions:
     static_threshold: bool = field(default=True, metadata={"help": "zero cells <= eps_b^(n-1)"})
     adaptive_threshold: bool = field(default=True, metadata={"help": "Otsu adaptive thresholding of the joint grid"})
     blur_kernel: int = field(default=3, metadata={"help": "Gaussian blur kernel before Otsu (odd; 0 or 1 = no blur)"})
+    dynamic_joint: str = field(default="auto", metadata={"help": (
+        "how --mode dynamic joins the heads: conditional (the base's token t+1 sampled first, then the drafter's "
+        "distribution for t+2.. given the sampled tokens, order by order: conditioned and eagle3 heads), outer "
+        "(DynaMo's outer product of the heads' marginals); auto = conditional for heads that condition, else outer"),
+        "choices": JOINTS})
     dynamic_kernel: str = field(default="auto", metadata={"help": (
         "how dynamic / joint-draft grids are built: dense (the whole k^n grid, the reference), numpy or numba "
         "(only the seen n-grams, identical results; used where exact: a stats table with absent ratio 0 and "
@@ -191,6 +197,8 @@ class DecodeConfig:
         if self.n is not None and n_heads is not None and self.n > n_heads:
             raise UsageError(f"--n {self.n} needs {self.n} heads, the model's heads predict {n_heads} token(s) per position",
                              f"pass --n between 1 and {n_heads}, or heads trained for more tokens (--heads DIR)")
+        if self.dynamo.dynamic_joint not in JOINTS:
+            raise UsageError(f"unknown dynamic joint {self.dynamo.dynamic_joint!r}", f"use one of {', '.join(JOINTS)}")
         if self.dynamo.dynamic_kernel not in KERNELS:
             raise UsageError(f"unknown dynamic kernel {self.dynamo.dynamic_kernel!r}", f"use one of {', '.join(KERNELS)}")
         if self.dynamo.dynamic_kernel == "numba" and not numba_available():

@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .dynamo.step import Candidates, dynamic_propose, head_candidates, joint_cells, sample_index
+from .dynamo.step import dynamic_propose, first_token, joint_cells, sample_index
 from .proposal import Drafts, Proposal, RowHeads, anchor_argmax, anchor_scores, chain_step, draw_draft, next_tokens
+from .sampling import Candidates, head_candidates
 
 
 def candidates_of(out, rows: list[int], anchors, heads: range, k: int, temperature: float) -> list[list[Candidates]]:
@@ -31,8 +32,11 @@ def candidates_of(out, rows: list[int], anchors, heads: range, k: int, temperatu
 
 # DynaMo ------------------------------------------------------------------------------------
 def dynamo(run):
-    """DynaMo's step (Alg. 1): each row's 1..n final tokens from its heads' joint, no drafts."""
+    """DynaMo's step (Alg. 1): each row's 1..n final tokens from its heads' joint, no drafts:
+    the outer product of the heads' marginals, or the conditional joint (``conditional_dynamo``)."""
     cfg, plan = run.cfg, run.plan
+    if plan.defer_heads or plan.joint == "conditional" and plan.drafter == "eagle3":
+        return conditional_dynamo(run)
     m = plan.heads_read  # the heads DynaMo's first order reads (one where every order backs off unread)
     k, temperature = min(cfg.sampling.top_k, run.vocab), cfg.sampling.grid_temperature
 
@@ -47,6 +51,83 @@ def dynamo(run):
             row.trace.dynamic_kernel.update(choice.kernels)
         return chain_step(commits, [run.no_drafts] * len(live), run.device)
     return propose
+
+
+def _record(row, choice) -> list[int]:
+    """A DynaMo step's choice in the row's trace # -> its tokens."""
+    row.trace.orders[choice.order] += 1
+    row.trace.backoffs.update(choice.backed_off)
+    row.trace.dynamic_kernel.update(choice.kernels)
+    return choice.tokens
+
+
+def conditional_dynamo(run):
+    """DynaMo over conditional drafts (``dynamo.step.Prefix``): every row draws t+1 from the
+    base's top-k (one read for the batch), then all rows go order by order, each order's
+    conditionals for every row still going read at once (``_HeadConditionals``,
+    ``_Eagle3Conditionals``)."""
+    cfg, plan = run.cfg, run.plan
+    k, temperature = min(cfg.sampling.top_k, run.vocab), cfg.sampling.grid_temperature
+    eagle = Eagle3Chains(run) if plan.drafter == "eagle3" else None
+
+    def propose(out, rows, anchors, live) -> Proposal:
+        prefixes = [first_token(c[0], cfg, rows[j].seen_host, rows[j].rng)
+                    for j, c in zip(live, candidates_of(out, live, anchors, range(1), k, temperature))]
+        drafter = (_HeadConditionals(out, rows, anchors, live, prefixes, run) if eagle is None
+                   else _Eagle3Conditionals(eagle, out, rows, anchors, live, prefixes))
+        while going := [s for s, p in enumerate(prefixes) if p.wants(plan.order, cfg)]:
+            for s, cand in zip(going, drafter.next(going, prefixes)):
+                prefixes[s].extend(cand, cfg, run.table, rows[live[s]].seen_host, rows[live[s]].rng)
+        commits = [_record(rows[j], p.choice()) for j, p in zip(live, prefixes)]
+        return chain_step(commits, [run.no_drafts] * len(live), run.device)
+    return propose
+
+
+class _HeadConditionals:
+    """Conditioned heads' conditionals: the pass deferred their layers (``plan.defer_heads``),
+    which run here on every row's t+1 at once (``out.condition``); every head's top-k is read in
+    one more transfer (a head reads token t+1 only: t+3's conditional is the same for any t+2)."""
+
+    def __init__(self, out, rows, anchors, live, prefixes, run):
+        cfg = run.cfg
+        tokens = torch.zeros(len(rows), dtype=torch.long)  # rows not live: any token (they leave)
+        tokens[live] = torch.tensor([p.tokens[0] for p in prefixes])
+        out.condition(tokens.to(run.device))
+        self.cands = candidates_of(out, live, anchors, range(1, run.plan.order), min(cfg.sampling.top_k, run.vocab),
+                                   cfg.sampling.grid_temperature)  # per live row: heads 2..n
+
+    def next(self, going: list[int], prefixes) -> list[Candidates]:
+        """The top-k for the token after each going row's prefix (live slots ``going``)."""
+        return [self.cands[s][len(prefixes[s].tokens) - 1] for s in going]
+
+
+class _Eagle3Conditionals:
+    """The eagle3 drafter's conditionals: every live row catches up and reads its t+1 in one
+    pass (``Eagle3Chains.catch_up``), then each later order is one drafter step for all rows,
+    the going ones on their last token (the others ride along on token 0 in a slot past their
+    text, which the next catch-up writes again), and one read of the going rows' top-k."""
+
+    def __init__(self, chains: Eagle3Chains, out, rows, anchors, live, prefixes):
+        self.chains, self.out, self.run, self.heads = chains, out, chains.run, chains.heads
+        self.logits, self.hidden = chains.catch_up(out, rows, anchors, [(j, p.tokens[0], 1) for j, p in zip(live, prefixes)])
+        self.ctx = [chains.done[rows[j].index] for j in live]  # the step reading token x_{m} sits at ctx + m - 2
+
+    def next(self, going: list[int], prefixes) -> list[Candidates]:
+        run, dev, m = self.run, self.run.device, len(prefixes[going[0]].tokens)  # the going rows' prefix length
+        if m > 1:
+            start = run.clock()
+            tokens = torch.zeros(len(prefixes), 1, dtype=torch.long)
+            tokens[going, 0] = torch.tensor([prefixes[s].tokens[-1] for s in going])
+            at = torch.tensor([[c + m - 2] for c in self.ctx], dtype=torch.long, device=dev)  # [R, 1]
+            logits, self.hidden = self.heads.step(self.hidden, tokens.to(dev), self.chains.cache, at, span=max(self.ctx) + m - 1)
+            self.logits = logits[:, 0]
+            self.out.model_s += run.clock() - start  # the drafter's passes are model time
+        cfg = run.cfg
+        index = torch.tensor(going, dtype=torch.long, device=dev)
+        cands = head_candidates(self.logits.index_select(0, index), min(cfg.sampling.top_k, self.logits.shape[-1]),
+                                cfg.sampling.grid_temperature)  # draft ids
+        ids = self.heads.to_target(torch.from_numpy(np.stack([c.ids for c in cands])).to(dev)).cpu().numpy()
+        return [Candidates(i, c.probs) for i, c in zip(ids, cands)]
 
 
 # Chains ------------------------------------------------------------------------------------

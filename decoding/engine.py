@@ -251,7 +251,7 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
         ragged = lengths if min(lengths) < ids.shape[1] else None
         return timer.forward([row.trace for row in batch], lambda: model.step(
             ids, caches, heads_upto=plan.heads_read, read_from=read_from, lengths=ragged, attend=attend,
-            offsets=offsets, clock=run.clock))
+            offsets=offsets, clock=run.clock, defer_heads=plan.defer_heads))
 
     def emit(row: Row, tokens: list[int]) -> bool:
         if row.emit(tokens, eos, on_tokens):

@@ -30,7 +30,9 @@ class DecodePlan:
     heads_read: int  # heads a pass computes (DynaMo at eps_b = 1 backs off unread: head 1 only)
     proposer: str  # "dynamo": DynaMo's final tokens; "chain": the base's token and a chain of drafts; "tree": a candidate tree
     drafter: str | None  # a chain's: independent | argmax (independent, greedy, no penalty) | cp | joint | eagle3 | custom
-    # (eagle3: its dynamic tree's too); None: no drafts
+    # (eagle3: its dynamic tree's and DynaMo's conditional joint's too); None: no drafts
+    joint: str | None  # DynaMo's grids: "outer" (the heads' marginals) | "conditional" (dynamo/step.py: Prefix); None: not dynamic
+    defer_heads: bool  # the pass leaves the heads that read token t+1 until DynaMo's t+1 is sampled (StepOutput.condition)
     tree: str  # the tree proposer's shape: "path" (--lookup on a chain: the heads' top guesses as one path), static, dynamic; else "chain"
     lookup: int  # a branch of up to this many tokens copied from the context, grafted on the tree (0: none)
     joint_tree: bool  # a dynamic tree ranked by DynaMo's co-occurrence-masked joint (the joint drafter's)
@@ -42,7 +44,9 @@ class DecodePlan:
     def describe(self) -> str:
         """The plan in words (the trace's ``plan``, shown by ``generate --verbose``)."""
         if self.proposer == "dynamo":
-            what = "DynaMo's back-off, committed unverified"
+            what = "DynaMo's back-off, committed unverified" + (
+                f", over the conditional joint (t+2.. from the {'eagle3 drafter' if self.drafter else 'conditioned heads'}"
+                " given the sampled tokens)" if self.joint == "conditional" else "")
         elif self.proposer == "chain":
             what = f"a chain of {self.drafter} drafts" if self.drafter else "the base's next token, no drafts"
         else:
@@ -64,9 +68,10 @@ def resolve(cfg: DecodeConfig, model, table=None, drafter=None, acceptor=None) -
         raise UsageError("--tree static / dynamic build their own candidates and acceptance",
                          "pass --tree chain with a custom drafter or acceptor")
     own = drafts_autoregressively(model.heads)
-    if own and (cfg.mode == "dynamic" or cfg.trees.tree == "static" or cfg.speculation.lookup):
-        raise UsageError("eagle3 heads draft chains and dynamic trees only: --mode dynamic, --tree static and --lookup "
-                         "are not available with them", "use --mode speculative or typical with --tree chain or dynamic")
+    joint = dynamic_joint(cfg.dynamo.dynamic_joint, model.heads) if cfg.mode == "dynamic" else None
+    if own and (cfg.trees.tree == "static" or cfg.speculation.lookup):
+        raise UsageError("eagle3 heads draft chains, dynamic trees and DynaMo's conditional joint only: --tree static and "
+                         "--lookup are not available with them", "use --tree chain or dynamic")
     argmax_only = sampling.greedy and sampling.penalty == 1
     proposer = "dynamo" if cfg.mode == "dynamic" else "chain" if one_chain else "tree"
     named = drafter_name(cfg.speculation.drafter, model.heads, table) if cfg.verifies else None
@@ -78,15 +83,36 @@ def resolve(cfg: DecodeConfig, model, table=None, drafter=None, acceptor=None) -
     rule = None if not cfg.verifies else "custom" if acceptor is not None else (
         "typical" if cfg.mode == "typical" else "greedy" if sampling.greedy else "sampled")
     order = cap or cfg.order(n_heads)
+    unread = cfg.mode == "dynamic" and always_backs_off(cfg)  # every order backs off unread: head 1 only
+    if joint == "conditional" and own and not unread:
+        chain_drafter = "eagle3"  # DynaMo's conditionals come from the drafter's own steps
     return DecodePlan(
         mode=cfg.mode, verifies=cfg.verifies, greedy=sampling.greedy, penalty=sampling.penalty,
         penalised=sampling.penalty != 1, argmax_only=argmax_only, order=order, stats_cap=cap,
         # heads past those read are never computed; the eagle3 drafter runs in the proposer, not in the pass
-        heads_read=1 if cfg.mode == "dynamic" and always_backs_off(cfg) or chain_drafter == "eagle3" else order,
-        proposer=proposer, drafter=chain_drafter, tree=tree, lookup=cfg.speculation.lookup, joint_tree=joint_tree,
+        heads_read=1 if unread or chain_drafter == "eagle3" else order,
+        proposer=proposer, drafter=chain_drafter, joint=joint,
+        defer_heads=joint == "conditional" and not own and not unread and order > 1, tree=tree, lookup=cfg.speculation.lookup, joint_tree=joint_tree,
         device_tree=tree == "static" and rule == "greedy" and not cfg.speculation.lookup, rule=rule,
         grids=cfg.mode == "dynamic" or chain_drafter == "joint" or tree == "dynamic" and chain_drafter != "eagle3",
         draft_vocab=cfg.speculation.draft_vocab)
+
+
+def dynamic_joint(name: str, heads) -> str:
+    """``--dynamic-joint``: ``auto`` is conditional for heads that read the sampled token t+1
+    (conditioned, eagle3), else outer; conditional needs such heads, and eagle3 heads have no
+    per-head marginals for the outer product."""
+    conditions = getattr(heads, "needs_next_tokens", False)
+    if name == "auto":
+        return "conditional" if conditions else "outer"
+    kind = heads.config.head_type if heads is not None else "no"
+    if name == "conditional" and not conditions:
+        raise UsageError(f"--dynamic-joint conditional needs heads that read the sampled token (conditioned, eagle3), "
+                         f"these are {kind!r}", "use --dynamic-joint auto or outer")
+    if name == "outer" and drafts_autoregressively(heads):
+        raise UsageError("--dynamic-joint outer multiplies per-head marginals, which eagle3 heads do not have",
+                         "use --dynamic-joint auto or conditional")
+    return name
 
 
 def drafts_autoregressively(heads) -> bool:

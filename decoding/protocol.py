@@ -61,6 +61,11 @@ class StepResult(Protocol):
         """Layer head ``index``'s argmax at each row's anchor # [B] long (computed without the
         logits where the model can)."""
 
+    def condition(self, tokens: torch.Tensor) -> None:
+        """For a pass with ``defer_heads``: run the heads that read token t+1 with ``tokens`` [B]
+        as the token after each row's last position (extending their caches), once, before
+        reading them (DynaMo over conditional drafts)."""
+
 
 @runtime_checkable
 class Backbone(Protocol):
@@ -98,9 +103,10 @@ class DecodingModel(Protocol):
     def step(self, new_ids: torch.Tensor, caches: Caches, heads_upto: int | None = None,
              read_from: int = 0, lengths: list[int] | None = None,
              attend: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
-             clock: Callable[[], float] | None = None) -> StepResult:
+             clock: Callable[[], float] | None = None, defer_heads: bool = False) -> StepResult:
         """Feed ``new_ids`` # [B, T_new] (row b's last ``lengths[b]`` are its tokens, the rest
         pads; None: all); extend ``caches``; return the pass's outputs. ``attend`` [T_new, T_new]
         bool / ``offsets`` [T_new]: tree mask and depths (None: causal); [B, T_new, T_new] /
         [B, T_new]: one tree per row, its nodes its last ``lengths[b]`` slots. ``clock`` times
-        the output's lazy computations (model time)."""
+        the output's lazy computations (model time). ``defer_heads``: heads that read token
+        t+1 (``heads.needs_next_tokens``) wait for ``StepResult.condition``."""

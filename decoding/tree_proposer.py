@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .dynamo.step import Candidates, joint_cells
+from .dynamo.step import joint_cells
 from .proposal import Proposal, next_tokens
-from .sampling import penalised_logits, with_tokens
+from .sampling import Candidates, penalised_logits, with_tokens
 from .trees import (MAX_RANKS, Shape, Tree, attend_rows, auto_budget, best_first, joint_tree, parse_nodes,
                     read_accuracies, right_aligned, with_lookup)
 

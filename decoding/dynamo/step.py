@@ -10,7 +10,8 @@ Reading of the paper's thresholds (its text says both "eps_b" and "eps_b^(n-1)")
 keeps the cells > eps_b^(n-1) and the order is used iff one exists. So eps_b = 0 never backs off
 (n tokens every step) and eps_b = 1 always does (a normalised grid has no cell > 1).
 
-Also here: the exact host top-k of CPU rows (``exact_topk``) that ``head_candidates`` reads, and
+The heads' top-k candidates come from ``decoding/sampling.py``. Also here: DynaMo over conditional drafts
+(the joint's rows given the sampled prefix: ``Prefix``, docs/decoding.md), and
 the dispatch of the sparse step (``sparse_live``, ``prepare_kernel``): numpy (``sparse``) or the
 compiled numba kernels (``numba_step``, the optional ``[fast]`` extra, imported only when chosen).
 The dispatch lives here, not in ``sparse``, so that the kernels import the reference module's
@@ -20,6 +21,7 @@ helpers without a cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,83 +29,7 @@ import torch
 from multitoken.base.progress import status
 
 from .sparse import applies, layout, live_cells, masked_values, seen_cells
-
-
-@dataclass
-class Candidates:
-    """Top-k of one head: token ids and their renormalised probabilities (decreasing)."""
-
-    ids: np.ndarray  # [k] int64
-    probs: np.ndarray  # [k] float32, sums to 1
-
-
-def head_candidates(scores: torch.Tensor, k: int, temperature: float) -> list[Candidates]:
-    """Top-k of m heads with temperature # [m, V] -> m x (k ids + probs), in one top-k call on
-    the scores' device and one host transfer. ``scores`` may be raw logits or log-probs: softmax
-    is shift-invariant, so the top-k of either gives the same candidates (log-softmax over V is
-    work the grid never reads)."""
-    scores = scores.float()
-    if scores.device.type == "cpu" and scores.shape[-1] >= MIN_VOCAB:  # below, torch's own sort is cheaper
-        top = exact_topk(scores.detach().numpy(), k)  # torch.topk's very values and ids, at less than half its cost
-        if top is not None:  # already on the host: no transfer
-            return [Candidates(i, p) for i, p in zip(top[1], _tempered(torch.from_numpy(top[0]), temperature).numpy())]
-    vals, idx = torch.topk(scores, k, dim=-1)  # [m, k] sorted: the grid's axes run from most to least likely
-    probs = _tempered(vals, temperature)
-    # ids (< 2^53) and float32 probs are exact in float64: both cross in one transfer
-    host = torch.stack([idx.double(), probs.double()], dim=1).cpu().numpy()  # [m, 2, k]
-    return [Candidates(row[0].astype(np.int64), row[1].astype(np.float32)) for row in host]
-
-
-def _tempered(vals: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Probabilities of the top-k values at ``temperature`` # [m, k] -> [m, k] float32 (the grid
-    is float32: k^n cells stay cheap)."""
-    return torch.softmax(vals.double() / temperature, dim=-1).float()
-
-
-def top_candidates(logp: torch.Tensor, k: int, temperature: float) -> Candidates:
-    """Top-k of one head's scores with temperature # [V] -> k ids + probs."""
-    return head_candidates(logp[None], k, temperature)[0]
-
-
-# Host top-k ----------------------------------------------------------------------------------
-# ``torch.topk`` of CPU rows, exactly, at less than half its cost over a 50k vocabulary.
-#
-# torch's CPU top-k copies every (value, index) pair of a row and partial-sorts them (~70 us per
-# 50k row on one thread). Here each row's (k + 1)-th largest value is bounded from below by the
-# (k + 1)-th largest of 2(k + 1) block maxima (k + 1 distinct cells
-# are >= it), so one vectorised compare leaves a few hundred candidates to sort. The result equals torch's whenever it is unique: when
-# the row's k + 1 largest values are distinct and not NaN (torch ranks NaN first). Otherwise --
-# a tie at the top, where torch's order is its partial sort's, or a NaN -- ``exact_topk`` returns
-# None and the caller runs ``torch.topk``.
-
-MIN_VOCAB = 4096  # below, torch's sort costs less than these numpy calls (512 tokens: 44 vs 77 us)
-
-
-def exact_topk(x: np.ndarray, k: int, min_vocab: int = MIN_VOCAB) -> tuple[np.ndarray, np.ndarray] | None:
-    """(values [m, k] float32, ids [m, k] int64) of each row of ``x`` [m, V] float32, largest
-    first, as ``torch.topk(x, k)``; None where torch's answer is not determined by the values,
-    or where V < ``min_vocab``."""
-    m, v = x.shape
-    kk = k + 1
-    width = v // (2 * kk)
-    if k < 1 or width < 2 or v < min_vocab:  # k >= V / 4: little to save
-        return None
-    blocks = x[:, :2 * kk * width].reshape(m, 2 * kk, width).max(axis=-1)  # [m, 2(k + 1)]; NaN propagates
-    if np.isnan(blocks).any() or (v > 2 * kk * width and np.isnan(x[:, 2 * kk * width:]).any()):
-        return None
-    # the (k + 1)-th largest block maximum: <= the row's (k + 1)-th largest (2(k + 1) blocks leave
-    # ~270 candidates on a 50k vocabulary, 3x fewer than k + 1 blocks; more cost more than they save)
-    floor = np.partition(blocks, kk, axis=-1)[:, kk]  # [m]; ascending, k + 1 blocks from index kk on
-    vals, ids = np.empty((m, k), np.float32), np.empty((m, k), np.int64)
-    for row in range(m):
-        cand = np.flatnonzero(x[row] >= floor[row])  # >= k + 1 cells, the k + 1 largest among them
-        cv = x[row, cand]
-        order = np.argsort(-cv)[:kk]  # any order of equal values: ties are refused below
-        top = cv[order]
-        if not (top[:-1] > top[1:]).all():  # a tie among the k + 1 largest
-            return None
-        vals[row], ids[row] = top[:k], cand[order[:k]]
-    return vals, ids
+from ..sampling import Candidates, head_candidates
 
 
 def outer(cands: list[Candidates]) -> np.ndarray:
@@ -210,15 +136,19 @@ class Cells:
         return grid
 
 
-def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | None = None) -> Cells:
+def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | None = None,
+                threshold: float | None = None) -> Cells:
     """Alg. 1 lines 6-10 for order len(cands): outer product, co-occurrence mask, static
-    threshold, blur + Otsu, repetition penalty. Returns the live cells (unnormalised)."""
+    threshold, blur + Otsu, repetition penalty. Returns the live cells (unnormalised).
+    ``threshold``: the static threshold (default eps_b^(n-1); the conditional joint scales it,
+    ``Prefix``)."""
     shape = tuple(c.ids.size for c in cands)
+    threshold = np.float32(cfg.dynamo.eps_b ** (len(cands) - 1) if threshold is None else threshold)
     live, kernel = None, cfg.dynamo.kernel
     if kernel != "dense" and applies(cands, cfg, table):
-        live = sparse_live(cands, cfg, table, kernel)  # None: no seen cell carries mass
+        live = sparse_live(cands, cfg, table, kernel, threshold)  # None: no seen cell carries mass
     if live is None:
-        flat, values = _dense_live(cands, cfg, table)
+        flat, values = _dense_live(cands, cfg, table, threshold)
         kernel = "dense"
     else:
         flat, values = live
@@ -227,9 +157,8 @@ def joint_cells(cands: list[Candidates], cfg, table=None, seen: np.ndarray | Non
     return Cells(shape, flat, values, kernel)
 
 
-def _dense_live(cands: list[Candidates], cfg, table) -> tuple[np.ndarray, np.ndarray]:
+def _dense_live(cands: list[Candidates], cfg, table, threshold: np.float32) -> tuple[np.ndarray, np.ndarray]:
     """The reference: the whole k^n grid, masked, thresholded, blurred and Otsu'd."""
-    threshold = np.float32(cfg.dynamo.eps_b ** (len(cands) - 1))
     grid = apply_mask(outer(cands), cands, table, cfg.dynamo.alpha_c)  # [k]*order, cells >= 0
     if cfg.dynamo.static_threshold and threshold > 0:  # cells are >= 0: a zero threshold zeroes nothing
         grid[grid <= threshold] = 0.0
@@ -259,13 +188,12 @@ def joint_grid(cands: list[Candidates], cfg, table=None, seen: np.ndarray | None
 # The sparse step's dispatch ------------------------------------------------------------------
 # numpy (``sparse``) or the compiled kernels (``numba_step``), by ``DecodeConfig.dynamic_kernel``.
 
-def sparse_live(cands, cfg, table, kernel: str):
+def sparse_live(cands, cfg, table, kernel: str, threshold: np.float32):
     """The live cells (flat [m] ascending, values [m] float32, before the penalty) of the
-    order-len(cands) grid, or None when no seen cell carries mass (the dense path then leaves the
-    grid unmasked). ``kernel``: "numpy" or "numba"."""
+    order-len(cands) grid at the static ``threshold``, or None when no seen cell carries mass
+    (the dense path then leaves the grid unmasked). ``kernel``: "numpy" or "numba"."""
     lay = layout(table, len(cands))
     shape = tuple(c.ids.size for c in cands)
-    threshold = np.float32(cfg.dynamo.eps_b ** (len(cands) - 1))
     ids = [c.ids for c in cands]
     if kernel == "numba":
         from . import numba_step  # lazy: numba is the optional [fast] extra, and importing it costs ~1 s
@@ -374,8 +302,14 @@ def dynamic_propose(candidates: list[Candidates], n: int, cfg, table, seen: np.n
             return DynamicChoice([int(cands[a].ids[i]) for a, i in enumerate(cell)], order, backed_off, kernels)
         backed_off.append(order)
     first = cand(0)
+    return DynamicChoice([int(first.ids[first_index(first, cfg, seen, rng)])], 1, backed_off, kernels)
+
+
+def first_index(first: Candidates, cfg, seen: np.ndarray, rng) -> int:
+    """Alg. 1 line 19, order 1: a candidate of head 1 drawn by top-k sampling with the
+    repetition penalty (argmax when ``rng`` is None) # -> its index in ``first``."""
     probs = np.where(seen[first.ids], first.probs / cfg.sampling.penalty, first.probs)
-    return DynamicChoice([int(first.ids[sample_index(probs, rng)])], 1, backed_off, kernels)
+    return sample_index(probs, rng)
 
 
 def dynamic_step(scores, cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
@@ -385,3 +319,88 @@ def dynamic_step(scores, cfg, table, seen: np.ndarray, rng) -> DynamicChoice:
     k = min(cfg.sampling.top_k, scores[0].shape[-1])
     rows = torch.stack([scores[h] for h in range(heads_needed(cfg, n))])  # [m, V]
     return dynamic_propose(head_candidates(rows, k, cfg.sampling.grid_temperature), n, cfg, table, seen, rng)
+
+
+# DynaMo over conditional drafts ---------------------------------------------------------------
+# J(x_1..x_n) = p(x_1) * q~(x_2 | x_1) * ... with a drafter that reads the sampled tokens, q~ its
+# top-k masked (eq. 6) and renormalised per prefix; Alg. 1 runs forwards on the slice of J the
+# sampled prefix leaves: x_1 by the order-1 step, then per order the row J(x_1..x_m, .), which is
+# ``joint_cells`` over one-cell axes [x_1], .., [x_m] and q's top-k with the static threshold
+# eps_b^m / J(x_1..x_m) on q~. The reading of the paper: docs/decoding.md.
+
+def reachable(value: float, order: int, cfg) -> bool:
+    """Whether the order-``order`` row of a prefix whose joint value is ``value`` can hold a cell
+    > eps_b^(order-1): its cells are at most ``value`` (q~ <= 1; the penalty, >= 1, only lowers)."""
+    return value > cfg.dynamo.eps_b ** (order - 1)
+
+
+def row_cells(prefix: list[int], value: float, cand: Candidates, cfg, table=None,
+              seen: np.ndarray | None = None) -> tuple[Cells, np.ndarray, bool]:
+    """The order-(len(prefix)+1) row of J given the sampled ``prefix`` (joint value ``value``)
+    and the drafter's top-k ``cand`` for the next token # -> its live cells (values penalised,
+    on the scale of q~), q~ at them [m], and whether a cell passes (else the order backs off)."""
+    order = len(prefix) + 1
+    scale = np.float32(cfg.dynamo.eps_b ** (order - 1) / value)  # J > eps_b^m  <=>  q~ > eps_b^m / J(prefix)
+    fixed = [Candidates(np.array([x], dtype=np.int64), np.ones(1, dtype=np.float32)) for x in prefix]
+    cands = fixed + [cand]
+    cells = joint_cells(cands, cfg, table, None, threshold=scale)  # [m] live cells of the [1]*m + [k] grid
+    conditional = cells.values.copy()
+    if cfg.sampling.penalty != 1 and seen is not None and cells.flat.size:
+        rep = repetition_cells(cands, seen, np.unravel_index(cells.flat, cells.shape))
+        cells.values[rep] /= np.float32(cfg.sampling.penalty)
+    return cells, conditional, bool((cells.values > scale).any())
+
+
+@dataclass
+class Prefix:
+    """One row's draw from the conditional joint so far: its tokens x_1..x_m, their joint value
+    J(x_1..x_m) (before the penalty), and where it stopped."""
+
+    tokens: list[int]
+    value: float
+    stopped: bool = False
+    backed_off: list[int] = field(default_factory=list)  # the order whose row held no passing cell
+    kernels: list[str] = field(default_factory=list)  # the path of each row built
+
+    def wants(self, n: int, cfg) -> bool:
+        """Whether it tries order m + 1 <= ``n``; an order it cannot pass (``reachable``) stops it
+        unread (the drafter is not asked)."""
+        order = len(self.tokens) + 1
+        if self.stopped or order > n:
+            return False
+        if not reachable(self.value, order, cfg):
+            self.stopped, self.backed_off = True, [order]
+        return not self.stopped
+
+    def extend(self, cand: Candidates, cfg, table, seen: np.ndarray, rng) -> None:
+        """Order m + 1 with the drafter's top-k ``cand`` for the token after the prefix: draws
+        x_{m+1} from the row's kept cells (``rng`` None: the largest), or backs off."""
+        cells, q, passes = row_cells(self.tokens, self.value, cand, cfg, table, seen)
+        self.kernels.append(cells.kernel)
+        if not passes:
+            self.stopped, self.backed_off = True, [len(self.tokens) + 1]
+            return
+        pick = sample_index(cells.values, rng)
+        self.tokens.append(int(cand.ids[cells.flat[pick]]))  # one-cell leading axes: the flat index is the row's
+        self.value *= float(q[pick])
+
+    def choice(self) -> DynamicChoice:
+        return DynamicChoice(self.tokens, len(self.tokens), self.backed_off, self.kernels)
+
+
+def first_token(first: Candidates, cfg, seen: np.ndarray, rng) -> Prefix:
+    """x_1 by DynaMo's order-1 step from head 1's top-k ``first``: the one-token prefix, whose
+    joint value is x_1's tempered probability (before the penalty)."""
+    i = first_index(first, cfg, seen, rng)
+    return Prefix([int(first.ids[i])], float(first.probs[i]))
+
+
+def conditional_propose(first: Prefix, conditional: Callable[[list[int]], Candidates], n: int, cfg,
+                        table, seen: np.ndarray, rng) -> DynamicChoice:
+    """Up to ``n`` tokens from J, one row alone. ``first``: x_1 (``first_token``);
+    ``conditional(prefix)``: the drafter's top-k for the token after ``prefix`` (token ids),
+    asked only for an order that can pass; ``seen`` [V] bool: the context. A batch runs the same
+    ``Prefix`` steps order by order for all its rows (``drafts.conditional_dynamo``)."""
+    while first.wants(n, cfg):
+        first.extend(conditional(first.tokens), cfg, table, seen, rng)
+    return first.choice()

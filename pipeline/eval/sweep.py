@@ -79,7 +79,11 @@ SAMPLING_HELP = {
     "top_k": {"help": "top-k per head (DynaMo: 50)"},
     "repetition_penalty": {"help": "repetition penalty of every run, ar and hf-sample included (DynaMo: 1.1)",
                            "default_help": f"{DYNAMO_PENALTY:g}"},
+    "n": {"help": "dynamic points: tokens per forward at most (default: every head)"},
+    "dynamic_joint": {"help": "dynamic points: conditional (the base's t+1, then the heads' conditionals given it: conditioned "
+                              "and eagle3 heads) or outer (the heads' marginals); auto: conditional where the heads condition"},
 }
+DYNAMIC_FLAGS = ("n", "dynamic_joint")  # settings only the dynamic points read (ar emits one token, from the base)
 
 
 @dataclass
@@ -92,7 +96,7 @@ class SweepConfig:
     prompts: str | None = field(default=None, metadata={"help": "prompts file: one per line, or jsonl with a 'prompt'/'text' field (default: DynaMo's Table 7)"})
     eps_b: tuple[float, ...] = field(default=DEFAULT_GRID, metadata={"help": "eps_b values: e.g. 0 0.5 1, or a range start:stop:step (stop included)", "default_help": "0:1:0.1"})
     seeds: int = field(default=3, metadata={"help": "sampling seeds per prompt"})
-    decode: DecodeConfig = nested(DecodeConfig, flags=SAMPLING_FLAGS, help=SAMPLING_HELP, mode="ar")
+    decode: DecodeConfig = nested(DecodeConfig, flags=SAMPLING_FLAGS + DYNAMIC_FLAGS, help=SAMPLING_HELP, mode="ar")
     hf_sample: bool = field(default=True, metadata={"help": "also time transformers' sampling generate (the hf-sample reference row)"})
     ablations: bool = field(default=False, metadata={"help": f"also run DynaMo's Table 8 ablations ({', '.join(TABLE8)})"})
     out: str | None = field(default=None, metadata={"help": "output directory (sweep.json, sweep.csv, sweep.png, sweep_config.json)"})

@@ -227,7 +227,7 @@ class MultiTokenModel(nn.Module):
 
     def step(self, new_ids: torch.Tensor, caches, heads_upto: int | None = None, read_from: int = 0,
              lengths: list[int] | None = None, attend: torch.Tensor | None = None,
-             offsets: torch.Tensor | None = None, clock=None):
+             offsets: torch.Tensor | None = None, clock=None, defer_heads: bool = False):
         """Run only ``new_ids`` [B, T] after the cached positions, extending every cache; the
         returned ``StepOutput`` gives per-head log-probs at the new positions on demand.
         ``caches.keep(start, slots)`` keeps each row's accepted slots of the step, ``keep_rows``
@@ -236,8 +236,9 @@ class MultiTokenModel(nn.Module):
         positions; ``lengths``: real tokens per row, right-aligned in ``new_ids`` (batched rows;
         None: all); ``attend`` / ``offsets``: an explicit mask among the new tokens and their
         positions (a candidate tree: [T, T] / [T] for batch size 1, [B, T, T] / [B, T] per row);
-        ``clock``: what the output's lazy unembeddings time themselves with (model time)."""
-        return step(self, new_ids, caches, heads_upto, read_from, lengths, attend, offsets, clock)
+        ``clock``: what the output's lazy unembeddings time themselves with (model time);
+        ``defer_heads``: heads that read token t+1 wait for ``StepOutput.condition`` to name it."""
+        return step(self, new_ids, caches, heads_upto, read_from, lengths, attend, offsets, clock, defer_heads)
 
 
 def _any_grad(*modules: nn.Module) -> bool:

@@ -236,6 +236,17 @@ def _run_heads(model, feats: Features, caches: DecodeCaches, heads_upto: int | N
     return hiddens
 
 
+def _conditioned_heads(model, feats: Features, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None):
+    """The head layers of a pass that deferred them (``step(defer_heads=True)``), as a function
+    of token t+1 after its last position # tokens [B] -> {head: [B, T, H]}: every earlier
+    position reads the step's own next token (settled text), the last reads ``tokens``."""
+    def run(tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+        feats.next_ids = torch.cat([new_ids[:, 1:], tokens.reshape(-1, 1).to(new_ids.device)], dim=1)  # [B, T]
+        with model.backbone.masked_gqa(feats.ctx, new_ids.device):
+            return _run_heads(model, feats, caches, heads_upto)
+    return run
+
+
 def next_ids(new_ids: torch.Tensor, base_argmax: torch.Tensor, first: int) -> torch.Tensor:
     """Token t+1 after each new position # [B, T]: the step's own next token before ``first``
     (a prompt's, known), the base model's argmax from ``first`` on (``base_argmax`` [B, T - first]):
@@ -246,7 +257,7 @@ def next_ids(new_ids: torch.Tensor, base_argmax: torch.Tensor, first: int) -> to
 @torch.no_grad()
 def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | None = None,
          read_from: int = 0, lengths: list[int] | None = None, attend: torch.Tensor | None = None,
-         offsets: torch.Tensor | None = None, clock=None) -> StepOutput:
+         offsets: torch.Tensor | None = None, clock=None, defer_heads: bool = False) -> StepOutput:
     """Run ``new_ids`` [B, T] after the ``caches.length`` cached positions; extend every cache.
     ``heads_upto``: run only heads < heads_upto (e.g. 1 for plain one-token decoding: no head
     layer runs); a run must use the same value throughout, its head caches cover those heads only.
@@ -257,7 +268,10 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
     ``attend`` [T, T] bool and ``offsets`` [T] long (both or neither): which new tokens each new
     token sees and their positions after the cached ones (a candidate tree: ancestors and
     depth; batch size 1); or [B, T, T] and [B, T]: a tree per row, its nodes its last
-    ``lengths[b]`` slots (``ragged.tree_context``); None = causal, consecutive."""
+    ``lengths[b]`` slots (``ragged.tree_context``); None = causal, consecutive.
+    ``defer_heads``: heads that read token t+1 do not run in the pass; the caller names the
+    token after the last position (DynaMo's sampled t+1) through ``StepOutput.condition``, which
+    runs them and extends their caches (it must, before the next step)."""
     bb = model.backbone
     hidden = bb.embeddings(new_ids)  # [B, T, H]
     if attend is not None and attend.dim() == 3:  # per-row trees (batched), right-aligned after pads
@@ -271,10 +285,14 @@ def step(model, new_ids: torch.Tensor, caches: DecodeCaches, heads_upto: int | N
     with bb.masked_gqa(ctx, hidden.device):  # a multi-token pass reads grouped KV heads in place
         feats = _run_backbone(model, hidden, ctx, caches)
         out = StepOutput(model, feats, {}, first=read_from, clock=clock, draft=caches.draft)
-        if model.heads.needs_next_tokens and heads_upto != 1:  # the head layers read token t+1: base logits first
-            feats.next_ids = next_ids(new_ids, out.base_argmax(), read_from)
-            out.model_s = 0.0  # unembedded inside the step: in the caller's time of the step already
-        out.hiddens = _run_heads(model, feats, caches, heads_upto)
+        conditioned = model.heads.needs_next_tokens and heads_upto != 1
+        if conditioned and defer_heads:
+            out.defer(_conditioned_heads(model, feats, new_ids, caches, heads_upto))
+        else:
+            if conditioned:  # the head layers read token t+1: base logits first
+                feats.next_ids = next_ids(new_ids, out.base_argmax(), read_from)
+                out.model_s = 0.0  # unembedded inside the step: in the caller's time of the step already
+            out.hiddens = _run_heads(model, feats, caches, heads_upto)
     if caches.valid is not None or (lengths is not None and min(lengths) < new_ids.shape[1]):
         new_valid = ragged.step_valid(lengths or [new_ids.shape[1]] * new_ids.shape[0], new_ids.shape[1])
         caches.valid = np.concatenate([caches._valid_array(new_ids.shape[0]), new_valid], axis=1)

@@ -52,6 +52,21 @@ class StepOutput:
         self._base = self._logits = self._argmax = None
         self._head_logits: dict[int, dict[int, torch.Tensor]] = {}  # position -> head -> [B, V]
         self._head_argmax: dict[tuple, dict[int, torch.Tensor] | None] = {}  # anchors -> head -> [B] (None: not screened)
+        self._deferred = None  # the head layers a pass left to ``condition`` (tokens [B] -> hiddens)
+
+    def defer(self, run_heads) -> None:
+        """The pass left its head layers to ``condition`` (``step(defer_heads=True)``)."""
+        self._deferred = run_heads
+
+    def condition(self, tokens: torch.Tensor) -> None:
+        """Run the head layers the pass deferred, reading ``tokens`` [B] (long) as the token
+        after each row's last position (DynaMo's sampled t+1), and extend their caches: from
+        here the heads' distributions at that position are conditioned on it. Once per pass."""
+        if self._deferred is None:
+            raise RuntimeError("this pass ran its heads already (condition needs step(defer_heads=True), once)")
+        start = self.clock()
+        self.hiddens, self._deferred = self._deferred(tokens), None
+        self.model_s += self.clock() - start
 
     @property
     def length(self) -> int:

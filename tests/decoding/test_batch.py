@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from multitoken.decoding.dynamo import step as dynamo_step
+from multitoken.decoding import sampling as dynamo_candidates
 from multitoken.decoding import generate as generate_any
 from multitoken.decoding.engine import generate_batch
 from multitoken.decoding.config import DecodeConfig
@@ -246,7 +246,7 @@ def test_one_host_read_per_step_for_the_whole_batch(tiny_backbones, mode, monkey
     cfg = DecodeConfig(mode="speculative" if joint else mode, drafter="joint" if joint else "auto", max_new_tokens=12,
                        eps_b=0.0, stop_at_eos=False)
     # on the CPU, top-k runs on the host (dynamo.exact_topk) and reads nothing; count the device path's reads
-    monkeypatch.setattr(dynamo_step, "exact_topk", lambda *a: None)
+    monkeypatch.setattr(dynamo_candidates, "exact_topk", lambda *a: None)
     reads = []
     for name in ("tolist", "cpu", "item"):
         plain = getattr(torch.Tensor, name)

@@ -142,7 +142,7 @@ def test_eagle3_rows_equal_their_runs_alone(tiny_backbones, mode, greedy, tree):
 
 
 @pytest.mark.parametrize("settings,what", [
-    (dict(mode="dynamic"), "--mode dynamic"), (dict(tree="static", tree_nodes="4"), "--tree static"),
+    (dict(mode="dynamic", dynamic_joint="outer"), "--dynamic-joint outer"), (dict(tree="static", tree_nodes="4"), "--tree static"),
     (dict(lookup=3), "--lookup"), (dict(tree="dynamic", lookup=3), "--lookup"),
     (dict(drafter="independent"), "--drafter independent")])
 def test_modes_eagle3_does_not_serve_are_refused_in_one_line(tiny_backbones, settings, what):

@@ -132,6 +132,19 @@ def test_ar_reference_uses_the_points_sampling_settings():
         assert dcfg.sampling == ar.sampling and (dcfg.max_new_tokens, dcfg.stop_at_eos) == (ar.max_new_tokens, ar.stop_at_eos)
 
 
+def test_the_dynamic_points_take_the_joint_and_order_given():
+    """``sweep --dynamic-joint outer --n 2`` reaches every dynamic point (the conditional joint's
+    comparison with the outer product on the same heads); ar still emits one token a pass."""
+    from multitoken.pipeline.cli import build_parser
+    from multitoken.pipeline.cli.args import dataclass_from_args
+
+    args = build_parser("sweep").parse_args(["sweep", "--dynamic-joint", "outer", "--n", "2", "--eps-b", "0", "1"])
+    cfg = dataclass_from_args(SweepConfig, args)
+    ar, points = decode_configs(cfg, list(cfg.eps_b))
+    assert ar.order(3) == 1 and len(points) == 2
+    assert all(d.dynamo.dynamic_joint == "outer" and d.order(3) == 2 for _, _, d in points)
+
+
 def test_hf_sample_is_seeded_and_honours_the_budget(tiny_model):
     from dataclasses import replace
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from multitoken.decoding.dynamo import exact_topk, step
+from multitoken.decoding import sampling as candidates
+from multitoken.decoding.dynamo import exact_topk
 
 
 def rows(seed: int, m: int, v: int) -> torch.Tensor:
@@ -49,10 +50,10 @@ def test_head_candidates_are_torchs_on_either_path(monkeypatch):
     x = rows(3, 3, 5000)
     x[2, 17] = x[2, int(torch.argmax(x[2]))]  # one row with a tie at the top: torch's path
     assert exact_topk(x[:2].numpy(), 50) is not None and exact_topk(x.numpy(), 50) is None
-    fast = step.head_candidates(x[:2], 50, 0.7)
-    tied = step.head_candidates(x, 50, 0.7)
-    monkeypatch.setattr(step, "exact_topk", lambda *a: None)
-    ref = step.head_candidates(x, 50, 0.7)
+    fast = candidates.head_candidates(x[:2], 50, 0.7)
+    tied = candidates.head_candidates(x, 50, 0.7)
+    monkeypatch.setattr(candidates, "exact_topk", lambda *a: None)
+    ref = candidates.head_candidates(x, 50, 0.7)
     for got in (fast, tied):
         for c, r in zip(got, ref):
             assert c.ids.dtype == r.ids.dtype and c.probs.dtype == r.probs.dtype
