@@ -8,13 +8,16 @@ What each fast path needs, and what other CPUs get instead:
 - the int16 argmax prefilter of Q8_0 codes (argmax_prefilter.cpp): AVX512-VNNI (with
   AVX512BW); without it greedy steps take the argmax of the codes' logits;
 - oneDNN's packed bfloat16 linear: what torch's oneDNN says it runs (AVX512 BW, VL and DQ, or
-  AVX-NE-CONVERT); without it bfloat16 layers keep ``F.linear``, said once on stderr.
+  AVX-NE-CONVERT); without it bfloat16 layers keep ``F.linear``, said once on stderr;
+- bfloat16 arithmetic in hardware (AVX512-BF16's dot products, or AMX-BF16's tiles), which
+  makes a bfloat16 matmul cheaper than a float32 one: training's ``--compute-dtype auto`` runs
+  under bfloat16 autocast only there (elsewhere oneDNN emulates bfloat16 by conversions, at no gain).
 
 ``MULTITOKEN_CPU_FEATURES`` (read here, once per process) makes this machine answer as a
 smaller CPU would, so that one machine tests every CPU's paths (``.ci/run``):
 
 - unset or ``native``: this CPU's own features;
-- ``avx512``: no AVX512-VNNI, no AVX512-BF16 (an Intel Skylake-SP);
+- ``avx512``: no AVX512-VNNI, no AVX512-BF16 / AMX (an Intel Skylake-SP);
 - ``avx2``: no AVX512 at all (AMD Zen 1-3, Intel Haswell to Comet Lake): no VNNI screen, no
   oneDNN bfloat16;
 - ``plain``: no AVX2 / FMA either (the kernel's plain loops).
@@ -79,6 +82,7 @@ class Features:
     avx512: bool  # AVX512F: the kernel's 512-bit blocks
     vnni: bool  # AVX512-VNNI + AVX512BW: the Q8_0 codes' int16 argmax screen
     onednn_bf16: bool  # oneDNN's bfloat16 linear
+    native_bf16: bool  # bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16)
 
     def lanes(self) -> int:
         """The rows kernel's outputs per column block on such a CPU."""
@@ -87,7 +91,7 @@ class Features:
     def lacks(self, feature: str) -> str:
         """Why ``feature`` (a field) is off here, in words for a one-line notice."""
         need = {"avx2": "AVX2 and FMA", "avx512": "AVX512F", "vnni": "AVX512-VNNI",
-                "onednn_bf16": "AVX512 (BW, VL, DQ) or AVX-NE-CONVERT"}[feature]
+                "onednn_bf16": "AVX512 (BW, VL, DQ) or AVX-NE-CONVERT", "native_bf16": "AVX512-BF16 or AMX-BF16"}[feature]
         if self.level != NATIVE:
             return f"needs {need}; {ENV}={self.level} reports a CPU below it"
         if feature == "onednn_bf16" and os.environ.get("ONEDNN_MAX_CPU_ISA"):
@@ -109,7 +113,9 @@ def features() -> Features:
         avx2 = rank >= 1 and {"avx2", "fma"} <= have
         avx512 = rank >= 2 and "avx512f" in have
         vnni = rank >= 3 and {"avx512f", "avx512bw", "avx512_vnni"} <= have
-        _CACHE[name] = Features(name, avx2, avx512, vnni, rank >= 2 and _onednn_bf16())
+        native_bf16 = rank >= 3 and ("avx512_bf16" in have or "amx_bf16" in have)
+        onednn = rank >= 2 and _onednn_bf16()
+        _CACHE[name] = Features(name, avx2, avx512, vnni, onednn, native_bf16 and onednn)
     return _CACHE[name]
 
 

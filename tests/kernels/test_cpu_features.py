@@ -13,7 +13,7 @@ import pytest
 from multitoken.base.errors import UsageError
 from multitoken.kernels import cpu_features
 
-FIELDS = ("avx2", "avx512", "vnni", "onednn_bf16")
+FIELDS = ("avx2", "avx512", "vnni", "onednn_bf16", "native_bf16")
 
 
 def test_levels_only_take_features_away(monkeypatch):
@@ -28,6 +28,9 @@ def test_levels_only_take_features_away(monkeypatch):
     assert not any(getattr(seen["plain"], f) for f in FIELDS)
     assert not (seen["avx2"].avx512 or seen["avx2"].vnni or seen["avx2"].onednn_bf16) and seen["avx2"].lanes() == 16
     assert not seen["avx512"].vnni and seen["avx512"].avx512 == native.avx512
+    assert not seen["avx512"].native_bf16 and "-mno-avx512bf16" in cpu_features.LEVELS["avx512"][1]  # a Skylake-SP
+    flags = set(cpu_features.cpu_flags().split())
+    assert native.native_bf16 == (native.onednn_bf16 and bool(flags & {"avx512_bf16", "amx_bf16"}))
     assert "-mno-avx512f" in cpu_features.LEVELS["avx2"][1] and "-mno-avx512vnni" in cpu_features.LEVELS["avx512"][1]
     assert seen["avx512"].lacks("vnni") == "needs AVX512-VNNI; MULTITOKEN_CPU_FEATURES=avx512 reports a CPU below it"
 
