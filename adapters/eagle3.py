@@ -232,43 +232,58 @@ class Eagle3Drafter(HeadAdapter):
         def tokens_at(i, _prev):  # the text's token t+i (positions past the end draw no loss)
             return torch.cat([input_ids[:, i:], input_ids.new_zeros(input_ids.shape[0], min(i, T))], dim=1)[:, :T]
 
+        where, best, logq = self._base_targets(feats.base, valid, chunk)
         for i, out in self._chain(feats, tokens_at):
             ok = torch.zeros_like(valid)
             if i < T:
                 ok[:, :T - i] = valid[:, :T - i] & valid[:, i:]
-            target = torch.cat([feats.base[:, i:], feats.base[:, :min(i, T)]], dim=1)[:, :T]  # base hidden at t+i
-            loss, m = self._draft_loss(out[ok], target[ok], chunk)
+            rows = torch.cat([where[:, i:], where[:, :min(i, T)]], dim=1)[:, :T][ok]  # the base's rows at t+i
+            loss, m = self._draft_loss(out[ok], best[rows], logq[rows], chunk)
             per_head.append(loss)
             metrics.update({f"head{i + 1}/loss": loss.item(), f"head{i + 1}/top1": m[0], f"head{i + 1}/top5": m[1]})
         return LossOutput(per_head=per_head, aux=None, metrics=metrics)
 
-    def _draft_loss(self, rows: torch.Tensor, base_rows: torch.Tensor, chunk: int):
-        """Mean loss of draft rows [N, H] against the base at base_rows [N, H], chunk by chunk
+    @torch.no_grad()
+    def _base_targets(self, base: torch.Tensor, valid: torch.Tensor, chunk: int):
+        """The base's targets at every valid position, once per batch: each draft step's are
+        these shifted, so the whole-vocabulary unembedding runs once per position (not once per
+        step, nor again when a checkpointed chunk recomputes) # base [B, T, H], valid [B, T] ->
+        (where [B, T] long: a position's row, best [N] long: the base's argmax over the whole
+        vocabulary, logq [N, Vd] float32: its log-distribution over the draft vocabulary)."""
+        where = valid.long().flatten().cumsum(0).sub(1).view(valid.shape)  # a valid position's row
+        rows = base[valid]  # [N, H]
+        ids = self.to_target(torch.arange(self.draft_head.out_features, device=base.device))
+        best, logq = [], []
+        for s in range(0, rows.shape[0], chunk):
+            full = self.backbone.logits(rows[s:s + chunk]).float()  # [C, V]
+            best.append(full.argmax(-1))
+            logq.append(torch.log_softmax(full.index_select(-1, ids), dim=-1))
+        Vd = self.draft_head.out_features
+        return (where.clamp(min=0), torch.cat(best) if best else valid.new_zeros(0, dtype=torch.long),
+                torch.cat(logq) if logq else base.new_zeros(0, Vd, dtype=torch.float32))
+
+    def _draft_loss(self, rows: torch.Tensor, best: torch.Tensor, logq: torch.Tensor, chunk: int):
+        """Mean loss of draft rows [N, H] against the base's targets there (``best`` [N], its
+        argmax; ``logq`` [N, Vd], its log-distribution over the draft vocabulary), chunk by chunk
         (each chunk's [C, Vd] logits recomputed in backward, not kept), and top-1 / top-5 rates
         of the base's argmax among the drafts' guesses."""
         total, hits = rows.new_zeros((), dtype=torch.float32), torch.zeros(2, dtype=torch.long, device=rows.device)
         for s in range(0, rows.shape[0], chunk):
-            args = (rows[s:s + chunk], base_rows[s:s + chunk])
+            args = (rows[s:s + chunk], best[s:s + chunk], logq[s:s + chunk])
             grad = torch.is_grad_enabled() and rows.requires_grad
             part, h = checkpoint(self._chunk_loss, *args, use_reentrant=False) if grad else self._chunk_loss(*args)
             total, hits = total + part, hits + h
         n = max(rows.shape[0], 1)
         return total / n, (hits.float() / n).tolist()
 
-    def _chunk_loss(self, rows: torch.Tensor, base_rows: torch.Tensor):
-        """Summed loss and [top-1, top-5] hit counts # rows, base_rows [C, H]."""
-        with torch.no_grad():
-            base = self.backbone.logits(base_rows).float()  # [C, V]
-            best = base.argmax(-1)  # [C]
-            ids = self.to_target(torch.arange(self.draft_head.out_features, device=rows.device))
-            sub = base.index_select(-1, ids)  # [C, Vd]
+    def _chunk_loss(self, rows: torch.Tensor, best: torch.Tensor, logq: torch.Tensor):
+        """Summed loss and [top-1, top-5] hit counts # rows [C, H], best [C], logq [C, Vd]."""
         logp = torch.log_softmax(self.draft_head(self.norm(rows)).float(), dim=-1)  # [C, Vd]
         if self.config.targets == "distill":  # KL(base || draft): the cross-entropy less the base's entropy, 0 at a match
-            target = torch.log_softmax(sub, -1)
-            loss = (target.exp() * (target - logp)).sum()
+            loss = (logq.exp() * (logq - logp)).sum()
         else:  # the base's argmax where the draft vocabulary holds it
             inside = self.t2d[best]
-            loss = -logp.gather(-1, sub.argmax(-1, keepdim=True)).squeeze(-1)[inside].sum()
+            loss = -logp.gather(-1, logq.argmax(-1, keepdim=True)).squeeze(-1)[inside].sum()
         with torch.no_grad():
             top = self.to_target(logp.topk(min(5, logp.shape[-1]), dim=-1).indices) == best[:, None]  # [C, 5]
             hits = torch.stack([top[:, 0].sum(), top.any(-1).sum()])
