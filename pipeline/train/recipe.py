@@ -67,8 +67,12 @@ class RecipeConfig:
     warmup: int = field(default=50, metadata={"help": "warm-up steps"})
     distill_seconds: float = field(default=0.0, metadata={"help": "stop distilling after this long (0: no limit)"})
     train_seconds: float = field(default=0.0, metadata={"help": "fit training into this long (0: no limit)"})
-    compute_dtype: str = field(default="float32", metadata={"help": "float32, or bfloat16 autocast (GPUs, CPUs with native bf16)",
-                                                            "choices": ("float32", "bfloat16")})
+    compute_dtype: str = field(default="auto", metadata={"help": "training's arithmetic: float32, or bfloat16 autocast; auto = bfloat16 "
+                                                         "on GPUs that have it and CPUs with native bf16 (AVX512-BF16, AMX), else float32",
+                                                         "choices": rtrain.COMPUTE_DTYPES})
+    distill_engine: str = field(default="multitoken", metadata={"help": "who continues the prompts: our batched engine on our CPU "
+                                                                "linears, or transformers' generate (the first recipe's path)",
+                                                                "choices": rdata.ENGINES})
     draft_vocab: int = field(default=8192, metadata={"help": "tokens the drafts score by default (draft_vocab.json's size); "
                                                               "the eagle3 drafter's lm_head holds exactly these"})
     seed: int = field(default=0, metadata={"help": "random seed"})
@@ -114,9 +118,10 @@ def distill_stage(backbone, cfg: RecipeConfig, out: Path, ranks: rtrain.Ranks, l
     train = train[:rows_wanted]
     budget = cfg.distill_seconds or None
     share = dict(rank=ranks.rank, world=ranks.world, log=log)
-    held_rec = rdata.distill_shards(backbone, held, out / "distill" / "heldout", cfg.new_tokens, cfg.shard_rows,
+    continuer = rdata.Continuer(backbone, cfg.distill_engine)
+    held_rec = rdata.distill_shards(continuer, held, out / "distill" / "heldout", cfg.new_tokens, cfg.shard_rows,
                                     cfg.distill_batch, 0, cfg.seed + 1, **share)
-    train_rec = rdata.distill_shards(backbone, train, out / "distill" / "train", cfg.new_tokens, cfg.shard_rows,
+    train_rec = rdata.distill_shards(continuer, train, out / "distill" / "train", cfg.new_tokens, cfg.shard_rows,
                                      cfg.distill_batch, cfg.sample_every, cfg.seed, seconds=budget, **share)
     return {"heldout": held_rec, "train": train_rec, "prompts_available": int(len(train))}
 
@@ -194,7 +199,8 @@ def _write_heads(cfg: RecipeConfig, out: Path, sets, run: dict, report: dict, he
     """Measure every trained head set on the held-out text and write its heads dir, with the
     training text's token ranking where the drafts read one (``ranking``, draft_vocab.json)."""
     for s in sets:
-        acc = rtrain.rank_accuracy(s.model.backbone, s.model, held, 32, cfg.compute_dtype, MAX_RANKS)
+        # measured in float32 whatever training's arithmetic, so that builds compare
+        acc = rtrain.rank_accuracy(s.model.backbone, s.model, held, 32, "float32", MAX_RANKS)
         record = {"head": _head_config(s.name, cfg), "heldout": acc["summary"],
                   "train": report["stages"]["train"], "text": report["text"], "machine": report["machine"],
                   "history": [{k: v for k, v in h.items() if k.startswith(s.name + "/") or "/" not in k} for h in run["history"]]}

@@ -4,8 +4,10 @@ The Medusa-2 / DynaMo recipe: the base continues prompts taken from public text,
 learn what the base itself says next. Every prompt has the same length and every continuation
 the same number of new tokens, so a batch needs no padding and every row the same length.
 
-Shards are the unit of work and of resumption: shard k holds the continuations of prompts
-``[k * rows, (k + 1) * rows)``, drawn with a generator seeded by (seed, k), and is written
+A continuation ends at the base's first EOS (or after the new tokens): the positions after it
+are padding, never a target. Shards are the unit of work and of resumption: shard k holds the
+continuations of prompts ``[k * rows, (k + 1) * rows)``, each row's draws seeded by (seed, k,
+row) (``row_seed``; transformers' path: each batch's by (seed, k, batch)), and is written
 atomically (``shard-00007.safetensors``: ``ids`` [n, T] int32, ``valid`` [n, T] uint8, where a
 head's loss may look). A killed run re-reads the finished shards and continues with the first
 missing one. Only token ids are kept: training recomputes the frozen trunk's states, which on
@@ -14,6 +16,7 @@ an accelerator costs less than reading them back from disk.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -23,6 +26,9 @@ from pathlib import Path
 import torch
 
 from multitoken.base.errors import DataError
+from multitoken.decoding.config import DecodeConfig
+from multitoken.decoding.engine import eos_ids, generate_batch
+from multitoken.pipeline.model.model import MultiTokenModel
 
 SHARD = "shard-{:05d}.safetensors"
 
@@ -102,24 +108,73 @@ def _distinct_shuffled(rows, exclude, seed: int, empty: DataError) -> torch.Tens
 
 
 # Continuations ----------------------------------------------------------------------------
-@torch.inference_mode()
-def continue_rows(backbone, prompts: torch.Tensor, new_tokens: int, sample: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prompts`` [B, P] continued by ``new_tokens`` (greedy, or sampled at temperature 0.7 /
-    top-k 50) -> ids [B, T], valid [B, T] (T = P + new; targets from the prompt's last token on,
-    up to a row's first EOS)."""
-    eos = backbone.tokenizer.eos_token_id
-    torch.manual_seed(seed)
-    prompts = prompts.to(backbone.device)
-    options = dict(do_sample=True, temperature=0.7, top_k=50) if sample else dict(do_sample=False)
-    ids = backbone.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, pad_token_id=eos if eos is not None else 0,
-                                  **options)  # [B, T]
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    if eos is not None:
-        after = (ids == eos) & (torch.arange(ids.shape[1], device=ids.device) >= prompts.shape[1])
-        valid &= after.cumsum(1) == 0
-    valid[:, : prompts.shape[1] - 1] = False  # the public text is not what the base says
-    return ids.cpu(), valid.cpu()
+ENGINES = ("multitoken", "transformers")  # who continues the prompts: our batched engine, or transformers' generate
+SAMPLED = dict(temperature=0.7, top_k=50)  # the sampled rows' distribution (no repetition penalty), either engine
+
+
+class Continuer:
+    """Continues prompts with the base, greedy or sampled (``SAMPLED``), each row to its first
+    EOS or ``new_tokens`` (the rest padded, never a target).
+
+    ``multitoken``: our engine's ``ar`` mode (decoding/engine.py), every row of a call in one
+    forward pass per token on our CPU linears (the GGUF's own codes), each row seeded by its own
+    seed, so a row is the same whatever rows share its call; greedy rows equal transformers'.
+    ``transformers``: its ``generate`` on torch's linears, a batch seeded through torch's global
+    generator (the recipe's first path, kept to measure against)."""
+
+    def __init__(self, backbone, engine: str = "multitoken"):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown distillation engine {engine!r}: one of {', '.join(ENGINES)}")
+        self.backbone, self.engine = backbone, engine
+        # a base with no draft heads: the engine's ar mode reads head 1 (the base) only
+        self.model = MultiTokenModel.attach(backbone, {"head_type": "medusa", "n_future": 1})
+        self.eos = sorted(eos_ids(self.model))
+
+    @torch.inference_mode()
+    def __call__(self, prompts: torch.Tensor, new_tokens: int, sample: bool, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prompts`` [B, P] (``seeds``: one per row) -> ids [B, P + new_tokens], valid [B, P + new_tokens]
+        (targets from the prompt's last token on, up to a row's first EOS)."""
+        if self.engine == "multitoken":
+            ids = self._engine(prompts, new_tokens, sample, seeds)
+        else:
+            ids = self._transformers(prompts, new_tokens, sample, seeds[0])
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        if self.eos:
+            ended = torch.isin(ids, torch.tensor(self.eos)) & (torch.arange(ids.shape[1]) >= prompts.shape[1])
+            valid &= ended.cumsum(1) == 0
+        valid[:, : prompts.shape[1] - 1] = False  # the public text is not what the base says
+        return ids, valid
+
+    def _pad(self) -> int:
+        return self.eos[0] if self.eos else 0
+
+    def _engine(self, prompts: torch.Tensor, new_tokens: int, sample: bool, seeds: list[int]) -> torch.Tensor:
+        picks = dict(greedy=True) if not sample else dict(SAMPLED, repetition_penalty=1.0)
+        cfg = DecodeConfig(mode="ar", max_new_tokens=new_tokens, stop_at_eos=True, **picks)
+        rows = generate_batch(self.model, prompts.tolist(), cfg, seeds=seeds)
+        out = torch.full((len(rows), prompts.shape[1] + new_tokens), self._pad(), dtype=torch.long)  # [B, T]
+        out[:, : prompts.shape[1]] = prompts
+        for b, row in enumerate(rows):
+            out[b, prompts.shape[1]: prompts.shape[1] + len(row.token_ids)] = torch.tensor(row.token_ids, dtype=torch.long)
+        return out
+
+    def _transformers(self, prompts: torch.Tensor, new_tokens: int, sample: bool, seed: int) -> torch.Tensor:
+        bb = self.backbone
+        torch.manual_seed(seed)
+        x = prompts.to(bb.device)
+        options = dict(do_sample=True, top_p=1.0, **SAMPLED) if sample else dict(do_sample=False)
+        ids = bb.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, pad_token_id=self._pad(),
+                                eos_token_id=self.eos or None, **options).cpu()  # [B, <= T]: every row may end early
+        out = torch.full((len(prompts), prompts.shape[1] + new_tokens), self._pad(), dtype=torch.long)
+        out[:, : ids.shape[1]] = ids
+        return out
+
+
+def row_seed(seed: int, shard: int, row: int) -> int:
+    """Row ``row`` of shard ``shard``'s own seed (below 2**63): the same row gets the same draws
+    whatever call it is decoded in."""
+    digest = hashlib.sha256(f"{seed}/{shard}/{row}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def write_shard(path: Path, ids: torch.Tensor, valid: torch.Tensor, meta: dict) -> None:
@@ -141,16 +196,16 @@ def read_shards(folder: Path) -> dict[str, torch.Tensor]:
     return {"ids": torch.cat([p["ids"] for p in parts]).long(), "valid": torch.cat([p["valid"] for p in parts]).bool()}
 
 
-def distill_shards(backbone, prompts: torch.Tensor, folder: Path, new_tokens: int, rows: int, batch: int,
+def distill_shards(continuer: Continuer, prompts: torch.Tensor, folder: Path, new_tokens: int, rows: int, batch: int,
                    sample_every: int, seed: int, seconds: float | None = None, rank: int = 0, world: int = 1,
                    log=print) -> dict:
     """Continue ``prompts`` into shards of ``rows`` rows under ``folder`` (every
     ``sample_every``-th batch sampled, 0: all greedy), skipping finished shards; stop early
     after ``seconds``. Under torchrun rank r makes shards r, r + world, ... Returns the stage's
-    record."""
+    record (its wall and process CPU seconds: on a shared machine the latter is the stable one)."""
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = -(-len(prompts) // rows)
-    started, made, tokens = time.time(), 0, 0
+    started, cpu, made, tokens = time.time(), time.process_time(), 0, 0
     for k in range(rank, n_shards, world):
         path = folder / SHARD.format(k)
         if path.is_file():
@@ -162,13 +217,17 @@ def distill_shards(backbone, prompts: torch.Tensor, folder: Path, new_tokens: in
         ids, valid, shown = [], [], time.time()
         for j, at in enumerate(range(0, len(part), batch)):
             sample = sample_every > 0 and j % sample_every == sample_every - 1
-            got = continue_rows(backbone, part[at:at + batch], new_tokens, sample, seed * 100_003 + k * 1009 + j)
+            seeds = [row_seed(seed, k, r) for r in range(at, at + len(part[at:at + batch]))]
+            if continuer.engine == "transformers":  # one seed per batch, through torch's global generator
+                seeds = [seed * 100_003 + k * 1009 + j]
+            got = continuer(part[at:at + batch], new_tokens, sample, seeds)
             ids.append(got[0])
             valid.append(got[1])
             if time.time() - shown > 10:  # a line every ~10 s inside a long shard
                 shown = time.time()
                 log(f"distill {folder.name}: shard {k + 1}/{n_shards}, {at + len(got[0]):,}/{len(part):,} rows")
-        write_shard(path, torch.cat(ids), torch.cat(valid), {"shard": k, "seed": seed, "new_tokens": new_tokens})
+        write_shard(path, torch.cat(ids), torch.cat(valid), {"shard": k, "seed": seed, "new_tokens": new_tokens,
+                                                             "engine": continuer.engine})
         made += 1
         tokens += len(part) * new_tokens
         rate = tokens / max(time.time() - started, 1e-9)
@@ -176,4 +235,5 @@ def distill_shards(backbone, prompts: torch.Tensor, folder: Path, new_tokens: in
         log(f"distill {folder.name}: shard {k + 1}/{n_shards}, {rate:,.0f} new tokens/s, "
             f"ETA {left * rows * new_tokens / max(rate, 1e-9):.0f} s")
     done = sorted(folder.glob("shard-*.safetensors"))
-    return {"shards": len(done), "of": n_shards, "new_tokens_this_run": tokens, "seconds": round(time.time() - started, 1)}
+    return {"shards": len(done), "of": n_shards, "new_tokens_this_run": tokens, "seconds": round(time.time() - started, 1),
+            "cpu_seconds": round(time.process_time() - cpu, 1), "engine": continuer.engine}

@@ -19,11 +19,26 @@ from dataclasses import dataclass
 import torch
 
 from multitoken.adapters.base import Features, HeadAdapter
+from multitoken.kernels import cpu_features
+
+
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_dtype(device: torch.device, dtype: str) -> str:
+    """``auto`` -> bfloat16 where it is native arithmetic (a CUDA GPU that has it; a CPU with
+    AVX512-BF16 or AMX, cpu_features.py), else float32 (a CPU that would emulate it gains
+    nothing); the others as given."""
+    if dtype != "auto":
+        return dtype
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if device.type == "cpu" and cpu_features.features().native_bf16 else "float32"
 
 
 def autocast(device: torch.device, dtype: str):
-    """bfloat16 autocast where asked (on CUDA, or a CPU with native bf16), else nothing."""
-    if dtype != "bfloat16":
+    """bfloat16 autocast where ``dtype`` (resolved: ``resolve_dtype``) asks for it, else nothing."""
+    if resolve_dtype(device, dtype) != "bfloat16":
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -118,7 +133,7 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
     collect = any(s.model.heads.needs_layer_states for s in sets)
     device = backbone.device
     order, at, step, history = torch.randperm(n_rows, generator=g), 0, 0, []
-    started = time.time()
+    started, cpu = time.time(), time.process_time()
     while step < total:
         if at + batch_rows > n_rows:
             order, at = torch.randperm(n_rows, generator=g), 0
@@ -148,7 +163,8 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
         s.model.heads.eval()
     tokens = step * batch_rows * data["ids"].shape[1]
     return {"steps": step, "planned_steps": int(max(epochs * n_rows / batch_rows, 1)), "epochs": round(step * batch_rows / n_rows, 3),
-            "seconds": round(time.time() - started, 1), "tokens_seen": tokens, "batch_rows": batch_rows,
+            "seconds": round(time.time() - started, 1), "cpu_seconds": round(time.process_time() - cpu, 1),
+            "tokens_seen": tokens, "batch_rows": batch_rows, "compute_dtype": resolve_dtype(device, dtype),
             "processes": ranks.world, "history": history}
 
 

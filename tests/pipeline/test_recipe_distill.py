@@ -1,0 +1,94 @@
+"""The recipe's distillation (``recipe_data.Continuer``): our batched engine's shards against
+transformers' ``generate``, their seeding, and their sampled distribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from scipy.stats import chisquare
+
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
+from multitoken.pipeline.train import recipe_data
+from multitoken.pipeline.train.recipe_data import SAMPLED, Continuer, distill_shards, row_seed
+
+from ..conftest import fixture_path as fixture
+from ..decoding.test_exactness import merge_small_cells
+
+
+def backbone(name: str, stories_dir: Path, pythia_mini_dir: Path):
+    return load_backbone(BackboneConfig(base=str(stories_dir if name == "stories" else pythia_mini_dir), threads=1))
+
+
+def prompts(bb, count: int, length: int = 8) -> torch.Tensor:
+    """``count`` windows of the Shakespeare fixture # [count, length]."""
+    text = fixture("tinyshakespeare", "input.txt")
+    return recipe_data.window_prompts(bb.tokenizer, [text], length, 7, seed=0)[:count]
+
+
+def shards(folder: Path) -> list[dict]:
+    return [load_file(str(p)) for p in sorted(folder.glob("shard-*.safetensors"))]
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", ["stories", "pythia-mini"])
+def test_greedy_shards_are_transformers_greedy_text(name, stories_dir, pythia_mini_dir, tmp_path):
+    """Greedy rows through our engine (packed linears) are transformers' greedy rows token for
+    token, each cut at its first EOS and padded after it (never a target). The EOS is made a
+    token the continuations often hold, so that rows end at different places."""
+    bb = backbone(name, stories_dir, pythia_mini_dir)
+    p = prompts(bb, 20)
+    free = Continuer(bb)(p, 40, False, [0] * len(p))[0][:, 8:]
+    counts = torch.bincount(free.flatten(), minlength=bb.vocab_size)
+    bb.causal_lm.generation_config.eos_token_id = eos = int(counts.argmax())  # both engines read it
+    for engine in recipe_data.ENGINES:
+        distill_shards(Continuer(bb, engine), p, tmp_path / engine, 40, 8, 6, 0, seed=0, log=lambda m: None)
+    ours, theirs = shards(tmp_path / "multitoken"), shards(tmp_path / "transformers")
+    assert len(ours) == 3 and same(ours, theirs)
+    ids = torch.cat([s["ids"] for s in ours]).long()
+    valid = torch.cat([s["valid"] for s in ours]).bool()
+    assert torch.equal(ids[:, :8], p) and not valid[:, :7].any() and valid[:, 7].all()
+    ended = ids[:, 8:] == eos
+    first = torch.where(ended.any(1), ended.float().argmax(1), torch.tensor(40))
+    assert torch.equal(valid[:, 8:].sum(1), first)  # valid up to a row's first EOS only
+    assert (first < 40).sum() > 2 and len(set(first.tolist())) > 2  # rows end, at different places
+    # before its EOS a row is the text the base says with no EOS set; from it on, padding
+    assert all(torch.equal(r[:f], q[:f]) and (r[f:] == eos).all() for r, q, f in zip(ids[:, 8:], free, first.tolist()))
+
+
+def test_sampled_rows_are_seeded_per_row_whatever_the_batch(stories_dir, pythia_mini_dir, tmp_path):
+    """Each sampled row draws from its own seed (seed, shard, row): the shards are the same for
+    any batch size, after a redo of a shard, and change with the seed."""
+    bb = backbone("stories", stories_dir, pythia_mini_dir)
+    p, quiet = prompts(bb, 14), (lambda m: None)
+    distill_shards(Continuer(bb), p, tmp_path / "a", 16, 6, 6, 1, seed=3, log=quiet)
+    distill_shards(Continuer(bb), p, tmp_path / "b", 16, 6, 4, 1, seed=3, log=quiet)
+    distill_shards(Continuer(bb), p, tmp_path / "c", 16, 6, 6, 1, seed=4, log=quiet)
+    a = shards(tmp_path / "a")
+    assert len(a) == 3 and same(a, shards(tmp_path / "b")) and not same(a, shards(tmp_path / "c"))
+    (tmp_path / "a" / recipe_data.SHARD.format(1)).unlink()  # as a kill during that shard leaves it
+    distill_shards(Continuer(bb), p, tmp_path / "a", 16, 6, 6, 1, seed=3, log=quiet)
+    assert same(a, shards(tmp_path / "a"))
+    greedy = Continuer(bb)(p[:6], 16, False, [0] * 6)[0]
+    assert not torch.equal(torch.cat([s["ids"] for s in a])[:6].long(), greedy)  # sampled, not argmax
+
+
+def test_sampled_first_tokens_follow_the_bases_top_k_distribution(stories_dir, pythia_mini_dir):
+    """The engine's sampled rows draw from softmax(top-50 logits / 0.7), transformers' sampling
+    distribution (chi-square over 600 rows of one prompt)."""
+    bb = backbone("stories", stories_dir, pythia_mini_dir)
+    prompt = prompts(bb, 1)
+    n = 600
+    ids, _ = Continuer(bb)(prompt.expand(n, -1), 1, True, [row_seed(0, 0, r) for r in range(n)])
+    counts = torch.bincount(ids[:, -1], minlength=bb.vocab_size)
+    with torch.no_grad():
+        logits = bb.model(prompt).logits[0, -1].float()
+    top = torch.topk(logits, SAMPLED["top_k"])
+    expected = torch.zeros_like(logits).scatter_(0, top.indices, torch.softmax(top.values / SAMPLED["temperature"], -1))
+    assert counts[expected == 0].sum() == 0  # nothing outside the top-k
+    assert chisquare(*merge_small_cells(counts.double(), expected * n)).pvalue > 1e-3
