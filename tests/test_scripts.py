@@ -330,3 +330,27 @@ def test_startup_runs_a_fresh_cli_process_and_times_its_phases_in_order(tmp_path
     assert [text for _, text in run["stages"]][:2] == ["multitoken generate: starting", "loading embedded:stories260K"]
     assert 0 < run["imports_s"] < run["ready_s"] <= run["first_token_s"] < run["process_s"]
     assert 0 <= run["prepare_s"] < run["ready_s"]
+
+
+def test_the_build_bench_pairs_old_and_new_rates_from_their_reports():
+    """bench_build: each recipe's tokens per second come from its build report (distilled new
+    tokens and training tokens over wall and CPU seconds), medians per recipe, new over old."""
+    bench = load_script(SCRIPTS / "bench_build.py")
+
+    def report(distill_s, train_cpu_s, top1):
+        held = {"head2/top1": top1, "head3/top1": top1 / 2}
+        return {"stages": {"distill": {"train": {"new_tokens_this_run": 1000, "seconds": distill_s, "cpu_seconds": distill_s / 2,
+                                                 "engine": "multitoken"}},
+                           "train": {"tokens_seen": 600, "steps": 3, "seconds": 3.0, "cpu_seconds": train_cpu_s,
+                                     "compute_dtype": "bfloat16"}},
+                "heldout": {"eagle3": held}}
+
+    old = [bench.figures(report(10.0, 6.0, 0.5), [1.0], [2.0]), bench.figures(report(20.0, 6.0, 0.5), [], [])]
+    new = [bench.figures(report(2.0, 2.0, 0.5), [], []), bench.figures(report(4.0, 2.0, 0.5), [], [])]
+    assert old[0]["distill_tokens_per_s"] == 100.0 and old[0]["distill_cpu_tokens_per_s"] == 200.0
+    assert old[0]["train_cpu_tokens_per_s"] == 100.0 and old[0]["load_before"] == [1.0]
+    got = bench.summary({"old": old, "new": new})
+    assert got["median"]["old"]["distill_tokens_per_s"] == 75.0 and got["new_over_old"]["distill_tokens_per_s"] == 5.0
+    assert got["new_over_old"]["train_cpu_tokens_per_s"] == 3.0
+    rows = bench.table({"old": old, "new": new}, ["eagle3"])["rows"]
+    assert rows[1] == ["new", 750.0, 300.0, "bfloat16", "0.500 / 0.250"]

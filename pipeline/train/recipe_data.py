@@ -236,4 +236,4 @@ def distill_shards(continuer: Continuer, prompts: torch.Tensor, folder: Path, ne
             f"ETA {left * rows * new_tokens / max(rate, 1e-9):.0f} s")
     done = sorted(folder.glob("shard-*.safetensors"))
     return {"shards": len(done), "of": n_shards, "new_tokens_this_run": tokens, "seconds": round(time.time() - started, 1),
-            "cpu_seconds": round(time.process_time() - cpu, 1), "engine": continuer.engine}
+            "cpu_seconds": round(time.process_time() - cpu, 2), "engine": continuer.engine}

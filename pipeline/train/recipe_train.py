@@ -163,7 +163,7 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
         s.model.heads.eval()
     tokens = step * batch_rows * data["ids"].shape[1]
     return {"steps": step, "planned_steps": int(max(epochs * n_rows / batch_rows, 1)), "epochs": round(step * batch_rows / n_rows, 3),
-            "seconds": round(time.time() - started, 1), "cpu_seconds": round(time.process_time() - cpu, 1),
+            "seconds": round(time.time() - started, 1), "cpu_seconds": round(time.process_time() - cpu, 2),
             "tokens_seen": tokens, "batch_rows": batch_rows, "compute_dtype": resolve_dtype(device, dtype),
             "processes": ranks.world, "history": history}
 

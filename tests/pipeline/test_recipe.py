@@ -144,6 +144,8 @@ def test_a_resume_with_other_settings_or_a_foreign_folder_is_refused(built, text
     shutil.copytree(built, out)
     assert build(texts, out, "--seed", "5") != 0
     assert "holds a build with another seed" in capsys.readouterr().err
+    assert build(texts, out, "--distill-engine", "transformers") != 0  # its sampled rows draw otherwise
+    assert "holds a build with another distill_engine" in capsys.readouterr().err
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

@@ -1,5 +1,6 @@
-"""The recipe's distillation (``recipe_data.Continuer``): our batched engine's shards against
-transformers' ``generate``, their seeding, and their sampled distribution."""
+"""The recipe's throughput paths: its distillation (``recipe_data.Continuer``), our batched
+engine's shards against transformers' ``generate``, their seeding and their sampled
+distribution; and the arithmetic its training picks (``recipe_train.resolve_dtype``)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,23 @@ def test_sampled_first_tokens_follow_the_bases_top_k_distribution(stories_dir, p
     expected = torch.zeros_like(logits).scatter_(0, top.indices, torch.softmax(top.values / SAMPLED["temperature"], -1))
     assert counts[expected == 0].sum() == 0  # nothing outside the top-k
     assert chisquare(*merge_small_cells(counts.double(), expected * n)).pvalue > 1e-3
+
+
+def test_training_runs_in_bfloat16_only_where_the_cpu_has_it_natively(monkeypatch):
+    """``--compute-dtype auto``: bfloat16 autocast on a CPU with AVX512-BF16 / AMX, float32 on one
+    that would emulate it (an AVX512 CPU without BF16, an AVX2 one); a dtype given is kept."""
+    from multitoken.kernels import cpu_features
+    from multitoken.pipeline.train.recipe_train import autocast, resolve_dtype
+
+    cpu = torch.device("cpu")
+    native = cpu_features.features().native_bf16
+    assert resolve_dtype(cpu, "auto") == ("bfloat16" if native else "float32")
+    for level in ("avx512", "avx2"):
+        monkeypatch.setenv(cpu_features.ENV, level)
+        assert resolve_dtype(cpu, "auto") == "float32" and resolve_dtype(cpu, "bfloat16") == "bfloat16"
+        with autocast(cpu, "auto"):
+            assert not torch.is_autocast_enabled("cpu")
+    monkeypatch.delenv(cpu_features.ENV)
+    with autocast(cpu, "auto"):
+        x = torch.ones(2, 8) @ torch.ones(8, 2)
+    assert x.dtype == (torch.bfloat16 if native else torch.float32)
