@@ -70,9 +70,10 @@ class RecipeConfig:
     compute_dtype: str = field(default="auto", metadata={"help": "training's arithmetic: float32, or bfloat16 autocast; auto = bfloat16 "
                                                          "on GPUs that have it and CPUs with native bf16 (AVX512-BF16, AMX), else float32",
                                                          "choices": rtrain.COMPUTE_DTYPES})
-    distill_engine: str = field(default="multitoken", metadata={"help": "who continues the prompts: our batched engine on our CPU "
-                                                                "linears, or transformers' generate (the first recipe's path)",
-                                                                "choices": rdata.ENGINES})
+    distill_engine: str = field(default="auto", metadata={"help": "who continues the prompts: our batched engine on our CPU "
+                                                          "linears (multitoken), or transformers' generate (the first recipe's path); "
+                                                          "auto = multitoken on the CPU, transformers on a GPU",
+                                                          "choices": ("auto", *rdata.ENGINES)})
     draft_vocab: int = field(default=8192, metadata={"help": "tokens the drafts score by default (draft_vocab.json's size); "
                                                               "the eagle3 drafter's lm_head holds exactly these"})
     seed: int = field(default=0, metadata={"help": "random seed"})
@@ -118,7 +119,7 @@ def distill_stage(backbone, cfg: RecipeConfig, out: Path, ranks: rtrain.Ranks, l
     train = train[:rows_wanted]
     budget = cfg.distill_seconds or None
     share = dict(rank=ranks.rank, world=ranks.world, log=log)
-    continuer = rdata.Continuer(backbone, cfg.distill_engine)
+    continuer = rdata.Continuer(backbone, rdata.resolve_engine(cfg.distill_engine, backbone.device))
     held_rec = rdata.distill_shards(continuer, held, out / "distill" / "heldout", cfg.new_tokens, cfg.shard_rows,
                                     cfg.distill_batch, 0, cfg.seed + 1, **share)
     train_rec = rdata.distill_shards(continuer, train, out / "distill" / "train", cfg.new_tokens, cfg.shard_rows,

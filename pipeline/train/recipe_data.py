@@ -109,6 +109,15 @@ def _distinct_shuffled(rows, exclude, seed: int, empty: DataError) -> torch.Tens
 
 # Continuations ----------------------------------------------------------------------------
 ENGINES = ("multitoken", "transformers")  # who continues the prompts: our batched engine, or transformers' generate
+
+
+def resolve_engine(name: str, device: torch.device) -> str:
+    """``auto`` -> our engine on the CPU (where our linears run), transformers' ``generate``
+    elsewhere (a GPU continues thousands of rows at once, where one batched draw per step beats
+    the engine's per-row generators); the others as given."""
+    if name != "auto":
+        return name
+    return "multitoken" if device.type == "cpu" else "transformers"
 SAMPLED = dict(temperature=0.7, top_k=50)  # the sampled rows' distribution (no repetition penalty), either engine
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +49,26 @@ def trunk_features(backbone, ids: torch.Tensor, collect: bool) -> Features:
         trunk = backbone.run_trunk(ids, collect=collect)
         base = backbone.final_norm(backbone.run_layer(backbone.layers[-1], trunk.hidden, trunk.ctx))  # [B, T, H]
     return Features(trunk=trunk.hidden, base=base, layer_states=trunk.layer_states, ctx=trunk.ctx)
+
+
+@contextmanager
+def trunk_in(backbone, dtype: str):
+    """The frozen decoder layers' linear weights held in bfloat16 while training runs under
+    bfloat16 autocast (which would cast each of them again at every call: a copy of the whole
+    trunk per step), restored exactly after (the float32 tensors are kept); float32: as they are.
+    Only the layers: the embedding and unembedding the heads share keep their own dtype."""
+    if dtype != "bfloat16":
+        yield
+        return
+    kept = [(m.weight, m.weight.data) for layer in backbone.layers for m in layer.modules()
+            if type(m) is torch.nn.Linear and not m.weight.requires_grad and m.weight.dtype == torch.float32]
+    try:
+        for weight, data in kept:
+            weight.data = data.to(torch.bfloat16)
+        yield
+    finally:
+        for weight, data in kept:
+            weight.data = data
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -134,31 +154,32 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
     device = backbone.device
     order, at, step, history = torch.randperm(n_rows, generator=g), 0, 0, []
     started, cpu = time.time(), time.process_time()
-    while step < total:
-        if at + batch_rows > n_rows:
-            order, at = torch.randperm(n_rows, generator=g), 0
-        mine = ranks.slice(order[at:at + batch_rows])
-        at += batch_rows
-        for part in range(micro_batches):
-            rows = mine[part::micro_batches]
-            ids = data["ids"][rows].to(device, non_blocking=True)  # [b, T]
-            valid = data["valid"][rows].to(device, non_blocking=True)
-            with autocast(device, dtype):
-                feats = trunk_features(backbone, ids, collect)
-                metrics = {s.name: s.backward(feats, ids, valid, chunk, 1.0 / micro_batches) for s in sets}
-        factor = lr_factor(step, total, warmup)
-        for s in sets:
-            s.update(factor, grad_clip, ranks.world)
-        step += 1
-        if step == 20 and seconds is not None:  # the plan must end inside the budget, the same on every rank
-            per_step = (time.time() - started) / step
-            total = ranks.agree(min(total, max(int(seconds / per_step), step + 1)))
-        if step % 50 == 0 or step == total:
-            elapsed = time.time() - started
-            rec = {"step": step, "of": total, "seconds": round(elapsed, 1), "eta_s": round(elapsed / step * (total - step)),
-                   **{f"{name}/{k}": v for name, m in metrics.items() for k, v in m.items()}}
-            history.append(rec)
-            log(rec)
+    with trunk_in(backbone, resolve_dtype(device, dtype)):  # its weights cast once, not at every linear
+        while step < total:
+            if at + batch_rows > n_rows:
+                order, at = torch.randperm(n_rows, generator=g), 0
+            mine = ranks.slice(order[at:at + batch_rows])
+            at += batch_rows
+            for part in range(micro_batches):
+                rows = mine[part::micro_batches]
+                ids = data["ids"][rows].to(device, non_blocking=True)  # [b, T]
+                valid = data["valid"][rows].to(device, non_blocking=True)
+                with autocast(device, dtype):
+                    feats = trunk_features(backbone, ids, collect)
+                    metrics = {s.name: s.backward(feats, ids, valid, chunk, 1.0 / micro_batches) for s in sets}
+            factor = lr_factor(step, total, warmup)
+            for s in sets:
+                s.update(factor, grad_clip, ranks.world)
+            step += 1
+            if step == 20 and seconds is not None:  # the plan must end inside the budget, the same on every rank
+                per_step = (time.time() - started) / step
+                total = ranks.agree(min(total, max(int(seconds / per_step), step + 1)))
+            if step % 50 == 0 or step == total:
+                elapsed = time.time() - started
+                rec = {"step": step, "of": total, "seconds": round(elapsed, 1), "eta_s": round(elapsed / step * (total - step)),
+                       **{f"{name}/{k}": v for name, m in metrics.items() for k, v in m.items()}}
+                history.append(rec)
+                log(rec)
     for s in sets:
         s.model.heads.eval()
     tokens = step * batch_rows * data["ids"].shape[1]

@@ -62,6 +62,12 @@ def test_greedy_shards_are_transformers_greedy_text(name, stories_dir, pythia_mi
     assert all(torch.equal(r[:f], q[:f]) and (r[f:] == eos).all() for r, q, f in zip(ids[:, 8:], free, first.tolist()))
 
 
+def test_auto_distils_with_our_engine_on_the_cpu_and_transformers_on_a_gpu():
+    assert recipe_data.resolve_engine("auto", torch.device("cpu")) == "multitoken"
+    assert recipe_data.resolve_engine("auto", torch.device("cuda")) == "transformers"
+    assert recipe_data.resolve_engine("transformers", torch.device("cpu")) == "transformers"
+
+
 def test_sampled_rows_are_seeded_per_row_whatever_the_batch(stories_dir, pythia_mini_dir, tmp_path):
     """Each sampled row draws from its own seed (seed, shard, row): the shards are the same for
     any batch size, after a redo of a shard, and change with the seed."""
@@ -113,3 +119,19 @@ def test_training_runs_in_bfloat16_only_where_the_cpu_has_it_natively(monkeypatc
     with autocast(cpu, "auto"):
         x = torch.ones(2, 8) @ torch.ones(8, 2)
     assert x.dtype == (torch.bfloat16 if native else torch.float32)
+
+
+def test_the_frozen_trunk_is_held_in_bfloat16_while_training_and_restored_exactly(stories_dir, pythia_mini_dir):
+    from multitoken.pipeline.train.recipe_train import trunk_in
+
+    bb = backbone("pythia-mini", stories_dir, pythia_mini_dir)
+    before = {n: p.detach().clone() for n, p in bb.model.named_parameters()}
+    linears = [m for layer in bb.layers for m in layer.modules() if type(m) is torch.nn.Linear]
+    with trunk_in(bb, "float32"):
+        assert all(m.weight.dtype == torch.float32 for m in linears)
+    with pytest.raises(RuntimeError, match="mid-run"), trunk_in(bb, "bfloat16"):
+        assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+        assert bb.unembedding.weight.dtype == torch.float32  # shared with the heads: untouched
+        raise RuntimeError("mid-run")  # a failed step restores them too
+    after = dict(bb.model.named_parameters())
+    assert all(after[n].dtype == torch.float32 and torch.equal(after[n], p) for n, p in before.items())
