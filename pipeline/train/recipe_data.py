@@ -109,6 +109,7 @@ def _distinct_shuffled(rows, exclude, seed: int, empty: DataError) -> torch.Tens
 
 # Continuations ----------------------------------------------------------------------------
 ENGINES = ("multitoken", "transformers")  # who continues the prompts: our batched engine, or transformers' generate
+SAMPLED = dict(temperature=0.7, top_k=50)  # the sampled rows' distribution (no repetition penalty), either engine
 
 
 def resolve_engine(name: str, device: torch.device) -> str:
@@ -118,7 +119,6 @@ def resolve_engine(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     return "multitoken" if device.type == "cpu" else "transformers"
-SAMPLED = dict(temperature=0.7, top_k=50)  # the sampled rows' distribution (no repetition penalty), either engine
 
 
 class Continuer:
