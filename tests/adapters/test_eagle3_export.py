@@ -4,24 +4,17 @@ own converter on a tiny export."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tarfile
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from multitoken.pipeline.cli import main
+from multitoken.pipeline.integrations import llama_cpp
 from multitoken.pipeline.model.export_eagle3 import RENAMED, read_eagle3
 from multitoken.pipeline.model.model import MultiTokenModel
 
-from ..conftest import REPO
-
-LLAMA_CPP = "llama_cpp_python-0.3.36"  # the registry's llama-cpp-python sdist, which vendors llama.cpp
 
 
 @pytest.fixture(scope="module", params=["gpt_neox", "llama"])
@@ -108,30 +101,15 @@ def test_export_refuses_what_it_cannot_write(drafter, tmp_path, tiny_llama_dir, 
         assert not (tmp_path / "E").exists()
 
 
-def _llama_cpp_source() -> Path | None:
-    """The vendored llama.cpp of the llama-cpp-python sdist in the cache ($MULTITOKEN_CACHE, else
-    .cache/multitoken): ``llama.cpp/<sdist>/`` unpacked, or its ``.tar.gz`` (unpacked there once)."""
-    root = Path(os.environ.get("MULTITOKEN_CACHE") or REPO / ".cache" / "multitoken") / "llama.cpp"
-    tree = root / LLAMA_CPP / "vendor" / "llama.cpp"
-    archive = root / f"{LLAMA_CPP}.tar.gz"
-    if not tree.is_dir() and archive.is_file():
-        with tarfile.open(archive) as tar:
-            tar.extractall(root, filter="data")
-    return tree if (tree / "convert_hf_to_gguf.py").is_file() else None
-
-
 @pytest.mark.interop
 def test_llama_cpps_converter_reads_the_export(drafter, tmp_path):
-    source = _llama_cpp_source()
+    source = llama_cpp.source()
     if source is None:
-        pytest.skip(f"llama.cpp's converter is not in the cache: put {LLAMA_CPP}.tar.gz (pip download --no-deps "
-                    "--no-binary :all: llama-cpp-python==0.3.36) in $MULTITOKEN_CACHE/llama.cpp/")
+        pytest.skip(str(llama_cpp.missing_source()))
     model, heads_dir, base = drafter
     export, gguf_file = tmp_path / "E", tmp_path / "drafter.gguf"
     assert main(["export", "--format", "eagle3", "--heads", str(heads_dir), "--out", str(export)]) == 0
-    run = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(export), "--target-model-dir", str(base),
-                          "--outfile", str(gguf_file), "--outtype", "f32"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    llama_cpp.convert(source, export, gguf_file, target=base, timeout=300)
     sys.path.insert(0, str(source / "gguf-py"))
     try:
         from gguf import GGUFReader
