@@ -11,7 +11,7 @@ CONSTRAINTS = constraints.txt
 PIP = $(VENV)/bin/python -m pip -q
 STAMP = $(VENV)/.multitoken-installed
 
-.PHONY: demo demo-real smollm2 llama-cpp-source test test-heavy test-avx2 test-gpu test-all clean-venv
+.PHONY: demo demo-real smollm2 llama-cpp-source bench-llama-cpp test test-heavy test-avx2 test-gpu test-all clean-venv
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,17 @@ LLAMA_CPP_SDIST = llama_cpp_python-0.3.36.tar.gz
 llama-cpp-source: $(LLAMA_CPP_CACHE)/$(LLAMA_CPP_SDIST)
 $(LLAMA_CPP_CACHE)/$(LLAMA_CPP_SDIST): | $(STAMP)
 	$(VENV)/bin/python -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(LLAMA_CPP_CACHE)
+
+# Our engine side by side with llama.cpp on SmolLM2's Q4_1 GGUF (docs/benchmarks/llama_cpp.md): llama.cpp's
+# tools built once from the source above into $(LLAMA_CPP_CACHE)/tools-<source>-<cpu>/ (the build time recorded),
+# then llama.cpp plain / n-gram lookup / our eagle3 drafter and our ar / speculative / --lookup 8 / eagle3,
+# 6 held-out prompts, 128 tokens, greedy, 1 and 2 threads; every speculative text checked against its
+# engine's greedy text. BENCH_LLAMA_CPP_ARGS="--drafter DIR" adds an eagle3 drafter (default: a shipped one).
+BENCH_LLAMA_CPP_OUT ?= out/bench-llama-cpp.json
+BENCH_LLAMA_CPP_ARGS ?=
+bench-llama-cpp: smollm2 llama-cpp-source
+	mkdir -p $(dir $(BENCH_LLAMA_CPP_OUT))
+	$(VENV)/bin/python scripts/bench_llama_cpp.py --out $(BENCH_LLAMA_CPP_OUT) --overwrite $(BENCH_LLAMA_CPP_ARGS)
 
 # The CPU kernel and linear tests as a CPU without AVX512 runs them (AMD Zen 1-3, Intel Haswell to
 # Comet Lake), on any machine: the capability probe forced to AVX2 (kernels/cpu_features.py),
