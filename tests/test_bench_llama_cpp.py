@@ -26,7 +26,7 @@ def test_our_speed_leaves_out_the_prompts_pass_and_its_token(script):
 
 def test_ratios_pair_each_prompt_with_llama_cpp_plain_on_that_prompt(script):
     runs = {"llama.cpp:plain": [_run(50, "a"), _run(100, "b"), _run(80, "c")],
-            "llama.cpp:lookup": [_run(100, "a"), _run(100, "b"), _run(40, "c")],
+            "llama.cpp:lookup": [_run(100, "a"), _run(100, "b and"), _run(40, "c")],  # past -n: b's text and more
             "multitoken:ar": [_run(25, "a"), _run(50, "b'"), _run(80, "c")],
             "multitoken:eagle3": [_run(50, "a", 2.0), _run(150, "b", 3.0), _run(40, "c", 1.5)]}
     got = script.paired(runs, "llama.cpp:plain")
@@ -39,6 +39,8 @@ def test_ratios_pair_each_prompt_with_llama_cpp_plain_on_that_prompt(script):
     assert got["llama.cpp:lookup"]["same_as_plain"] == [True, True, True]
     assert got["llama.cpp:plain"]["same_as_plain"] is None and got["multitoken:ar"]["same_as_plain"] is None  # the references
     assert got["multitoken:eagle3"]["same_as_plain"] == [True, False, True]
+    short = script.paired({"llama.cpp:plain": [_run(50, "a b")], "llama.cpp:lookup": [_run(50, "a")]}, "llama.cpp:plain")
+    assert short["llama.cpp:lookup"]["same_as_plain"] == [False]  # stopping short of the greedy text is a difference
     assert got["multitoken:eagle3"]["median_tokens_per_forward"] == 2.0
     assert "median_tokens_per_forward" not in got["llama.cpp:lookup"]
 

@@ -153,12 +153,21 @@ def tool_argv(bin_dir: str | Path, method: str, model: str | Path, prompt: str, 
     raise ValueError(f"unknown llama.cpp method {method!r}")
 
 
-def run_tool(argv: list[str], method: str, prompt: str, timeout: float = 600) -> dict:
-    """Run one tool; its decoding speed and counts (``parse_timings``) and its continuation."""
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}: {done.stderr[-1500:]}")
-    return {**parse_timings(method, done.stderr), "text": continuation(method, done.stdout, prompt)}
+def run_tool(argv: list[str], method: str, prompt: str, timeout: float = 600, attempts: int = 3) -> dict:
+    """Run one tool; its decoding speed and counts (``parse_timings``) and its continuation.
+
+    The tools log through a thread that is not flushed at exit (llama.cpp issue 22142): on a busy
+    machine the last lines, timings included, are sometimes lost. The timings come after the
+    text, so a run whose timing line arrived is whole; a run without it is made again."""
+    for attempt in range(1, attempts + 1):  # attempts >= 1
+        # a token may end mid-character (byte tokens): undecodable bytes are replaced, alike in every run
+        done = subprocess.run(argv, capture_output=True, encoding="utf-8", errors="replace", timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}: {done.stderr[-1500:]}")
+        whole = (_EVAL if method == "plain" else _DECODED).search(done.stderr) is not None
+        if whole or attempt == attempts:  # the last attempt's missing line is parse_timings' error
+            return {**parse_timings(method, done.stderr), "text": continuation(method, done.stdout, prompt), "attempts": attempt}
 
 
 _EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")  # llama-completion's (the prompt's says "tokens")
@@ -203,6 +212,13 @@ def continuation(method: str, stdout: str, prompt: str) -> str:
             raise ValueError(f"the {method} tool's output does not echo the prompt {prompt[:40]!r}")
         text = text[at + len(prompt):]
     return text.rstrip("\n").removesuffix(" [end of text]")
+
+
+def same_text(text: str, greedy: str) -> bool:
+    """Whether a speculative run's ``text`` is the plain greedy run's: it begins with all of it
+    (llama.cpp's speculative tools stop at ``-n`` or a few tokens past it, the last step's kept
+    drafts), where a character cut at the end of ``greedy`` (shown as U+FFFD) may be whole."""
+    return text.startswith(greedy.rstrip("\ufffd"))
 
 
 def convert(tree: Path, model_dir: Path, out_file: Path, target: Path | None = None, outtype: str = "f32",

@@ -16,16 +16,16 @@ from multitoken.base.errors import UsageError
 from multitoken.pipeline.cli import main
 from multitoken.pipeline.integrations import llama_cpp
 
-# What the tools print (the formats of llama-context.cpp's perf print and lookup.cpp /
-# speculative-simple.cpp's closing lines), around the figures the comparison reads
+# What the tools print (the formats of the perf prints and lookup.cpp / speculative-simple.cpp's
+# closing lines, with and without the log's time prefix), around the figures the comparison reads
 COMPLETION_LOG = """llama_perf_sampler_print:    sampling time =       3.10 ms /   133 runs   (    0.02 ms per token, 42903.23 tokens per second)
 llama_perf_context_print:        load time =     212.40 ms
 llama_perf_context_print: prompt eval time =      61.02 ms /     5 tokens (   12.20 ms per token,    81.94 tokens per second)
-llama_perf_context_print:        eval time =    1811.37 ms /   127 runs   (   14.26 ms per token,    70.11 tokens per second)
+0.02.083.470 I common_perf_print:        eval time =    1811.37 ms /   127 runs   (   14.26 ms per token,    70.11 tokens per second)
 llama_perf_context_print:       total time =    1903.12 ms /   132 tokens
 """
-LOOKUP_LOG = """encoded    5 tokens in    0.061 seconds, speed:   81.967 t/s
-decoded  128 tokens in    1.775 seconds, speed:   72.113 t/s
+LOOKUP_LOG = """0.01.872.259 I encoded    5 tokens in    0.061 seconds, speed:   81.967 t/s
+0.01.872.259 I decoded  128 tokens in    1.775 seconds, speed:   72.113 t/s
 
 n_draft      = 8
 n_predict    = 128
@@ -74,6 +74,13 @@ def test_the_continuation_drops_echoed_prompt_colours_and_end_mark():
     assert llama_cpp.continuation("lookup", f"<s> {prompt} on the mat.\n\n\n", prompt) == " on the mat."
     with pytest.raises(ValueError, match="does not echo the prompt"):
         llama_cpp.continuation("lookup", "something else", prompt)
+
+
+def test_a_speculative_text_must_begin_with_all_of_the_greedy_text():
+    assert llama_cpp.same_text(" on the mat.", " on the mat.") and llama_cpp.same_text(" on the mat. It", " on the mat.")
+    assert not llama_cpp.same_text(" on the", " on the mat.")  # stopping short is a difference
+    assert not llama_cpp.same_text(" on a mat.", " on the mat.")
+    assert llama_cpp.same_text(" caf\u00e9 au", " caf\ufffd")  # a character the greedy run's last token cut
 
 
 def test_each_method_runs_its_tool_greedy_with_the_threads_and_drafts_asked():
@@ -167,4 +174,4 @@ def test_llama_cpp_runs_our_exported_drafter_losslessly(tiny_llama_dir, tmp_path
     runs = {m: llama_cpp.run_tool(llama_cpp.tool_argv(tools["bin"], m, target, prompt, 12, 1, drafts=2, drafter=drafter), m, prompt)
             for m in ("plain", "eagle3")}
     assert runs["eagle3"]["drafted"] > 0  # llama.cpp loaded the drafter and drafted with it
-    assert runs["eagle3"]["tokens"] > 0 and runs["eagle3"]["text"] == runs["plain"]["text"] != ""
+    assert runs["plain"]["text"].strip() and llama_cpp.same_text(runs["eagle3"]["text"], runs["plain"]["text"])
