@@ -126,6 +126,41 @@ def test_the_build_makes_only_the_tools_natively_at_low_priority(tmp_path):
     assert compile_[compile_.index("--target") + 1:] == ["llama-completion", "llama-lookup", "llama-speculative-simple"]
 
 
+FAKE_CMAKE = """#!/bin/sh
+# configure: -S SRC -B DIR ...; build: --build DIR ... --target T...: an empty file DIR/bin/T per target
+echo "$@" >> "$CMAKE_CALLS"
+if [ "$1" = "--build" ]; then
+  dir="$2"; mkdir -p "$dir/bin"
+  seen=0; for a in "$@"; do
+    if [ $seen = 1 ]; then : > "$dir/bin/$a"; fi
+    if [ "$a" = "--target" ]; then seen=1; fi
+  done
+fi
+exit 0
+"""
+
+
+def test_a_build_is_made_once_per_source_and_cpu_then_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path / "cache"))
+    _fake_source(llama_cpp.cache_root())
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    (fake / "cmake").write_text(FAKE_CMAKE)
+    (fake / "cmake").chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("CMAKE_CALLS", str(calls))
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    first = llama_cpp.build(jobs=2)
+    assert not first["reused"] and first["build_s"] >= 0 and len(first["commands"]) == 2
+    assert len(calls.read_text().splitlines()) == 2  # configure, then the tools' targets
+    folder = Path(first["bin"]).parent
+    assert folder.name == f"tools-{llama_cpp.build_key(llama_cpp.source())}"
+    assert sorted(p.name for p in Path(first["bin"]).iterdir()) == sorted(llama_cpp.TOOLS.values())
+    again = llama_cpp.build(jobs=2)
+    assert again["reused"] and again["bin"] == first["bin"] and again["build_s"] == first["build_s"]
+    assert len(calls.read_text().splitlines()) == 2  # nothing rebuilt
+
+
 def test_the_source_is_unpacked_once_from_the_sdist_and_its_absence_named(tmp_path, monkeypatch):
     monkeypatch.setenv("MULTITOKEN_CACHE", str(tmp_path / "cache"))
     root = llama_cpp.cache_root()
