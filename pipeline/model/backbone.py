@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from multitoken.base.errors import UnsupportedModelError, UsageError
+from multitoken.pipeline.model.lean_layers import LeanLayers
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class Backbone:
         self.source_sha256: str | None = None
         # That GGUF file where it is on disk: its Q4_1 / Q8_0 codes are packed as read (kernels/gguf_file.py).
         self.source_gguf: Path | None = None
+        # A layer's forward with fewer calls where it gives the layer's bits (lean_layers.py)
+        self.lean = LeanLayers(self.model_type, self.config)
 
     # Generic access ---------------------------------------------------------------------
     @property
@@ -206,7 +209,11 @@ class Backbone:
         return _env(GQA_SETTING, "1")
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, ctx: "LayerContext", cache=None) -> torch.Tensor:
-        """One decoder layer # [B, T, H] -> [B, T, H]; ``cache`` is that layer's KV cache, if any."""
+        """One decoder layer # [B, T, H] -> [B, T, H]; ``cache`` is that layer's KV cache, if any.
+        Without autograd a layer of a family in ``lean_layers.LEAN`` runs its lean forward (the
+        same bits, fewer calls)."""
+        if (plan := self.lean.plan(layer)) is not None:
+            return self.lean.run(plan, hidden, ctx, cache)
         kwargs = {self.spec.cache_kwarg: cache, "use_cache": cache is not None}
         out = layer(
             hidden, attention_mask=ctx.mask, position_ids=ctx.position_ids,

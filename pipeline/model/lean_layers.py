@@ -1,0 +1,189 @@
+"""A decoder layer's forward with fewer calls, bit-identical to the layer's own (decoding on the CPU).
+
+A decoding step of a small model is mostly calls, not arithmetic: ~200 linears and their module
+calls, wrappers and output tensors (docs/benchmarks/profile.md). For a layer family listed in
+``LEAN`` (one row per ``model_type``) this runs the layer's own submodules and transformers' own
+functions in the layer's own order: its norms' ops, its rotary function (``apply_rotary_pos_emb``
+of the module that defines its attention class), its attention kernel (transformers' interface
+for the model's ``_attn_implementation``), its cache's ``update``, its activation, with the same
+tensors in and out, so every output is the layer's, bit for bit
+(tests/pipeline/test_lean_layers.py). What changes: q / k / v, and the MLP's gate / up, each
+take one kernel call where they are packed linears of one compiled format
+(kernels/fused_linear.py: each output is the separate call's); RMSNorm's two casts, no-ops on
+float32, are left out; a one-row step rotates q and k as one tensor (element-wise ops: each
+element as apart); the module calls of the attention and MLP blocks are gone.
+
+It runs only where the layer's own forward would compute the same thing: without autograd (a
+training step keeps transformers' layers, their checkpointing included), with sdpa or eager
+attention (the others read extra arguments), and on the layer class the row names. Anything
+else goes to the layer's forward (``Backbone.run_layer``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from multitoken.kernels.fused_linear import FusedLinear, fusable
+
+ATTENTION_KINDS = ("sdpa", "eager")  # attention kernels that read only (q, k, v, mask, scaling)
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
+@dataclass
+class Plan:
+    """One layer's fused linears (None: its parts are called one by one) and the functions its
+    family's modeling module defines (attributes, so the profile can label them)."""
+
+    layer: nn.Module
+    qkv: FusedLinear | None
+    gate_up: FusedLinear | None
+    norm: Callable  # (norm module, x) -> the norm's output
+    rotary: Callable  # the family's apply_rotary_pos_emb(q, k, cos, sin)
+    rotary_one: Callable  # (x, cos, sin) -> x rotated: q and k of a one-row step as one tensor
+    attention: Callable  # transformers' attention kernel for ``kind``
+    kind: str  # the model's attention implementation when planned
+    linears: tuple[nn.Module, ...]  # q, k, v, gate, up as planned
+
+    def current(self) -> bool:
+        """Whether the layer's linears are still the ones planned (a repack or unpack swaps them)
+        and the fused ones still read their shares (no part on its fallback)."""
+        return (self.layer.self_attn.config._attn_implementation == self.kind
+                and all(a is b for a, b in zip(_linears(self.layer), self.linears))
+                and all(f is None or f.current(f.parts) for f in (self.qkv, self.gate_up)))
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn._modules, layer.mlp._modules
+    return (*(attn[n] for n in QKV), *(mlp[n] for n in GATE_UP))
+
+
+def _fused(parts: tuple[nn.Module, ...], names: tuple[str, ...]) -> FusedLinear | None:
+    return FusedLinear(list(parts), names) if fusable(list(parts)) else None
+
+
+def _module_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``'s ops on float32 ``x``, less its two casts to float32 (no-ops there)."""
+    if x.dtype != torch.float32:
+        return norm(x)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+
+
+def llama_plan(layer: nn.Module) -> Plan:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    modeling = sys.modules[type(layer.self_attn).__module__]
+    linears, kind = _linears(layer), layer.self_attn.config._attn_implementation
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(kind, modeling.eager_attention_forward)
+    norms = {type(layer.input_layernorm).__name__, type(layer.post_attention_layernorm).__name__}
+    rotate_half = modeling.rotate_half
+
+    def rotary_one(x, cos, sin):  # apply_rotary_pos_emb's formula on one tensor
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (x * cos) + (rotate_half(x) * sin)
+
+    return Plan(layer, _fused(linears[:3], QKV), _fused(linears[3:], GATE_UP),
+                _rms_norm if norms == {"LlamaRMSNorm"} else _module_norm,
+                modeling.apply_rotary_pos_emb, rotary_one, attention, kind, linears)
+
+
+def _qkv(plan: Plan, x: torch.Tensor, ctx, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v rotated # [B, T, H] -> [B, heads, T, d] each, k and v before the cache."""
+    attn = plan.layer.self_attn
+    shape = (*x.shape[:-1], -1, attn.head_dim)  # [B, T, heads, d]
+    cos, sin = ctx.position_embeddings
+    fused = plan.qkv if cache is not None else None  # v then reaches attention through the cache's copy, as the layer's does
+    if fused is not None and x.shape[0] * x.shape[1] == 1 and fused.exact_split:
+        # one row: q and k rotated as one tensor (element-wise ops: each element's bits as
+        # apart), v a view; several rows keep the layer's own tensors (SDPA reads their strides)
+        heads = fused.joint(x).view(shape).transpose(1, 2)  # [1, q + 2 kv heads, 1, d]
+        q_heads, kv = fused.outs[0] // attn.head_dim, fused.outs[1] // attn.head_dim
+        qk = plan.rotary_one(heads[:, :q_heads + kv], cos, sin)
+        return qk[:, :q_heads], qk[:, q_heads:], heads[:, q_heads + kv:]
+    if fused is not None:
+        q, k, v = fused(x)
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+    q, k = plan.rotary(q, k, cos, sin)
+    return q, k, v
+
+
+def _attention(plan: Plan, x: torch.Tensor, ctx, cache) -> torch.Tensor:
+    """The attention block after its norm # [B, T, H] -> [B, T, H]."""
+    attn = plan.layer.self_attn
+    q, k, v = _qkv(plan, x, ctx, cache)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)
+    out, _ = plan.attention(attn, q, k, v, ctx.mask, dropout=0.0, scaling=attn.scaling)  # [B, T, heads, d]
+    return attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+
+
+def _mlp(plan: Plan, x: torch.Tensor) -> torch.Tensor:
+    """The MLP after its norm # [B, T, H] -> [B, T, H]."""
+    mlp = plan.layer.mlp
+    if plan.gate_up is not None:
+        gate, up = plan.gate_up(x)
+        # the activation's vectorised and scalar loops may round differently: it runs over the
+        # same contiguous rows as the layer's (a copy only where a step has several rows)
+        gate = gate if gate.is_contiguous() else gate.contiguous()
+    else:
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def llama_forward(plan: Plan, hidden: torch.Tensor, ctx, cache) -> torch.Tensor:
+    """``LlamaDecoderLayer.forward`` on ``hidden`` [B, T, H] under ``ctx`` (mask, rotary): each
+    output's bits # -> [B, T, H]."""
+    layer = plan.layer
+    hidden = hidden + _attention(plan, plan.norm(layer.input_layernorm, hidden), ctx, cache)
+    return hidden + _mlp(plan, plan.norm(layer.post_attention_layernorm, hidden))
+
+
+@dataclass(frozen=True)
+class Lean:
+    """A family's lean forward: the layer class it reproduces, its plan and its forward."""
+
+    layer_class: str
+    plan: Callable[[nn.Module], Plan]
+    forward: Callable[[Plan, torch.Tensor, object, object], torch.Tensor]
+
+
+LEAN: dict[str, Lean] = {"llama": Lean("LlamaDecoderLayer", llama_plan, llama_forward)}
+
+
+class LeanLayers:
+    """The lean forward of one backbone's layers: ``plan(layer)`` gives a layer's plan where the
+    lean forward applies to it now, else None (then run the layer's own forward)."""
+
+    def __init__(self, model_type: str, config):
+        self.lean = LEAN.get(model_type)
+        self.config = config
+        self.plans: dict[int, Plan] = {}
+
+    def plan(self, layer: nn.Module) -> Plan | None:
+        if (self.lean is None or torch.is_grad_enabled() or type(layer).__name__ != self.lean.layer_class
+                or self.config._attn_implementation not in ATTENTION_KINDS or layer.training):
+            return None
+        plan = self.plans.get(id(layer))
+        if plan is None or plan.layer is not layer or not plan.current():
+            plan = self.plans[id(layer)] = self.lean.plan(layer)
+        return plan
+
+    def run(self, plan: Plan, hidden: torch.Tensor, ctx, cache) -> torch.Tensor:
+        """The planned layer's lean forward # [B, T, H] -> [B, T, H]."""
+        return self.lean.forward(plan, hidden, ctx, cache)
+
+    def fused(self) -> dict[str, FusedLinear]:
+        """Every fused linear planned so far, by a name that says where it sits (for the profile's labels)."""
+        return {f"lean.{i}.{'_'.join(f.names)}": f for i, plan in enumerate(self.plans.values())
+                for f in (plan.qkv, plan.gate_up) if f is not None}

@@ -1,0 +1,134 @@
+"""The lean layer forward (pipeline/model/lean_layers.py) gives the layers' own bits: every step of
+a decoding run (a prompt, one token, a chain, a rollback, a tree, ragged batched rows), every
+hidden state, head layer and KV cache entry, with fused packed linears (float32 blocks and Q4_1
+codes), stock linears and eager attention; on a tiny GQA Llama and the embedded stories260K.
+Autograd and training keep the layers' own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from multitoken.kernels import gemv_rows
+from multitoken.kernels.cpu_linear import PackedLinear
+from multitoken.pipeline.model.lean_layers import LEAN
+from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
+from multitoken.pipeline.model.model import MultiTokenModel
+
+from ..kernels.test_gguf_codes import on_q4
+
+TREE_ATTEND = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+TREE_OFFSETS = torch.tensor([0, 1, 1, 2])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _run(model: MultiTokenModel) -> list[torch.Tensor]:
+    """Every step kind of a decoding run; every hidden state and cache entry it leaves."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 500, (1, 9), generator=gen)
+    caches, seen = model.new_caches(), []
+
+    def step(new, **kw):
+        out = model.step(new, caches, **kw)
+        seen.extend([out.feats.base, *out.hiddens.values()])
+
+    step(ids)  # a prompt
+    for t in range(3):
+        step(ids[:, t:t + 1])  # one token at a time
+    start = caches.length
+    step(ids[:, :3])  # a chain of three, two of them rejected
+    caches.keep(start, [[0]])
+    start = caches.length
+    step(ids[:, 4:8], attend=TREE_ATTEND, offsets=TREE_OFFSETS)  # a tree, one path kept
+    caches.keep(start, [[0, 1, 3]])
+    step(ids[:, 8:9])
+    seen.extend(x for layer in caches.backbone.layers for x in (layer.keys, layer.values))
+    batch = model.new_caches()  # ragged rows: prompts of 9 and 6 tokens, then one token each
+    for new, lengths in ((ids.repeat(2, 1), [9, 6]), (ids[:, :1].repeat(2, 1), None), (ids[:, 1:3].repeat(2, 1), [2, 1])):
+        out = model.step(new, batch, lengths=lengths)
+        seen.extend([out.feats.base, *out.hiddens.values()])
+    return seen
+
+
+def _model(base: str, linears: str = "rows", eager: bool = False) -> MultiTokenModel:
+    bb = load_backbone(BackboneConfig(base=base, cpu_linear=linears))
+    if eager:
+        bb.causal_lm.set_attn_implementation("eager")
+    torch.manual_seed(0)
+    model = MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "copy"})
+    model.prepare_linears()
+    return model
+
+
+def _same_as_the_layers(model: MultiTokenModel) -> None:
+    bb = model.backbone
+    lean = _run(model)
+    assert bb.lean.plans, "the lean forward never ran"
+    bb.lean.lean = None  # the layers' own forward, on the same (fused) linears
+    own = _run(model)
+    bb.lean.lean = LEAN[bb.model_type]
+    assert len(lean) == len(own)
+    for i, (a, b) in enumerate(zip(lean, own)):
+        assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), i
+
+
+def _on_q4_grid(base, out):
+    """The tiny Llama with every linear's weights on a Q4_1 grid (packed as Q4_1 codes)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.data = on_q4(module.weight.data)
+    model.save_pretrained(out)
+    for f in base.glob("tokenizer*"):
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("grid", ["f32", "q4_1"])
+def test_lean_steps_are_the_layers_bits_with_fused_linears(tiny_llama_q_dir, tmp_path, grid):
+    """64 wide: q, k and v fill whole column blocks, so one-row steps rotate q and k as one tensor."""
+    base = tiny_llama_q_dir if grid == "f32" else _on_q4_grid(tiny_llama_q_dir, tmp_path)
+    model = _model(str(base))
+    if not gemv_rows.available():
+        pytest.skip("needs the compiled kernels")
+    layer = model.backbone.layers[0]
+    assert isinstance(layer.self_attn.q_proj, PackedLinear) and layer.self_attn.q_proj.format == grid
+    _same_as_the_layers(model)
+    fused = model.backbone.lean.fused()
+    assert fused and all(f.format == grid for f in fused.values())
+    assert {f.names for f in fused.values()} == {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
+    assert all(f.exact_split for f in fused.values())
+
+
+def test_lean_steps_are_the_layers_bits_on_stories260k(stories_dir):
+    _same_as_the_layers(_model(str(stories_dir)))
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_lean_steps_are_the_layers_bits_with_stock_linears(tiny_llama_dir, eager):
+    model = _model(str(tiny_llama_dir), linears="stock", eager=eager)
+    _same_as_the_layers(model)
+    assert not model.backbone.lean.fused()  # nothing packed: each linear called alone
+
+
+@torch.no_grad()
+def test_repacking_replans_and_training_keeps_the_layers_forward(tiny_llama_dir):
+    model = _model(str(tiny_llama_dir))
+    bb, layer = model.backbone, model.backbone.layers[0]
+    first = bb.lean.plan(layer)
+    assert first is not None and bb.lean.plan(layer) is first  # planned once
+    with torch.enable_grad():
+        assert bb.lean.plan(layer) is None  # autograd: transformers' layer, checkpointing and all
+    model.train()  # stock linears back; the head layers train (the base stays in eval mode)
+    assert bb.lean.plan(model.heads.layers[0]) is None
+    again = bb.lean.plan(layer)
+    assert again is not first and again.qkv is None  # the swapped linears are seen: unpacked, nothing fused
+    model.prepare_linears()
+    if gemv_rows.available():
+        assert bb.lean.plan(layer).qkv is not None
