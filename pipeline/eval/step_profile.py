@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from multitoken.decoding.engine import generate
 from multitoken.kernels.cpu_linear import PackedLinear
+from multitoken.kernels.fused_linear import FusedLinear
 
 PREFIX = "mt."
 KERNEL_OPS = "multitoken_"  # our torch ops' namespaces (multitoken_native, multitoken_avx2, ...)
@@ -48,6 +49,8 @@ def label_of(name: str, module: nn.Module) -> str | None:
     leaf = name.rsplit(".", 1)[-1] or "model"
     if isinstance(module, PackedLinear):
         return f"mt.linear:{module.format}:{leaf}"
+    if isinstance(module, FusedLinear):
+        return f"mt.linear:{module.format}:{'+'.join(module.names)}"
     if isinstance(module, nn.Linear):
         return f"mt.linear:stock:{leaf}"
     if isinstance(module, nn.Embedding):
@@ -78,17 +81,45 @@ def labelled(model: nn.Module, extra: dict[str, nn.Module] | None = None):
             continue
         attrs = ("forward", "argmax") if isinstance(module, PackedLinear) else ("forward",)
         for attr in attrs:
-            module.__dict__[attr] = _wrap(label.replace("mt.linear", "mt.argmax") if attr == "argmax" else label,
-                                          getattr(module, attr))
-            wrapped.append((module, attr))
+            wrapped.append(_patch(module, attr, label.replace("mt.linear", "mt.argmax") if attr == "argmax" else label))
     if hasattr(model, "step"):
-        model.__dict__["step"] = _wrap(STEP, model.step)
-        wrapped.append((model, "step"))
+        wrapped.append(_patch(model, "step", STEP))
+    wrapped += _lean_labels(model)
     try:
         yield
     finally:
-        for module, attr in wrapped:
-            module.__dict__.pop(attr, None)
+        for obj, attr, before in reversed(wrapped):
+            if before is _ABSENT:
+                obj.__dict__.pop(attr, None)
+            else:
+                obj.__dict__[attr] = before
+
+
+_ABSENT = object()
+
+
+def _patch(obj, attr: str, label: str) -> tuple[object, str, object]:
+    """``obj.attr`` called under ``label`` -> (obj, attr, what its ``__dict__`` held there)."""
+    before = obj.__dict__.get(attr, _ABSENT)
+    obj.__dict__[attr] = _wrap(label, getattr(obj, attr))
+    return obj, attr, before
+
+
+def _lean_labels(model: nn.Module) -> list[tuple[object, str, object]]:
+    """The lean layer forward's calls under the labels of the modules it stands for (a layer, its
+    norms, rotary and attention, its fused linears; ``lean_layers.py``), on the plans made so far (a profiled run follows
+    unprofiled ones): ``_patch``'s triples."""
+    lean = getattr(getattr(model, "backbone", None), "lean", None)
+    if lean is None:
+        return []
+    wrapped = [_patch(lean, "run", "mt.layer")]
+    for plan in lean.plans.values():
+        wrapped += [_patch(plan, attr, label) for attr, label in (("norm", "mt.norm"), ("rotary", "mt.rotary"),
+                                                                   ("rotary_one", "mt.rotary"), ("attention", "mt.attention"))]
+        for fused in (plan.qkv, plan.gate_up):  # outside the module tree: labelled by their parts
+            if fused is not None and "forward" not in fused.__dict__:
+                wrapped += [_patch(fused, attr, label_of("", fused)) for attr in ("forward", "joint")]
+    return wrapped
 
 
 def _labels(event) -> list[str]:

@@ -75,12 +75,17 @@ def test_a_real_run_is_attributed_whole_and_leaves_the_model_as_it_was(model, mo
     formats = step_profile.formats(model)
     if gemv_rows.library() is not None:  # the suite packs every linear: each step runs our kernels
         assert set(formats) == {"f32"} and set(found["kernels_by_format_us"]) == {"f32"}
-        names = set(found["kernels_by_linear_us"])
+        names = {part for name in found["kernels_by_linear_us"] for part in name.split("+")}  # fused: q_proj+k_proj+v_proj
         assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= names
         assert any(name.startswith("lm_head") for name in names)  # the unembedding, logits or argmax
     for m in model.modules():  # the wrappers are gone: the class's methods again
         assert "forward" not in m.__dict__ and "argmax" not in m.__dict__
     assert "step" not in model.__dict__
+    lean = model.backbone.lean  # the lean layer forward's functions and fused linears are their own again
+    assert lean.plans and "run" not in lean.__dict__
+    for plan in lean.plans.values():
+        assert plan.attention.__name__ == "sdpa_attention_forward" and plan.norm.__name__ == "_rms_norm"
+        assert all("forward" not in f.__dict__ and "joint" not in f.__dict__ for f in (plan.qkv, plan.gate_up) if f)
 
 
 def test_labels_name_a_linear_by_its_format_and_modules_by_class(model):
