@@ -112,7 +112,7 @@ def summarise(per_prompt: dict) -> dict:
 
 
 def table(record: dict, summary: dict, first: dict) -> dict:
-    """The results-file table (scripts/benchmark_tables.py) of this run."""
+    """The results-file table (scripts/benchmark_tables.py) of ``record``."""
     m = record["machine"]
     threads = f"{m['torch_threads']} torch thread" + ("s" if m["torch_threads"] != 1 else "")
     s = record["settings"]
