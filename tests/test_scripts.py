@@ -354,3 +354,33 @@ def test_the_build_bench_pairs_old_and_new_rates_from_their_reports():
     assert got["new_over_old"]["train_cpu_tokens_per_s"] == 3.0
     rows = bench.table({"old": old, "new": new}, ["eagle3"])["rows"]
     assert rows[1] == ["new", 750.0, 300.0, "bfloat16", "0.500 / 0.250"]
+
+
+# gpu/split_heads, gpu/import_heads ------------------------------------------------------------
+def test_heads_split_into_parts_under_the_limit_join_back_to_the_same_tensors(tmp_path):
+    """A drafter over the device's 16 MiB per returned file comes back in parts; joining them
+    gives every tensor back (floating ones in bfloat16, id maps as they were)."""
+    import torch
+    from safetensors.torch import load, load_file, save_file
+
+    split = load_script(REPO / "scripts" / "gpu" / "split_heads.py")
+    join = load_script(REPO / "scripts" / "gpu" / "import_heads.py")
+    heads = tmp_path / "heads-eagle3"
+    heads.mkdir()
+    tensors = {"a.weight": torch.randn(300, 100), "b.weight": torch.randn(200, 100), "d2t": torch.arange(50),
+               "t2d": torch.rand(70) > 0.5}
+    save_file(tensors, str(heads / "heads.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    split.LIMIT = 70_000  # bytes: a.weight alone (60,000 in bfloat16) fills a part
+    assert split.main(str(out), str(heads)) == 0
+    parts = sorted(out.glob("heads-eagle3.*.safetensors"))
+    assert len(parts) == 2 and all(sum(t.numel() * t.element_size() for t in load_file(str(p)).values()) <= 70_000
+                                   for p in parts)
+    back = load(join.joined(parts))
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert back[name].dtype == want.dtype and torch.equal(back[name], want)
+    with pytest.raises(SystemExit, match="over the"):
+        split.split({"big": torch.zeros(100, dtype=torch.uint8)}, limit=99)

@@ -7,7 +7,7 @@
 # PAYLOAD holds, in any of its subfolders: gguf-*.whl (transformers reads GGUF with it),
 # model.gguf.part-* (the base's GGUF in parts, joined in name order: a call carries at most
 # 64 MiB), and the text: train/*.txt, heldout/*.txt. OUT receives the heads
-# (heads-TYPE.safetensors, each under 16 MiB), every small file in build.tar.gz, and the log.
+# (heads-TYPE.NN.safetensors, parts under 16 MiB each), every small file in build.tar.gz, and the log.
 # `smoke` runs the same recipe on the embedded stories260K for a few seconds instead.
 set -euo pipefail
 payload=$(realpath "$1"); out=$(realpath "$2"); mode=${3:-full}
@@ -42,11 +42,7 @@ else
       --distill-seconds "${DISTILL_S:-190}" --train-seconds "${TRAIN_S:-170}"
 fi
 dest="$work/$([ "$mode" = smoke ] && echo smoke || echo full)"
-# the heads in bfloat16 (what ships; a file comes back only under 16 MiB; eagle3's id maps d2t / t2d kept), the rest in one archive
-for d in "$dest"/heads-*; do
-  "${PY:-python3}" -c "import sys, torch; from safetensors.torch import load_file, save_file
-save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in load_file(sys.argv[1]).items()}, sys.argv[2], metadata={'format': 'pt'})" \
-    "$d/heads.safetensors" "$out/$(basename "$d").safetensors"
-done
+# the heads in bfloat16 (what ships; eagle3's id maps d2t / t2d kept), in parts under 16 MiB (what a call sends back)
+"${PY:-python3}" "$repo/scripts/gpu/split_heads.py" "$out" "$dest"/heads-*
 (cd "$dest" && tar czf "$out/build.tar.gz" --exclude=heads.safetensors --exclude=distill .)
 ls -la "$out"

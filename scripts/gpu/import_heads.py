@@ -1,6 +1,7 @@
 """Turn what ``build_heads.sh`` sent back from the GPU into heads dirs for a local base.
 
-The device returns each head set's tensors in bfloat16 (``heads-TYPE.safetensors``) and every
+The device returns each head set's tensors in bfloat16, in parts under its 16 MiB per file
+(``heads-TYPE.NN.safetensors``, ``split_heads.py``), and every
 small file in ``build.tar.gz`` (each heads dir's config, per-rank accuracies, draft vocabulary and
 training record; the build report). Each heads dir is rebuilt here with its config naming the
 local base (``--base``, e.g. ``fetched:SmolLM2-135M-Instruct``), its dtypes and checksum
@@ -26,9 +27,19 @@ from multitoken.pipeline.model.model import MultiTokenModel
 KEEP = ("rank_accuracy.json", "draft_vocab.json")
 
 
-def import_one(kind: str, src: Path, tensors: Path, base: str, dest: Path) -> None:
+def joined(parts: list[Path]) -> bytes:
+    """One safetensors file of every part's tensors."""
+    from safetensors.torch import load_file, save
+
+    tensors = {}
+    for part in parts:
+        tensors.update(load_file(str(part)))
+    return save(tensors, metadata={"format": "pt"})
+
+
+def import_one(kind: str, src: Path, parts: list[Path], base: str, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=False)
-    blob = tensors.read_bytes()
+    blob = joined(parts)
     record = json.loads((src / "heads_config.json").read_text())
     record["base"] = base
     record["dtypes"] = {k: "bfloat16" for k in record["shapes"]}
@@ -55,9 +66,9 @@ def main() -> int:
             tar.extractall(tmp, filter="data")
         out.mkdir(parents=True, exist_ok=False)
         shutil.copy(Path(tmp) / "report" / "build_report.json", out / "build_report.json")
-        for tensors in sorted(src.glob("heads-*.safetensors")):
-            kind = tensors.stem
-            import_one(kind, Path(tmp) / kind, tensors, args.base, out / kind)
+        kinds = sorted({p.name.split(".")[0] for p in src.glob("heads-*.safetensors")})
+        for kind in kinds:
+            import_one(kind, Path(tmp) / kind, sorted(src.glob(f"{kind}.*safetensors")), args.base, out / kind)
             print(f"{out / kind}: loaded onto {args.base}")
     return 0
 
