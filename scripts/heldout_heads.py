@@ -40,7 +40,8 @@ def main() -> int:
               for h in args.heads]
     bb = models[0].backbone
     held = recipe_data.sentence_prompts(bb.tokenizer, [fixture("wikitext2_tokens/test.txt")], 16, seed=1)[: args.prompts]
-    parts = [recipe_data.continue_rows(bb, held[i:i + args.batch], args.new_tokens, False, 0) for i in range(0, len(held), args.batch)]
+    base = recipe_data.Continuer(bb, "transformers")  # greedy: generate on torch's float32 linears, as ever measured
+    parts = [base(held[i:i + args.batch], args.new_tokens, False, [0]) for i in range(0, len(held), args.batch)]
     data = {"ids": torch.cat([a for a, _ in parts]), "valid": torch.cat([b for _, b in parts])}
     rows = {}
     for name, model in zip(args.heads, models):

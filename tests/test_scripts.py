@@ -384,3 +384,15 @@ def test_heads_split_into_parts_under_the_limit_join_back_to_the_same_tensors(tm
         assert back[name].dtype == want.dtype and torch.equal(back[name], want)
     with pytest.raises(SystemExit, match="over the"):
         split.split({"big": torch.zeros(100, dtype=torch.uint8)}, limit=99)
+
+
+def test_heldout_heads_scores_heads_dirs_side_by_side(tmp_path):
+    """The measure shipped heads are chosen by runs end to end (on the embedded base)."""
+    out = tmp_path / "heldout.json"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "heldout_heads.py"), "--base", "embedded:stories260K", "--heads",
+                           "embedded:stories260K-heads", "embedded:stories260K-heads", "--prompts", "4", "--new-tokens", "8",
+                           "--batch", "2", "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["heldout"]
+    (first,) = {json.dumps(r, sort_keys=True) for r in rows.values()}  # one dir named twice: one score
+    assert json.loads(first)["positions"] > 0 and 0.0 <= json.loads(first)["head2/top1"] <= 1.0

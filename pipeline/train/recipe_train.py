@@ -149,11 +149,11 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
     ranks = ranks or Ranks()
     g = torch.Generator().manual_seed(seed)
     n_rows = data["ids"].shape[0]
-    total = max(int(epochs * n_rows / batch_rows), 1)
+    total = planned = max(int(epochs * n_rows / batch_rows), 1)
     collect = any(s.model.heads.needs_layer_states for s in sets)
     device = backbone.device
     order, at, step, history = torch.randperm(n_rows, generator=g), 0, 0, []
-    started, cpu = time.time(), time.process_time()
+    started, cpu, mark = time.time(), time.process_time(), (time.time(), 0)
     with trunk_in(backbone, resolve_dtype(device, dtype)):  # its weights cast once, not at every linear
         while step < total:
             if at + batch_rows > n_rows:
@@ -171,9 +171,8 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
             for s in sets:
                 s.update(factor, grad_clip, ranks.world)
             step += 1
-            if step == 20 and seconds is not None:  # the plan must end inside the budget, the same on every rank
-                per_step = (time.time() - started) / step
-                total = ranks.agree(min(total, max(int(seconds / per_step), step + 1)))
+            if seconds is not None:
+                total, mark = _fit(step, mark, started, seconds, planned, total, ranks)
             if step % 50 == 0 or step == total:
                 elapsed = time.time() - started
                 rec = {"step": step, "of": total, "seconds": round(elapsed, 1), "eta_s": round(elapsed / step * (total - step)),
@@ -183,10 +182,29 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
     for s in sets:
         s.model.heads.eval()
     tokens = step * batch_rows * data["ids"].shape[1]
-    return {"steps": step, "planned_steps": int(max(epochs * n_rows / batch_rows, 1)), "epochs": round(step * batch_rows / n_rows, 3),
+    return {"steps": step, "planned_steps": planned, "epochs": round(step * batch_rows / n_rows, 3),
             "seconds": round(time.time() - started, 1), "cpu_seconds": round(time.process_time() - cpu, 2),
             "tokens_seen": tokens, "batch_rows": batch_rows, "compute_dtype": resolve_dtype(device, dtype),
             "processes": ranks.world, "history": history}
+
+
+FIT_FIRST, FIT_EVERY = (5, 20), 100  # the time budget's plan made at step 20 from the pace since step 5 (warm-up
+# left out), then remade every 100 steps from the pace since the last
+
+
+def _fit(step: int, mark: tuple[float, int], started: float, seconds: float, planned: int, total: int,
+         ranks: Ranks) -> tuple[int, tuple[float, int]]:
+    """The plan cut to end inside ``seconds``: at step 20 and every ``FIT_EVERY`` steps, the
+    steps that fit the time left at the pace since the last mark (never past ``planned``), the
+    same on every rank. Returns (total, the new mark)."""
+    if step not in FIT_FIRST and step % FIT_EVERY:
+        return total, mark
+    now = time.time()
+    if step != FIT_FIRST[0]:
+        per_step = (now - mark[0]) / (step - mark[1])
+        left = max(int((seconds - (now - started)) / per_step), 1)
+        total = ranks.agree(min(planned, step + left))
+    return total, (now, step)
 
 
 @torch.no_grad()

@@ -205,3 +205,21 @@ def test_two_processes_under_torchrun_train_the_heads_one_process_does(texts, tm
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), kind
     report = json.loads((tmp_path / "two" / "report" / "build_report.json").read_text())
     assert report["processes"] == 2 and report["stages"]["train"]["steps"] == 40 // 8
+
+
+def test_a_time_budget_is_planned_from_the_pace_after_the_first_steps(monkeypatch):
+    """Slow first steps (CUDA's warm-up, lazy kernels) must not shorten the plan: it is cut at
+    the pace since step 5, and re-cut every 100 steps from the pace since the last cut."""
+    from multitoken.pipeline.train import recipe_train as rtrain
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(rtrain.time, "time", lambda: clock["now"])
+    total, mark, budget = 1000, (0.0, 0), 20.0
+    for step in range(1, 1001):
+        clock["now"] += 1.0 if step <= 5 else (0.1 if step <= 20 else 0.05)
+        total, mark = rtrain._fit(step, mark, 0.0, budget, 1000, total, rtrain.Ranks())
+        if step == 20:
+            assert abs(total - (20 + (budget - 6.5) / 0.1)) <= 1  # the first 5 s of warm-up not taken as the pace
+        if step >= total:
+            break
+    assert abs(total - (100 + (budget - (6.5 + 80 * 0.05)) / 0.05)) <= 1 and abs(clock["now"] - budget) < 0.1
