@@ -20,6 +20,7 @@ SMOLLM2 = "SmolLM2-135M-Instruct"
 SMOLLM2_HEADS = EMBEDDED_DIR / f"{SMOLLM2}-heads"  # 3 replicated heads (bf16)
 SMOLLM2_MEDUSA = EMBEDDED_DIR / f"{SMOLLM2}-medusa"  # 3 Medusa heads (bf16)
 SMOLLM2_CONDITIONED = EMBEDDED_DIR / f"{SMOLLM2}-conditioned"  # 3 token-conditioned heads (bf16)
+SMOLLM2_EAGLE3 = EMBEDDED_DIR / f"{SMOLLM2}-eagle3"  # an EAGLE-3 drafter, 4 draft steps (bf16)
 SMOLLM2_STATS = EMBEDDED_DIR / f"{SMOLLM2}-stats"  # co-occurrence stats of its tokenizer
 
 

@@ -41,11 +41,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from multitoken.embedded import EMBEDDED_DIR, SMOLLM2, resolve_base
+from multitoken.embedded import SMOLLM2, SMOLLM2_EAGLE3, resolve_base
 from multitoken.pipeline.eval.benchmark import Bench, add_out, best_of, cpu_model, fixture
 from multitoken.pipeline.integrations import llama_cpp
 
-SHIPPED_DRAFTER = EMBEDDED_DIR / f"{SMOLLM2}-eagle3"  # where the package ships one, when it does
+SHIPPED_DRAFTER = SMOLLM2_EAGLE3
 OURS = {"ar": ["--mode", "ar"], "speculative": ["--mode", "speculative"],
         "lookup": ["--mode", "speculative", "--lookup", "{lookup}"],
         "eagle3": ["--mode", "speculative", "--heads", "{drafter}", "--drafter", "eagle3"]}

@@ -81,7 +81,7 @@ def eagle3_config(model: MultiTokenModel, dtype: torch.dtype, license_note: str)
         "bos_token_id": getattr(base_cfg, "bos_token_id", None), "eos_token_id": getattr(base_cfg, "eos_token_id", None),
         "torch_dtype": str(dtype).removeprefix("torch."),
         "multitoken": {"version": version("multitoken"), "base": portable_base(bb.name), "base_model_type": bb.model_type,
-                       "base_license": license_note, "draft_steps_trained": model.n_future - 1,
+                       "base_license": license_note, "draft_steps": model.n_future - 1,
                        "head_config": asdict(heads.config)},
     }
 
@@ -109,8 +109,8 @@ def _readme(config: dict) -> str:
     return (f"# EAGLE-3 drafter for {mt['base']}\n\n"
             f"One decoder layer fusing the base's layers {config['eagle_aux_hidden_state_layer_ids']} (their input states), "
             f"drafting over {config['draft_vocab_size']} of the base's {config['vocab_size']} tokens, trained with multitoken "
-            f"{mt['version']} on the base `{mt['base']}` ({mt['base_model_type']}) as it ran, for "
-            f"{mt['draft_steps_trained']} draft step(s). EAGLE-3's checkpoint layout (`{ARCHITECTURE}`): vLLM and SGLang "
+            f"{mt['version']} on the base `{mt['base']}` ({mt['base_model_type']}) as it ran; it drafts "
+            f"{mt['draft_steps']} step(s) per pass by default. EAGLE-3's checkpoint layout (`{ARCHITECTURE}`): vLLM and SGLang "
             "load it as an EAGLE-3 speculator; llama.cpp converts it with "
             "`convert_hf_to_gguf.py DIR --target-model-dir BASE`. Serve it only on that base: it reads the base's "
             "token embedding and hidden states.\n\n"

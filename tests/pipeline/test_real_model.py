@@ -215,6 +215,25 @@ def test_conditioned_heads_keep_greedy_exact(smol_conditioned, tree):
 
 
 @NETWORK
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_the_shipped_eagle3_drafter_keeps_greedy_exact(smol_dir, tree):
+    """The drafter the package ships for SmolLM2 (its 4 autoregressive draft steps): greedy
+    output stays transformers', single and batched, with more than one token per forward."""
+    from multitoken.embedded import SMOLLM2_EAGLE3
+
+    model = MultiTokenModel.from_pretrained(load_backbone(BackboneConfig(base=str(smol_dir), threads=1)), SMOLLM2_EAGLE3)
+    assert model.heads.config.head_type == "eagle3" and model.n_future == 5
+    bb = model.backbone
+    cfg = DecodeConfig(mode="speculative", greedy=True, max_new_tokens=24, tree=tree, tree_nodes="8" if tree != "chain" else "auto")
+    rows = [bb.tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
+    want = [hf_greedy(bb, ids, 24) for ids in rows]
+    results = [generate(model, ids, cfg) for ids in rows]
+    assert [r.token_ids for r in results] == want
+    assert sum(len(r.token_ids) for r in results) / sum(r.trace.forward_passes for r in results) > 1.2
+    assert [r.token_ids for r in generate_rows(model, [r[0].tolist() for r in rows], cfg)] == want
+
+
+@NETWORK
 @pytest.mark.parametrize("tree", ["chain", "static"])
 def test_greedy_batch_rows_equal_transformers_on_smollm2(smol_model, tree):
     bb = smol_model.backbone
