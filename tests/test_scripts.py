@@ -377,8 +377,9 @@ def test_heads_split_into_parts_under_the_limit_join_back_to_the_same_tensors(tm
     parts = sorted(out.glob("heads-eagle3.*.safetensors"))
     assert len(parts) == 2 and all(sum(t.numel() * t.element_size() for t in load_file(str(p)).values()) <= 70_000
                                    for p in parts)
-    back = load(join.joined(parts))
-    assert set(back) == set(tensors)
+    blob, dtypes = join.joined(parts)
+    back = load(blob)
+    assert set(back) == set(tensors) and dtypes["d2t"] == "int64" and dtypes["t2d"] == "bool" and dtypes["a.weight"] == "bfloat16"
     for name, t in tensors.items():
         want = t.to(torch.bfloat16) if t.is_floating_point() else t
         assert back[name].dtype == want.dtype and torch.equal(back[name], want)

@@ -9,6 +9,9 @@
 # 64 MiB), and the text: train/*.txt, heldout/*.txt. OUT receives the heads
 # (heads-TYPE.NN.safetensors, parts under 16 MiB each), every small file in build.tar.gz, and the log.
 # `smoke` runs the same recipe on the embedded stories260K for a few seconds instead.
+# A call that carries at most 64 MiB with the repo sends the GGUF in parts over calls to one warm
+# machine, each part copied out of the repo (a later call drops what it does not carry): for
+# example part 00 and the text with the smoke run, then the rest with the full run.
 set -euo pipefail
 payload=$(realpath "$1"); out=$(realpath "$2"); mode=${3:-full}
 repo=$(cd "$(dirname "$0")/../.." && pwd)

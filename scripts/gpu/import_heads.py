@@ -27,22 +27,22 @@ from multitoken.pipeline.model.model import MultiTokenModel
 KEEP = ("rank_accuracy.json", "draft_vocab.json")
 
 
-def joined(parts: list[Path]) -> bytes:
-    """One safetensors file of every part's tensors."""
+def joined(parts: list[Path]) -> tuple[bytes, dict[str, str]]:
+    """One safetensors file of every part's tensors, and each tensor's dtype name."""
     from safetensors.torch import load_file, save
 
     tensors = {}
     for part in parts:
         tensors.update(load_file(str(part)))
-    return save(tensors, metadata={"format": "pt"})
+    return save(tensors, metadata={"format": "pt"}), {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()}
 
 
 def import_one(kind: str, src: Path, parts: list[Path], base: str, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=False)
-    blob = joined(parts)
+    blob, dtypes = joined(parts)
     record = json.loads((src / "heads_config.json").read_text())
     record["base"] = base
-    record["dtypes"] = {k: "bfloat16" for k in record["shapes"]}
+    record["dtypes"] = dtypes  # floating tensors in bfloat16, eagle3's id maps as they were
     record["heads_sha256"] = hashlib.sha256(blob).hexdigest()
     (dest / "heads.safetensors").write_bytes(blob)
     (dest / "heads_config.json").write_text(json.dumps(record, indent=2) + "\n")
