@@ -30,8 +30,9 @@ demo: $(STAMP)
 	$(VENV)/bin/multitoken sweep --seeds 2 --max-new-tokens 32 --batch-size $(DEMO_BATCH) --out $(DEMO_OUT)
 
 # The main job on the real model, SmolLM2-135M-Instruct with its shipped heads and stats (fetched
-# first): the eps_b sweep (DynaMo's Table 7 prompts, none in the heads' training text) against ar
-# and transformers' sampling, then greedy speculative chains and trees against transformers' greedy
+# first): the eps_b sweep of its token-conditioned heads' conditional joint (DynaMo's Table 7
+# prompts, none in the heads' training text, x 6 seeds x 64 tokens: enough runs for the
+# same-quality test's intervals to tell points apart) against ar and transformers' sampling, then greedy speculative chains and trees against transformers' greedy
 # generate (every row must equal it) on the compiled rows kernel (the default; oneDNN's prepacked
 # linears where no C++ compiler is found) given to both sides, with transformers and `ar` on torch's
 # stock linears as the reference. A progress line after every run; each part ends with a headline.
@@ -41,8 +42,8 @@ demo: $(STAMP)
 DEMO_REAL_OUT ?= out/demo-real
 DEMO_REAL_TREES ?= hf_prompt_lookup ar chain static_4 dynamic_4 chain+lookup dynamic_4+lookup dynamic_16+lookup
 demo-real: smollm2
-	$(VENV)/bin/multitoken sweep --base fetched:SmolLM2-135M-Instruct --seeds 2 --max-new-tokens 32 --eps-b 0:1:0.2 \
-		--batch-size $(DEMO_BATCH) --out $(DEMO_REAL_OUT)/sweep
+	$(VENV)/bin/multitoken sweep --base fetched:SmolLM2-135M-Instruct --heads embedded:SmolLM2-135M-Instruct-conditioned \
+		--seeds 6 --max-new-tokens 64 --eps-b 0:1:0.2 --batch-size $(DEMO_BATCH) --out $(DEMO_REAL_OUT)/sweep
 	$(VENV)/bin/python scripts/bench_tree.py --smollm2 --no-embedded --budgets 4 16 --reps 1 --max-new-tokens 48 \
 		--lookup 8 --cpu-linear stock rows --first-kernel-rows hf_greedy ar --rows $(DEMO_REAL_TREES) \
 		--out $(DEMO_REAL_OUT)/trees.json --plot $(DEMO_REAL_OUT)/trees.png
