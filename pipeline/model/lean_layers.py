@@ -179,6 +179,12 @@ class LeanLayers:
             plan = self.plans[id(layer)] = self.lean.plan(layer)
         return plan
 
+    def runs_on(self, device: torch.device) -> bool:
+        """Whether a decoding run on ``device`` takes the lean forward (inference on the CPU, an
+        attention kernel it reproduces): where an in-place KV cache's bits are checked."""
+        return (self.lean is not None and device.type == "cpu"
+                and self.config._attn_implementation in ATTENTION_KINDS)
+
     def run(self, plan: Plan, hidden: torch.Tensor, ctx, cache) -> torch.Tensor:
         """The planned layer's lean forward # [B, T, H] -> [B, T, H]."""
         return self.lean.forward(plan, hidden, ctx, cache)

@@ -24,10 +24,15 @@ import torch
 from multitoken.adapters.base import Features
 from multitoken.pipeline.model.backbone import LayerContext
 from multitoken.pipeline.runtime import ragged
+from multitoken.pipeline.runtime.kv_cache import GrowingCache
 from multitoken.pipeline.runtime.step_output import StepOutput
 
 
-def _new_cache():
+def _new_cache(bb):
+    """A layer's KV cache for ``bb``: written in place (``kv_cache.GrowingCache``) where its layers
+    run their lean forward on the CPU, the case its bits are checked for; else transformers' own."""
+    if bb.lean.runs_on(bb.device):
+        return GrowingCache()
     from transformers import DynamicCache
 
     return DynamicCache()
@@ -182,7 +187,8 @@ def _gather_step(start: int, index: torch.Tensor):
 
 
 def new_caches(model, draft: torch.nn.Module | None = None) -> DecodeCaches:
-    return DecodeCaches(backbone=_new_cache(), heads=[_new_cache() for _ in range(model.heads.num_head_layers)], draft=draft)
+    bb = model.backbone
+    return DecodeCaches(backbone=_new_cache(bb), heads=[_new_cache(bb) for _ in range(model.heads.num_head_layers)], draft=draft)
 
 
 def _tree_context(bb, hidden: torch.Tensor, caches: DecodeCaches, attend: torch.Tensor, offsets: torch.Tensor):

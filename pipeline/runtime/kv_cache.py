@@ -1,0 +1,121 @@
+"""A KV cache written in place: transformers' ``DynamicCache`` interface, without its copy per step.
+
+``DynamicCache`` appends a step's keys and values by ``torch.cat``: every layer copies its whole
+cache at every step, a cost that grows with the context. ``GrowingCache`` keeps per layer one
+buffer [B, heads, capacity, d] for keys and one for values, writes a step's slots into them by
+slice assignment and hands attention views of the filled prefix [B, heads, length, d]. The
+capacity doubles when a step would overflow it (one copy of the filled prefix, rarely), so the
+cost of a step no longer grows with the context.
+
+Bits: the cached values are the same numbers (a copy is exact) and attention reads them through a
+view whose slot and head strides are the buffer's; torch's CPU attention kernels and matmuls walk
+a tensor by its strides, so each output is the contiguous tensor's, bit for bit
+(tests/pipeline/test_kv_cache.py checks logits against ``DynamicCache`` over many steps, with
+crops, kept paths and row selection).
+
+Everything else that handles a cache keeps working unchanged: a layer's ``keys`` / ``values`` read
+as the filled views, and assigning a tensor to them (``crop``, ``ragged.map_layers``, the kept
+paths of ``incremental.DecodeCaches``) either moves the length (a prefix view of the buffer: a
+crop) or copies the tensor into a buffer of its own (a gather, a row selection: new values).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+MIN_CAPACITY = 64  # slots a first buffer holds at least: a short prompt's first steps need no regrowth
+
+
+def capacity_for(length: int) -> int:
+    """The buffer size for ``length`` slots: the next power of two, at least ``MIN_CAPACITY``."""
+    return max(MIN_CAPACITY, 1 << max(length - 1, 0).bit_length())
+
+
+class GrowingLayer(DynamicLayer):
+    """One layer's keys and values as filled prefixes of buffers that grow by doubling."""
+
+    def __init__(self, **kwargs):
+        self._k = self._v = None  # [B, heads, capacity, d] buffers (None: nothing cached)
+        self._nk = self._nv = 0  # filled slots of each (equal between calls)
+        super().__init__(**kwargs)
+
+    # keys / values: the filled views; assigning one is a crop (a prefix view) or new contents.
+    # Each has its own length: transformers assigns keys then values from views read before
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, :self._nk]
+
+    @keys.setter
+    def keys(self, x: torch.Tensor | None) -> None:
+        self._k, self._nk = _adopt(self._k, x)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, :self._nv]
+
+    @values.setter
+    def values(self, x: torch.Tensor | None) -> None:
+        self._v, self._nv = _adopt(self._v, x)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _reserve(self, length: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers of room for ``length`` slots of ``key_states``' rows, the filled prefix kept."""
+        n = self._nk
+        if self._k is not None and n and key_states.shape[0] != self._k.shape[0]:
+            raise ValueError(f"a step of {key_states.shape[0]} rows on a cache of {self._k.shape[0]}")
+        cap = capacity_for(length)
+        for name, new in (("_k", key_states), ("_v", value_states)):
+            old, fresh = getattr(self, name), new.new_empty(new.shape[0], new.shape[1], cap, new.shape[3])
+            if old is not None and n:
+                fresh[:, :, :n] = old[:, :, :n]
+            setattr(self, name, fresh)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write a step's keys / values [B, heads, T, d] after the filled slots # -> the filled
+        views [B, heads, length + T, d]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self._nk
+        end = n + key_states.shape[2]
+        k = self._k
+        if k is None or end > k.shape[2] or key_states.shape[0] != k.shape[0]:
+            self._reserve(end, key_states, value_states)
+            k = self._k
+        v = self._v
+        k[:, :, n:end] = key_states
+        v[:, :, n:end] = value_states
+        self._nk = self._nv = end
+        return k[:, :, :end], v[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self._nk
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        self._nk = self._nv = 0
+        self.is_initialized = False
+
+
+def _adopt(buffer: torch.Tensor | None, x: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """The buffer that holds ``x`` [B, heads, n, d] as its prefix, and n: ``buffer`` itself when
+    ``x`` is a prefix view of it (a crop), else a new one with ``x`` copied in."""
+    if x is None or x.dim() != 4:  # reset, or transformers' empty placeholder before a first update
+        return None, 0
+    n = x.shape[2]
+    if (buffer is not None and x.data_ptr() == buffer.data_ptr() and x.stride() == buffer.stride()
+            and x.shape[:2] == buffer.shape[:2] and x.shape[3] == buffer.shape[3] and n <= buffer.shape[2]):
+        return buffer, n
+    fresh = x.new_empty(x.shape[0], x.shape[1], capacity_for(n), x.shape[3])
+    fresh[:, :, :n] = x
+    return fresh, n
+
+
+class GrowingCache(DynamicCache):
+    """A ``DynamicCache`` whose layers are ``GrowingLayer``s (created on first use, as its own)."""
+
+    def __init__(self):
+        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
