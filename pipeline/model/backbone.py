@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -68,6 +68,8 @@ class LayerContext:
     mask: torch.Tensor | None  # None = plain causal (SDPA's is_causal path)
     position_ids: torch.Tensor  # [1, T]
     position_embeddings: tuple[torch.Tensor, torch.Tensor]  # rotary (cos, sin)
+    # what a lean layer forward derives from the above once per pass, for every layer (lean_layers.py)
+    derived: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -44,7 +44,7 @@ class Plan:
     gate_up: FusedLinear | None
     norm: Callable  # (norm module, x) -> the norm's output
     rotary: Callable  # the family's apply_rotary_pos_emb(q, k, cos, sin)
-    rotary_one: Callable  # (x, cos, sin) -> x rotated: q and k of a one-row step as one tensor
+    rotary_one: Callable  # (x, ctx) -> x rotated: q and k of a one-row step as one tensor
     attention: Callable  # transformers' attention kernel for ``kind``
     kind: str  # the model's attention implementation when planned
     linears: tuple[nn.Module, ...]  # q, k, v, gate, up as planned
@@ -87,13 +87,36 @@ def llama_plan(layer: nn.Module) -> Plan:
     norms = {type(layer.input_layernorm).__name__, type(layer.post_attention_layernorm).__name__}
     rotate_half = modeling.rotate_half
 
-    def rotary_one(x, cos, sin):  # apply_rotary_pos_emb's formula on one tensor
+    def rotary_one(x, ctx):  # apply_rotary_pos_emb's formula on one tensor
+        cos, sin = ctx.position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return (x * cos) + (rotate_half(x) * sin)
 
     return Plan(layer, _fused(linears[:3], QKV), _fused(linears[3:], GATE_UP),
                 _rms_norm if norms == {"LlamaRMSNorm"} else _module_norm,
-                modeling.apply_rotary_pos_emb, rotary_one, attention, kind, linears)
+                modeling.apply_rotary_pos_emb, _rolled_rotary if _halves_swapped(rotate_half) else rotary_one,
+                attention, kind, linears)
+
+
+def _halves_swapped(rotate_half: Callable) -> bool:
+    """Whether ``rotate_half`` is the usual ``cat(-x2, x1)`` of x's halves x1, x2 (checked on a
+    probe: a fixed permutation with signs shows on distinct values)."""
+    probe = torch.arange(1.0, 9.0)
+    return torch.equal(rotate_half(probe), torch.cat((-probe[4:], probe[:4])))
+
+
+def _rolled_rotary(x: torch.Tensor, ctx) -> torch.Tensor:
+    """``(x * cos) + (rotate_half(x) * sin)`` in fewer ops, the same bits: ``rotate_half(x) * sin``
+    is ``roll(x) * cat(-sin1, sin2)`` element for element ((-a) * b and a * (-b) are one rounding
+    of one product, negated), and the unsqueezed cos and signed sin are made once per pass."""
+    tables = ctx.derived.get("rolled_rotary")
+    if tables is None:
+        cos, sin = ctx.position_embeddings  # [B, T, d]
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        tables = ctx.derived["rolled_rotary"] = (cos.unsqueeze(1), signed.unsqueeze(1), half)
+    cos, signed, half = tables
+    return (x * cos) + (x.roll(half, -1) * signed)
 
 
 def _qkv(plan: Plan, x: torch.Tensor, ctx, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,7 +130,7 @@ def _qkv(plan: Plan, x: torch.Tensor, ctx, cache) -> tuple[torch.Tensor, torch.T
         # apart), v a view; several rows keep the layer's own tensors (SDPA reads their strides)
         heads = fused.joint(x).view(shape).transpose(1, 2)  # [1, q + 2 kv heads, 1, d]
         q_heads, kv = fused.outs[0] // attn.head_dim, fused.outs[1] // attn.head_dim
-        qk = plan.rotary_one(heads[:, :q_heads + kv], cos, sin)
+        qk = plan.rotary_one(heads[:, :q_heads + kv], ctx)
         return qk[:, :q_heads], qk[:, q_heads:], heads[:, q_heads + kv:]
     if fused is not None:
         q, k, v = fused(x)

@@ -12,6 +12,7 @@ from torch import nn
 
 from multitoken.kernels import gemv_rows
 from multitoken.kernels.cpu_linear import PackedLinear
+from multitoken.pipeline.model import lean_layers
 from multitoken.pipeline.model.lean_layers import LEAN
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
@@ -99,6 +100,8 @@ def test_lean_steps_are_the_layers_bits_with_fused_linears(tiny_llama_q_dir, tmp
         pytest.skip("needs the compiled kernels")
     layer = model.backbone.layers[0]
     assert isinstance(layer.self_attn.q_proj, PackedLinear) and layer.self_attn.q_proj.format == grid
+    with torch.no_grad():
+        assert model.backbone.lean.plan(layer).rotary_one is lean_layers._rolled_rotary  # Llama's rotate_half
     _same_as_the_layers(model)
     fused = model.backbone.lean.fused()
     assert fused and all(f.format == grid for f in fused.values())
@@ -132,3 +135,17 @@ def test_repacking_replans_and_training_keeps_the_layers_forward(tiny_llama_dir)
     model.prepare_linears()
     if gemv_rows.available():
         assert bb.lean.plan(layer).qkv is not None
+
+
+@torch.no_grad()
+def test_the_lean_rms_norm_is_the_modules_bits():
+    """The norm's ops less its casts: the module's bits on every row width and scale."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    for width, rows in ((64, 1), (576, 1), (576, 7), (960, 3)):
+        norm = LlamaRMSNorm(width, eps=1e-5)
+        norm.weight.data = torch.randn(width, generator=gen)
+        for scale in (1e-3, 1.0, 40.0):
+            x = torch.randn(2, rows, width, generator=gen) * scale
+            assert torch.equal(_bits(lean_layers._rms_norm(norm, x)), _bits(norm(x)))
