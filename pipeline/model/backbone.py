@@ -214,7 +214,7 @@ class Backbone:
         """One decoder layer # [B, T, H] -> [B, T, H]; ``cache`` is that layer's KV cache, if any.
         Without autograd a layer of a family in ``lean_layers.LEAN`` runs its lean forward (the
         same bits, fewer calls)."""
-        if (plan := self.lean.plan(layer)) is not None:
+        if (plan := self.lean.plan(layer, ctx)) is not None:
             return self.lean.run(plan, hidden, ctx, cache)
         kwargs = {self.spec.cache_kwarg: cache, "use_cache": cache is not None}
         out = layer(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Callable
 
 import torch
@@ -49,17 +50,33 @@ class Plan:
     kind: str  # the model's attention implementation when planned
     linears: tuple[nn.Module, ...]  # q, k, v, gate, up as planned
 
-    def current(self) -> bool:
-        """Whether the layer's linears are still the ones planned (a repack or unpack swaps them)
-        and the fused ones still read their shares (no part on its fallback)."""
-        return (self.layer.self_attn.config._attn_implementation == self.kind
-                and all(a is b for a, b in zip(_linears(self.layer), self.linears))
-                and all(f is None or f.current(f.parts) for f in (self.qkv, self.gate_up)))
+    def current(self, kinds: dict | None = None) -> bool:
+        """Whether the layer's attention kind and linears are still the ones planned (a repack or
+        unpack swaps them) and the fused ones still read their shares (no part on its fallback).
+        ``kinds``: attention kinds already read this pass, by config (see ``_kind``)."""
+        return (_kind(self.layer.self_attn.config, kinds) == self.kind
+                and _linears(self.layer) == self.linears  # modules compare by identity
+                and (self.qkv is None or self.qkv.current(self.qkv.parts))
+                and (self.gate_up is None or self.gate_up.current(self.gate_up.parts)))
+
+
+def _kind(config, kinds: dict | None) -> str:
+    """``config._attn_implementation``, read once per pass where ``kinds`` (a pass's memo, by
+    config) is given: a transformers config answers attribute reads through Python code, and
+    every layer of a pass would read it twice."""
+    if kinds is None:
+        return config._attn_implementation
+    kind = kinds.get(id(config))
+    if kind is None:
+        kind = kinds[id(config)] = config._attn_implementation
+    return kind
+
+
+_GET_QKV, _GET_GATE_UP = itemgetter(*QKV), itemgetter(*GATE_UP)  # checked every layer call: no Python loop
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
-    attn, mlp = layer.self_attn._modules, layer.mlp._modules
-    return (*(attn[n] for n in QKV), *(mlp[n] for n in GATE_UP))
+    return _GET_QKV(layer.self_attn._modules) + _GET_GATE_UP(layer.mlp._modules)
 
 
 def _fused(parts: tuple[nn.Module, ...], names: tuple[str, ...]) -> FusedLinear | None:
@@ -193,12 +210,15 @@ class LeanLayers:
         self.config = config
         self.plans: dict[int, Plan] = {}
 
-    def plan(self, layer: nn.Module) -> Plan | None:
+    def plan(self, layer: nn.Module, ctx=None) -> Plan | None:
+        """``ctx``: the pass's ``LayerContext``, where the attention kinds read are kept for the
+        pass's other layers (None: read them now)."""
+        kinds = None if ctx is None else ctx.derived.setdefault("attention_kinds", {})
         if (self.lean is None or torch.is_grad_enabled() or type(layer).__name__ != self.lean.layer_class
-                or self.config._attn_implementation not in ATTENTION_KINDS or layer.training):
+                or _kind(self.config, kinds) not in ATTENTION_KINDS or layer.training):
             return None
         plan = self.plans.get(id(layer))
-        if plan is None or plan.layer is not layer or not plan.current():
+        if plan is None or plan.layer is not layer or not plan.current(kinds):
             plan = self.plans[id(layer)] = self.lean.plan(layer)
         return plan
 

@@ -86,13 +86,20 @@ class GrowingLayer(DynamicLayer):
             self._reserve(end, key_states, value_states)
             k = self._k
         v = self._v
-        k[:, :, n:end] = key_states
-        v[:, :, n:end] = value_states
+        k.narrow(2, n, end - n).copy_(key_states)  # narrow: fewer arguments to parse than a slice
+        v.narrow(2, n, end - n).copy_(value_states)
         self._nk = self._nv = end
-        return k[:, :, :end], v[:, :, :end]
+        return k.narrow(2, 0, end), v.narrow(2, 0, end)
 
     def get_seq_length(self) -> int:
         return self._nk
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` slots (transformers 5's negative count): the
+        length moves, the buffers stay (the next step overwrites those slots)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of slots to remove, not {tokens_to_remove}")
+        self._nk = self._nv = max(self._nk + tokens_to_remove, 0)
 
     def reset(self) -> None:
         self._k = self._v = None

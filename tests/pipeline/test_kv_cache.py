@@ -117,6 +117,8 @@ def test_a_step_writes_in_place_and_crops_move_the_length():
     assert layer._k is buffer and keys.shape[2] == 6 and torch.equal(keys[:, :, 5:], step)  # no copy of the cache
     layer.crop(-2)
     assert layer._k is buffer and layer.get_seq_length() == 4 and torch.equal(layer.keys, k[:, :, :4])
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(3)  # transformers' legacy meaning (a length to keep) is refused, as DynamicLayer does
     layer.keys, layer.values = layer.keys[1:], layer.values[1:]  # a row selection: new contents, own buffer
     assert layer._k is not buffer and layer.keys.shape == (1, 3, 4, 4) and torch.equal(layer.keys, k[1:, :, :4])
     with pytest.raises(ValueError, match="rows"):
