@@ -11,7 +11,9 @@ tensors in and out, so every output is the layer's, bit for bit
 take one kernel call where they are packed linears of one compiled format
 (kernels/fused_linear.py: each output is the separate call's); RMSNorm's two casts, no-ops on
 float32, are left out; a one-row step rotates q and k as one tensor (element-wise ops: each
-element as apart); the module calls of the attention and MLP blocks are gone.
+element as apart), ``rotate_half(x) * sin`` as ``roll(x) * signed sin`` (``_rolled_rotary``); the
+module calls of the attention and MLP blocks are gone. On the CPU the caches it extends are
+written in place (pipeline/runtime/kv_cache.py).
 
 It runs only where the layer's own forward would compute the same thing: without autograd (a
 training step keeps transformers' layers, their checkpointing included), with sdpa or eager

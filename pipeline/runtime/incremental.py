@@ -5,6 +5,8 @@ final layer read and extend the backbone cache; each head layer (replicated / WH
 extends its own cache. Every cache always covers the same positions, so one ``LayerContext``
 (mask, positions, rotary) serves all of them, and cropping removes the same suffix everywhere.
 Everything goes through ``Backbone.run_layer`` / ``layer_context``: no patched transformers code.
+On the CPU's lean path each cache is a ``kv_cache.GrowingCache`` (written in place, no copy of the
+cache per step), elsewhere transformers' ``DynamicCache``: both behind the same interface.
 
 Batches (``decoding.engine``): rows of different lengths share the slot axis; ``DecodeCaches.valid``
 marks per row which slots hold its tokens (None: every slot, every row: the batch-1 fast path).

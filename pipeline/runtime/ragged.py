@@ -2,8 +2,8 @@
 
 Batched decoding feeds B rows whose step lengths differ (prompts of different lengths, different
 numbers of committed tokens and drafts) and forgets different numbers of rejected drafts per row.
-The caches keep one physical slot axis for all rows (transformers' ``DynamicCache``, grown by
-concatenation): a row's new tokens are right-aligned in the step (pads first), so its anchor is the
+The caches keep one physical slot axis for all rows (``kv_cache.GrowingCache`` on the CPU's lean
+path, else transformers' ``DynamicCache``): a row's new tokens are right-aligned in the step (pads first), so its anchor is the
 last slot and its rejected drafts are its trailing slots. Slots that hold no token of a row (left
 pads, step pads, rejected drafts) are *holes*: masked out of every attention read, never copied.
 The suffix every row rejects is cropped physically; a row's logical length (its positions) is the
@@ -31,8 +31,9 @@ COMPACT_MIN = 16
 
 
 def map_layers(cache, fn) -> None:
-    """Apply ``fn`` to the keys and values of every initialised layer of a ``DynamicCache``
-    (a head layer's cache fills only its replica's slot)."""
+    """Apply ``fn`` to the keys and values of every initialised layer of a cache (a head layer's
+    cache fills only its replica's slot); a ``GrowingCache`` layer takes the result in as a crop
+    or as new contents (kv_cache.py)."""
     for layer in cache.layers:
         if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
             layer.keys, layer.values = fn(layer.keys), fn(layer.values)
