@@ -45,7 +45,6 @@ from multitoken.embedded import SMOLLM2, SMOLLM2_EAGLE3, resolve_base
 from multitoken.pipeline.eval.benchmark import Bench, add_out, best_of, cpu_model, fixture
 from multitoken.pipeline.integrations import llama_cpp
 
-SHIPPED_DRAFTER = SMOLLM2_EAGLE3
 OURS = {"ar": ["--mode", "ar"], "speculative": ["--mode", "speculative"],
         "lookup": ["--mode", "speculative", "--lookup", "{lookup}"],
         "eagle3": ["--mode", "speculative", "--heads", "{drafter}", "--drafter", "eagle3"]}
@@ -57,7 +56,7 @@ def arguments(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default=f"fetched:{SMOLLM2}", help="HF dir (or fetched:NAME) holding the GGUF")
     p.add_argument("--gguf", default=None, help="llama.cpp's model (default: the one .gguf in --base, whose codes ours runs)")
-    p.add_argument("--drafter", default=None, help=f"eagle3 heads dir (default: {SHIPPED_DRAFTER.name} where shipped)")
+    p.add_argument("--drafter", default=None, help=f"eagle3 heads dir (default: {SMOLLM2_EAGLE3.name} where shipped)")
     p.add_argument("--prompts", default=None, help="prompts file, one per line (default: held-out wikitext-2 test)")
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -173,7 +172,7 @@ def main(argv=None) -> int:
     ggufs = [Path(args.gguf)] if args.gguf else sorted(base_dir.glob("*.gguf"))
     if len(ggufs) != 1 or not ggufs[0].is_file():
         raise SystemExit(f"error: no single GGUF in {base_dir}; run `multitoken fetch smollm2` or pass --gguf FILE")
-    drafter = args.drafter or (str(SHIPPED_DRAFTER) if SHIPPED_DRAFTER.is_dir() else None)
+    drafter = args.drafter or (str(SMOLLM2_EAGLE3) if SMOLLM2_EAGLE3.is_dir() else None)
     prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()][:args.num_prompts] \
         if args.prompts else heldout_prompts(base_dir, args.num_prompts)
     bench = Bench("llama_cpp", args, base=str(base_dir), gguf=str(ggufs[0]), drafter=drafter, prompts=len(prompts),

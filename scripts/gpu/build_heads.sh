@@ -22,7 +22,10 @@ if [ -e "$site" ] && [ ! -d "$site/multitoken-0.1.0.dist-info" ]; then  # only a
   echo "$site exists and is not this script's package shim: move it away or set WORK to another folder"; exit 2
 fi
 rm -rf "$site"; mkdir -p "$site/multitoken" "$site/multitoken-0.1.0.dist-info"
-for pkg in base embedded kernels adapters stats decoding pipeline; do ln -s "$repo/$pkg" "$site/multitoken/$pkg"; done
+# every top-level package as pyproject's package-dir maps it (multitoken.X -> folder X)
+pkgs=$("${PY:-python3}" -c "import sys, tomllib; dirs = tomllib.load(open(sys.argv[1], 'rb'))['tool']['setuptools']['package-dir']
+print(' '.join(d for name, d in dirs.items() if name.count('.') == 1))" "$repo/pyproject.toml")
+for pkg in $pkgs; do ln -s "$repo/$pkg" "$site/multitoken/$pkg"; done
 printf 'Metadata-Version: 2.1\nName: multitoken\nVersion: 0.1.0\n' > "$site/multitoken-0.1.0.dist-info/METADATA"
 wheel=$(find "$payload" -name "gguf-*.whl" | head -1)
 if [ -n "$wheel" ]; then "${PY:-python3}" -m pip install -q --no-index --no-deps --target "$site" "$wheel"; fi

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 LIMIT = 15 << 20  # under the device's 16 MiB per returned file, with room for the header
 
 
-def split(tensors: dict[str, torch.Tensor], limit: int = LIMIT) -> list[dict[str, torch.Tensor]]:
+def split(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` in name order, packed into parts of at most ``limit`` bytes each."""
     parts, size = [{}], 0
     for name in sorted(tensors):
         t = tensors[name]
