@@ -67,12 +67,8 @@ class GrowingLayer(DynamicLayer):
         n = self._nk
         if self._k is not None and n and key_states.shape[0] != self._k.shape[0]:
             raise ValueError(f"a step of {key_states.shape[0]} rows on a cache of {self._k.shape[0]}")
-        cap = capacity_for(length)
-        for name, new in (("_k", key_states), ("_v", value_states)):
-            old, fresh = getattr(self, name), new.new_empty(new.shape[0], new.shape[1], cap, new.shape[3])
-            if old is not None and n:
-                fresh[:, :, :n] = old[:, :, :n]
-            setattr(self, name, fresh)
+        self._k = _room(key_states, length, self._k[:, :, :n] if self._k is not None and n else None)
+        self._v = _room(value_states, length, self._v[:, :, :n] if self._v is not None and n else None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write a step's keys / values [B, heads, T, d] after the filled slots # -> the filled
@@ -116,9 +112,16 @@ def _adopt(buffer: torch.Tensor | None, x: torch.Tensor | None) -> tuple[torch.T
     if (buffer is not None and x.data_ptr() == buffer.data_ptr() and x.stride() == buffer.stride()
             and x.shape[:2] == buffer.shape[:2] and x.shape[3] == buffer.shape[3] and n <= buffer.shape[2]):
         return buffer, n
-    fresh = x.new_empty(x.shape[0], x.shape[1], capacity_for(n), x.shape[3])
-    fresh[:, :, :n] = x
-    return fresh, n
+    return _room(x, n, x), n
+
+
+def _room(like: torch.Tensor, length: int, prefix: torch.Tensor | None) -> torch.Tensor:
+    """A buffer [B, heads, capacity_for(length), d] shaped as ``like`` [B, heads, *, d], with
+    ``prefix`` [B, heads, n, d] copied into its first slots."""
+    fresh = like.new_empty(like.shape[0], like.shape[1], capacity_for(length), like.shape[3])
+    if prefix is not None:
+        fresh[:, :, :prefix.shape[2]] = prefix
+    return fresh
 
 
 class GrowingCache(DynamicCache):
