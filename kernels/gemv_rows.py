@@ -12,7 +12,7 @@ the exactness contract). Past ``MAX_ROWS`` rows (a prompt's pass) a batched matm
 blocks takes over (compute-bound there; its rounding differs, as any GEMM's would). The narrow
 formats (formats.py) are decoded in the same blocks by the same chain: gguf_codes.py.
 
-Build: ops.cpp (which includes gemv_rows.cpp and argmax_prefilter.cpp and registers them as torch
+Build: ops.cpp (which includes gemv_rows.cpp, argmax_prefilter.cpp and layer_step.cpp and registers them as torch
 ops with schemas and checks) by ``torch.utils.cpp_extension.load`` with ``-O3 -march=native
 -fopenmp`` (x86-64 only; with ``MULTITOKEN_CPU_FEATURES`` set, the instructions above its level
 turned off: cpu_features.py), into the cache (``$MULTITOKEN_CACHE/kernels``, keyed by the
@@ -49,11 +49,11 @@ from multitoken.kernels import cpu_features, formats
 from multitoken.kernels.formats import Format
 
 MAX_ROWS = 64  # rows per kernel call (handed to ops.cpp); the float32 blocks take a batched matmul past it
-# The C++ (package data): ops.cpp is compiled and includes the other two; all three key the cache.
+# The C++ (package data): ops.cpp is compiled and includes the others; all of them key the cache.
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("ops.cpp", "gemv_rows.cpp", "argmax_prefilter.cpp"))
+SOURCES = tuple(HERE / name for name in ("ops.cpp", "gemv_rows.cpp", "argmax_prefilter.cpp", "layer_step.cpp"))
 REQUIRE = "MULTITOKEN_REQUIRE_KERNELS"  # =1: a kernel that cannot be built is an error, not a fallback
-OPS = ("lanes", "prefilter_built", "gemv", "screened", "rows_argmax", "q8_argmax")
+OPS = ("lanes", "prefilter_built", "gemv", "screened", "rows_argmax", "q8_argmax", "llama_row")
 DIGEST_SUFFIX = ".sha256"  # beside each library: the sha256 of the bytes this process family built
 
 _STATE: dict = {"loaded": False, "lib": None, "why": None}

@@ -135,6 +135,8 @@ std::tuple<at::Tensor, int64_t> q8_argmax_op(const at::Tensor& x, const at::Tens
 
 }  // namespace
 
+#include "layer_step.cpp"
+
 // The namespace is the build's (MT_NAMESPACE, one per CPU-feature level): two levels' builds can
 // be loaded in one process side by side.
 #define MT_DEFINE(ns, m) TORCH_LIBRARY(ns, m)
@@ -147,6 +149,8 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("screened(Tensor x, Tensor q, Tensor scale, int n) -> Tensor");
     m.def("rows_argmax(Tensor x, Tensor q, Tensor scale, Tensor err, Tensor w, int n) -> (Tensor, int)");
     m.def("q8_argmax(Tensor x, Tensor w, Tensor l1, int n) -> (Tensor, int)");
+    m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
+          "Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past) -> Tensor");
 }
 
 MT_IMPL(MT_NAMESPACE, m) {
@@ -154,4 +158,5 @@ MT_IMPL(MT_NAMESPACE, m) {
     m.impl("screened", &screened);
     m.impl("rows_argmax", &rows_argmax_op);
     m.impl("q8_argmax", &q8_argmax_op);
+    m.impl("llama_row", &llama_row);
 }

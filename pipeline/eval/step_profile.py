@@ -16,6 +16,11 @@ their format and linear). What no top-level op covers is Python and dispatch bet
 interpreter, module calls, argument parsing, the profiler's own cost per op (which is why the
 unprofiled step's wall time is measured beside it, ``measured_us``). Times are microseconds per
 step (a forward pass after the prompt's).
+
+A layer's one-row op (``llama_row``, kernels/layer_step.cpp) is one top-level op that calls the
+layer's linears' kernels and torch's ops from C++: its kernels go to their format and linear (in
+its call order, named by its ``mt.row`` label), its other ops to one part, and its own time
+between them to another.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ PARTS = {"mt.attention": "attention (scores, softmax, KV cache)", "mt.rotary": "
          "mt.norm": "norms", "mt.mlp": "MLP activation and product", "mt.embed": "embedding",
          "mt.layer": "residual adds", STEP: "step set-up (mask, positions)", GENERATE: "decoding logic (outside the model)"}
 RESIDUE = "Python and dispatch between ops"
+# the one-row layer op (kernels/layer_step.cpp): its calls run under ``mt.row:<fmt>:<linear>,...``
+# (its four linears in call order) and the ops it calls are split into these parts
+ROW, ROW_OP = "mt.row", "::llama_row"
+ROW_OPS, ROW_SELF = "one-row layer op: its torch ops (norms, rotary, attention, adds)", "one-row layer op: C++ between its ops"
+ROW_LINEARS = ("q_proj+k_proj+v_proj", "o_proj", "gate_proj+up_proj", "down_proj")
 
 
 def label_of(name: str, module: nn.Module) -> str | None:
@@ -114,6 +124,9 @@ def _lean_labels(model: nn.Module) -> list[tuple[object, str, object]]:
         return []
     wrapped = [_patch(lean, "run", "mt.layer")]
     for plan in lean.plans.values():
+        if plan.row is not None:
+            label = ",".join(f"{f}:{n}" for f, n in zip(plan.row.formats(), ROW_LINEARS))
+            wrapped.append(_patch(plan.row, "run", f"{ROW}:{label}"))
         wrapped += [_patch(plan, attr, label) for attr, label in (("norm", "mt.norm"), ("rotary", "mt.rotary"),
                                                                    ("rotary_one", "mt.rotary"), ("attention", "mt.attention"))]
         for fused in (plan.qkv, plan.gate_up):  # outside the module tree: labelled by their parts
@@ -140,6 +153,16 @@ def _linear(label: str) -> tuple[str, str] | None:
         return None
     fmt, _, name = rest.partition(":")
     return fmt, name + (" (argmax)" if kind == "mt.argmax" else "")
+
+
+def _row_linear(event, row) -> tuple[str, str]:
+    """(format, linear name) of a kernel ``event`` the one-row layer op ``row`` called: its linears
+    in call order, named by the label around ``row``."""
+    label = next((x for x in _labels(row) if x.startswith(ROW + ":")), ROW + ":")
+    named = [tuple(item.split(":", 1)) for item in label.partition(":")[2].split(",") if ":" in item]
+    kernels = sorted((c for c in row.cpu_children if c.name.startswith(KERNEL_OPS)), key=lambda c: c.time_range.start)
+    index = next(i for i, c in enumerate(kernels) if c is event)
+    return named[index] if index < len(named) else ("unknown", "layer op linear")
 
 
 def _window(events) -> tuple[int, float, float, int]:
@@ -171,12 +194,26 @@ def attribute(events) -> dict:
             continue
         counts["ops"] += 1
         labels = _labels(e)
-        if not labels and e.cpu_parent is not None:
+        row = e.cpu_parent if e.cpu_parent is not None and e.cpu_parent.name.endswith(ROW_OP) else None
+        if not labels and row is None and e.cpu_parent is not None:
             continue  # nested in another op: its caller's time holds it
-        counts["top_level_ops"] += 1
+        if row is None:
+            counts["top_level_ops"] += 1
         if e.self_cpu_memory_usage > 0:
             counts["allocating_ops"] += 1
             counts["allocated_bytes"] += e.self_cpu_memory_usage
+        if row is not None:  # an op the one-row layer op called: its linears' kernels, else its torch ops
+            if e.name.startswith(KERNEL_OPS):
+                fmt, name = _row_linear(e, row)
+                formats[fmt] += span
+                linears[name][fmt] += span
+                parts[f"linear kernels: {fmt}"] += span
+            else:
+                parts[ROW_OPS] += span
+            continue
+        if e.name.endswith(ROW_OP):  # the op itself: only its time between the ops it called
+            parts[ROW_SELF] += span - sum(c.time_range.end - c.time_range.start for c in e.cpu_children)
+            continue
         linear = next((found for label in labels if (found := _linear(label)) is not None), None)
         if linear is not None:
             wrappers -= span

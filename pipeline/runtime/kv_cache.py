@@ -87,6 +87,19 @@ class GrowingLayer(DynamicLayer):
         self._nk = self._nv = end
         return k.narrow(2, 0, end), v.narrow(2, 0, end)
 
+    def row_slot(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The buffers [1, heads, capacity, d] and their filled length n where a one-row step's key
+        and value fit in slot n (a layer step written elsewhere, then ``filled(n + 1)``), else None
+        (take ``update``: it grows the buffers)."""
+        k, n = self._k, self._nk
+        if k is None or k.shape[0] != 1 or n >= k.shape[2] or self._nv != n:
+            return None
+        return k, self._v, n
+
+    def filled(self, length: int) -> None:
+        """The buffers' first ``length`` slots now hold keys and values (after ``row_slot``)."""
+        self._nk = self._nv = length
+
     def get_seq_length(self) -> int:
         return self._nk
 

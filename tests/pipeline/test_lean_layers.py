@@ -65,16 +65,24 @@ def _model(base: str, linears: str = "rows", eager: bool = False) -> MultiTokenM
     return model
 
 
-def _same_as_the_layers(model: MultiTokenModel) -> None:
+def _same_as_the_layers(model: MultiTokenModel, monkeypatch, rows: bool = False) -> None:
+    """The lean forward's run (with its one-row op where ``rows``, and without it) is the layers' own, bit for bit."""
     bb = model.backbone
+    ran = []
+    run = lean_layers.Row.run
+    monkeypatch.setattr(lean_layers.Row, "run", lambda *a: ran.append(out := run(*a)) or out)
     lean = _run(model)
     assert bb.lean.plans, "the lean forward never ran"
+    assert (sum(out is not None for out in ran) >= 4) == rows, "the one-row op ran (or not) against the plan"
+    monkeypatch.setattr(lean_layers.Row, "of", staticmethod(lambda plan: None))
+    bb.lean.plans.clear()
+    python = _run(model)  # the lean forward's Python one-row path
     bb.lean.lean = None  # the layers' own forward, on the same (fused) linears
     own = _run(model)
     bb.lean.lean = LEAN[bb.model_type]
-    assert len(lean) == len(own)
-    for i, (a, b) in enumerate(zip(lean, own)):
-        assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), i
+    assert len(lean) == len(python) == len(own)
+    for i, (a, b, c) in enumerate(zip(lean, python, own)):
+        assert a.shape == b.shape == c.shape and torch.equal(_bits(a), _bits(c)) and torch.equal(_bits(b), _bits(c)), i
 
 
 def _on_q4_grid(base, out):
@@ -92,8 +100,9 @@ def _on_q4_grid(base, out):
 
 
 @pytest.mark.parametrize("grid", ["f32", "q4_1"])
-def test_lean_steps_are_the_layers_bits_with_fused_linears(tiny_llama_q_dir, tmp_path, grid):
-    """64 wide: q, k and v fill whole column blocks, so one-row steps rotate q and k as one tensor."""
+def test_lean_steps_are_the_layers_bits_with_fused_linears(tiny_llama_q_dir, tmp_path, grid, monkeypatch):
+    """64 wide: q, k and v fill whole column blocks, so one-row steps rotate q and k as one tensor,
+    and take the one-row op (kernels/layer_step.cpp)."""
     base = tiny_llama_q_dir if grid == "f32" else _on_q4_grid(tiny_llama_q_dir, tmp_path)
     model = _model(str(base))
     if not gemv_rows.available():
@@ -102,21 +111,22 @@ def test_lean_steps_are_the_layers_bits_with_fused_linears(tiny_llama_q_dir, tmp
     assert isinstance(layer.self_attn.q_proj, PackedLinear) and layer.self_attn.q_proj.format == grid
     with torch.no_grad():
         assert model.backbone.lean.plan(layer).rotary_one is lean_layers._rolled_rotary  # Llama's rotate_half
-    _same_as_the_layers(model)
+    _same_as_the_layers(model, monkeypatch, rows=True)
     fused = model.backbone.lean.fused()
     assert fused and all(f.format == grid for f in fused.values())
     assert {f.names for f in fused.values()} == {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
     assert all(f.exact_split for f in fused.values())
 
 
-def test_lean_steps_are_the_layers_bits_on_stories260k(stories_dir):
-    _same_as_the_layers(_model(str(stories_dir)))
+def test_lean_steps_are_the_layers_bits_on_stories260k(stories_dir, monkeypatch):
+    model = _model(str(stories_dir))
+    _same_as_the_layers(model, monkeypatch, rows=True)
 
 
 @pytest.mark.parametrize("eager", [False, True])
-def test_lean_steps_are_the_layers_bits_with_stock_linears(tiny_llama_dir, eager):
+def test_lean_steps_are_the_layers_bits_with_stock_linears(tiny_llama_dir, eager, monkeypatch):
     model = _model(str(tiny_llama_dir), linears="stock", eager=eager)
-    _same_as_the_layers(model)
+    _same_as_the_layers(model, monkeypatch)
     assert not model.backbone.lean.fused()  # nothing packed: each linear called alone
 
 

@@ -48,6 +48,27 @@ def test_each_op_goes_to_its_innermost_label_and_the_rest_is_the_residue():
     assert found["allocating_ops_per_step"] == 1 and found["allocated_kb_per_step"] == round(64 / 1024, 1)
 
 
+def test_the_one_row_layer_op_is_split_into_its_kernels_ops_and_own_time():
+    run = _event("mt.generate", 0, 100)
+    prefill, step = _event("mt.step", 0, 10, run), _event("mt.step", 20, 60, run)
+    label = _event("mt.row:q4_1:q_proj+k_proj+v_proj,q4_1:o_proj,q8_0:gate_proj+up_proj,q4_1:down_proj", 21, 59, step)
+    row = _event("multitoken_native::llama_row", 22, 58, label)
+    children = [_event("aten::mean", 23, 24, row, memory=32), _event("multitoken_native::gemv", 24, 30, row),
+                _event("aten::scaled_dot_product_attention", 31, 35, row), _event("multitoken_native::gemv", 35, 38, row),
+                _event("multitoken_native::gemv", 39, 45, row), _event("aten::silu", 45, 46, row),
+                _event("multitoken_native::gemv", 46, 55, row)]
+    inner = _event("aten::empty", 25, 26, children[1], memory=64)  # inside a kernel's time: not counted again
+    row.cpu_children = children
+    found = step_profile.attribute([run, prefill, step, label, row, *children, inner])
+    assert found["kernels_by_linear_us"] == {"q_proj+k_proj+v_proj": {"q4_1": 6}, "o_proj": {"q4_1": 3},
+                                             "gate_proj+up_proj": {"q8_0": 6}, "down_proj": {"q4_1": 9}}
+    parts = found["parts_us"]
+    assert parts["linear kernels: q4_1"] == 18 and parts["linear kernels: q8_0"] == 6
+    assert parts[step_profile.ROW_OPS] == 6 and parts[step_profile.ROW_SELF] == 36 - 30
+    assert sum(parts.values()) == found["wall_us"] == 90 and found["top_level_ops_per_step"] == 1
+    assert found["allocating_ops_per_step"] == 1
+
+
 def test_a_profile_needs_a_step_after_the_prompt():
     run = _event("mt.generate", 0, 100)
     with pytest.raises(ValueError, match="no step after the prompt"):
@@ -83,6 +104,7 @@ def test_a_real_run_is_attributed_whole_and_leaves_the_model_as_it_was(model, mo
     assert "step" not in model.__dict__
     lean = model.backbone.lean  # the lean layer forward's functions and fused linears are their own again
     assert lean.plans and "run" not in lean.__dict__
+    assert all("run" not in plan.row.__dict__ for plan in lean.plans.values() if plan.row is not None)
     for plan in lean.plans.values():
         assert plan.attention.__name__ == "sdpa_attention_forward" and plan.norm.__name__ == "_rms_norm"
         assert all("forward" not in f.__dict__ and "joint" not in f.__dict__ for f in (plan.qkv, plan.gate_up) if f)
