@@ -53,7 +53,7 @@ MAX_ROWS = 64  # rows per kernel call (handed to ops.cpp); the float32 blocks ta
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("ops.cpp", "gemv_rows.cpp", "argmax_prefilter.cpp", "layer_step.cpp"))
 REQUIRE = "MULTITOKEN_REQUIRE_KERNELS"  # =1: a kernel that cannot be built is an error, not a fallback
-OPS = ("lanes", "prefilter_built", "gemv", "screened", "rows_argmax", "q8_argmax", "llama_row")
+OPS = ("lanes", "prefilter_built", "gemv", "screened", "rows_argmax", "q8_argmax", "llama_row", "llama_rows")
 DIGEST_SUFFIX = ".sha256"  # beside each library: the sha256 of the bytes this process family built
 
 _STATE: dict = {"loaded": False, "lib": None, "why": None}
@@ -76,8 +76,10 @@ def _compiler() -> str | None:
 
 def _flags() -> list[str]:
     """The compiler's flags: this CPU's instructions, less those above ``MULTITOKEN_CPU_FEATURES``,
-    and the values the C++ takes from here (the namespace, ``MAX_ROWS``, formats.py's formats)."""
-    return ["-O3", *cpu_features.kernel_flags(), "-fopenmp", "-fno-math-errno",
+    no product and sum fused unless the source says so (every rounding is the source's: the
+    kernels spell their fused multiply-adds out, layer_step.cpp's loops round as torch's ops), and
+    the values the C++ takes from here (the namespace, ``MAX_ROWS``, formats.py's formats)."""
+    return ["-O3", *cpu_features.kernel_flags(), "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
             f"-DMT_NAMESPACE={namespace()}", f"-DMT_MAX_ROWS={MAX_ROWS}", *formats.defines()]
 
 

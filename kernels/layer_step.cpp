@@ -11,14 +11,59 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/record_function.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/silu.h>
+
+#include <cmath>
+#include <cstring>
 
 namespace {
 
-// LlamaRMSNorm's ops on float32 x (its casts are no-ops there): w * (x * rsqrt(mean(x^2) + eps)).
+// Element-wise steps as loops, each element's arithmetic that of torch's ops: products, sums,
+// a square root and a quotient, each rounded once (IEEE); the build passes -ffp-contract=off, so
+// no product and sum are fused into one rounding where torch's separate ops round twice.
+
+// LlamaRMSNorm on float32 x [H] (its casts are no-ops there): w * (x * rsqrt(mean(x^2) + eps)).
+// The mean stays torch's (its sum order is its kernel's); the rest, one element at a time.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-    at::Tensor variance = x.pow(2).mean({-1}, true);
-    return w * (x * variance.add(eps).rsqrt());
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == x.size(-1), "llama_row: a norm's weight must be float32 [H]");
+    const at::Tensor mean = x.pow(2).mean({-1}, true);  // [1, 1, 1]
+    const float variance = *mean.data_ptr<float>();
+    const float r = 1.0f / std::sqrt(variance + static_cast<float>(eps));  // torch: add (eps as float), rsqrt
+    at::Tensor out = at::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) op[i] = wp[i] * (xp[i] * r);
+    return out;
+}
+
+// a += b element-wise over contiguous float32 tensors of one size (a residual add into the
+// linear's own fresh output: b + a rounds as a + b).
+void add_into(at::Tensor& a, const at::Tensor& b) {
+    float* ap = a.data_ptr<float>();
+    const float* bp = b.data_ptr<float>();
+    for (int64_t i = 0, n = a.numel(); i < n; ++i) ap[i] = bp[i] + ap[i];
+}
+
+// The rotary of one row's q and k heads and the cache's writes: for heads [q + 2 kv, d] (the
+// fused q|k|v output), q and k rotated as x * cos + roll(x, half) * signed_sin (torch's mul,
+// roll, mul and add per element), q to ``q_out`` [q, d], k to slot ``past`` of ``k_buf`` and v
+// copied to that slot of ``v_buf`` ([kv, capacity, d] each, contiguous).
+void rotate_and_cache(const float* heads, const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads,
+                      int64_t d, int64_t half, float* q_out, float* k_buf, float* v_buf, int64_t capacity, int64_t past) {
+    for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
+        const float* x = heads + h * d;
+        float* out = h < q_heads ? q_out + h * d : k_buf + ((h - q_heads) * capacity + past) * d;
+        for (int64_t i = 0; i < d; ++i) {
+            const float rolled = x[(i - half + d) % d];
+            const float a = x[i] * cos[i];
+            const float b = rolled * sin[i];
+            out[i] = a + b;
+        }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h)
+        std::memcpy(v_buf + (h * capacity + past) * d, heads + (q_heads + kv_heads + h) * d, d * sizeof(float));
 }
 
 #define MT_NAME(ns) #ns
@@ -26,14 +71,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // Linear ``i`` of a layer: weights[i], formats / ns in sizes, its bias (or none). Called directly,
 // not through the dispatcher: recorded under the op's name for a profiler (free when none runs).
-at::Tensor linear(const at::Tensor& x, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>* biases,
                   at::IntArrayRef sizes, int64_t i) {
     RECORD_FUNCTION(MT_OP_NAME(MT_NAMESPACE, "gemv"), std::vector<c10::IValue>());
-    const std::optional<at::Tensor> bias = biases.get(i);
-    return gemv(x, weights[i], sizes[2 * i], sizes[2 * i + 1], bias);
+    return gemv(x, weights[i], sizes[2 * i], sizes[2 * i + 1], biases[i]);
 }
 
-// One decoder layer on one row hidden [1, 1, H] # -> [1, 1, H].
+constexpr int64_t ROW_WEIGHTS = 6, ROW_SIZES = 19, ROW_SCALARS = 3;  // per layer (see layer_row)
+
+// One decoder layer on one row hidden [1, 1, H] # -> [1, 1, H] (checks its own arguments).
 //   weights: [input norm, q|k|v fused, o, post-attention norm, gate|up fused, down] (norms: [H]);
 //   biases: one per weight (the norms' none);
 //   sizes: (format, n) of each of the six (the norms' unused), then q heads, kv heads, head dim,
@@ -42,12 +88,10 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, const c10::List<s
 //   cos / signed_sin: the pass's rotary tables [1, 1, 1, d] (lean_layers._rolled_rotary);
 //   k_buf / v_buf: the layer's cache buffers [1, kv heads, capacity, d], ``past`` slots filled:
 //   the row's key and value go to slot ``past`` (the caller moves the cache's length).
-at::Tensor llama_row(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std::optional<at::Tensor>* biases,
                      at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos,
                      const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past) {
     const char* op = "llama_row";
-    TORCH_CHECK(weights.size() == 6 && biases.size() == 6 && sizes.size() == 19 && scalars.size() == 3, op,
-                ": takes 6 weights, 6 biases, 19 sizes and 3 scalars");
     check_rows(hidden, op);
     TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.size(1) == 1, op, ": hidden must be [1, 1, H], got ",
                 hidden.sizes());
@@ -55,22 +99,76 @@ at::Tensor llama_row(const at::Tensor& hidden, at::TensorList weights, const c10
     TORCH_CHECK(k_buf.dim() == 4 && v_buf.dim() == 4 && k_buf.size(0) == 1 && k_buf.size(1) == kv_heads &&
                 k_buf.size(3) == head_dim && v_buf.sizes() == k_buf.sizes() && past >= 0 && past < k_buf.size(2),
                 op, ": the cache buffers must be [1, ", kv_heads, ", > ", past, ", ", head_dim, "]");
-    // attention block: norm, q / k / v in one call, rotary on q and k as one tensor, the cache, SDPA
-    at::Tensor x = rms_norm(hidden, weights[0], scalars[0]);
-    at::Tensor heads = linear(x, weights, biases, sizes, 1).view({1, 1, -1, head_dim}).transpose(1, 2);  // [1, q + 2 kv, 1, d]
-    at::Tensor qk = heads.narrow(1, 0, q_heads + kv_heads);
-    qk = (qk * cos) + (qk.roll(half, -1) * signed_sin);
-    k_buf.narrow(2, past, 1).copy_(qk.narrow(1, q_heads, kv_heads));
-    v_buf.narrow(2, past, 1).copy_(heads.narrow(1, q_heads + kv_heads, kv_heads));
-    at::Tensor attn = at::scaled_dot_product_attention(qk.narrow(1, 0, q_heads), k_buf.narrow(2, 0, past + 1),
-                                                       v_buf.narrow(2, 0, past + 1), std::nullopt, 0.0, false, scalars[2],
-                                                       q_heads != kv_heads);  // [1, q, 1, d]
-    attn = attn.reshape({1, -1, 1, head_dim}).transpose(1, 2).contiguous().reshape({1, 1, -1}).contiguous();
-    at::Tensor h = hidden + linear(attn, weights, biases, sizes, 2);
+    const int64_t width = (q_heads + 2 * kv_heads) * head_dim;
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                signed_sin.is_contiguous() && cos.numel() == head_dim && signed_sin.numel() == head_dim, op,
+                ": the rotary tables must be contiguous float32 [1, 1, 1, ", head_dim, "]");
+    TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
+                v_buf.is_contiguous(), op, ": the cache buffers must be contiguous float32");
+    TORCH_CHECK(half >= 0 && half < head_dim && sizes[3] == width, op, ": the fused q|k|v must give ", width, " outputs");
+    // attention block: norm, q / k / v in one call, rotary on q and k and the cache's writes, SDPA
+    at::Tensor heads = linear(rms_norm(hidden, weights[0], scalars[0]), weights, biases, sizes, 1);  // [1, 1, q + 2 kv heads x d]
+    at::Tensor q = at::empty({1, q_heads, 1, head_dim}, hidden.options());
+    const int64_t capacity = k_buf.size(2);
+    rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), q_heads, kv_heads,
+                     head_dim, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), capacity, past);
+    at::Tensor attn = at::scaled_dot_product_attention(q, k_buf.narrow(2, 0, past + 1), v_buf.narrow(2, 0, past + 1),
+                                                       std::nullopt, 0.0, false, scalars[2], q_heads != kv_heads);  // [1, q, 1, d]
+    at::Tensor h = linear(attn.transpose(1, 2).contiguous().view({1, 1, -1}), weights, biases, sizes, 2);
+    add_into(h, hidden);
     // MLP block: norm, gate / up in one call, SiLU(gate) * up, down
     at::Tensor gate_up = linear(rms_norm(h, weights[3], scalars[1]), weights, biases, sizes, 4);
-    at::Tensor act = at::silu(gate_up.narrow(-1, 0, sizes[16])) * gate_up.narrow(-1, sizes[17], sizes[18]);
-    return h + linear(act, weights, biases, sizes, 5);
+    at::Tensor act = at::silu(gate_up.narrow(-1, 0, sizes[16])).mul_(gate_up.narrow(-1, sizes[17], sizes[18]));
+    at::Tensor out = linear(act, weights, biases, sizes, 5);
+    add_into(out, h);
+    return out;
+}
+
+std::vector<std::optional<at::Tensor>> optionals(const c10::List<std::optional<at::Tensor>>& list) {
+    std::vector<std::optional<at::Tensor>> out;
+    out.reserve(list.size());
+    for (size_t i = 0; i < list.size(); ++i) out.push_back(list.get(i));
+    return out;
+}
+
+// One layer (layer_row's arguments).
+at::Tensor llama_row(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos,
+                     const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past) {
+    TORCH_CHECK((int64_t)weights.size() == ROW_WEIGHTS && (int64_t)biases.size() == ROW_WEIGHTS &&
+                (int64_t)sizes.size() == ROW_SIZES && (int64_t)scalars.size() == ROW_SCALARS,
+                "llama_row: takes 6 weights, 6 biases, 19 sizes and 3 scalars");
+    const auto b = optionals(biases);
+    return layer_row(hidden, weights, b.data(), sizes, scalars, cos, signed_sin, k_buf, v_buf, past);
+}
+
+// L layers one after the other (each layer's arguments of layer_row, concatenated in layer
+// order; one cache buffer pair per layer, all with ``past`` slots filled) # -> the outputs of
+// the layers listed in ``keep`` (indices, ascending), each [1, 1, H].
+std::vector<at::Tensor> llama_rows(const at::Tensor& hidden, at::TensorList weights,
+                                   const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sizes,
+                                   at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& signed_sin,
+                                   at::TensorList k_bufs, at::TensorList v_bufs, int64_t past, at::IntArrayRef keep) {
+    const int64_t L = (int64_t)k_bufs.size();
+    TORCH_CHECK(L > 0 && (int64_t)v_bufs.size() == L && (int64_t)weights.size() == ROW_WEIGHTS * L &&
+                (int64_t)biases.size() == ROW_WEIGHTS * L && (int64_t)sizes.size() == ROW_SIZES * L &&
+                (int64_t)scalars.size() == ROW_SCALARS * L, "llama_rows: takes per layer 6 weights, 6 biases, 19 sizes, ",
+                "3 scalars and a cache buffer pair");
+    const auto b = optionals(biases);
+    std::vector<at::Tensor> out;
+    at::Tensor h = hidden;
+    size_t next = 0;
+    for (int64_t i = 0; i < L; ++i) {
+        h = layer_row(h, weights.slice(ROW_WEIGHTS * i, ROW_WEIGHTS), b.data() + ROW_WEIGHTS * i,
+                      sizes.slice(ROW_SIZES * i, ROW_SIZES), scalars.slice(ROW_SCALARS * i, ROW_SCALARS), cos,
+                      signed_sin, k_bufs[i], v_bufs[i], past);
+        if (next < keep.size() && keep[next] == i) {
+            out.push_back(h);
+            ++next;
+        }
+    }
+    TORCH_CHECK(next == keep.size(), "llama_rows: keep must list layer indices below ", L, " in ascending order");
+    return out;
 }
 
 }  // namespace

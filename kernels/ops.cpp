@@ -151,6 +151,8 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("q8_argmax(Tensor x, Tensor w, Tensor l1, int n) -> (Tensor, int)");
     m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
           "Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past) -> Tensor");
+    m.def("llama_rows(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
+          "Tensor signed_sin, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int past, int[] keep) -> Tensor[]");
 }
 
 MT_IMPL(MT_NAMESPACE, m) {
@@ -159,4 +161,5 @@ MT_IMPL(MT_NAMESPACE, m) {
     m.impl("rows_argmax", &rows_argmax_op);
     m.impl("q8_argmax", &q8_argmax_op);
     m.impl("llama_row", &llama_row);
+    m.impl("llama_rows", &llama_rows);
 }

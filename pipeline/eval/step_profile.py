@@ -17,10 +17,10 @@ interpreter, module calls, argument parsing, the profiler's own cost per op (whi
 unprofiled step's wall time is measured beside it, ``measured_us``). Times are microseconds per
 step (a forward pass after the prompt's).
 
-A layer's one-row op (``llama_row``, kernels/layer_step.cpp) is one top-level op that calls the
-layer's linears' kernels and torch's ops from C++: its kernels go to their format and linear (in
-its call order, named by its ``mt.row`` label), its other ops to one part, and its own time
-between them to another.
+A layer's one-row op (``llama_row``, kernels/layer_step.cpp; ``llama_rows`` for every layer of
+a step) is one top-level op that calls the layers' linears' kernels and torch's ops from C++: its
+kernels go to their format and linear (in its call order, named by its ``mt.row`` label), its
+other ops to one part, and its own time between them to another.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ PARTS = {"mt.attention": "attention (scores, softmax, KV cache)", "mt.rotary": "
 RESIDUE = "Python and dispatch between ops"
 # the one-row layer op (kernels/layer_step.cpp): its calls run under ``mt.row:<fmt>:<linear>,...``
 # (its four linears in call order) and the ops it calls are split into these parts
-ROW, ROW_OP = "mt.row", "::llama_row"
+ROW, ROW_OPS_NAMES = "mt.row", ("::llama_row", "::llama_rows")  # one layer, every layer
 ROW_OPS, ROW_SELF = "one-row layer op: its torch ops (norms, rotary, attention, adds)", "one-row layer op: C++ between its ops"
 ROW_LINEARS = ("q_proj+k_proj+v_proj", "o_proj", "gate_proj+up_proj", "down_proj")
 
@@ -123,10 +123,13 @@ def _lean_labels(model: nn.Module) -> list[tuple[object, str, object]]:
     if lean is None:
         return []
     wrapped = [_patch(lean, "run", "mt.layer")]
+    rows = [plan.row for plan in lean.plans.values() if plan.row is not None]
+    for row in rows:
+        wrapped.append(_patch(row, "run", _row_label([row])))
+    if lean.stack is not None and lean.stack.op is not None:  # every layer's rows, in layer order
+        ordered = {id(plan.layer): plan.row for plan in lean.plans.values()}
+        wrapped.append(_patch(lean, "run_rows", _row_label([ordered.get(id(layer)) for layer in lean.stack.layers])))
     for plan in lean.plans.values():
-        if plan.row is not None:
-            label = ",".join(f"{f}:{n}" for f, n in zip(plan.row.formats(), ROW_LINEARS))
-            wrapped.append(_patch(plan.row, "run", f"{ROW}:{label}"))
         wrapped += [_patch(plan, attr, label) for attr, label in (("norm", "mt.norm"), ("rotary", "mt.rotary"),
                                                                    ("rotary_one", "mt.rotary"), ("attention", "mt.attention"))]
         for fused in (plan.qkv, plan.gate_up):  # outside the module tree: labelled by their parts
@@ -153,6 +156,11 @@ def _linear(label: str) -> tuple[str, str] | None:
         return None
     fmt, _, name = rest.partition(":")
     return fmt, name + (" (argmax)" if kind == "mt.argmax" else "")
+
+
+def _row_label(rows) -> str:
+    """``mt.row:<format>:<linear>,...``: the linears the one-row op of ``rows`` (one or every layer's) calls, in order."""
+    return f"{ROW}:" + ",".join(f"{f}:{n}" for row in rows if row is not None for f, n in zip(row.formats(), ROW_LINEARS))
 
 
 def _row_linear(event, row) -> tuple[str, str]:
@@ -194,7 +202,7 @@ def attribute(events) -> dict:
             continue
         counts["ops"] += 1
         labels = _labels(e)
-        row = e.cpu_parent if e.cpu_parent is not None and e.cpu_parent.name.endswith(ROW_OP) else None
+        row = e.cpu_parent if e.cpu_parent is not None and e.cpu_parent.name.endswith(ROW_OPS_NAMES) else None
         if not labels and row is None and e.cpu_parent is not None:
             continue  # nested in another op: its caller's time holds it
         if row is None:
@@ -211,7 +219,7 @@ def attribute(events) -> dict:
             else:
                 parts[ROW_OPS] += span
             continue
-        if e.name.endswith(ROW_OP):  # the op itself: only its time between the ops it called
+        if e.name.endswith(ROW_OPS_NAMES):  # the op itself: only its time between the ops it called
             parts[ROW_SELF] += span - sum(c.time_range.end - c.time_range.start for c in e.cpu_children)
             continue
         linear = next((found for label in labels if (found := _linear(label)) is not None), None)

@@ -31,10 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from multitoken.kernels import gemv_rows
-from multitoken.kernels.cpu_linear import PackedLinear
-from multitoken.kernels.formats import Format
 from multitoken.kernels.fused_linear import FusedLinear, fusable
+from multitoken.pipeline.model.lean_rows import Row, Stack, fits, rotary_tables
 
 ATTENTION_KINDS = ("sdpa", "eager")  # attention kernels that read only (q, k, v, mask, scaling)
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -54,7 +52,7 @@ class Plan:
     attention: Callable  # transformers' attention kernel for ``kind``
     kind: str  # the model's attention implementation when planned
     linears: tuple[nn.Module, ...]  # q, k, v, gate, up as planned
-    row: "Row | None" = None  # a one-row step's op (layer_step.cpp), where it gives this layer's bits
+    row: Row | None = None  # a one-row step's op (lean_rows.py), where it gives this layer's bits
 
     def current(self, kinds: dict | None = None) -> bool:
         """Whether the layer's attention kind and linears are still the ones planned (a repack or
@@ -119,7 +117,7 @@ def llama_plan(layer: nn.Module) -> Plan:
                 _rms_norm if norms == {"LlamaRMSNorm"} else _module_norm,
                 modeling.apply_rotary_pos_emb, _rolled_rotary if _halves_swapped(rotate_half) else rotary_one,
                 attention, kind, linears)
-    plan.row = Row.of(plan)
+    plan.row = Row.of(plan) if plan.norm is _rms_norm and plan.rotary_one is _rolled_rotary else None
     return plan
 
 
@@ -134,96 +132,8 @@ def _rolled_rotary(x: torch.Tensor, ctx) -> torch.Tensor:
     """``(x * cos) + (rotate_half(x) * sin)`` in fewer ops, the same bits: ``rotate_half(x) * sin``
     is ``roll(x) * cat(-sin1, sin2)`` element for element ((-a) * b and a * (-b) are one rounding
     of one product, negated), and the unsqueezed cos and signed sin are made once per pass."""
-    cos, signed, half = _rotary_tables(ctx)
+    cos, signed, half = rotary_tables(ctx)
     return (x * cos) + (x.roll(half, -1) * signed)
-
-
-def _rotary_tables(ctx) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The pass's rotary as ``_rolled_rotary`` reads it: cos and signed sin [B, 1, T, d], half of d."""
-    tables = ctx.derived.get("rolled_rotary")
-    if tables is None:
-        cos, sin = ctx.position_embeddings  # [B, T, d]
-        half = sin.shape[-1] // 2
-        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        tables = ctx.derived["rolled_rotary"] = (cos.unsqueeze(1), signed.unsqueeze(1), half)
-    return tables
-
-
-def _compiled(linear: nn.Module) -> bool:
-    """Whether ``linear`` is packed in a compiled format and reads it (not on its fallback)."""
-    return isinstance(linear, PackedLinear) and linear.spec.code is not None and linear.dense is None
-
-
-def _silu(act: nn.Module) -> bool:
-    """Whether the activation computes ``F.silu`` (transformers' own class, not a hub kernel's)."""
-    return isinstance(act, nn.SiLU) or (type(act).__name__ == "SiLUActivation"
-                                        and type(act).forward.__qualname__ == "SiLUActivation.forward")
-
-
-@dataclass
-class Row:
-    """A Llama layer's one-row step as one op, ``llama_row`` (kernels/layer_step.cpp): the ops of
-    this file's one-row path in their order, the interpreter between them gone. Its fixed
-    arguments are made once per plan; ``current`` says whether the linears it reads are still the
-    layer's. Where it does not apply (``of`` gives None, or a step's cache, mask or input do not
-    fit: ``run`` gives None) the Python path runs."""
-
-    op: Callable
-    weights: list[torch.Tensor]  # input norm, q|k|v, o, post norm, gate|up, down
-    biases: list[torch.Tensor | None]
-    sizes: list[int]  # (format, n) per weight, then heads, kv heads, head dim, half, gate n, up start, up n
-    scalars: list[float]  # the norms' eps, the attention's scaling
-    ends: tuple[nn.Module, nn.Module]  # o_proj, down_proj as planned
-
-    @staticmethod
-    def of(plan: Plan) -> "Row | None":
-        layer, qkv, gate_up = plan.layer, plan.qkv, plan.gate_up
-        attn, mlp = layer.self_attn, layer.mlp
-        o, down = attn.o_proj, mlp.down_proj
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if (plan.kind != "sdpa" or plan.norm is not _rms_norm or plan.rotary_one is not _rolled_rotary
-                or qkv is None or gate_up is None or not qkv.exact_split or attn.head_dim > 256
-                or not (_compiled(o) and _compiled(down)) or not _silu(mlp.act_fn)
-                or any(n.weight.dtype != torch.float32 for n in norms)
-                or (lib := gemv_rows.library()) is None):
-            return None
-        heads, kv = qkv.outs[0] // attn.head_dim, qkv.outs[1] // attn.head_dim
-        sizes = [0, 0, int(qkv.spec.code), qkv.n, int(o.spec.code), o.out_features, 0, 0,
-                 int(gate_up.spec.code), gate_up.n, int(down.spec.code), down.out_features,
-                 heads, kv, attn.head_dim, attn.head_dim // 2, gate_up.outs[0], gate_up.sizes[0], gate_up.outs[1]]
-        return Row(lib.llama_row, [norms[0].weight, qkv.packed, o.packed, norms[1].weight, gate_up.packed, down.packed],
-                   [None, qkv.bias, o.stock.bias, None, gate_up.bias, down.stock.bias], sizes,
-                   [norms[0].variance_epsilon, norms[1].variance_epsilon, attn.scaling], (o, down))
-
-    def formats(self) -> list[str]:
-        """Its linears' formats in call order: q|k|v, o, gate|up, down."""
-        return [Format(self.sizes[2 * i]).name.lower() for i in (1, 2, 4, 5)]
-
-    def current(self, layer: nn.Module) -> bool:
-        o, down = self.ends
-        return (layer.self_attn._modules["o_proj"] is o and layer.mlp._modules["down_proj"] is down
-                and o.dense is None and down.dense is None)
-
-    def run(self, plan: Plan, hidden: torch.Tensor, ctx, cache) -> torch.Tensor | None:
-        """The step of one row ``hidden`` [1, 1, H] # -> [1, 1, H], its key and value written to
-        the cache's buffers in place; None where the cache has no such buffer with room, a mask is
-        given or the input is not a contiguous float32 row."""
-        if (cache is None or ctx.mask is not None or hidden.dtype != torch.float32 or not hidden.is_contiguous()
-                or getattr(cache, "offloading", False) or not self.current(plan.layer)):
-            return None
-        index = plan.layer.self_attn.layer_idx
-        layers = cache.layers
-        slot_of = getattr(layers[index], "row_slot", None) if index < len(layers) else None
-        slot = slot_of() if slot_of is not None else None
-        if slot is None:
-            return None
-        k, v, n = slot
-        cos, signed, half = _rotary_tables(ctx)
-        if half != self.sizes[15]:
-            return None
-        out = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, signed, k, v, n)
-        layers[index].filled(n + 1)
-        return out
 
 
 def _qkv(plan: Plan, x: torch.Tensor, ctx, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -302,6 +212,7 @@ class LeanLayers:
         self.lean = LEAN.get(model_type)
         self.config = config
         self.plans: dict[int, Plan] = {}
+        self.stack: Stack | None = None  # the last layers run as one op (``run_rows``)
 
     def plan(self, layer: nn.Module, ctx=None) -> Plan | None:
         """``ctx``: the pass's ``LayerContext``, where the attention kinds read are kept for the
@@ -314,6 +225,20 @@ class LeanLayers:
         if plan is None or plan.layer is not layer or not plan.current(kinds):
             plan = self.plans[id(layer)] = self.lean.plan(layer)
         return plan
+
+    def run_rows(self, layers, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
+        """``layers`` (two or more) on one row ``hidden`` [1, 1, H] in one op (lean_rows.Stack)
+        where each layer's one-row op applies # -> each layer's output (``every``) or the last
+        two's; None: run them one by one."""
+        if self.lean is None or torch.is_grad_enabled() or len(layers) < 2 or not fits(hidden, ctx, cache):
+            return None
+        kind = self.config._attn_implementation
+        stack = self.stack
+        if stack is None or not stack.current(layers, kind):
+            plans = [self.plan(layer, ctx) for layer in layers]
+            rows = [None if p is None or p.row is None or not p.row.current(p.layer) else p.row for p in plans]
+            stack = self.stack = Stack.of(layers, rows, kind)
+        return None if stack.op is None else stack.run(hidden, ctx, cache, every)
 
     def runs_on(self, device: torch.device) -> bool:
         """Whether a decoding run on ``device`` takes the lean forward (inference on the CPU, an

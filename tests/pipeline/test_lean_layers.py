@@ -12,7 +12,7 @@ from torch import nn
 
 from multitoken.kernels import gemv_rows
 from multitoken.kernels.cpu_linear import PackedLinear
-from multitoken.pipeline.model import lean_layers
+from multitoken.pipeline.model import lean_layers, lean_rows
 from multitoken.pipeline.model.lean_layers import LEAN
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
@@ -68,14 +68,17 @@ def _model(base: str, linears: str = "rows", eager: bool = False) -> MultiTokenM
 def _same_as_the_layers(model: MultiTokenModel, monkeypatch, rows: bool = False) -> None:
     """The lean forward's run (with its one-row op where ``rows``, and without it) is the layers' own, bit for bit."""
     bb = model.backbone
-    ran = []
-    run = lean_layers.Row.run
-    monkeypatch.setattr(lean_layers.Row, "run", lambda *a: ran.append(out := run(*a)) or out)
+    ran = {"row": [], "stack": []}
+    for name, cls in (("row", lean_rows.Row), ("stack", lean_rows.Stack)):
+        run = cls.run
+        monkeypatch.setattr(cls, "run", lambda *a, run=run, seen=ran[name]: seen.append(out := run(*a)) or out)
     lean = _run(model)
     assert bb.lean.plans, "the lean forward never ran"
-    assert (sum(out is not None for out in ran) >= 4) == rows, "the one-row op ran (or not) against the plan"
-    monkeypatch.setattr(lean_layers.Row, "of", staticmethod(lambda plan: None))
+    done = {name: sum(out is not None for out in outs) for name, outs in ran.items()}
+    assert (done["stack"] >= 4) == rows, f"the layers' one-row op ran (or not) against the plan: {done}"
+    monkeypatch.setattr(lean_rows.Row, "of", staticmethod(lambda plan: None))
     bb.lean.plans.clear()
+    bb.lean.stack = None
     python = _run(model)  # the lean forward's Python one-row path
     bb.lean.lean = None  # the layers' own forward, on the same (fused) linears
     own = _run(model)

@@ -103,7 +103,7 @@ def test_a_real_run_is_attributed_whole_and_leaves_the_model_as_it_was(model, mo
         assert "forward" not in m.__dict__ and "argmax" not in m.__dict__
     assert "step" not in model.__dict__
     lean = model.backbone.lean  # the lean layer forward's functions and fused linears are their own again
-    assert lean.plans and "run" not in lean.__dict__
+    assert lean.plans and "run" not in lean.__dict__ and "run_rows" not in lean.__dict__
     assert all("run" not in plan.row.__dict__ for plan in lean.plans.values() if plan.row is not None)
     for plan in lean.plans.values():
         assert plan.attention.__name__ == "sdpa_attention_forward" and plan.norm.__name__ == "_rms_norm"

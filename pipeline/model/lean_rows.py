@@ -1,0 +1,186 @@
+"""A one-row decoding step's Llama layers as one C++ op each, or all of them as one op.
+
+A one-token step of a small model is mostly the interpreter between ~40 small ops per layer
+(docs/benchmarks/profile.md). ``Row`` runs a layer's step as ``llama_row`` and ``Stack`` every
+layer's as ``llama_rows`` (kernels/layer_step.cpp): the ops of lean_layers.py's one-row path, in
+its order, on the same tensors, with the element-wise ones as loops that round as torch's ops do,
+so every output and cache entry is the layer's own, bit for bit (tests/pipeline/test_lean_layers.py).
+
+They apply where that holds and nothing is lost: one row (batch 1, one token) without a mask,
+float32, SDPA attention, RMSNorm, SiLU, the rolled rotary, q|k|v and gate|up fused and o / down
+packed, all in compiled formats and on no fallback, and a KV cache whose layers are in-place
+buffers with room for the row (pipeline/runtime/kv_cache.py). Anywhere else they answer None and
+the Python path runs. A ``Stack`` is checked once per step (the layers, their seven linears by
+identity, none on its fallback, the attention kind): the per-layer checks are what it saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import is_
+from typing import Callable
+
+import torch
+from torch import nn
+
+from multitoken.kernels import gemv_rows
+from multitoken.kernels.cpu_linear import PackedLinear
+from multitoken.kernels.formats import Format
+
+LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
+def rotary_tables(ctx) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The pass's rotary as the rolled rotary reads it (lean_layers._rolled_rotary): cos and signed
+    sin [B, 1, T, d], half of d; made once per pass."""
+    tables = ctx.derived.get("rolled_rotary")
+    if tables is None:
+        cos, sin = ctx.position_embeddings  # [B, T, d]
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        tables = ctx.derived["rolled_rotary"] = (cos.unsqueeze(1), signed.unsqueeze(1), half)
+    return tables
+
+
+def _compiled(linear: nn.Module) -> bool:
+    """Whether ``linear`` is packed in a compiled format and reads it (not on its fallback)."""
+    return isinstance(linear, PackedLinear) and linear.spec.code is not None and linear.dense is None
+
+
+def _silu(act: nn.Module) -> bool:
+    """Whether the activation computes ``F.silu`` (transformers' own class, not a hub kernel's)."""
+    return isinstance(act, nn.SiLU) or (type(act).__name__ == "SiLUActivation"
+                                        and type(act).forward.__qualname__ == "SiLUActivation.forward")
+
+
+def seven(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A Llama layer's linears: q, k, v, o, gate, up, down (read without module attribute lookups)."""
+    return tuple(layer._modules[block]._modules[name] for block, names in LINEARS for name in names)
+
+
+def fits(hidden: torch.Tensor, ctx, cache) -> bool:
+    """Whether a step's input, context and cache suit the one-row ops (see the module doc)."""
+    return (cache is not None and ctx.mask is None and hidden.shape[0] * hidden.shape[1] == 1
+            and hidden.dtype == torch.float32 and hidden.is_contiguous() and not getattr(cache, "offloading", False))
+
+
+@dataclass
+class Row:
+    """A layer's one-row step as ``llama_row``; its fixed arguments are made once per plan."""
+
+    op: Callable
+    weights: list[torch.Tensor]  # input norm, q|k|v, o, post norm, gate|up, down
+    biases: list[torch.Tensor | None]
+    sizes: list[int]  # (format, n) per weight, then heads, kv heads, head dim, half, gate n, up start, up n
+    scalars: list[float]  # the norms' eps, the attention's scaling
+    ends: tuple[nn.Module, nn.Module]  # o_proj, down_proj as planned
+
+    @staticmethod
+    def of(plan) -> "Row | None":
+        """The row of a lean plan (lean_layers.Plan) whose norm and rotary are the lean ones, or None."""
+        layer, qkv, gate_up = plan.layer, plan.qkv, plan.gate_up
+        attn, mlp = layer.self_attn, layer.mlp
+        o, down = attn.o_proj, mlp.down_proj
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (plan.kind != "sdpa" or qkv is None or gate_up is None or not qkv.exact_split or attn.head_dim > 256
+                or not (_compiled(o) and _compiled(down)) or not _silu(mlp.act_fn)
+                or any(n.weight.dtype != torch.float32 for n in norms) or (lib := gemv_rows.library()) is None):
+            return None
+        heads, kv = qkv.outs[0] // attn.head_dim, qkv.outs[1] // attn.head_dim
+        sizes = [0, 0, int(qkv.spec.code), qkv.n, int(o.spec.code), o.out_features, 0, 0,
+                 int(gate_up.spec.code), gate_up.n, int(down.spec.code), down.out_features,
+                 heads, kv, attn.head_dim, attn.head_dim // 2, gate_up.outs[0], gate_up.sizes[0], gate_up.outs[1]]
+        return Row(lib.llama_row, [norms[0].weight, qkv.packed, o.packed, norms[1].weight, gate_up.packed, down.packed],
+                   [None, qkv.bias, o.stock.bias, None, gate_up.bias, down.stock.bias], sizes,
+                   [norms[0].variance_epsilon, norms[1].variance_epsilon, attn.scaling], (o, down))
+
+    def formats(self) -> list[str]:
+        """Its linears' formats in call order: q|k|v, o, gate|up, down."""
+        return [Format(self.sizes[2 * i]).name.lower() for i in (1, 2, 4, 5)]
+
+    def current(self, layer: nn.Module) -> bool:
+        o, down = self.ends
+        return (layer.self_attn._modules["o_proj"] is o and layer.mlp._modules["down_proj"] is down
+                and o.dense is None and down.dense is None)
+
+    def run(self, plan, hidden: torch.Tensor, ctx, cache) -> torch.Tensor | None:
+        """The step of one row ``hidden`` [1, 1, H] # -> [1, 1, H], its key and value written to
+        the cache's buffers in place; None where it does not apply now."""
+        if not fits(hidden, ctx, cache) or not self.current(plan.layer):
+            return None
+        index = plan.layer.self_attn.layer_idx
+        layers = cache.layers
+        slot_of = getattr(layers[index], "row_slot", None) if index < len(layers) else None
+        slot = slot_of() if slot_of is not None else None
+        cos, signed, half = rotary_tables(ctx)
+        if slot is None or half != self.sizes[15]:
+            return None
+        k, v, n = slot
+        out = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, signed, k, v, n)
+        layers[index].filled(n + 1)
+        return out
+
+
+@dataclass
+class Stack:
+    """Every layer's one-row step as ``llama_rows``: the layers' rows' arguments concatenated, and
+    what they were made from (checked once per step). ``op`` None: some layer has no row (kept so
+    that the answer is not worked out again every step)."""
+
+    layers: tuple[nn.Module, ...]
+    linears: tuple[nn.Module, ...]  # each layer's seven, in layer order
+    kind: str
+    op: Callable | None = None
+    weights: list = None
+    biases: list = None
+    sizes: list = None
+    scalars: list = None
+    half: int = 0
+
+    @staticmethod
+    def of(layers, rows: list[Row | None], kind: str) -> "Stack":
+        """The stack of ``layers`` whose rows are ``rows`` (None where a layer has none)."""
+        layers = tuple(layers)
+        stack = Stack(layers, tuple(m for layer in layers for m in seven(layer)), kind)
+        if any(row is None for row in rows) or len({row.sizes[15] for row in rows}) != 1:
+            return stack
+        lib = gemv_rows.library()
+        stack.op, stack.half = lib.llama_rows, rows[0].sizes[15]
+        stack.weights = [w for row in rows for w in row.weights]
+        stack.biases = [b for row in rows for b in row.biases]
+        stack.sizes = [n for row in rows for n in row.sizes]
+        stack.scalars = [x for row in rows for x in row.scalars]
+        return stack
+
+    def current(self, layers, kind: str) -> bool:
+        """Whether ``layers`` are the ones it was made from, with the same linears, none of them on
+        its fallback, under the same attention kind, none training."""
+        return (kind == self.kind and len(layers) == len(self.layers) and all(map(is_, layers, self.layers))
+                and all(map(is_, (m for layer in layers for m in seven(layer)), self.linears))
+                and not any(getattr(m, "dense", None) is not None for m in self.linears)
+                and not any(layer.training for layer in layers))
+
+    def run(self, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
+        """Every layer's step of one row # [1, 1, H] -> each layer's output (``every``) or the last
+        two layers' [1, 1, H]; None where the cache or the rotary do not suit it."""
+        n = len(self.layers)
+        layers = cache.layers
+        if len(layers) < n:
+            return None
+        slots = [getattr(layer, "row_slot", _none)() for layer in layers[:n]]
+        if any(slot is None for slot in slots) or len({slot[2] for slot in slots}) != 1:
+            return None
+        cos, signed, half = rotary_tables(ctx)
+        if half != self.half:
+            return None
+        past = slots[0][2]
+        keep = list(range(n)) if every else [n - 2, n - 1]
+        outs = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, signed,
+                       [s[0] for s in slots], [s[1] for s in slots], past, keep)
+        for layer in layers[:n]:
+            layer.filled(past + 1)
+        return outs
+
+
+def _none():
+    return None
