@@ -11,6 +11,7 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/record_function.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/silu.h>
 
@@ -23,18 +24,21 @@ namespace {
 // a square root and a quotient, each rounded once (IEEE); the build passes -ffp-contract=off, so
 // no product and sum are fused into one rounding where torch's separate ops round twice.
 
-// LlamaRMSNorm on float32 x [H] (its casts are no-ops there): w * (x * rsqrt(mean(x^2) + eps)).
-// The mean stays torch's (its sum order is its kernel's); the rest, one element at a time.
+// LlamaRMSNorm on float32 rows x [1, T, H] (its casts are no-ops there): w * (x * rsqrt(mean(x^2)
+// + eps)). The mean stays torch's (its sum order is its kernel's); the rest, one element at a time.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == x.size(-1), "llama_row: a norm's weight must be float32 [H]");
-    const at::Tensor mean = x.pow(2).mean({-1}, true);  // [1, 1, 1]
-    const float variance = *mean.data_ptr<float>();
-    const float r = 1.0f / std::sqrt(variance + static_cast<float>(eps));  // torch: add (eps as float), rsqrt
+    const int64_t H = x.size(-1), T = x.numel() / H;
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H, "llama_row: a norm's weight must be float32 [H]");
+    const at::Tensor mean = x.pow(2).mean({-1}, true);  // [1, T, 1]
+    const float* variance = mean.data_ptr<float>();
     at::Tensor out = at::empty_like(x);
     const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    for (int64_t i = 0, n = x.numel(); i < n; ++i) op[i] = wp[i] * (xp[i] * r);
+    for (int64_t t = 0; t < T; ++t) {
+        const float r = 1.0f / std::sqrt(variance[t] + static_cast<float>(eps));  // torch: add (eps as float), rsqrt
+        for (int64_t i = 0; i < H; ++i) op[t * H + i] = wp[i] * (xp[t * H + i] * r);
+    }
     return out;
 }
 
@@ -66,6 +70,17 @@ void rotate_and_cache(const float* heads, const float* cos, const float* sin, in
         std::memcpy(v_buf + (h * capacity + past) * d, heads + (q_heads + kv_heads + h) * d, d * sizeof(float));
 }
 
+// transformers' Llama rotary on several rows, its ops in its order: x * cos + rotate_half(x) * sin.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t half) {
+    const at::Tensor rotated = at::cat({x.narrow(-1, half, x.size(-1) - half).neg(), x.narrow(-1, 0, half)}, -1);
+    return (x * cos) + (rotated * sin);
+}
+
+// transformers' repeat_kv: [1, kv, S, d] -> [1, kv * n, S, d], each kv head n times.
+at::Tensor repeat_kv(const at::Tensor& x, int64_t n) {
+    return x.unsqueeze(2).expand({x.size(0), x.size(1), n, x.size(2), x.size(3)}).reshape({x.size(0), x.size(1) * n, x.size(2), x.size(3)});
+}
+
 #define MT_NAME(ns) #ns
 #define MT_OP_NAME(ns, op) MT_NAME(ns) "::" op
 
@@ -79,46 +94,87 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::option
 
 constexpr int64_t ROW_WEIGHTS = 6, ROW_SIZES = 19, ROW_SCALARS = 3;  // per layer (see layer_row)
 
-// One decoder layer on one row hidden [1, 1, H] # -> [1, 1, H] (checks its own arguments).
+// Its attention block on T > 1 rows after the norm, x [1, T, H] # -> the attention's output
+// [1, T, heads x d] before o_proj: lean_layers.py's multi-row path, its torch ops in its order on the
+// same views (SDPA reads their strides): q / k / v split from one call, transformers' rotary, the
+// rows written to slots past.. of the cache buffers, SDPA under ``mask`` with grouped kv heads read
+// in place (``gqa``: transformers' choice) or repeated.
+at::Tensor attention_rows(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>* biases,
+                          at::IntArrayRef sizes, double scaling, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past, const at::Tensor& mask, bool gqa) {
+    const int64_t T = x.size(1), q_heads = sizes[12], kv_heads = sizes[13], d = sizes[14], half = sizes[15];
+    const auto parts = linear(x, weights, biases, sizes, 1).split_with_sizes({q_heads * d, kv_heads * d, kv_heads * d}, -1);
+    const at::Tensor q = rotary(parts[0].view({1, T, -1, d}).transpose(1, 2), cos, sin, half);  // [1, heads, T, d]
+    const at::Tensor k = rotary(parts[1].view({1, T, -1, d}).transpose(1, 2), cos, sin, half);
+    k_buf.narrow(2, past, T).copy_(k);
+    v_buf.narrow(2, past, T).copy_(parts[2].view({1, T, -1, d}).transpose(1, 2));
+    at::Tensor keys = k_buf.narrow(2, 0, past + T), values = v_buf.narrow(2, 0, past + T);
+    const bool grouped = q_heads != kv_heads;
+    if (grouped && !gqa) {
+        keys = repeat_kv(keys, q_heads / kv_heads);
+        values = repeat_kv(values, q_heads / kv_heads);
+    }
+    const at::Tensor attn = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scaling, grouped && gqa);
+    return attn.reshape({1, -1, T, d}).transpose(1, 2).contiguous().reshape({1, T, -1}).contiguous();
+}
+
+// One decoder layer on the rows hidden [1, T, H] # -> [1, T, H] (checks its own arguments).
 //   weights: [input norm, q|k|v fused, o, post-attention norm, gate|up fused, down] (norms: [H]);
 //   biases: one per weight (the norms' none);
 //   sizes: (format, n) of each of the six (the norms' unused), then q heads, kv heads, head dim,
 //          half the rotary width, the gate's width, where up starts, up's width;
 //   scalars: the two norms' eps, the attention's scaling;
-//   cos / signed_sin: the pass's rotary tables [1, 1, 1, d] (lean_layers._rolled_rotary);
+//   cos / sin / signed_sin: the pass's rotary tables [1, 1, T, d] (signed: lean_layers._rolled_rotary's);
 //   k_buf / v_buf: the layer's cache buffers [1, kv heads, capacity, d], ``past`` slots filled:
-//   the row's key and value go to slot ``past`` (the caller moves the cache's length).
+//   the rows' keys and values go to slots past.. (the caller moves the cache's length);
+//   mask: none for one row (it sees every slot), [1, 1, T, past + T] bool for T > 1 (True: attend);
+//   gqa: for T > 1, whether SDPA reads grouped kv heads in place (transformers' use_gqa_in_sdpa).
+// One row takes lean_layers.py's one-row path, q and k rotated by a loop as one tensor, k and v
+// written to their slot directly; several rows its multi-row path (attention_rows).
 at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std::optional<at::Tensor>* biases,
-                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos,
-                     const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past) {
+                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past,
+                     const std::optional<at::Tensor>& mask, bool gqa) {
     const char* op = "llama_row";
     check_rows(hidden, op);
-    TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.size(1) == 1, op, ": hidden must be [1, 1, H], got ",
-                hidden.sizes());
-    const int64_t q_heads = sizes[12], kv_heads = sizes[13], head_dim = sizes[14], half = sizes[15];
+    TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.size(1) >= 1 && hidden.size(1) <= MAX_ROWS, op,
+                ": hidden must be [1, T <= ", MAX_ROWS, ", H], got ", hidden.sizes());
+    const int64_t T = hidden.size(1), q_heads = sizes[12], kv_heads = sizes[13], head_dim = sizes[14], half = sizes[15];
     TORCH_CHECK(k_buf.dim() == 4 && v_buf.dim() == 4 && k_buf.size(0) == 1 && k_buf.size(1) == kv_heads &&
-                k_buf.size(3) == head_dim && v_buf.sizes() == k_buf.sizes() && past >= 0 && past < k_buf.size(2),
-                op, ": the cache buffers must be [1, ", kv_heads, ", > ", past, ", ", head_dim, "]");
+                k_buf.size(3) == head_dim && v_buf.sizes() == k_buf.sizes() && past >= 0 && past + T <= k_buf.size(2),
+                op, ": the cache buffers must be [1, ", kv_heads, ", >= ", past + T, ", ", head_dim, "]");
     const int64_t width = (q_heads + 2 * kv_heads) * head_dim;
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                signed_sin.is_contiguous() && cos.numel() == head_dim && signed_sin.numel() == head_dim, op,
-                ": the rotary tables must be contiguous float32 [1, 1, 1, ", head_dim, "]");
+    for (const at::Tensor* table : {&cos, &sin, &signed_sin})
+        TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 4 &&
+                    table->size(2) == T && table->size(3) == head_dim && table->numel() == T * head_dim, op,
+                    ": the rotary tables must be contiguous float32 [1, 1, ", T, ", ", head_dim, "]");
     TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
                 v_buf.is_contiguous(), op, ": the cache buffers must be contiguous float32");
-    TORCH_CHECK(half >= 0 && half < head_dim && sizes[3] == width, op, ": the fused q|k|v must give ", width, " outputs");
-    // attention block: norm, q / k / v in one call, rotary on q and k and the cache's writes, SDPA
-    at::Tensor heads = linear(rms_norm(hidden, weights[0], scalars[0]), weights, biases, sizes, 1);  // [1, 1, q + 2 kv heads x d]
-    at::Tensor q = at::empty({1, q_heads, 1, head_dim}, hidden.options());
-    const int64_t capacity = k_buf.size(2);
-    rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), q_heads, kv_heads,
-                     head_dim, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), capacity, past);
-    at::Tensor attn = at::scaled_dot_product_attention(q, k_buf.narrow(2, 0, past + 1), v_buf.narrow(2, 0, past + 1),
-                                                       std::nullopt, 0.0, false, scalars[2], q_heads != kv_heads);  // [1, q, 1, d]
-    at::Tensor h = linear(attn.transpose(1, 2).contiguous().view({1, 1, -1}), weights, biases, sizes, 2);
+    TORCH_CHECK(half >= 0 && half < head_dim && sizes[3] == width && q_heads % kv_heads == 0, op,
+                ": the fused q|k|v must give ", width, " outputs");
+    TORCH_CHECK(T == 1 ? !mask.has_value() : (mask.has_value() && mask->scalar_type() == at::kBool && mask->dim() == 4 &&
+                mask->size(2) == T && mask->size(3) == past + T), op,
+                ": one row takes no mask, T rows a bool mask [.., T, past + T]");
+    // attention block: norm, q / k / v in one call, rotary, the cache's writes, SDPA, o_proj
+    const at::Tensor x = rms_norm(hidden, weights[0], scalars[0]);
+    at::Tensor attn;
+    if (T == 1) {
+        const at::Tensor heads = linear(x, weights, biases, sizes, 1);  // [1, 1, q + 2 kv heads x d]
+        const at::Tensor q = at::empty({1, q_heads, 1, head_dim}, hidden.options());
+        rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), q_heads, kv_heads,
+                         head_dim, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(),
+                         k_buf.size(2), past);
+        attn = at::scaled_dot_product_attention(q, k_buf.narrow(2, 0, past + 1), v_buf.narrow(2, 0, past + 1),
+                                                std::nullopt, 0.0, false, scalars[2], q_heads != kv_heads)  // [1, q, 1, d]
+                   .transpose(1, 2).contiguous().view({1, 1, -1});
+    } else {
+        attn = attention_rows(x, weights, biases, sizes, scalars[2], cos, sin, k_buf, v_buf, past, *mask, gqa);
+    }
+    at::Tensor h = linear(attn, weights, biases, sizes, 2);
     add_into(h, hidden);
-    // MLP block: norm, gate / up in one call, SiLU(gate) * up, down
-    at::Tensor gate_up = linear(rms_norm(h, weights[3], scalars[1]), weights, biases, sizes, 4);
-    at::Tensor act = at::silu(gate_up.narrow(-1, 0, sizes[16])).mul_(gate_up.narrow(-1, sizes[17], sizes[18]));
+    // MLP block: norm, gate / up in one call, SiLU(gate) * up (the activation on contiguous rows), down
+    const at::Tensor gate_up = linear(rms_norm(h, weights[3], scalars[1]), weights, biases, sizes, 4);
+    const at::Tensor act = at::silu(gate_up.narrow(-1, 0, sizes[16]).contiguous()).mul_(gate_up.narrow(-1, sizes[17], sizes[18]));
     at::Tensor out = linear(act, weights, biases, sizes, 5);
     add_into(out, h);
     return out;
@@ -133,22 +189,24 @@ std::vector<std::optional<at::Tensor>> optionals(const c10::List<std::optional<a
 
 // One layer (layer_row's arguments).
 at::Tensor llama_row(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos,
-                     const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past) {
+                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past,
+                     const std::optional<at::Tensor>& mask, bool gqa) {
     TORCH_CHECK((int64_t)weights.size() == ROW_WEIGHTS && (int64_t)biases.size() == ROW_WEIGHTS &&
                 (int64_t)sizes.size() == ROW_SIZES && (int64_t)scalars.size() == ROW_SCALARS,
                 "llama_row: takes 6 weights, 6 biases, 19 sizes and 3 scalars");
     const auto b = optionals(biases);
-    return layer_row(hidden, weights, b.data(), sizes, scalars, cos, signed_sin, k_buf, v_buf, past);
+    return layer_row(hidden, weights, b.data(), sizes, scalars, cos, sin, signed_sin, k_buf, v_buf, past, mask, gqa);
 }
 
 // L layers one after the other (each layer's arguments of layer_row, concatenated in layer
 // order; one cache buffer pair per layer, all with ``past`` slots filled) # -> the outputs of
-// the layers listed in ``keep`` (indices, ascending), each [1, 1, H].
+// the layers listed in ``keep`` (indices, ascending), each [1, T, H].
 std::vector<at::Tensor> llama_rows(const at::Tensor& hidden, at::TensorList weights,
                                    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sizes,
-                                   at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& signed_sin,
-                                   at::TensorList k_bufs, at::TensorList v_bufs, int64_t past, at::IntArrayRef keep) {
+                                   at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& signed_sin, at::TensorList k_bufs, at::TensorList v_bufs, int64_t past,
+                                   const std::optional<at::Tensor>& mask, bool gqa, at::IntArrayRef keep) {
     const int64_t L = (int64_t)k_bufs.size();
     TORCH_CHECK(L > 0 && (int64_t)v_bufs.size() == L && (int64_t)weights.size() == ROW_WEIGHTS * L &&
                 (int64_t)biases.size() == ROW_WEIGHTS * L && (int64_t)sizes.size() == ROW_SIZES * L &&
@@ -160,8 +218,8 @@ std::vector<at::Tensor> llama_rows(const at::Tensor& hidden, at::TensorList weig
     size_t next = 0;
     for (int64_t i = 0; i < L; ++i) {
         h = layer_row(h, weights.slice(ROW_WEIGHTS * i, ROW_WEIGHTS), b.data() + ROW_WEIGHTS * i,
-                      sizes.slice(ROW_SIZES * i, ROW_SIZES), scalars.slice(ROW_SCALARS * i, ROW_SCALARS), cos,
-                      signed_sin, k_bufs[i], v_bufs[i], past);
+                      sizes.slice(ROW_SIZES * i, ROW_SIZES), scalars.slice(ROW_SCALARS * i, ROW_SCALARS), cos, sin,
+                      signed_sin, k_bufs[i], v_bufs[i], past, mask, gqa);
         if (next < keep.size() && keep[next] == i) {
             out.push_back(h);
             ++next;

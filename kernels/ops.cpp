@@ -150,9 +150,10 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("rows_argmax(Tensor x, Tensor q, Tensor scale, Tensor err, Tensor w, int n) -> (Tensor, int)");
     m.def("q8_argmax(Tensor x, Tensor w, Tensor l1, int n) -> (Tensor, int)");
     m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
-          "Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past) -> Tensor");
+          "Tensor sin, Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
     m.def("llama_rows(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
-          "Tensor signed_sin, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int past, int[] keep) -> Tensor[]");
+          "Tensor sin, Tensor signed_sin, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int past, Tensor? mask, bool gqa, "
+          "int[] keep) -> Tensor[]");
 }
 
 MT_IMPL(MT_NAMESPACE, m) {

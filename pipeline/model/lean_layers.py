@@ -132,7 +132,7 @@ def _rolled_rotary(x: torch.Tensor, ctx) -> torch.Tensor:
     """``(x * cos) + (rotate_half(x) * sin)`` in fewer ops, the same bits: ``rotate_half(x) * sin``
     is ``roll(x) * cat(-sin1, sin2)`` element for element ((-a) * b and a * (-b) are one rounding
     of one product, negated), and the unsqueezed cos and signed sin are made once per pass."""
-    cos, signed, half = rotary_tables(ctx)
+    cos, _, signed, half = rotary_tables(ctx)
     return (x * cos) + (x.roll(half, -1) * signed)
 
 
@@ -184,7 +184,7 @@ def _mlp(plan: Plan, x: torch.Tensor) -> torch.Tensor:
 def llama_forward(plan: Plan, hidden: torch.Tensor, ctx, cache) -> torch.Tensor:
     """``LlamaDecoderLayer.forward`` on ``hidden`` [B, T, H] under ``ctx`` (mask, rotary): each
     output's bits # -> [B, T, H]."""
-    if plan.row is not None and hidden.shape[0] * hidden.shape[1] == 1:
+    if plan.row is not None:
         if (out := plan.row.run(plan, hidden, ctx, cache)) is not None:
             return out
     layer = plan.layer

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
 from multitoken.kernels import gemv_rows
 from multitoken.kernels.cpu_linear import PackedLinear
@@ -30,15 +31,15 @@ from multitoken.kernels.formats import Format
 LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
-def rotary_tables(ctx) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The pass's rotary as the rolled rotary reads it (lean_layers._rolled_rotary): cos and signed
-    sin [B, 1, T, d], half of d; made once per pass."""
+def rotary_tables(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The pass's rotary tables [B, 1, T, d]: cos, sin, the signed sin the rolled rotary reads
+    (lean_layers._rolled_rotary), and half of d; made once per pass."""
     tables = ctx.derived.get("rolled_rotary")
     if tables is None:
         cos, sin = ctx.position_embeddings  # [B, T, d]
         half = sin.shape[-1] // 2
         signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        tables = ctx.derived["rolled_rotary"] = (cos.unsqueeze(1), signed.unsqueeze(1), half)
+        tables = ctx.derived["rolled_rotary"] = (cos.unsqueeze(1), sin.unsqueeze(1), signed.unsqueeze(1), half)
     return tables
 
 
@@ -53,15 +54,43 @@ def _silu(act: nn.Module) -> bool:
                                         and type(act).forward.__qualname__ == "SiLUActivation.forward")
 
 
+def _standard_rotary(rotary: Callable) -> bool:
+    """Whether ``rotary(q, k, cos, sin)`` computes transformers' Llama formula, x * cos +
+    rotate_half(x) * sin with cos and sin unsqueezed at 1 (checked bit for bit on a probe: a hub
+    kernel may stand in for it)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, cos, sin = (torch.randn(shape, generator=gen) for shape in ((1, 2, 3, 8), (1, 1, 3, 8), (1, 3, 8), (1, 3, 8)))
+    want = [(x * cos[:, None]) + (torch.cat((-x[..., 4:], x[..., :4]), -1) * sin[:, None]) for x in (q, k)]
+    with torch.no_grad():
+        got = rotary(q, k, cos, sin)
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def seven(layer: nn.Module) -> tuple[nn.Module, ...]:
     """A Llama layer's linears: q, k, v, o, gate, up, down (read without module attribute lookups)."""
     return tuple(layer._modules[block]._modules[name] for block, names in LINEARS for name in names)
 
 
 def fits(hidden: torch.Tensor, ctx, cache) -> bool:
-    """Whether a step's input, context and cache suit the one-row ops (see the module doc)."""
-    return (cache is not None and ctx.mask is None and hidden.shape[0] * hidden.shape[1] == 1
+    """Whether a step's input, context and cache suit the row ops (see the module doc): one row
+    without a mask, or up to ``gemv_rows.MAX_ROWS`` rows of one sequence under a boolean mask."""
+    rows, mask = hidden.shape[1], ctx.mask
+    return (cache is not None and hidden.shape[0] == 1 and 1 <= rows <= gemv_rows.MAX_ROWS
+            and (mask is None if rows == 1 else (mask is not None and mask.dtype == torch.bool and mask.dim() == 4
+                                                  and mask.shape[2] == rows))
             and hidden.dtype == torch.float32 and hidden.is_contiguous() and not getattr(cache, "offloading", False))
+
+
+def _tables(ctx, half: int, past: int, rows: int):
+    """(cos, sin, signed sin, whether grouped kv heads are read in place) for a step of ``rows``
+    after ``past`` slots, or None where the tables or the mask do not suit the ops."""
+    cos, sin, signed, have = rotary_tables(ctx)
+    if have != half or not (cos.is_contiguous() and sin.is_contiguous()) or cos.shape[0] != 1:
+        return None
+    mask = ctx.mask
+    if mask is not None and mask.shape[-1] != past + rows:
+        return None
+    return cos, sin, signed, mask is not None and use_gqa_in_sdpa(mask, None, None)
 
 
 @dataclass
@@ -83,7 +112,7 @@ class Row:
         o, down = attn.o_proj, mlp.down_proj
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (plan.kind != "sdpa" or qkv is None or gate_up is None or not qkv.exact_split or attn.head_dim > 256
-                or not (_compiled(o) and _compiled(down)) or not _silu(mlp.act_fn)
+                or not (_compiled(o) and _compiled(down)) or not _silu(mlp.act_fn) or not _standard_rotary(plan.rotary)
                 or any(n.weight.dtype != torch.float32 for n in norms) or (lib := gemv_rows.library()) is None):
             return None
         heads, kv = qkv.outs[0] // attn.head_dim, qkv.outs[1] // attn.head_dim
@@ -108,16 +137,17 @@ class Row:
         the cache's buffers in place; None where it does not apply now."""
         if not fits(hidden, ctx, cache) or not self.current(plan.layer):
             return None
-        index = plan.layer.self_attn.layer_idx
+        index, rows = plan.layer.self_attn.layer_idx, hidden.shape[1]
         layers = cache.layers
         slot_of = getattr(layers[index], "row_slot", None) if index < len(layers) else None
-        slot = slot_of() if slot_of is not None else None
-        cos, signed, half = rotary_tables(ctx)
-        if slot is None or half != self.sizes[15]:
+        slot = slot_of(rows) if slot_of is not None else None
+        tables = None if slot is None else _tables(ctx, self.sizes[15], slot[2], rows)
+        if tables is None:
             return None
         k, v, n = slot
-        out = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, signed, k, v, n)
-        layers[index].filled(n + 1)
+        cos, sin, signed, gqa = tables
+        out = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, sin, signed, k, v, n, ctx.mask, gqa)
+        layers[index].filled(n + rows)
         return out
 
 
@@ -163,24 +193,24 @@ class Stack:
     def run(self, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
         """Every layer's step of one row # [1, 1, H] -> each layer's output (``every``) or the last
         two layers' [1, 1, H]; None where the cache or the rotary do not suit it."""
-        n = len(self.layers)
+        n, rows = len(self.layers), hidden.shape[1]
         layers = cache.layers
         if len(layers) < n:
             return None
-        slots = [getattr(layer, "row_slot", _none)() for layer in layers[:n]]
+        slots = [getattr(layer, "row_slot", _none)(rows) for layer in layers[:n]]
         if any(slot is None for slot in slots) or len({slot[2] for slot in slots}) != 1:
             return None
-        cos, signed, half = rotary_tables(ctx)
-        if half != self.half:
-            return None
         past = slots[0][2]
+        if (tables := _tables(ctx, self.half, past, rows)) is None:
+            return None
+        cos, sin, signed, gqa = tables
         keep = list(range(n)) if every else [n - 2, n - 1]
-        outs = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, signed,
-                       [s[0] for s in slots], [s[1] for s in slots], past, keep)
+        outs = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, sin, signed,
+                       [s[0] for s in slots], [s[1] for s in slots], past, ctx.mask, gqa, keep)
         for layer in layers[:n]:
-            layer.filled(past + 1)
+            layer.filled(past + rows)
         return outs
 
 
-def _none():
+def _none(rows: int):
     return None

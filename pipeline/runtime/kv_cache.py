@@ -87,12 +87,12 @@ class GrowingLayer(DynamicLayer):
         self._nk = self._nv = end
         return k.narrow(2, 0, end), v.narrow(2, 0, end)
 
-    def row_slot(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """The buffers [1, heads, capacity, d] and their filled length n where a one-row step's key
-        and value fit in slot n (a layer step written elsewhere, then ``filled(n + 1)``), else None
-        (take ``update``: it grows the buffers)."""
+    def row_slot(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The buffers [1, heads, capacity, d] and their filled length n where a step's ``rows``
+        keys and values (batch 1) fit in slots n.. (a layer step written elsewhere, then
+        ``filled(n + rows)``), else None (take ``update``: it grows the buffers)."""
         k, n = self._k, self._nk
-        if k is None or k.shape[0] != 1 or n >= k.shape[2] or self._nv != n:
+        if k is None or k.shape[0] != 1 or n + rows > k.shape[2] or self._nv != n:
             return None
         return k, self._v, n
 

@@ -66,7 +66,8 @@ def _model(base: str, linears: str = "rows", eager: bool = False) -> MultiTokenM
 
 
 def _same_as_the_layers(model: MultiTokenModel, monkeypatch, rows: bool = False) -> None:
-    """The lean forward's run (with its one-row op where ``rows``, and without it) is the layers' own, bit for bit."""
+    """The lean forward's run is the layers' own, bit for bit: with its row ops where ``rows`` (every
+    layer as one op, each layer as one op; one row and several), and without them."""
     bb = model.backbone
     ran = {"row": [], "stack": []}
     for name, cls in (("row", lean_rows.Row), ("stack", lean_rows.Stack)):
@@ -76,6 +77,8 @@ def _same_as_the_layers(model: MultiTokenModel, monkeypatch, rows: bool = False)
     assert bb.lean.plans, "the lean forward never ran"
     done = {name: sum(out is not None for out in outs) for name, outs in ran.items()}
     assert (done["stack"] >= 4) == rows, f"the layers' one-row op ran (or not) against the plan: {done}"
+    several = [out[0].shape[1] for out in ran["stack"] if out is not None and out[0].shape[1] > 1]
+    assert bool(several) == rows, "a chain or a tree step of several rows took the op (or not) against the plan"
     monkeypatch.setattr(lean_rows.Row, "of", staticmethod(lambda plan: None))
     bb.lean.plans.clear()
     bb.lean.stack = None
