@@ -238,7 +238,7 @@ def load_heads(cls, base, heads_dir, *, quantization=None, dtype=None, device=No
     model = cls(backbone, heads, **kwargs)
     _restore_base_head(model, tensors)
     model.heads_dir = str(heads_dir)  # decoding reads what eval measured beside the heads (tree shapes)
-    return model
+    return model.eval()  # as transformers' from_pretrained: training (train.py) asks for train mode itself
 
 
 def _restore_base_head(model, tensors: dict[str, torch.Tensor]) -> None:

@@ -42,6 +42,8 @@ def test_round_trip_is_exact(backbone, ids, tmp_path, head_type):
     model.save_heads(tmp_path / "heads")
     loaded = MultiTokenModel.from_pretrained(backbone.name, tmp_path / "heads")
     assert loaded.config == model.config
+    # in eval mode, as transformers' from_pretrained: head layers then take the lean layer forward
+    assert not loaded.training and not any(m.training for m in loaded.modules())
     for a, b in zip(model.head_logits(ids, last_only=False), loaded.head_logits(ids, last_only=False)):
         assert torch.equal(a, b)
     # Onto an already loaded backbone too (no second load of the base).
