@@ -13,7 +13,8 @@ take one kernel call where they are packed linears of one compiled format
 float32, are left out; a one-row step rotates q and k as one tensor (element-wise ops: each
 element as apart), ``rotate_half(x) * sin`` as ``roll(x) * signed sin`` (``_rolled_rotary``); the
 module calls of the attention and MLP blocks are gone. On the CPU the caches it extends are
-written in place (pipeline/runtime/kv_cache.py).
+written in place (pipeline/runtime/kv_cache.py), and where a step is one sequence of packed
+layers the same ops run from C++, one op per layer or per step (lean_rows.py).
 
 It runs only where the layer's own forward would compute the same thing: without autograd (a
 training step keeps transformers' layers, their checkpointing included), with sdpa or eager
