@@ -223,7 +223,8 @@ class LeanLayers:
                 or _kind(self.config, kinds) not in ATTENTION_KINDS or layer.training):
             return None
         plan = self.plans.get(id(layer))
-        if plan is None or plan.layer is not layer or not plan.current(kinds):
+        if (plan is None or plan.layer is not layer or not plan.current(kinds)
+                or (plan.row is not None and not plan.row.current(layer))):
             plan = self.plans[id(layer)] = self.lean.plan(layer)
         return plan
 
@@ -237,7 +238,7 @@ class LeanLayers:
         stack = self.stack
         if stack is None or not stack.current(layers, kind):
             plans = [self.plan(layer, ctx) for layer in layers]
-            rows = [None if p is None or p.row is None or not p.row.current(p.layer) else p.row for p in plans]
+            rows = [None if p is None else p.row for p in plans]
             stack = self.stack = Stack.of(layers, rows, kind)
         return None if stack.op is None else stack.run(hidden, ctx, cache, every)
 

@@ -10,8 +10,8 @@ They apply where that holds and nothing is lost: one row (batch 1, one token) wi
 float32, SDPA attention, RMSNorm, SiLU, the rolled rotary, q|k|v and gate|up fused and o / down
 packed, all in compiled formats and on no fallback, and a KV cache whose layers are in-place
 buffers with room for the row (pipeline/runtime/kv_cache.py). Anywhere else they answer None and
-the Python path runs. A ``Stack`` is checked once per step (the layers, their seven linears by
-identity, none on its fallback, the attention kind): the per-layer checks are what it saves.
+the Python path runs. A ``Stack`` is checked once per step (the layers, the modules each reads by
+identity, no linear on its fallback, the attention kind): the per-layer checks are what it saves.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from multitoken.kernels import gemv_rows
 from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.kernels.formats import Format
 
-LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+READS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj", "act_fn")))
+NORMS = ("input_layernorm", "post_attention_layernorm")
+LINEARS = 7  # ``reads`` gives the linears first
 
 
 def rotary_tables(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -66,9 +68,11 @@ def _standard_rotary(rotary: Callable) -> bool:
     return all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def seven(layer: nn.Module) -> tuple[nn.Module, ...]:
-    """A Llama layer's linears: q, k, v, o, gate, up, down (read without module attribute lookups)."""
-    return tuple(layer._modules[block]._modules[name] for block, names in LINEARS for name in names)
+def reads(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules a Llama layer's row op reads: q, k, v, o, gate, up, down, the activation and
+    the two norms (without module attribute lookups)."""
+    return (*(layer._modules[block]._modules[name] for block, names in READS for name in names),
+            *(layer._modules[name] for name in NORMS))
 
 
 def fits(hidden: torch.Tensor, ctx, cache) -> bool:
@@ -102,7 +106,7 @@ class Row:
     biases: list[torch.Tensor | None]
     sizes: list[int]  # (format, n) per weight, then heads, kv heads, head dim, half, gate n, up start, up n
     scalars: list[float]  # the norms' eps, the attention's scaling
-    ends: tuple[nn.Module, nn.Module]  # o_proj, down_proj as planned
+    modules: tuple[nn.Module, ...]  # what it reads as planned (``reads``)
 
     @staticmethod
     def of(plan) -> "Row | None":
@@ -121,21 +125,22 @@ class Row:
                  heads, kv, attn.head_dim, attn.head_dim // 2, gate_up.outs[0], gate_up.sizes[0], gate_up.outs[1]]
         return Row(lib.llama_row, [norms[0].weight, qkv.packed, o.packed, norms[1].weight, gate_up.packed, down.packed],
                    [None, qkv.bias, o.stock.bias, None, gate_up.bias, down.stock.bias], sizes,
-                   [norms[0].variance_epsilon, norms[1].variance_epsilon, attn.scaling], (o, down))
+                   [norms[0].variance_epsilon, norms[1].variance_epsilon, attn.scaling], reads(layer))
 
     def formats(self) -> list[str]:
         """Its linears' formats in call order: q|k|v, o, gate|up, down."""
         return [Format(self.sizes[2 * i]).name.lower() for i in (1, 2, 4, 5)]
 
     def current(self, layer: nn.Module) -> bool:
-        o, down = self.ends
-        return (layer.self_attn._modules["o_proj"] is o and layer.mlp._modules["down_proj"] is down
-                and o.dense is None and down.dense is None)
+        """Whether ``layer`` still holds the modules it was made from, its o / down on their packs
+        (q / k / v and gate / up: the plan's own check)."""
+        return (all(map(is_, reads(layer), self.modules))
+                and self.modules[3].dense is None and self.modules[6].dense is None)
 
     def run(self, plan, hidden: torch.Tensor, ctx, cache) -> torch.Tensor | None:
         """The step of one row ``hidden`` [1, 1, H] # -> [1, 1, H], its key and value written to
         the cache's buffers in place; None where it does not apply now."""
-        if not fits(hidden, ctx, cache) or not self.current(plan.layer):
+        if not fits(hidden, ctx, cache):  # ``current``: checked where the plan is read (LeanLayers.plan)
             return None
         index, rows = plan.layer.self_attn.layer_idx, hidden.shape[1]
         layers = cache.layers
@@ -158,8 +163,9 @@ class Stack:
     that the answer is not worked out again every step)."""
 
     layers: tuple[nn.Module, ...]
-    linears: tuple[nn.Module, ...]  # each layer's seven, in layer order
+    modules: tuple[nn.Module, ...]  # what each layer reads (``reads``), in layer order
     kind: str
+    linears: tuple[nn.Module, ...] = ()  # each layer's seven linears
     op: Callable | None = None
     weights: list = None
     biases: list = None
@@ -171,9 +177,11 @@ class Stack:
     def of(layers, rows: list[Row | None], kind: str) -> "Stack":
         """The stack of ``layers`` whose rows are ``rows`` (None where a layer has none)."""
         layers = tuple(layers)
-        stack = Stack(layers, tuple(m for layer in layers for m in seven(layer)), kind)
+        read = [reads(layer) for layer in layers]
+        stack = Stack(layers, tuple(m for r in read for m in r), kind)
         if any(row is None for row in rows) or len({row.sizes[15] for row in rows}) != 1:
-            return stack
+            return stack  # kept while its modules are: a linear packed or put in place is a new module
+        stack.linears = tuple(m for r in read for m in r[:LINEARS])  # packed, each with its fallback's ``dense``
         lib = gemv_rows.library()
         stack.op, stack.half = lib.llama_rows, rows[0].sizes[15]
         stack.weights = [w for row in rows for w in row.weights]
@@ -183,11 +191,11 @@ class Stack:
         return stack
 
     def current(self, layers, kind: str) -> bool:
-        """Whether ``layers`` are the ones it was made from, with the same linears, none of them on
+        """Whether ``layers`` are the ones it was made from, reading the same modules, no linear on
         its fallback, under the same attention kind, none training."""
         return (kind == self.kind and len(layers) == len(self.layers) and all(map(is_, layers, self.layers))
-                and all(map(is_, (m for layer in layers for m in seven(layer)), self.linears))
-                and not any(getattr(m, "dense", None) is not None for m in self.linears)
+                and all(map(is_, (m for layer in layers for m in reads(layer)), self.modules))
+                and not any(m.dense is not None for m in self.linears)
                 and not any(layer.training for layer in layers))
 
     def run(self, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:

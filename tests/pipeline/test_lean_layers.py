@@ -6,6 +6,8 @@ Autograd and training keep the layers' own forward."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -134,6 +136,19 @@ def test_lean_steps_are_the_layers_bits_with_stock_linears(tiny_llama_dir, eager
     model = _model(str(tiny_llama_dir), linears="stock", eager=eager)
     _same_as_the_layers(model, monkeypatch)
     assert not model.backbone.lean.fused()  # nothing packed: each linear called alone
+
+
+def test_a_module_replaced_between_steps_is_the_one_read(tiny_llama_q_dir, monkeypatch):
+    """The row ops hold a layer's tensors: a norm, activation or linear put in its place after a
+    run is read by the next run, not the one planned."""
+    model = _model(str(tiny_llama_q_dir))
+    with torch.no_grad():
+        _run(model)
+    layer = model.backbone.layers[1]
+    norm = copy.deepcopy(layer.input_layernorm)
+    norm.weight.data.mul_(1.5)
+    layer.input_layernorm = norm
+    _same_as_the_layers(model, monkeypatch, rows=True)
 
 
 @torch.no_grad()
