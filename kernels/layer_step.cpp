@@ -29,10 +29,13 @@ namespace {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     const int64_t H = x.size(-1), T = x.numel() / H;
     TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H, "llama_row: a norm's weight must be float32 [H]");
-    const at::Tensor mean = x.pow(2).mean({-1}, true);  // [1, T, 1]
+    const float* xp = x.data_ptr<float>();
+    at::Tensor squares = at::empty_like(x);  // torch's pow(x, 2) is x * x
+    float* sp = squares.data_ptr<float>();
+    for (int64_t i = 0; i < T * H; ++i) sp[i] = xp[i] * xp[i];
+    const at::Tensor mean = squares.mean({-1}, true);  // [1, T, 1]
     const float* variance = mean.data_ptr<float>();
     at::Tensor out = at::empty_like(x);
-    const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
     float* op = out.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
