@@ -8,7 +8,6 @@
 // interpreter between them is gone. lean_layers.py decides where this applies (one row, float32,
 // SDPA attention, RMSNorm, SiLU, every linear packed in a compiled format, a KV cache buffer with
 // room for the row) and keeps the cache's length.
-#include <ATen/TensorOperators.h>
 #include <ATen/record_function.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/cat.h>
@@ -76,7 +75,7 @@ void rotate_and_cache(const float* heads, const float* cos, const float* sin, in
 // transformers' Llama rotary on several rows, its ops in its order: x * cos + rotate_half(x) * sin.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t half) {
     const at::Tensor rotated = at::cat({x.narrow(-1, half, x.size(-1) - half).neg(), x.narrow(-1, 0, half)}, -1);
-    return (x * cos) + (rotated * sin);
+    return x.mul(cos).add(rotated.mul(sin));  // (x * cos) + (rotated * sin): mul, mul, add
 }
 
 // transformers' repeat_kv: [1, kv, S, d] -> [1, kv * n, S, d], each kv head n times.
