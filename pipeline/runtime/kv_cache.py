@@ -32,6 +32,26 @@ def capacity_for(length: int) -> int:
     return max(MIN_CAPACITY, 1 << max(length - 1, 0).bit_length())
 
 
+class _Filled:
+    """A layer's keys or values: the filled prefix view of its buffer (None: nothing cached);
+    assigning one is a crop (a prefix view of the buffer) or new contents (``_adopt``). Keys and
+    values each keep their own length: transformers assigns keys then values from views read before."""
+
+    def __init__(self, buffer: str, length: str):
+        self.buffer, self.length = buffer, length
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        buffer = getattr(layer, self.buffer)
+        return None if buffer is None else buffer[:, :, :getattr(layer, self.length)]
+
+    def __set__(self, layer, x: torch.Tensor | None) -> None:
+        buffer, length = _adopt(getattr(layer, self.buffer), x)
+        setattr(layer, self.buffer, buffer)
+        setattr(layer, self.length, length)
+
+
 class GrowingLayer(DynamicLayer):
     """One layer's keys and values as filled prefixes of buffers that grow by doubling."""
 
@@ -40,23 +60,8 @@ class GrowingLayer(DynamicLayer):
         self._nk = self._nv = 0  # filled slots of each (equal between calls)
         super().__init__(**kwargs)
 
-    # keys / values: the filled views; assigning one is a crop (a prefix view) or new contents.
-    # Each has its own length: transformers assigns keys then values from views read before
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._k is None else self._k[:, :, :self._nk]
-
-    @keys.setter
-    def keys(self, x: torch.Tensor | None) -> None:
-        self._k, self._nk = _adopt(self._k, x)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._v is None else self._v[:, :, :self._nv]
-
-    @values.setter
-    def values(self, x: torch.Tensor | None) -> None:
-        self._v, self._nv = _adopt(self._v, x)
+    keys = _Filled("_k", "_nk")
+    values = _Filled("_v", "_nv")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
