@@ -1,13 +1,14 @@
-// A Llama decoder layer's one-row step as one op (ops.cpp includes this after ``gemv``): the ops
-// of pipeline/model/lean_layers.py's one-row path, in its order, called from C++.
+// A Llama decoder layer's step of one sequence's rows as one op (ops.cpp includes this after
+// ``gemv``): the ops of pipeline/model/lean_layers.py's one-row and multi-row paths, in their
+// order, called from C++.
 //
 // Why: a one-token decoding step of a small model is mostly the Python between ~40 small ops per
 // layer (docs/benchmarks/profile.md). Here those ops are the same ATen ops on the same tensors
 // (the dispatcher picks the same kernels), and the linears the same ``gemv`` calls, so every
 // output is the Python path's, bit for bit (tests/pipeline/test_lean_layers.py); only the
-// interpreter between them is gone. lean_layers.py decides where this applies (one row, float32,
-// SDPA attention, RMSNorm, SiLU, every linear packed in a compiled format, a KV cache buffer with
-// room for the row) and keeps the cache's length.
+// interpreter between them is gone. lean_rows.py decides where this applies (one sequence of up to
+// MAX_ROWS rows, float32, SDPA attention, RMSNorm, SiLU, every linear packed in a compiled format,
+// a KV cache buffer with room for the rows) and keeps the cache's length.
 #include <ATen/record_function.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/cat.h>

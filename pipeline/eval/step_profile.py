@@ -17,7 +17,7 @@ interpreter, module calls, argument parsing, the profiler's own cost per op (whi
 unprofiled step's wall time is measured beside it, ``measured_us``). Times are microseconds per
 step (a forward pass after the prompt's).
 
-A layer's one-row op (``llama_row``, kernels/layer_step.cpp; ``llama_rows`` for every layer of
+A layer's row op (``llama_row``, kernels/layer_step.cpp; ``llama_rows`` for every layer of
 a step) is one top-level op that calls the layers' linears' kernels and torch's ops from C++: its
 kernels go to their format and linear (in its call order, named by its ``mt.row`` label), its
 other ops to one part, and its own time between them to another.
@@ -47,10 +47,10 @@ PARTS = {"mt.attention": "attention (scores, softmax, KV cache)", "mt.rotary": "
          "mt.norm": "norms", "mt.mlp": "MLP activation and product", "mt.embed": "embedding",
          "mt.layer": "residual adds", STEP: "step set-up (mask, positions)", GENERATE: "decoding logic (outside the model)"}
 RESIDUE = "Python and dispatch between ops"
-# the one-row layer op (kernels/layer_step.cpp): its calls run under ``mt.row:<fmt>:<linear>,...``
+# the layer row op (kernels/layer_step.cpp: a step's rows of one sequence): its calls run under ``mt.row:<fmt>:<linear>,...``
 # (its four linears in call order) and the ops it calls are split into these parts
 ROW, ROW_OPS_NAMES = "mt.row", ("::llama_row", "::llama_rows")  # one layer, every layer
-ROW_OPS, ROW_SELF = "one-row layer op: its torch ops (norms, rotary, attention, adds)", "one-row layer op: C++ between its ops"
+ROW_OPS, ROW_SELF = "layer row op: its torch ops (norms, rotary, attention, adds)", "layer row op: C++ between its ops"
 ROW_LINEARS = ("q_proj+k_proj+v_proj", "o_proj", "gate_proj+up_proj", "down_proj")
 
 
@@ -159,12 +159,12 @@ def _linear(label: str) -> tuple[str, str] | None:
 
 
 def _row_label(rows) -> str:
-    """``mt.row:<format>:<linear>,...``: the linears the one-row op of ``rows`` (one or every layer's) calls, in order."""
+    """``mt.row:<format>:<linear>,...``: the linears the row op of ``rows`` (one or every layer's) calls, in order."""
     return f"{ROW}:" + ",".join(f"{f}:{n}" for row in rows if row is not None for f, n in zip(row.formats(), ROW_LINEARS))
 
 
 def _row_linear(event, row) -> tuple[str, str]:
-    """(format, linear name) of a kernel ``event`` the one-row layer op ``row`` called: its linears
+    """(format, linear name) of a kernel ``event`` the layer row op ``row`` called: its linears
     in call order, named by the label around ``row``."""
     label = next((x for x in _labels(row) if x.startswith(ROW + ":")), ROW + ":")
     named = [tuple(item.split(":", 1)) for item in label.partition(":")[2].split(",") if ":" in item]
@@ -210,7 +210,7 @@ def attribute(events) -> dict:
         if e.self_cpu_memory_usage > 0:
             counts["allocating_ops"] += 1
             counts["allocated_bytes"] += e.self_cpu_memory_usage
-        if row is not None:  # an op the one-row layer op called: its linears' kernels, else its torch ops
+        if row is not None:  # an op the layer row op called: its linears' kernels, else its torch ops
             if e.name.startswith(KERNEL_OPS):
                 fmt, name = _row_linear(e, row)
                 formats[fmt] += span

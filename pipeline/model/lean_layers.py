@@ -53,7 +53,7 @@ class Plan:
     attention: Callable  # transformers' attention kernel for ``kind``
     kind: str  # the model's attention implementation when planned
     linears: tuple[nn.Module, ...]  # q, k, v, gate, up as planned
-    row: Row | None = None  # a one-row step's op (lean_rows.py), where it gives this layer's bits
+    row: Row | None = None  # the layer's row op (lean_rows.py), where it gives this layer's bits
 
     def current(self, kinds: dict | None = None) -> bool:
         """Whether the layer's attention kind and linears are still the ones planned (a repack or
@@ -229,9 +229,9 @@ class LeanLayers:
         return plan
 
     def run_rows(self, layers, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
-        """``layers`` (two or more) on one row ``hidden`` [1, 1, H] in one op (lean_rows.Stack)
-        where each layer's one-row op applies # -> each layer's output (``every``) or the last
-        two's; None: run them one by one."""
+        """``layers`` (two or more) on the rows ``hidden`` [1, T, H] of one sequence in one op
+        (lean_rows.Stack) where each layer's row op applies # -> each layer's output (``every``)
+        or the last two's; None: run them one by one."""
         if self.lean is None or torch.is_grad_enabled() or len(layers) < 2 or not fits(hidden, ctx, cache):
             return None
         kind = self.config._attn_implementation

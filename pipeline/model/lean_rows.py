@@ -1,15 +1,17 @@
-"""A one-row decoding step's Llama layers as one C++ op each, or all of them as one op.
+"""A decoding step's Llama layers, on one sequence's rows, as one C++ op each or all as one op.
 
 A one-token step of a small model is mostly the interpreter between ~40 small ops per layer
 (docs/benchmarks/profile.md). ``Row`` runs a layer's step as ``llama_row`` and ``Stack`` every
-layer's as ``llama_rows`` (kernels/layer_step.cpp): the ops of lean_layers.py's one-row path, in
-its order, on the same tensors, with the element-wise ones as loops that round as torch's ops do,
-so every output and cache entry is the layer's own, bit for bit (tests/pipeline/test_lean_layers.py).
+layer's as ``llama_rows`` (kernels/layer_step.cpp): the ops of lean_layers.py's one-row and
+multi-row paths, in their order, on the same tensors, with the element-wise ones as loops that
+round as torch's ops do, so every output and cache entry is the layer's own, bit for bit
+(tests/pipeline/test_lean_layers.py).
 
-They apply where that holds and nothing is lost: one row (batch 1, one token) without a mask,
-float32, SDPA attention, RMSNorm, SiLU, the rolled rotary, q|k|v and gate|up fused and o / down
+They apply where that holds and nothing is lost: batch 1, one row without a mask or up to
+``gemv_rows.MAX_ROWS`` rows (a chain, a tree) under a boolean mask, float32, SDPA attention,
+RMSNorm, SiLU, the rolled rotary and transformers' own, q|k|v and gate|up fused and o / down
 packed, all in compiled formats and on no fallback, and a KV cache whose layers are in-place
-buffers with room for the row (pipeline/runtime/kv_cache.py). Anywhere else they answer None and
+buffers with room for the rows (pipeline/runtime/kv_cache.py). Anywhere else they answer None and
 the Python path runs. A ``Stack`` is checked once per step (the layers, the modules each reads by
 identity, no linear on its fallback, the attention kind): the per-layer checks are what it saves.
 """
@@ -99,7 +101,7 @@ def _tables(ctx, half: int, past: int, rows: int):
 
 @dataclass
 class Row:
-    """A layer's one-row step as ``llama_row``; its fixed arguments are made once per plan."""
+    """A layer's step of one sequence's rows as ``llama_row``; its fixed arguments are made once per plan."""
 
     op: Callable
     weights: list[torch.Tensor]  # input norm, q|k|v, o, post norm, gate|up, down
@@ -158,7 +160,7 @@ class Row:
 
 @dataclass
 class Stack:
-    """Every layer's one-row step as ``llama_rows``: the layers' rows' arguments concatenated, and
+    """Every layer's step of one sequence's rows as ``llama_rows``: the layers' rows' arguments concatenated, and
     what they were made from (checked once per step). ``op`` None: some layer has no row (kept so
     that the answer is not worked out again every step)."""
 
@@ -199,8 +201,8 @@ class Stack:
                 and not any(layer.training for layer in layers))
 
     def run(self, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
-        """Every layer's step of one row # [1, 1, H] -> each layer's output (``every``) or the last
-        two layers' [1, 1, H]; None where the cache or the rotary do not suit it."""
+        """Every layer's step of the rows ``hidden`` [1, T, H] # -> each layer's output (``every``) or
+        the last two layers' [1, T, H]; None where the cache or the rotary do not suit it."""
         n, rows = len(self.layers), hidden.shape[1]
         layers = cache.layers
         if len(layers) < n:

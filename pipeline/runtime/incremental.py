@@ -227,7 +227,7 @@ def _run_backbone(model, hidden: torch.Tensor, ctx, caches: DecodeCaches) -> Fea
     """The backbone's layers and final norm over the new positions # -> Features."""
     bb, states = model.backbone, []
     every = model.heads.needs_layer_states
-    if (outs := bb.lean.run_rows(bb.layers, hidden, ctx, caches.backbone, every)) is not None:  # one op, one row
+    if (outs := bb.lean.run_rows(bb.layers, hidden, ctx, caches.backbone, every)) is not None:  # one op, one sequence
         return Features(trunk=outs[-2], base=bb.final_norm(outs[-1]), layer_states=tuple(outs[:-1]) if every else (), ctx=ctx)
     for layer in bb.layers[:-1]:
         hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)

@@ -78,7 +78,7 @@ def _same_as_the_layers(model: MultiTokenModel, monkeypatch, rows: bool = False)
     lean = _run(model)
     assert bb.lean.plans, "the lean forward never ran"
     done = {name: sum(out is not None for out in outs) for name, outs in ran.items()}
-    assert (done["stack"] >= 4) == rows, f"the layers' one-row op ran (or not) against the plan: {done}"
+    assert (done["stack"] >= 4) == rows, f"the layers' row op ran (or not) against the plan: {done}"
     several = [out[0].shape[1] for out in ran["stack"] if out is not None and out[0].shape[1] > 1]
     assert bool(several) == rows, "a chain or a tree step of several rows took the op (or not) against the plan"
     monkeypatch.setattr(lean_rows.Row, "of", staticmethod(lambda plan: None))
@@ -110,7 +110,7 @@ def _on_q4_grid(base, out):
 @pytest.mark.parametrize("grid", ["f32", "q4_1"])
 def test_lean_steps_are_the_layers_bits_with_fused_linears(tiny_llama_q_dir, tmp_path, grid, monkeypatch):
     """64 wide: q, k and v fill whole column blocks, so one-row steps rotate q and k as one tensor,
-    and take the one-row op (kernels/layer_step.cpp)."""
+    and take the row op (kernels/layer_step.cpp)."""
     base = tiny_llama_q_dir if grid == "f32" else _on_q4_grid(tiny_llama_q_dir, tmp_path)
     model = _model(str(base))
     if not gemv_rows.available():
