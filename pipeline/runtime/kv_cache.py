@@ -93,13 +93,15 @@ class GrowingLayer(DynamicLayer):
         return k.narrow(2, 0, end), v.narrow(2, 0, end)
 
     def row_slot(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """The buffers [1, heads, capacity, d] and their filled length n where a step's ``rows``
-        keys and values (batch 1) fit in slots n.. (a layer step written elsewhere, then
-        ``filled(n + rows)``), else None (take ``update``: it grows the buffers)."""
+        """The buffers [1, heads, capacity, d] and their filled length n, grown first where a
+        step's ``rows`` keys and values (batch 1) do not fit in slots n.. (a layer step written
+        elsewhere, then ``filled(n + rows)``); None before the first ``update`` (a prompt's)."""
         k, n = self._k, self._nk
-        if k is None or k.shape[0] != 1 or n + rows > k.shape[2] or self._nv != n:
+        if k is None or k.shape[0] != 1 or self._nv != n:
             return None
-        return k, self._v, n
+        if n + rows > k.shape[2]:  # here, not in ``update``: a step's path must not depend on the room left
+            self._reserve(n + rows, k, self._v)
+        return self._k, self._v, n
 
     def filled(self, length: int) -> None:
         """The buffers' first ``length`` slots now hold keys and values (after ``row_slot``)."""

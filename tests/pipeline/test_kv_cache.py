@@ -137,6 +137,19 @@ def test_the_buffers_double_and_keep_their_prefix():
         MIN_CAPACITY, MIN_CAPACITY, MIN_CAPACITY, 2 * MIN_CAPACITY, 1024]
 
 
+def test_a_row_slot_grows_the_buffers_where_a_step_would_not_fit():
+    """The row ops' slot (lean_rows.py): always given once a prompt is cached, grown first where the
+    rows do not fit, so a step's path (row op or Python) never depends on the room left."""
+    layer = GrowingLayer()
+    assert layer.row_slot(1) is None  # nothing cached yet: the prompt takes ``update``
+    seq = torch.randn(1, 2, MIN_CAPACITY - 1, 4)
+    layer.update(seq, -seq)
+    k, v, n = layer.row_slot(3)
+    assert n == MIN_CAPACITY - 1 and k.shape[2] == 2 * MIN_CAPACITY and layer._k is k and layer._v is v
+    assert torch.equal(k[:, :, :n], seq) and torch.equal(v[:, :, :n], -seq)  # the prefix kept
+    assert layer.row_slot(2)[0] is k  # room: the same buffers
+
+
 def test_off_the_lean_path_caches_stay_dynamic(tiny_neox_dir):
     bb = load_backbone(BackboneConfig(base=str(tiny_neox_dir)))
     model = MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 2, "init": "copy"})
