@@ -4,7 +4,8 @@ The weight formats are one table (format_table.py): oneDNN's blocked layout (``-
 packed``) and the formats of our own compiled multi-row GEMV (``--cpu-linear rows``, float32
 weights, gemv_rows.py: built on first use; where it cannot be, those layers take oneDNN's layout;
 a weight that is exactly a GGUF's Q4_1 / Q8_0 codes or 16-bit floats keeps that format,
-gguf_codes.py). ``PackedLinear`` reads its weight through its format's entry and nothing else.
+gguf_codes.py; ``--cpu-linear rows-q8``: the same, with Q4_1 codes read against int8 activations,
+gemv_int8.cpp). ``PackedLinear`` reads its weight through its format's entry and nothing else.
 
 torch's fp32 ``F.linear`` on the CPU calls MKL, whose cost grows almost linearly with the rows
 for a few rows; oneDNN on a weight reordered once into its blocked layout reads the weight once
@@ -43,12 +44,14 @@ from torch import nn
 
 from multitoken.base.progress import status
 from multitoken.kernels import cpu_features, gemv_rows, gguf_codes, pack_cache
-from multitoken.kernels.format_table import CODES, FORMATS, Spec
+from multitoken.kernels.format_table import CODES, FORMATS, INT8_ACTIVATIONS, Spec
 from multitoken.kernels.formats import Format
 
 PACKED, ROWS, STOCK = "packed", "rows", "stock"
 ROWS_F32 = "rows-f32"  # the rows kernel on float32 blocks only: GGUF codes not kept (what they are worth)
-CPU_LINEARS = (PACKED, ROWS, ROWS_F32, STOCK)
+ROWS_Q8 = "rows-q8"  # rows, with Q4_1 codes read against int8 activations as llama.cpp does: not exact
+CPU_LINEARS = (PACKED, ROWS, ROWS_Q8, ROWS_F32, STOCK)
+COMPILED_MODES = (ROWS, ROWS_Q8, ROWS_F32)  # the modes of our compiled kernel
 ONEDNN = "onednn"  # the layout of a PACKED layer (and of a ROWS model's bf16 layers)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Smallest weight packed (elements): oneDNN's fixed cost per call is about what reading this many
@@ -219,9 +222,14 @@ class PackedLinear(nn.Module):
 def _formats_for(dtype: torch.dtype, mode: str) -> tuple[str, ...]:
     """The formats a packable weight of ``dtype`` may take under ``mode``, tried in order (the
     last always holds it); empty: no kernel runs here, the layer stays stock."""
-    if mode in (ROWS, ROWS_F32) and dtype == torch.float32 and rows_usable():
-        return (*(CODES if mode == ROWS and grids_on() else ()), "f32")
+    if mode in COMPILED_MODES and dtype == torch.float32 and rows_usable():
+        return (*(_narrow(mode) if mode != ROWS_F32 and grids_on() else ()), "f32")
     return (ONEDNN,) if usable(dtype) else ()
+
+
+def _narrow(mode: str) -> tuple[str, ...]:
+    """The narrow formats ``mode`` keeps, narrowest first (ROWS_Q8: Q4_1 read with int8 activations)."""
+    return tuple(INT8_ACTIVATIONS.get(name, name) for name in CODES) if mode == ROWS_Q8 else CODES
 
 
 def _packable(module: nn.Module) -> bool:
@@ -253,8 +261,8 @@ def _packed(stock: nn.Linear, shared: bool, mode: str, codes: Codes | None = Non
     names = _formats_for(weight.dtype, mode)
     if cached is not None:
         name, packed = cached
-    elif codes is not None and CODES[0] in names and (known := codes(weight)) is not None:
-        name, packed = known[0].name.lower(), gguf_codes.pack(*known)
+    elif codes is not None and names[0] == _narrow(mode)[0] and (known := codes(weight)) is not None:
+        name, packed = _narrow(mode)[CODES.index(known[0].name.lower())], gguf_codes.pack(*known)
     else:
         for name in names:
             if (packed := FORMATS[name].pack(weight)) is not None:
@@ -323,7 +331,7 @@ class _Cached:
 
     def __init__(self, children: list[nn.Linear], mode: str, codes: Codes | None):
         self.found, self.key = {}, None  # digest -> (format name, packed tensor); the entry's key
-        rows = [c for c in children if mode in (ROWS, ROWS_F32) and _formats_for(c.weight.dtype, mode)[-1] == "f32"]
+        rows = [c for c in children if mode in COMPILED_MODES and _formats_for(c.weight.dtype, mode)[-1] == "f32"]
         source = getattr(codes, "identity", None) if codes is not None else (lambda: None)
         if not rows or source is None or sum(c.weight.numel() for c in rows) < pack_cache.MIN_CACHED:
             return
@@ -348,7 +356,8 @@ class _Cached:
 def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear`` in the layout
     ``mode`` asks for (``packed``: oneDNN's; ``rows``: the compiled kernel's for float32, GGUF codes
-    and 16-bit values kept in their narrow formats; ``rows-f32``: float32 blocks only); returns
+    and 16-bit values kept in their narrow formats; ``rows-q8``: the same, Q4_1 codes read with
+    int8 activations; ``rows-f32``: float32 blocks only); returns
     how many were swapped (none where the ops are unusable). Idempotent. ``codes``: the codes of
     the base's GGUF (gguf_file.py), taken for the weights they rebuild; the others' are searched."""
     found = [(parent, name, child) for parent, name, child in _children(root)
@@ -389,7 +398,7 @@ def unpack(root: nn.Module) -> int:
 
 
 def prepare(root: nn.Module, mode: str, codes: Codes | None = None) -> int:
-    """The linears ``mode`` asks for (``packed``, ``rows``, ``rows-f32`` or ``stock``); returns how
+    """The linears ``mode`` asks for (one of ``CPU_LINEARS``); returns how
     many are packed (``codes``: as ``pack``'s). Layers packed for another mode are unpacked first."""
     if mode not in CPU_LINEARS:
         raise ValueError(f"unknown CPU linear {mode!r}: one of {', '.join(CPU_LINEARS)}")

@@ -29,6 +29,7 @@ class Format(enum.IntEnum):
     Q8_0 = 2  # GGUF Q8_0 codes: w = d q, q in -127..127, d float16 per QK inputs
     BF16 = 3  # bfloat16 values in the float blocks' layout
     F16 = 4  # float16 values in the float blocks' layout
+    Q4_1_Q8 = 5  # Q4_1's codes and layout, read with int8 activations (ggml's Q8_1 grid): not exact
 
 
 def parse(value: int | Format) -> Format:

@@ -96,6 +96,32 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::option
 }
 
 constexpr int64_t ROW_WEIGHTS = 6, ROW_SIZES = 19, ROW_SCALARS = 3;  // per layer (see layer_row)
+constexpr int64_t SDPA = 0, PER_ROW = 1;  // sizes[0]: the attention (see layer_row)
+
+// The attention of rows q [T, q heads, d] on the cache buffers [1, kv heads, capacity, d] (slots up to
+// past + T filled) by row_attention.cpp: every slot before ``past``, and of the rows' own those
+// ``mask`` [.., T, past + T] (bool) marks; no mask: T == 1, every slot # -> [1, T, q heads x d].
+at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past,
+                         const std::optional<at::Tensor>& mask, double scale) {
+    const char* op = "row_attention";
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(), op,
+                ": q must be a contiguous float32 CPU tensor [T, q heads, d]");
+    const int64_t T = q.size(0), q_heads = q.size(1), d = q.size(2);
+    TORCH_CHECK(k_buf.dim() == 4 && k_buf.size(0) == 1 && k_buf.size(3) == d && v_buf.sizes() == k_buf.sizes() &&
+                k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
+                v_buf.is_contiguous() && past >= 0 && past + T <= k_buf.size(2) && k_buf.size(1) > 0 &&
+                q_heads % k_buf.size(1) == 0, op, ": the cache buffers must be contiguous float32 [1, kv heads dividing ",
+                q_heads, ", >= ", past + T, ", ", d, "]");
+    TORCH_CHECK(mask.has_value() ? (mask->scalar_type() == at::kBool && mask->dim() >= 2 && mask->size(-2) == T &&
+                                    mask->size(-1) == past + T && mask->numel() == T * (past + T)) : T == 1,
+                op, ": T rows take a bool mask [.., T, past + T] (one row: none)");
+    at::Tensor out = at::empty({1, T, q_heads * d}, q.options());
+    const at::Tensor m = mask.has_value() ? mask->contiguous() : at::Tensor();
+    attend_rows(q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), k_buf.size(2), past, (int)T,
+                mask.has_value() ? m.data_ptr<bool>() : nullptr, (int)q_heads, (int)k_buf.size(1), (int)d, (float)scale,
+                out.data_ptr<float>());
+    return out;
+}
 
 // Its attention block on T > 1 rows after the norm, x [1, T, H] # -> the attention's output
 // [1, T, heads x d] before o_proj: lean_layers.py's multi-row path, its torch ops in its order on the
@@ -111,6 +137,7 @@ at::Tensor attention_rows(const at::Tensor& x, at::TensorList weights, const std
     const at::Tensor k = rotary(parts[1].view({1, T, -1, d}).transpose(1, 2), cos, sin, half);
     k_buf.narrow(2, past, T).copy_(k);
     v_buf.narrow(2, past, T).copy_(parts[2].view({1, T, -1, d}).transpose(1, 2));
+    if (sizes[0] == PER_ROW) return row_attention(q[0].transpose(0, 1).contiguous(), k_buf, v_buf, past, mask, scaling);
     at::Tensor keys = k_buf.narrow(2, 0, past + T), values = v_buf.narrow(2, 0, past + T);
     const bool grouped = q_heads != kv_heads;
     if (grouped && !gqa) {
@@ -124,8 +151,10 @@ at::Tensor attention_rows(const at::Tensor& x, at::TensorList weights, const std
 // One decoder layer on the rows hidden [1, T, H] # -> [1, T, H] (checks its own arguments).
 //   weights: [input norm, q|k|v fused, o, post-attention norm, gate|up fused, down] (norms: [H]);
 //   biases: one per weight (the norms' none);
-//   sizes: (format, n) of each of the six (the norms' unused), then q heads, kv heads, head dim,
-//          half the rotary width, the gate's width, where up starts, up's width;
+//   sizes: (format, n) of each of the six, then q heads, kv heads, head dim, half the rotary width,
+//          the gate's width, where up starts, up's width; the norms' pairs unused but sizes[0], the
+//          attention: SDPA (transformers' bits) or PER_ROW (row_attention.cpp: a row's bits whatever
+//          the rows beside it; the int8 setting's);
 //   scalars: the two norms' eps, the attention's scaling;
 //   cos / sin / signed_sin: the pass's rotary tables [1, 1, T, d] (signed: lean_layers._rolled_rotary's);
 //   k_buf / v_buf: the layer's cache buffers [1, kv heads, capacity, d], ``past`` slots filled:
@@ -155,6 +184,7 @@ at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std
                 v_buf.is_contiguous(), op, ": the cache buffers must be contiguous float32");
     TORCH_CHECK(half >= 0 && half < head_dim && sizes[3] == width && q_heads % kv_heads == 0, op,
                 ": the fused q|k|v must give ", width, " outputs");
+    TORCH_CHECK(sizes[0] == SDPA || sizes[0] == PER_ROW, op, ": sizes[0] (the attention) must be ", SDPA, " or ", PER_ROW);
     TORCH_CHECK(T == 1 ? !mask.has_value() : (mask.has_value() && mask->scalar_type() == at::kBool && mask->dim() == 4 &&
                 mask->size(2) == T && mask->size(3) == past + T), op,
                 ": one row takes no mask, T rows a bool mask [.., T, past + T]");
@@ -167,9 +197,10 @@ at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std
         rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), q_heads, kv_heads,
                          head_dim, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(),
                          k_buf.size(2), past);
-        attn = at::scaled_dot_product_attention(q, k_buf.narrow(2, 0, past + 1), v_buf.narrow(2, 0, past + 1),
-                                                std::nullopt, 0.0, false, scalars[2], q_heads != kv_heads)  // [1, q, 1, d]
-                   .transpose(1, 2).contiguous().view({1, 1, -1});
+        attn = sizes[0] == PER_ROW ? row_attention(q.view({1, q_heads, head_dim}), k_buf, v_buf, past, std::nullopt, scalars[2])
+               : at::scaled_dot_product_attention(q, k_buf.narrow(2, 0, past + 1), v_buf.narrow(2, 0, past + 1),
+                                                  std::nullopt, 0.0, false, scalars[2], q_heads != kv_heads)  // [1, q, 1, d]
+                     .transpose(1, 2).contiguous().view({1, 1, -1});
     } else {
         attn = attention_rows(x, weights, biases, sizes, scalars[2], cos, sin, k_buf, v_buf, past, *mask, gqa);
     }

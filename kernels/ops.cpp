@@ -11,9 +11,10 @@
 
 #include "gemv_rows.cpp"
 #include "argmax_prefilter.cpp"
+#include "gemv_int8.cpp"
 
 #if !defined(MT_NAMESPACE) || !defined(MT_MAX_ROWS) || !defined(MT_FORMAT_F32) || !defined(MT_FORMAT_Q4_1) || !defined(MT_FORMAT_Q8_0) || \
-    !defined(MT_FORMAT_BF16) || !defined(MT_FORMAT_F16)
+    !defined(MT_FORMAT_BF16) || !defined(MT_FORMAT_F16) || !defined(MT_FORMAT_Q4_1_Q8)
 #error "built without the formats and namespace of kernels/formats.py: build through gemv_rows.py"
 #endif
 
@@ -55,11 +56,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_
     check_rows(x, op);
     const int64_t K = x.size(-1), M = x.numel() / K;
     TORCH_CHECK(K <= INT32_MAX && n <= INT32_MAX && M * std::max<int64_t>(K, n) < INT64_MAX / 4, op, ": too large");
-    const bool codes = format == MT_FORMAT_Q4_1 || format == MT_FORMAT_Q8_0;
+    const bool q4 = format == MT_FORMAT_Q4_1 || format == MT_FORMAT_Q4_1_Q8;  // one layout, two kernels
+    const bool codes = q4 || format == MT_FORMAT_Q8_0;
     TORCH_CHECK(!codes || K % QK == 0, op, ": Q4_1 / Q8_0 weights need K a multiple of ", QK, ", got ", K);
     if (format == MT_FORMAT_F32) check_packed(w, at::kFloat, n, K, L, op);
     else if (format == MT_FORMAT_BF16 || format == MT_FORMAT_F16) check_packed(w, at::kByte, n, K, 2 * L, op);
-    else if (format == MT_FORMAT_Q4_1) check_packed(w, at::kByte, n, K / QK, chunk_bytes<Q4>(), op);
+    else if (q4) check_packed(w, at::kByte, n, K / QK, chunk_bytes<Q4>(), op);
     else if (format == MT_FORMAT_Q8_0) check_packed(w, at::kByte, n, K / QK, chunk_bytes<Q8>(), op);
     else TORCH_CHECK(false, op, ": unknown weight format ", format, " (kernels/formats.py lists the formats)");
     if (bias.has_value()) check_vector(*bias, n, "bias", op);
@@ -75,6 +77,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_
         float* os = op_out + start * n;
         if (format == MT_FORMAT_F32) rows_linear(xs, w.data_ptr<float>(), os, rows, (int)K, (int)n);
         else if (format == MT_FORMAT_Q4_1) narrow_linear<Q4>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
+        else if (format == MT_FORMAT_Q4_1_Q8) q4_q8_linear(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
         else if (format == MT_FORMAT_Q8_0) narrow_linear<Q8>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
         else if (format == MT_FORMAT_BF16) narrow_linear<BF16>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
         else narrow_linear<F16>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
@@ -135,6 +138,7 @@ std::tuple<at::Tensor, int64_t> q8_argmax_op(const at::Tensor& x, const at::Tens
 
 }  // namespace
 
+#include "row_attention.cpp"
 #include "layer_step.cpp"
 
 // The namespace is the build's (MT_NAMESPACE, one per CPU-feature level): two levels' builds can
@@ -149,6 +153,7 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("screened(Tensor x, Tensor q, Tensor scale, int n) -> Tensor");
     m.def("rows_argmax(Tensor x, Tensor q, Tensor scale, Tensor err, Tensor w, int n) -> (Tensor, int)");
     m.def("q8_argmax(Tensor x, Tensor w, Tensor l1, int n) -> (Tensor, int)");
+    m.def("row_attention(Tensor q, Tensor k_buf, Tensor v_buf, int past, Tensor? mask, float scale) -> Tensor");
     m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
           "Tensor sin, Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
     m.def("llama_rows(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
@@ -161,6 +166,7 @@ MT_IMPL(MT_NAMESPACE, m) {
     m.impl("screened", &screened);
     m.impl("rows_argmax", &rows_argmax_op);
     m.impl("q8_argmax", &q8_argmax_op);
+    m.impl("row_attention", &row_attention);
     m.impl("llama_row", &llama_row);
     m.impl("llama_rows", &llama_rows);
 }

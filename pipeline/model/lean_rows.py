@@ -5,7 +5,9 @@ A one-token step of a small model is mostly the interpreter between ~40 small op
 layer's as ``llama_rows`` (kernels/layer_step.cpp): the ops of lean_layers.py's one-row and
 multi-row paths, in their order, on the same tensors, with the element-wise ones as loops that
 round as torch's ops do, so every output and cache entry is the layer's own, bit for bit
-(tests/pipeline/test_lean_layers.py).
+(tests/pipeline/test_lean_layers.py). One exception, by design: on the int8 setting
+(``--cpu-linear rows-q8``) the attention runs one row at a time (row_attention.cpp), so that a
+chain's or a tree's rows are the one-token steps' bits there (tests/kernels/test_gemv_int8.py).
 
 They apply where that holds and nothing is lost: batch 1, one row without a mask or up to
 ``gemv_rows.MAX_ROWS`` rows (a chain, a tree) under a boolean mask, float32, SDPA attention,
@@ -33,6 +35,9 @@ from multitoken.kernels.formats import Format
 READS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj", "act_fn")))
 NORMS = ("input_layernorm", "post_attention_layernorm")
 LINEARS = 7  # ``reads`` gives the linears first
+# sizes[0] of a row: its attention, SDPA (transformers' bits) or per row (layer_step.cpp: each row's
+# bits whatever the rows beside it, which the int8 setting needs for a chain to be its ``ar``)
+SDPA, PER_ROW = 0, 1
 
 
 def rotary_tables(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -106,7 +111,7 @@ class Row:
     op: Callable
     weights: list[torch.Tensor]  # input norm, q|k|v, o, post norm, gate|up, down
     biases: list[torch.Tensor | None]
-    sizes: list[int]  # (format, n) per weight, then heads, kv heads, head dim, half, gate n, up start, up n
+    sizes: list[int]  # the attention, 0, (format, n) per linear ... then heads, kv heads, head dim, half, gate n, up start, up n
     scalars: list[float]  # the norms' eps, the attention's scaling
     modules: tuple[nn.Module, ...]  # what it reads as planned (``reads``)
 
@@ -122,7 +127,9 @@ class Row:
                 or any(n.weight.dtype != torch.float32 for n in norms) or (lib := gemv_rows.library()) is None):
             return None
         heads, kv = qkv.outs[0] // attn.head_dim, qkv.outs[1] // attn.head_dim
-        sizes = [0, 0, int(qkv.spec.code), qkv.n, int(o.spec.code), o.out_features, 0, 0,
+        linears = (qkv, o, gate_up, down)
+        attention = PER_ROW if not all(lin.spec.exact for lin in linears) else SDPA  # int8 rows: see layer_step.cpp
+        sizes = [attention, 0, int(qkv.spec.code), qkv.n, int(o.spec.code), o.out_features, 0, 0,
                  int(gate_up.spec.code), gate_up.n, int(down.spec.code), down.out_features,
                  heads, kv, attn.head_dim, attn.head_dim // 2, gate_up.outs[0], gate_up.sizes[0], gate_up.outs[1]]
         return Row(lib.llama_row, [norms[0].weight, qkv.packed, o.packed, norms[1].weight, gate_up.packed, down.packed],

@@ -1,8 +1,9 @@
 """Every entry of the weight-format table (kernels/format_table.py) against its plain reference:
 pack holds exactly the weights of its format and refuses others, the packed weight decodes back
-bit for bit, the fast linear lies within float32 rounding of the float64 reference, the compiled
-formats give each row the same bits whatever the row count (and the narrow ones the float32
-blocks' bits), and the fast argmax is the logits' argmax."""
+bit for bit, the fast linear lies within float32 rounding of the float64 reference (an inexact
+entry: within its int8 grid's error too), the compiled formats give each row the same bits whatever
+the row count (and the exact narrow ones the float32 blocks' bits), and the fast argmax is the
+logits' argmax."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .test_gguf_codes import _weight, on_q4, on_q8
 
 N, K = 1000, 96  # 1000: a partial last column block
 VALUES = {  # a weight whose values are exactly the format's
-    "f32": lambda w: w, "q4_1": on_q4, "q8_0": on_q8,
+    "f32": lambda w: w, "q4_1": on_q4, "q4_1_q8": on_q4, "q8_0": on_q8,
     "bf16": lambda w: w.bfloat16().float(), "f16": lambda w: w.half().float(), "onednn": lambda w: w,
 }
 COMPILED = [name for name, spec in FORMATS.items() if spec.code is not None]  # oneDNN's rows: test_cpu_linear.py
@@ -33,6 +34,13 @@ def _bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     gamma = (K + 2) * 2.0 ** -24 / (1 - (K + 2) * 2.0 ** -24)
     extra = 0 if bias is None else bias.abs().double() * 2.0 ** -23
     return gamma * (x.abs().double() @ w.abs().double().T) + extra
+
+
+def _grid_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """An inexact entry's int8 rows (gemv_int8.cpp): each input within half its chunk's step
+    max|x| / 127 of its value, so a logit within sum over chunks of that half step times sum |w|."""
+    steps = x.abs().reshape(x.shape[0], -1, formats.QK).amax(-1).double() / 127  # [M, K / QK]
+    return (steps.repeat_interleave(formats.QK, 1) / 2) @ w.abs().double().T
 
 
 @pytest.fixture(params=list(FORMATS))
@@ -59,7 +67,7 @@ def test_pack_holds_its_formats_weights_exactly(fmt):
     packed = spec.pack(w)
     assert packed is not None
     assert torch.equal(_bits(spec.dense(packed, N)), _bits(w))  # the plain reference decode: no arithmetic lost
-    if fmt in CODES:  # plain float32 values are no narrow format's
+    if fmt not in ("f32", "onednn"):  # plain float32 values are no narrow format's
         assert spec.pack(_weight(N, K, 1)) is None
 
 
@@ -74,19 +82,20 @@ def test_linear_is_within_rounding_of_the_reference(fmt, bias):
         x = torch.randn(rows, K, generator=gen)
         got = spec.linear(x, packed, N, b)
         assert got.shape == (rows, N) and got.dtype == torch.float32
-        assert bool(((got.double() - spec.reference(x, packed, N, b)).abs() <= _bound(x, w, b)).all()), rows
+        bound = _bound(x, w, b) if spec.exact else 2 * _bound(x, w, b) + _grid_error(x, w) * (1 + 1e-6)
+        assert bool(((got.double() - spec.reference(x, packed, N, b)).abs() <= bound).all()), rows
 
 
 @pytest.mark.parametrize("fmt", COMPILED, indirect=True)
 def test_compiled_rows_do_not_depend_on_the_row_count(fmt):
     """The exactness contract: a row alone, in any batch up to MAX_ROWS, 2-D or 3-D, the same bits;
-    a narrow format's bits are the float32 blocks' of the same values."""
+    an exact narrow format's bits are the float32 blocks' of the same values."""
     spec = FORMATS[fmt]
     w = VALUES[fmt](_weight(N, K, 0))
     packed, blocks = spec.pack(w), FORMATS["f32"].pack(w)
     x = torch.randn(gemv_rows.MAX_ROWS, K, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([spec.linear(x[i:i + 1], packed, N, None) for i in range(len(x))])
-    assert torch.equal(_bits(alone), _bits(FORMATS["f32"].linear(x, blocks, N, None)))
+    assert torch.equal(_bits(alone), _bits(FORMATS["f32"].linear(x, blocks, N, None))) or not spec.exact
     for rows in (2, 5, 12, 13, 33, gemv_rows.MAX_ROWS):
         assert torch.equal(_bits(spec.linear(x[:rows], packed, N, None)), _bits(alone[:rows])), rows
         assert torch.equal(_bits(spec.linear(x[None, :rows], packed, N, None)[0]), _bits(alone[:rows])), rows

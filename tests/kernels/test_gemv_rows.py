@@ -150,7 +150,21 @@ q[..., 0] = 127  # each block's largest code: d is found from it
 found = gguf_codes.find_codes((q * d).reshape(40, 64))
 packed = gguf_codes.pack(*found)
 assert gguf_codes.q8_argmax(torch.randn(3, 64), packed, 40, gguf_codes.l1_norms(packed, 40)) is None  # no VNNI: declines
+torch.save(int8_activations(), sys.argv[2])  # Q4_1 codes against int8 rows: the parent compares them with its build's
 print(" ".join(rk._flags()), rk.lanes())
+"""
+INT8_ACTIVATIONS = """
+def int8_activations():
+    import torch
+    from multitoken.kernels.format_table import FORMATS
+    gen = torch.Generator().manual_seed(5)
+    d = (torch.rand(70, 4, 1, generator=gen) / 64).half().float()
+    m = -(torch.rand(70, 4, 1, generator=gen) / 8).half().float()
+    q = torch.randint(0, 16, (70, 4, 32), generator=gen).float()
+    q[..., :2] = torch.tensor([0.0, 15.0])
+    spec = FORMATS["q4_1_q8"]
+    packed = spec.pack((q * d + m).reshape(70, 128))
+    return [spec.linear(torch.randn(rows, 128, generator=gen), packed, 70, None) for rows in (1, 5, 13)]
 """
 
 
@@ -162,11 +176,21 @@ def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, level, flags):
     probe says what the build has (lanes, no screen), logits within fp32 rounding, the screen's
     argmax the exact one, grid codes decoded to the float blocks' logits."""
     env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path), cpu_features.ENV: level}
-    done = subprocess.run([sys.executable, "-c", ISA_CHECK, level], env=env, capture_output=True, text=True, timeout=300)
+    code, saved = INT8_ACTIVATIONS + ISA_CHECK, tmp_path / "int8.pt"
+    done = subprocess.run([sys.executable, "-c", code, level, str(saved)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert flags in done.stdout.split()
     wide = level == "avx512" and "avx512f" in cpu_features.cpu_flags().split()
     assert done.stdout.split()[-1] == ("32" if wide else "16")  # 16 lanes without AVX512
+    # int8 rows: exact integers on every build, so the same bits wherever the fold's multiply-adds
+    # fuse (AVX2, AVX512: FMA); the plain build rounds their products apart, a few ulps off
+    namespace: dict = {}
+    exec(INT8_ACTIVATIONS, namespace)
+    for theirs, ours in zip(torch.load(saved, weights_only=True), namespace["int8_activations"]()):
+        if level == "plain":
+            assert torch.allclose(theirs, ours, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(theirs, ours)
 
 
 def assert_greedy_equals_stock(model) -> None:
