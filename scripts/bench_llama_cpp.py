@@ -9,7 +9,8 @@ on SmolLM2-135M-Instruct's Q4_1 GGUF, greedy, at each ``--threads`` count, every
   EAGLE-3 drafter, ``eagle3`` (llama-speculative-simple ``--spec-type draft-eagle3``);
 - ours (``multitoken generate --prompts``, one process per method, a warm-up prompt first):
   ``ar``, ``speculative`` (the shipped drafting heads), ``lookup`` (the same with ``--lookup``)
-  and, with a drafter, ``eagle3`` (its heads, ``--drafter eagle3``).
+  and, with a drafter, ``eagle3`` (its heads, ``--drafter eagle3``); each again with ``-q8``,
+  on ``--cpu-linear rows-q8`` (Q4_1 codes read against int8 activations, as llama.cpp reads them).
 
 The drafter is ``--drafter DIR`` (eagle3 heads), else the one the package ships for SmolLM2
 where it exists; it is exported (``multitoken export --format eagle3``) and converted by
@@ -17,7 +18,7 @@ llama.cpp's own ``convert_hf_to_gguf.py --target-model-dir BASE``.
 
 Speeds leave out start-up and the prompt: llama.cpp's tools print their decoding time; ours is
 the trace's time after the prompt's pass (``decode_rate``). Every speculative run's text must
-be its engine's plain greedy text (recorded per prompt; llama.cpp's speculative tools may run a
+be its engine's plain greedy text on the same linear setting (recorded per prompt; llama.cpp's speculative tools may run a
 few tokens past ``-n``, so theirs must begin with all of it). Ratios are paired per prompt against
 llama.cpp plain at the same thread count; the table gives their medians.
 
@@ -48,8 +49,16 @@ from multitoken.pipeline.integrations import llama_cpp
 OURS = {"ar": ["--mode", "ar"], "speculative": ["--mode", "speculative"],
         "lookup": ["--mode", "speculative", "--lookup", "{lookup}"],
         "eagle3": ["--mode", "speculative", "--heads", "{drafter}", "--drafter", "eagle3"]}
+Q8 = "-q8"  # a method's suffix on --cpu-linear rows-q8 (int8 activations, as llama.cpp's Q4_1 kernels)
+OURS.update({f"{m}{Q8}": [*flags, "--cpu-linear", "rows-q8"] for m, flags in list(OURS.items())})
 LLAMA = ("plain", "lookup", "eagle3")
-PLAIN = {"llama.cpp": "plain", "multitoken": "ar"}  # each engine's plain greedy run
+PLAIN = {"llama.cpp": "plain", "multitoken": "ar"}  # each engine's plain greedy run (per linear setting)
+
+
+def plain_of(label: str) -> str:
+    """The plain greedy run a method's text must equal: its engine's, on the same linear setting."""
+    engine = label.split(":")[0]
+    return f"{engine}:{PLAIN[engine]}{Q8 if label.endswith(Q8) else ''}"
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -128,8 +137,7 @@ def paired(runs: dict[str, list[dict]], reference: str) -> dict[str, dict]:
     and whether its text is its engine's plain greedy text on each prompt (``same_text``)."""
     out = {}
     for label, rows in runs.items():
-        engine = label.split(":")[0]
-        plain = runs.get(f"{engine}:{PLAIN[engine]}") if label != f"{engine}:{PLAIN[engine]}" else None  # itself: no check
+        plain = runs.get(plain_of(label)) if label != plain_of(label) else None  # itself: no check
         ratios = [r["tokens_per_s"] / ref["tokens_per_s"] for r, ref in zip(rows, runs[reference])]
         out[label] = {"tokens_per_s": [r["tokens_per_s"] for r in rows], "ratios": ratios,
                       "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),

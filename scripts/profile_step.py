@@ -33,6 +33,7 @@ import torch
 from multitoken.base.atomic import atomic_write_text
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
+from multitoken.kernels import cpu_linear
 from multitoken.pipeline.eval import step_profile
 from multitoken.pipeline.eval.benchmark import Bench, add_out, best_of, check_out
 from multitoken.pipeline.sources.assets import default_stats, load_model, load_stats
@@ -50,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per run (greedy, EOS ignored)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads, one profile each")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--cpu-linear", default=cpu_linear.ROWS, choices=cpu_linear.CPU_LINEARS,
+                   help="the CPU linears (rows-q8: int8 activations, docs/kernels.md)")
     p.add_argument("--reps", type=int, default=3, help="unprofiled timed runs per cell (the fastest kept)")
     p.add_argument("--smoke", action="store_true", help="tiny settings (8 tokens, 1 rep): does it run")
     p.add_argument("--llama-cpp", default=None, help="JSON of llama.cpp's per-op timings to attach (see above)")
@@ -137,8 +140,8 @@ def main(argv=None) -> dict:
     results = check_out(args.results, args.overwrite)
     lcpp = llama_cpp(args.llama_cpp)
     bench = Bench("profile_step", args, base=args.base, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                  threads=args.threads, modes=args.modes, reps=args.reps)
-    model, heads = load_model(args.heads, args.base, cpu_linear="rows")
+                  threads=args.threads, modes=args.modes, reps=args.reps, cpu_linear=args.cpu_linear)
+    model, heads = load_model(args.heads, args.base, cpu_linear=args.cpu_linear)
     model.prepare_linears()  # as decoding would at its first run: the formats are known from here
     table = load_stats(default_stats(model.backbone), model.backbone.tokenizer)
     ids = model.backbone.tokenizer(args.prompt, return_tensors="pt").input_ids
