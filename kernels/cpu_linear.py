@@ -336,7 +336,8 @@ class _Cached:
         if not rows or source is None or sum(c.weight.numel() for c in rows) < pack_cache.MIN_CACHED:
             return
         self.digests = {id(c): pack_cache.digest(c.weight) for c in rows}
-        setting = {"mode": mode, "grids": grids_on(), "codes": source(), **pack_cache.layout(gemv_rows.lanes())}
+        setting = {"mode": mode, "grids": grids_on(), "formats": _formats_for(torch.float32, mode), "codes": source(),
+                   **pack_cache.layout(gemv_rows.lanes())}
         self.key = pack_cache.entry_key(list(self.digests.values()), setting)
         self.found = pack_cache.load(self.key, list(self.digests.values())) or {}
 
