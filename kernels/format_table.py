@@ -5,9 +5,9 @@ linear and argmax that read it, and the plain reference they are tested against
 ``FORMATS`` maps a name to a ``Spec``. The compiled ones (``code``: formats.Format, read by
 ops.cpp) keep the exactness contract (docs/kernels.md): a row's logits are bit-identical whatever
 the row count, and the exact narrow formats' logits bit-identical to the float32 blocks' of the
-same weights. ``q4_1_q8`` (the ``rows-q8`` setting, gemv_int8.cpp) is not exact by design: it reads
-Q4_1's codes with the rows put on an int8 grid first, as llama.cpp does; its rows still do not
-depend on the row count. ``onednn`` is torch's own prepacked linear (fp32 rows exact across row counts; bf16
+same weights. ``q4_1_q8`` and ``q8_0_q8`` (the ``rows-q8`` setting, gemv_int8.cpp) are not exact by
+design: they read Q4_1's and Q8_0's codes with the rows put on an int8 grid first, as llama.cpp
+does; their rows still do not depend on the row count. ``onednn`` is torch's own prepacked linear (fp32 rows exact across row counts; bf16
 within rounding). To add a format: a Format value, its kernel in gemv_rows.cpp and its case in
 ops.cpp, then an entry here; the parametrised tests take it from there.
 """
@@ -107,8 +107,9 @@ FORMATS: dict[str, Spec] = {
     "f32": Spec("f32", Format.F32, _f32_pack, gemv_rows.linear, _f32_argmax, gemv_rows.dense_weight),
     **{kind.name.lower(): _codes(kind) for kind in (Format.Q4_1, Format.Q8_0, Format.BF16, Format.F16)},
     "q4_1_q8": _codes(Format.Q4_1, Format.Q4_1_Q8),
+    "q8_0_q8": _codes(Format.Q8_0, Format.Q8_0_Q8),
     "onednn": Spec("onednn", None, _onednn_pack, _onednn_linear, None, lambda packed, n: packed.to_dense()),
 }
 CODES = ("q4_1", "q8_0", "bf16", "f16")  # the narrow formats, narrowest first: a weight takes the first that holds it
 # The formats the int8-activation setting (cpu_linear.ROWS_Q8) reads in place of exact ones.
-INT8_ACTIVATIONS = {"q4_1": "q4_1_q8"}
+INT8_ACTIVATIONS = {"q4_1": "q4_1_q8", "q8_0": "q8_0_q8"}

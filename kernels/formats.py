@@ -30,6 +30,7 @@ class Format(enum.IntEnum):
     BF16 = 3  # bfloat16 values in the float blocks' layout
     F16 = 4  # float16 values in the float blocks' layout
     Q4_1_Q8 = 5  # Q4_1's codes and layout, read with int8 activations (ggml's Q8_1 grid): not exact
+    Q8_0_Q8 = 6  # Q8_0's codes and layout, read with int8 activations: not exact
 
 
 def parse(value: int | Format) -> Format:

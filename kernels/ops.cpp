@@ -14,7 +14,7 @@
 #include "gemv_int8.cpp"
 
 #if !defined(MT_NAMESPACE) || !defined(MT_MAX_ROWS) || !defined(MT_FORMAT_F32) || !defined(MT_FORMAT_Q4_1) || !defined(MT_FORMAT_Q8_0) || \
-    !defined(MT_FORMAT_BF16) || !defined(MT_FORMAT_F16) || !defined(MT_FORMAT_Q4_1_Q8)
+    !defined(MT_FORMAT_BF16) || !defined(MT_FORMAT_F16) || !defined(MT_FORMAT_Q4_1_Q8) || !defined(MT_FORMAT_Q8_0_Q8)
 #error "built without the formats and namespace of kernels/formats.py: build through gemv_rows.py"
 #endif
 
@@ -57,12 +57,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_
     const int64_t K = x.size(-1), M = x.numel() / K;
     TORCH_CHECK(K <= INT32_MAX && n <= INT32_MAX && M * std::max<int64_t>(K, n) < INT64_MAX / 4, op, ": too large");
     const bool q4 = format == MT_FORMAT_Q4_1 || format == MT_FORMAT_Q4_1_Q8;  // one layout, two kernels
-    const bool codes = q4 || format == MT_FORMAT_Q8_0;
+    const bool q8 = format == MT_FORMAT_Q8_0 || format == MT_FORMAT_Q8_0_Q8;
+    const bool codes = q4 || q8;
     TORCH_CHECK(!codes || K % QK == 0, op, ": Q4_1 / Q8_0 weights need K a multiple of ", QK, ", got ", K);
     if (format == MT_FORMAT_F32) check_packed(w, at::kFloat, n, K, L, op);
     else if (format == MT_FORMAT_BF16 || format == MT_FORMAT_F16) check_packed(w, at::kByte, n, K, 2 * L, op);
     else if (q4) check_packed(w, at::kByte, n, K / QK, chunk_bytes<Q4>(), op);
-    else if (format == MT_FORMAT_Q8_0) check_packed(w, at::kByte, n, K / QK, chunk_bytes<Q8>(), op);
+    else if (q8) check_packed(w, at::kByte, n, K / QK, chunk_bytes<Q8>(), op);
     else TORCH_CHECK(false, op, ": unknown weight format ", format, " (kernels/formats.py lists the formats)");
     if (bias.has_value()) check_vector(*bias, n, "bias", op);
     TORCH_CHECK(!bias.has_value() || bias->size(0) == n, op, ": bias must have n=", n, " entries");
@@ -77,7 +78,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_
         float* os = op_out + start * n;
         if (format == MT_FORMAT_F32) rows_linear(xs, w.data_ptr<float>(), os, rows, (int)K, (int)n);
         else if (format == MT_FORMAT_Q4_1) narrow_linear<Q4>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
-        else if (format == MT_FORMAT_Q4_1_Q8) q4_q8_linear(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
+        else if (format == MT_FORMAT_Q4_1_Q8) q8_rows_linear<Q4>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
+        else if (format == MT_FORMAT_Q8_0_Q8) q8_rows_linear<Q8>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
         else if (format == MT_FORMAT_Q8_0) narrow_linear<Q8>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
         else if (format == MT_FORMAT_BF16) narrow_linear<BF16>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);
         else narrow_linear<F16>(xs, w.data_ptr<uint8_t>(), os, rows, (int)K, (int)n);

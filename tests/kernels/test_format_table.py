@@ -18,7 +18,7 @@ from .test_gguf_codes import _weight, on_q4, on_q8
 
 N, K = 1000, 96  # 1000: a partial last column block
 VALUES = {  # a weight whose values are exactly the format's
-    "f32": lambda w: w, "q4_1": on_q4, "q4_1_q8": on_q4, "q8_0": on_q8,
+    "f32": lambda w: w, "q4_1": on_q4, "q4_1_q8": on_q4, "q8_0": on_q8, "q8_0_q8": on_q8,
     "bf16": lambda w: w.bfloat16().float(), "f16": lambda w: w.half().float(), "onednn": lambda w: w,
 }
 COMPILED = [name for name, spec in FORMATS.items() if spec.code is not None]  # oneDNN's rows: test_cpu_linear.py

@@ -1,4 +1,4 @@
-"""Q4_1 codes read against int8 activations (kernels/gemv_int8.cpp, ``--cpu-linear rows-q8``): the
+"""Q4_1 and Q8_0 codes read against int8 activations (kernels/gemv_int8.cpp, ``--cpu-linear rows-q8``): the
 kernel is its documented arithmetic (the rows' int8 grid exactly, then integer dot products and one
 float fold per chunk), its rows do not depend on the row count, zero and non-finite rows, and greedy
 decoding on it: speculative chains and trees give its own ``ar`` text token for token."""
@@ -16,7 +16,7 @@ from multitoken.kernels.format_table import FORMATS
 from multitoken.kernels.formats import QK, Format
 
 from .conftest import needs_kernels
-from .test_gguf_codes import _weight, on_q4
+from .test_gguf_codes import _weight, on_q4, on_q8
 
 pytestmark = needs_kernels()
 N, K = 200, 160  # a partial last column block; 5 chunks
@@ -33,18 +33,18 @@ def _grid(x: torch.Tensor):
     return q, d, d * q.sum(-1)
 
 
-def _fields(packed: torch.Tensor, n: int):
-    """The pack's d, m [N, C] and codes [N, C, QK] per output."""
-    d, m, q = gguf_codes._fields(packed, Format.Q4_1)  # [B, C, L], [B, C, QK, L]
+def _fields(packed: torch.Tensor, n: int, kind: Format):
+    """The pack's d, m [N, C] (Q8_0: m 0) and codes [N, C, QK] per output."""
+    d, m, q = gguf_codes._fields(packed, kind)  # [B, C, L], [B, C, QK, L]
     per_out = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1])[:n]  # noqa: E731
     return per_out(d), per_out(m), q.permute(0, 3, 1, 2).reshape(-1, q.shape[1], QK)[:n]
 
 
-def _definition(x: torch.Tensor, packed: torch.Tensor, n: int):
+def _definition(x: torch.Tensor, packed: torch.Tensor, n: int, kind: Format):
     """The fold's exact value (float64) and its rounding bound: per chunk, isum (exact) times the
-    float32 product d_w d, plus m_w s; 2 roundings per chunk (4 where products round apart)."""
+    float32 product d_w d, plus m_w s (Q4_1); 2 roundings per chunk (4 where products round apart)."""
     q, d, s = _grid(x)
-    dw, mw, qw = _fields(packed, n)
+    dw, mw, qw = _fields(packed, n, kind)
     isum = torch.einsum("mci,nci->mnc", q.double(), qw.double())  # [M, N, C], exact integers
     scale = (dw[None] * d[:, None]).double()  # [M, N, C]: the float32 product, as the kernel's
     terms = torch.stack([isum * scale, (mw[None] * s[:, None].double())], -1)  # exact in float64
@@ -52,40 +52,45 @@ def _definition(x: torch.Tensor, packed: torch.Tensor, n: int):
     return terms.sum((-1, -2)), steps * U / (1 - steps * U) * terms.abs().sum((-1, -2))
 
 
-def _packed(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    w = on_q4(_weight(N, K, seed))
-    return w, FORMATS["q4_1_q8"].pack(w)
+KINDS = {"q4_1_q8": (on_q4, Format.Q4_1, "q4_1"), "q8_0_q8": (on_q8, Format.Q8_0, "q8_0")}
 
 
-def test_the_kernel_is_its_arithmetic_and_within_the_grids_error():
-    w, packed = _packed()
+def _packed(fmt: str = "q4_1_q8", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    w = KINDS[fmt][0](_weight(N, K, seed))
+    return w, FORMATS[fmt].pack(w)
+
+
+@pytest.mark.parametrize("fmt", list(KINDS))
+def test_the_kernel_is_its_arithmetic_and_within_the_grids_error(fmt):
+    w, packed = _packed(fmt)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(13, K, generator=gen)
     x[:, 7] *= 50  # an outlier: its chunk's grid is coarse
     x[2, QK:2 * QK] = 0.0  # a zero chunk: d = s = 0
     x[3, :4] = torch.tensor([0.5, -0.5, 1.5, 127.0])  # x inv = 0.5, -0.5, 1.5: ties go to even
-    got = FORMATS["q4_1_q8"].linear(x, packed, N, None)
-    exact, bound = _definition(x, packed, N)
+    got = FORMATS[fmt].linear(x, packed, N, None)
+    exact, bound = _definition(x, packed, N, KINDS[fmt][1])
     assert bool(((got.double() - exact).abs() <= bound).all())
     # its error against the exact product: the grid's half step d / 2 per input, over sum |w|
     _, d, _ = _grid(x)
     grid = (d.double().repeat_interleave(QK, 1) / 2) @ w.abs().double().T  # [M, N]
     ref = x.double() @ w.double().T
     assert bool(((got.double() - ref).abs() <= grid * (1 + 1e-6) + 2 * bound).all())
-    assert not torch.equal(got, FORMATS["q4_1"].linear(x, packed, N, None))  # another kernel than the exact one
+    assert not torch.equal(got, FORMATS[KINDS[fmt][2]].linear(x, packed, N, None))  # another kernel than the exact one
 
 
-def test_zero_and_non_finite_rows():
-    _, packed = _packed()
+@pytest.mark.parametrize("fmt", list(KINDS))
+def test_zero_and_non_finite_rows(fmt):
+    _, packed = _packed(fmt)
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(2))
     x[0] = 0.0
     x[2, 100] = float("inf")
     x[3, 5] = float("nan")
     b = torch.randn(N, generator=torch.Generator().manual_seed(3))
-    got = FORMATS["q4_1_q8"].linear(x, packed, N, b)
+    got = FORMATS[fmt].linear(x, packed, N, b)
     assert torch.equal(got[0], b)  # nothing but the bias
     assert bool(got[1].isfinite().all()) and bool(got[2:].isnan().all())
-    assert torch.equal(got[1:2], FORMATS["q4_1_q8"].linear(x[1:2], packed, N, b))
+    assert torch.equal(got[1:2], FORMATS[fmt].linear(x[1:2], packed, N, b))
 
 
 def _model(base: str):

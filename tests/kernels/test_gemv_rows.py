@@ -160,11 +160,16 @@ def int8_activations():
     gen = torch.Generator().manual_seed(5)
     d = (torch.rand(70, 4, 1, generator=gen) / 64).half().float()
     m = -(torch.rand(70, 4, 1, generator=gen) / 8).half().float()
-    q = torch.randint(0, 16, (70, 4, 32), generator=gen).float()
-    q[..., :2] = torch.tensor([0.0, 15.0])
-    spec = FORMATS["q4_1_q8"]
-    packed = spec.pack((q * d + m).reshape(70, 128))
-    return [spec.linear(torch.randn(rows, 128, generator=gen), packed, 70, None) for rows in (1, 5, 13)]
+    q4 = torch.randint(0, 16, (70, 4, 32), generator=gen).float()
+    q4[..., :2] = torch.tensor([0.0, 15.0])
+    q8 = torch.randint(-127, 128, (70, 4, 32), generator=gen).float()
+    q8[..., 0] = 127.0
+    out = []
+    for name, w in (("q4_1_q8", q4 * d + m), ("q8_0_q8", q8 * d)):
+        spec = FORMATS[name]
+        packed = spec.pack(w.reshape(70, 128))
+        out += [spec.linear(torch.randn(rows, 128, generator=gen), packed, 70, None) for rows in (1, 5, 13)]
+    return out
 """
 
 
