@@ -221,7 +221,7 @@ static inline void q8_q8_block(const Q8Rows& x, const uint8_t* __restrict wb, fl
 #pragma GCC unroll 8
         for (int g = 0; g < T; ++g) {
             const int8_t* p = codes + g * 4 * L;
-            __builtin_prefetch((const char*)p + PREFETCH, 0, 3);
+            for (int line = 0; line < 4 * L; line += 64) __builtin_prefetch((const char*)p + PREFETCH + line, 0, 3);
             ivec w0, w1;
             q8_group(p, w0, w1);
 #ifdef Q8_DPBUSD
