@@ -7,7 +7,8 @@
 // (nearest, ties to even), s = d * sum q; then per output, with the chunk's w = d_w q_w + m_w,
 //   isum = sum q_w q   (exact in int32)
 //   acc = fma(float(isum), d_w * d, acc); acc = fma(m_w, s, acc)        (chunks in order)
-// so x w ~ d_w d isum + m_w s, off by at most sum over chunks of (d / 2) sum |w| plus float rounding.
+// so x w ~ d_w d isum + m_w s, off by at most sum over chunks of (d / 2) sum |w| plus float rounding
+// (Q8_0, w = d_w q_w: the first fused multiply-add alone).
 // Every row's arithmetic is that sequence whatever the row count, its place in the call and the
 // thread count: a verification step's logits are a one-token step's, bit for bit, on this setting.
 // The integers are exact on every build; the plain build rounds the fold's products apart where it
