@@ -66,3 +66,15 @@ def test_smoke_is_one_prompt_sixteen_tokens_one_thread(script):
     assert (args.num_prompts, args.max_new_tokens, args.threads) == (1, 16, [1])
     full = script.arguments([])
     assert (full.num_prompts, full.max_new_tokens, full.threads, full.lookup) == (6, 128, [1, 2], 8)
+
+
+def test_the_int8_rows_are_checked_against_their_own_ar(script):
+    """``-q8`` methods (--cpu-linear rows-q8) are not transformers' text: each is checked against
+    ``multitoken:ar-q8``, the exact ones against ``multitoken:ar``."""
+    runs = {"llama.cpp:plain": [_run(50, "a"), _run(50, "b")], "multitoken:ar": [_run(50, "a"), _run(50, "b")],
+            "multitoken:lookup": [_run(60, "a", 2.0), _run(60, "b", 2.0)],
+            "multitoken:ar-q8": [_run(70, "a"), _run(70, "c")], "multitoken:lookup-q8": [_run(90, "a", 2.0), _run(90, "c", 2.0)]}
+    got = script.paired(runs, "llama.cpp:plain")
+    assert got["multitoken:lookup-q8"]["same_as_plain"] == [True, True] and got["multitoken:ar-q8"]["same_as_plain"] is None
+    assert got["multitoken:lookup"]["same_as_plain"] == [True, True]
+    assert script.OURS["lookup-q8"][-2:] == ["--cpu-linear", "rows-q8"] and script.plain_of("multitoken:eagle3-q8") == "multitoken:ar-q8"
