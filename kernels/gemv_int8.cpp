@@ -14,6 +14,8 @@
 // The integers are exact on every build; the plain build rounds the fold's products apart where it
 // has no FMA (as gemv_rows.cpp's madd does).
 
+#include <vector>
+
 // Row scratch: each row's codes [M, K] and per chunk d, s and the codes' sum n [M, K / QK].
 struct Q8Rows {
     const int8_t* q;
@@ -94,6 +96,21 @@ static inline ivec widen(ivec v) { return _mm256_madd_epi16(v, _mm256_set1_epi16
 constexpr int Q8_ROWS = 4;
 #endif
 
+#ifdef Q8_VECTORS
+// R rows' inputs 4g .. 4g + 3 of chunk t against a group's two weight vectors (each lane: an
+// output's 4 codes): isum[m][h] = dot(isum[m][h], w_h, the row's 4 codes in every lane).
+template <int R, typename Dot>
+static inline void add_group(ivec (&isum)[R][2], const Q8Rows& x, int K, int t, int g, ivec w0, ivec w1, Dot dot) {
+#pragma GCC unroll 16
+    for (int m = 0; m < R; ++m) {
+        int32_t four;
+        std::memcpy(&four, x.q + (int64_t)m * K + t * QK + 4 * g, 4);
+        const ivec xv = ibcast(four);
+        isum[m][0] = dot(isum[m][0], w0, xv), isum[m][1] = dot(isum[m][1], w1, xv);
+    }
+}
+#endif
+
 // R rows' L outputs of one column block: the sequence above, chunk by chunk.
 template <int R>
 static inline void q4_q8_block(const Q8Rows& x, const uint8_t* __restrict wb, float* __restrict out, int K, int N, int n0) {
@@ -113,17 +130,11 @@ static inline void q4_q8_block(const Q8Rows& x, const uint8_t* __restrict wb, fl
             const uint8_t* p = codes + g * 4 * H;
             __builtin_prefetch((const char*)p + PREFETCH, 0, 3);
             const ivec v = group_codes(p), lo = low_nibbles(v), hi = high_nibbles(v);
-#pragma GCC unroll 16
-            for (int m = 0; m < R; ++m) {
-                int32_t four;
-                std::memcpy(&four, x.q + (int64_t)m * K + t * QK + 4 * g, 4);
-                const ivec xv = ibcast(four);
 #ifdef Q8_DPBUSD
-                isum[m][0] = dot4(isum[m][0], lo, xv), isum[m][1] = dot4(isum[m][1], hi, xv);
+            add_group<R>(isum, x, K, t, g, lo, hi, [](ivec a, ivec w, ivec q) { return dot4(a, w, q); });
 #else
-                isum[m][0] = dot2(isum[m][0], lo, xv), isum[m][1] = dot2(isum[m][1], hi, xv);
+            add_group<R>(isum, x, K, t, g, lo, hi, [](ivec a, ivec w, ivec q) { return dot2(a, w, q); });
 #endif
-            }
         }
 #pragma GCC unroll 16
         for (int m = 0; m < R; ++m) {  // the float sums live in L1, updated once per chunk
@@ -229,17 +240,11 @@ static inline void q8_q8_block(const Q8Rows& x, const uint8_t* __restrict wb, fl
             const ivec flip = _mm512_set1_epi8((char)0x80);
             w0 = _mm512_xor_si512(w0, flip), w1 = _mm512_xor_si512(w1, flip);  // q_w + 128, as unsigned bytes
 #endif
-#pragma GCC unroll 16
-            for (int m = 0; m < R; ++m) {
-                int32_t four;
-                std::memcpy(&four, x.q + (int64_t)m * K + t * QK + 4 * g, 4);
-                const ivec xv = ibcast(four);
 #ifdef Q8_DPBUSD
-                isum[m][0] = dot4(isum[m][0], w0, xv), isum[m][1] = dot4(isum[m][1], w1, xv);
+            add_group<R>(isum, x, K, t, g, w0, w1, [](ivec a, ivec w, ivec q) { return dot4(a, w, q); });
 #else
-                isum[m][0] = signed_dot(isum[m][0], w0, xv), isum[m][1] = signed_dot(isum[m][1], w1, xv);
+            add_group<R>(isum, x, K, t, g, w0, w1, [](ivec a, ivec w, ivec q) { return signed_dot(a, w, q); });
 #endif
-            }
         }
 #pragma GCC unroll 16
         for (int m = 0; m < R; ++m) {

@@ -9,7 +9,6 @@
 #include <cstring>
 #include <immintrin.h>
 #include <type_traits>
-#include <vector>
 #include <omp.h>
 #ifdef __AVX512F__
 constexpr int L = 32, MB = 12;  // outputs per block, rows per register block: 24 zmm of sums
