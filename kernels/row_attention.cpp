@@ -152,9 +152,11 @@ static void attend_head(const float* q, const float* kh, const float* vh, const 
 static void attend_rows(const float* q, const float* k_buf, const float* v_buf, int64_t cap, int64_t past, int T,
                         const bool* mask, int q_heads, int kv_heads, int d, float scale, float* out) {
     std::vector<std::vector<int64_t>> slots(T);
-    for (int t = 0; t < T; ++t)
+    for (int t = 0; t < T; ++t) {
+        slots[t].reserve(past + T);
         for (int64_t j = 0; j < past + T; ++j)
             if (j < past || (mask ? mask[(int64_t)t * (past + T) + j] : j == past)) slots[t].push_back(j);
+    }
     const int group = q_heads / kv_heads, count = T * q_heads;
     const int threads = std::min(omp_get_max_threads(), count);
 #pragma omp parallel num_threads(threads) if (threads > 1)
