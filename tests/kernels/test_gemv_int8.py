@@ -16,6 +16,7 @@ from multitoken.kernels.format_table import FORMATS
 from multitoken.kernels.formats import QK, Format
 
 from .conftest import needs_kernels
+from .test_format_table import _grid_error
 from .test_gguf_codes import _weight, on_q4, on_q8
 
 pytestmark = needs_kernels()
@@ -72,10 +73,8 @@ def test_the_kernel_is_its_arithmetic_and_within_the_grids_error(fmt):
     exact, bound = _definition(x, packed, N, KINDS[fmt][1])
     assert bool(((got.double() - exact).abs() <= bound).all())
     # its error against the exact product: the grid's half step d / 2 per input, over sum |w|
-    _, d, _ = _grid(x)
-    grid = (d.double().repeat_interleave(QK, 1) / 2) @ w.abs().double().T  # [M, N]
     ref = x.double() @ w.double().T
-    assert bool(((got.double() - ref).abs() <= grid * (1 + 1e-6) + 2 * bound).all())
+    assert bool(((got.double() - ref).abs() <= _grid_error(x, w) * (1 + 1e-6) + 2 * bound).all())
     assert not torch.equal(got, FORMATS[KINDS[fmt][2]].linear(x, packed, N, None))  # another kernel than the exact one
 
 
