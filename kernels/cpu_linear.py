@@ -4,7 +4,7 @@ The weight formats are one table (format_table.py): oneDNN's blocked layout (``-
 packed``) and the formats of our own compiled multi-row GEMV (``--cpu-linear rows``, float32
 weights, gemv_rows.py: built on first use; where it cannot be, those layers take oneDNN's layout;
 a weight that is exactly a GGUF's Q4_1 / Q8_0 codes or 16-bit floats keeps that format,
-gguf_codes.py; ``--cpu-linear rows-q8``: the same, with Q4_1 codes read against int8 activations,
+gguf_codes.py; ``--cpu-linear rows-q8``: the same, with Q4_1 / Q8_0 codes read against int8 activations,
 gemv_int8.cpp). ``PackedLinear`` reads its weight through its format's entry and nothing else.
 
 torch's fp32 ``F.linear`` on the CPU calls MKL, whose cost grows almost linearly with the rows
@@ -49,7 +49,7 @@ from multitoken.kernels.formats import Format
 
 PACKED, ROWS, STOCK = "packed", "rows", "stock"
 ROWS_F32 = "rows-f32"  # the rows kernel on float32 blocks only: GGUF codes not kept (what they are worth)
-ROWS_Q8 = "rows-q8"  # rows, with Q4_1 codes read against int8 activations as llama.cpp does: not exact
+ROWS_Q8 = "rows-q8"  # rows, with Q4_1 / Q8_0 codes read against int8 activations as llama.cpp does: not exact
 CPU_LINEARS = (PACKED, ROWS, ROWS_Q8, ROWS_F32, STOCK)
 COMPILED_MODES = (ROWS, ROWS_Q8, ROWS_F32)  # the modes of our compiled kernel
 ONEDNN = "onednn"  # the layout of a PACKED layer (and of a ROWS model's bf16 layers)
@@ -357,7 +357,7 @@ class _Cached:
 def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int:
     """Swap every packable ``nn.Linear`` under ``root`` for a ``PackedLinear`` in the layout
     ``mode`` asks for (``packed``: oneDNN's; ``rows``: the compiled kernel's for float32, GGUF codes
-    and 16-bit values kept in their narrow formats; ``rows-q8``: the same, Q4_1 codes read with
+    and 16-bit values kept in their narrow formats; ``rows-q8``: the same, Q4_1 / Q8_0 codes read with
     int8 activations; ``rows-f32``: float32 blocks only); returns
     how many were swapped (none where the ops are unusable). Idempotent. ``codes``: the codes of
     the base's GGUF (gguf_file.py), taken for the weights they rebuild; the others' are searched."""

@@ -7,8 +7,8 @@ ops.cpp) keep the exactness contract (docs/kernels.md): a row's logits are bit-i
 the row count, and the exact narrow formats' logits bit-identical to the float32 blocks' of the
 same weights. ``q4_1_q8`` and ``q8_0_q8`` (the ``rows-q8`` setting, gemv_int8.cpp) are not exact by
 design: they read Q4_1's and Q8_0's codes with the rows put on an int8 grid first, as llama.cpp
-does; their rows still do not depend on the row count. ``onednn`` is torch's own prepacked linear (fp32 rows exact across row counts; bf16
-within rounding). To add a format: a Format value, its kernel in gemv_rows.cpp and its case in
+does; their rows still do not depend on the row count. ``onednn`` is torch's own prepacked linear
+(fp32 rows exact across row counts; bf16 within rounding). To add a format: a Format value, its kernel in gemv_rows.cpp and its case in
 ops.cpp, then an entry here; the parametrised tests take it from there.
 """
 
@@ -69,7 +69,7 @@ def _f32_argmax(x, packed, n, scratch):
 
 def _codes(kind: Format, read: Format | None = None) -> Spec:
     """The entry of GGUF codes ``kind``, read by the kernel of ``read`` (another kernel on the
-    same bytes: Q4_1_Q8), else its own."""
+    same bytes: Q4_1_Q8, Q8_0_Q8), else its own."""
     read = kind if read is None else read
 
     def pack(weight):

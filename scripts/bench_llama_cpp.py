@@ -10,7 +10,7 @@ on SmolLM2-135M-Instruct's Q4_1 GGUF, greedy, at each ``--threads`` count, every
 - ours (``multitoken generate --prompts``, one process per method, a warm-up prompt first):
   ``ar``, ``speculative`` (the shipped drafting heads), ``lookup`` (the same with ``--lookup``)
   and, with a drafter, ``eagle3`` (its heads, ``--drafter eagle3``); each again with ``-q8``,
-  on ``--cpu-linear rows-q8`` (Q4_1 codes read against int8 activations, as llama.cpp reads them).
+  on ``--cpu-linear rows-q8`` (Q4_1 / Q8_0 codes read against int8 activations, as llama.cpp reads them).
 
 The drafter is ``--drafter DIR`` (eagle3 heads), else the one the package ships for SmolLM2
 where it exists; it is exported (``multitoken export --format eagle3``) and converted by

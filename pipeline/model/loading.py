@@ -47,7 +47,7 @@ class BackboneConfig:
     threads: int | None = threads_field()  # applied by load_backbone, process-wide
     cpu_linear: str = field(default=ROWS, metadata={
         "help": "CPU linears when decoding: rows (a multi-row kernel compiled here; packed where it cannot be built), "
-                "rows-q8 (the same, with Q4_1 GGUF codes read against int8 activations as llama.cpp reads them: "
+                "rows-q8 (the same, with Q4_1 / Q8_0 GGUF codes read against int8 activations as llama.cpp reads them: "
                 "faster, not exact), rows-f32 (the same on float32 blocks, GGUF codes not kept: to measure them), packed (oneDNN) or "
                 "stock (torch's F.linear); details: docs/decoding.md#cpu-linears",
         "choices": CPU_LINEARS})

@@ -150,7 +150,7 @@ q[..., 0] = 127  # each block's largest code: d is found from it
 found = gguf_codes.find_codes((q * d).reshape(40, 64))
 packed = gguf_codes.pack(*found)
 assert gguf_codes.q8_argmax(torch.randn(3, 64), packed, 40, gguf_codes.l1_norms(packed, 40)) is None  # no VNNI: declines
-torch.save(int8_activations(), sys.argv[2])  # Q4_1 codes against int8 rows: the parent compares them with its build's
+torch.save(int8_activations(), sys.argv[2])  # Q4_1 and Q8_0 codes against int8 rows: the parent compares them with its build's
 print(" ".join(rk._flags()), rk.lanes())
 """
 INT8_ACTIVATIONS = """
