@@ -64,6 +64,7 @@ MIN_WEIGHTS = 100_000
 Codes = Callable[[torch.Tensor], "tuple[Format, list] | None"]
 
 _STATE: dict = {"usable": {}, "warned": False}  # usable: dtype -> bool, probed once per process
+FALLBACKS = [0]  # packed linears put on their fallback in this process (what a plan built on them watches)
 
 
 @runtime_checkable
@@ -73,6 +74,17 @@ class ArgmaxHead(Protocol):
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None: ...
 
+
+_ARGMAX_HEADS: dict[type, bool] = {}
+
+
+def is_argmax_head(module: nn.Module) -> bool:
+    """``isinstance(module, ArgmaxHead)``, answered once per class (a protocol's check walks its
+    members on every call, and greedy decoding asks every step)."""
+    kind = type(module)
+    if kind not in _ARGMAX_HEADS:
+        _ARGMAX_HEADS[kind] = isinstance(module, ArgmaxHead)
+    return _ARGMAX_HEADS[kind]
 
 def grids_on() -> bool:
     """Whether the rows layout can keep weights in a narrow format here (gguf_codes.py: exact,
@@ -184,6 +196,7 @@ class PackedLinear(nn.Module):
             except RuntimeError as err:
                 _say_once(f"the packed linear failed ({str(err).splitlines()[0]})")
                 self.dense = self.dense_weight()
+                FALLBACKS[0] += 1
         # autograd (a gradient w.r.t. x through a frozen packed layer) or the fallback
         return F.linear(x, self.dense if self.dense is not None else self.dense_weight(), self.bias)
 

@@ -236,7 +236,7 @@ class LeanLayers:
             return None
         kind = self.config._attn_implementation
         stack = self.stack
-        if stack is None or not stack.current(layers, kind):
+        if stack is None or not stack.current(layers, kind, cache):
             plans = [self.plan(layer, ctx) for layer in layers]
             rows = [None if p is None else p.row for p in plans]
             stack = self.stack = Stack.of(layers, rows, kind)

@@ -14,21 +14,25 @@ They apply where that holds and nothing is lost: batch 1, one row without a mask
 RMSNorm, SiLU, the rolled rotary and transformers' own, q|k|v and gate|up fused and o / down
 packed, all in compiled formats and on no fallback, and a KV cache whose layers are in-place
 buffers with room for the rows (pipeline/runtime/kv_cache.py). Anywhere else they answer None and
-the Python path runs. A ``Stack`` is checked once per step (the layers, the modules each reads by
-identity, no linear on its fallback, the attention kind): the per-layer checks are what it saves.
+the Python path runs. A ``Stack`` is checked once per step (the layers, the attention kind, none
+training; the modules each reads by identity and no linear on its fallback in full once per run
+and after any submodule was set anywhere): the per-layer checks are what it saves.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from operator import is_
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
-from multitoken.kernels import gemv_rows
+from multitoken.kernels import cpu_linear, gemv_rows
 from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.kernels.formats import Format
 
@@ -165,6 +169,30 @@ class Row:
         return out
 
 
+_DENSE, _MODULES, _TRAINING = attrgetter("dense"), attrgetter("_modules"), attrgetter("training")
+_MOVES = [0]  # submodules set anywhere in this process (torch's global hook below)
+
+
+def _moved(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    _MOVES[0] += 1
+
+
+register_module_module_registration_hook(_moved)
+
+
+def _places(layers) -> tuple[list, list, list, list]:
+    """Where each module the layers' row ops read sits, the blocks holding them included, in layer
+    order: (each one's owner, the owner's ``_modules``, its name there, the module)."""
+    owners, dicts, names, held = [], [], [], []
+    for layer in layers:
+        places = [(layer, name) for name in NORMS]
+        for block, children in READS:
+            places += [(layer, block), *((layer._modules[block], child) for child in children)]
+        for owner, name in places:
+            owners.append(owner), dicts.append(owner._modules), names.append(name), held.append(owner._modules[name])
+    return owners, dicts, names, held
+
+
 @dataclass
 class Stack:
     """Every layer's step of one sequence's rows as ``llama_rows``: the layers' rows' arguments concatenated, and
@@ -172,7 +200,7 @@ class Stack:
     that the answer is not worked out again every step)."""
 
     layers: tuple[nn.Module, ...]
-    modules: tuple[nn.Module, ...]  # what each layer reads (``reads``), in layer order
+    places: tuple[list, list, list, list]  # ``_places(layers)``: what ``current`` compares
     kind: str
     linears: tuple[nn.Module, ...] = ()  # each layer's seven linears
     op: Callable | None = None
@@ -181,16 +209,17 @@ class Stack:
     sizes: list = None
     scalars: list = None
     half: int = 0
+    seen: tuple = ()  # (_MOVES, FALLBACKS) when ``current`` last compared the places in full
+    checked: weakref.ref | None = None  # the cache it compared them for
 
     @staticmethod
     def of(layers, rows: list[Row | None], kind: str) -> "Stack":
         """The stack of ``layers`` whose rows are ``rows`` (None where a layer has none)."""
         layers = tuple(layers)
-        read = [reads(layer) for layer in layers]
-        stack = Stack(layers, tuple(m for r in read for m in r), kind)
+        stack = Stack(layers, _places(layers), kind)
         if any(row is None for row in rows) or len({row.sizes[15] for row in rows}) != 1:
             return stack  # kept while its modules are: a linear packed or put in place is a new module
-        stack.linears = tuple(m for r in read for m in r[:LINEARS])  # packed, each with its fallback's ``dense``
+        stack.linears = tuple(m for layer in layers for m in reads(layer)[:LINEARS])  # packed, each with its fallback's ``dense``
         lib = gemv_rows.library()
         stack.op, stack.half = lib.llama_rows, rows[0].sizes[15]
         stack.weights = [w for row in rows for w in row.weights]
@@ -199,13 +228,25 @@ class Stack:
         stack.scalars = [x for row in rows for x in row.scalars]
         return stack
 
-    def current(self, layers, kind: str) -> bool:
-        """Whether ``layers`` are the ones it was made from, reading the same modules, no linear on
-        its fallback, under the same attention kind, none training."""
-        return (kind == self.kind and len(layers) == len(self.layers) and all(map(is_, layers, self.layers))
-                and all(map(is_, (m for layer in layers for m in reads(layer)), self.modules))
-                and not any(m.dense is not None for m in self.linears)
-                and not any(layer.training for layer in layers))
+    def current(self, layers, kind: str, cache) -> bool:
+        """Whether ``layers`` are the ones it was made from, reading the same modules from the same
+        places, no linear on its fallback, under the same attention kind, none training. Every
+        step asks: the places are compared in full on a new ``cache`` (a new run) or after any
+        submodule was set or any packed linear fell back anywhere; otherwise that nothing moved
+        answers for them (touching some 400 modules, cold in the cache after a step, is a visible share
+        of a small model's step)."""
+        if (kind != self.kind or len(layers) != len(self.layers) or not all(map(is_, layers, self.layers))
+                or any(map(_TRAINING, layers))):
+            return False
+        seen = (_MOVES[0], cpu_linear.FALLBACKS[0])
+        if seen == self.seen and self.checked is not None and self.checked() is cache:
+            return True
+        owners, dicts, names, held = self.places
+        if not (all(map(is_, map(_MODULES, owners), dicts)) and all(map(is_, map(dict.get, dicts, names), held))
+                and all(map(is_, map(_DENSE, self.linears), repeat(None)))):
+            return False
+        self.seen, self.checked = seen, weakref.ref(cache)
+        return True
 
     def run(self, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
         """Every layer's step of the rows ``hidden`` [1, T, H] # -> each layer's output (``every``) or

@@ -152,6 +152,49 @@ def test_a_module_replaced_between_steps_is_the_one_read(tiny_llama_q_dir, monke
 
 
 @torch.no_grad()
+def test_the_stack_sees_a_module_moved_mid_run_between_runs_and_a_fallback(tiny_llama_q_dir):
+    """The stack compares every module it reads once per run; within a run, that no submodule was
+    set anywhere and no packed linear fell back stands in for it. A norm set mid-run (the hook
+    sees it), one put straight into ``_modules`` between runs (no hook: the new run's compare
+    sees it), and a linear on its fallback each make the next step build a new stack."""
+    model = _model(str(tiny_llama_q_dir))
+    if not gemv_rows.available():
+        pytest.skip("needs the compiled kernels")
+    bb, gen = model.backbone, torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 500, (1, 12), generator=gen)
+    caches = model.new_caches()
+    model.step(ids[:, :9], caches)
+    model.step(ids[:, 9:10], caches)
+    stack = bb.lean.stack
+    assert stack is not None and stack.op is not None and stack.checked() is caches.backbone
+    model.step(ids[:, 10:11], caches)
+    assert bb.lean.stack is stack  # nothing moved: the same stack
+
+    def moved_norm(layer):
+        norm = copy.deepcopy(layer.post_attention_layernorm)
+        norm.weight.data.mul_(1.5)
+        return norm
+
+    layer = bb.layers[1]
+    layer.post_attention_layernorm = moved_norm(layer)  # mid-run, through setattr
+    model.step(ids[:, 11:12], caches)
+    assert bb.lean.stack is not stack and any(w is layer.post_attention_layernorm.weight for w in bb.lean.stack.weights)
+    stack = bb.lean.stack
+    layer._modules["post_attention_layernorm"] = moved_norm(layer)  # no hook runs
+    caches = model.new_caches()
+    model.step(ids[:, :9], caches)
+    model.step(ids[:, 9:10], caches)
+    assert bb.lean.stack is not stack and any(w is layer.post_attention_layernorm.weight for w in bb.lean.stack.weights)
+    o = bb.layers[0].self_attn.o_proj
+    assert isinstance(o, PackedLinear) and o.dense is None
+    with pytest.raises(RuntimeError):  # the kernel refuses float64 (the fallback taken), then F.linear does too
+        o(torch.ones(1, o.in_features, dtype=torch.float64))
+    assert o.dense is not None
+    model.step(ids[:, 10:11], caches)
+    assert bb.lean.stack.op is None  # a linear on its fallback: no row op for its layer
+
+
+@torch.no_grad()
 def test_repacking_replans_and_training_keeps_the_layers_forward(tiny_llama_dir):
     model = _model(str(tiny_llama_dir))
     bb, layer = model.backbone, model.backbone.layers[0]
