@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from multitoken.base.errors import CheckpointError, UsageError
-from multitoken.kernels.cpu_linear import ArgmaxHead
+from multitoken.kernels.cpu_linear import is_argmax_head
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -151,7 +151,7 @@ class DraftUnembedding(nn.Module):
         """The token of the best logit # [..., H] -> [...] long, exactly ``forward(rows).argmax(-1)``
         (``ids`` ascend, so the first index on ties is the same token), from the packed
         projection's argmax screen; None where it has none (then take the logits)."""
-        best = self.proj.argmax(rows) if isinstance(self.proj, ArgmaxHead) else None  # packed: cpu_linear.py
+        best = self.proj.argmax(rows) if is_argmax_head(self.proj) else None  # packed: cpu_linear.py
         return None if best is None else self.ids[best]
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:

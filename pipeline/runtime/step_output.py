@@ -9,7 +9,7 @@ from collections import Counter
 import torch
 
 from multitoken.adapters.base import Features
-from multitoken.kernels.cpu_linear import ArgmaxHead
+from multitoken.kernels.cpu_linear import is_argmax_head
 from multitoken.pipeline.runtime.unembed_costs import LINEAR, TRANSPOSED, apply, costs_for
 
 
@@ -96,7 +96,7 @@ class StepOutput:
         through its argmax screen (the rows kernel's), timed, and counted as a call over the whole
         vocabulary (``_unembed``'s rule); None where it has none, or where the unembedding's
         measured costs find the logits cheaper for this many rows."""
-        if not isinstance(unembedding, ArgmaxHead):
+        if not is_argmax_head(unembedding):
             return None
         whole = unembedding is self.model.backbone.unembedding  # a draft vocabulary's has no measured costs
         if whole and not costs_for(unembedding, rows).screens(rows.shape[0] * rows.shape[1]):

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from multitoken.kernels.cpu_linear import ArgmaxHead, weight_key
+from multitoken.kernels.cpu_linear import is_argmax_head, weight_key
 
 LINEAR, TRANSPOSED = "linear", "transposed"
 ARGMAX = "argmax"  # the head's argmax screen: timed beside the logits' forms, never a logits form
@@ -117,7 +117,7 @@ def _timer(head: torch.nn.Module, hidden: int, dtype: torch.dtype, device: torch
     def measure(rows: list[int]) -> dict[int, dict[str, float]]:
         xs = {r: torch.randn(r, hidden, generator=torch.Generator().manual_seed(r)).to(device=device, dtype=dtype) for r in rows}
         times = {(r, f): [] for r in rows for f in (forms if r > 1 else (LINEAR,))}
-        if isinstance(head, ArgmaxHead):
+        if is_argmax_head(head):
             times.update({(r, ARGMAX): [] for r in rows if head.argmax(xs[r]) is not None})  # also its warm-up (the first builds the screen)
         for r, f in times:  # warm-up: first calls allocate
             if f != ARGMAX:
