@@ -148,12 +148,19 @@ def paired(runs: dict[str, list[dict]], reference: str) -> dict[str, dict]:
     return out
 
 
+def scaling(fewer: dict, more: dict) -> float:
+    """The median over prompts of one method's tok/s at more threads over its tok/s at fewer."""
+    return statistics.median(b / a for a, b in zip(fewer["tokens_per_s"], more["tokens_per_s"]))
+
+
 def table(results: dict[int, dict], threads: list[int], record: dict) -> dict:
     """The docs table (results/llama_cpp.json's form): a row per method, tok/s and x llama.cpp
-    plain per thread count, tokens per forward, and texts equal to the engine's plain greedy."""
+    plain per thread count, what more threads give over the first count (per prompt, the median),
+    tokens per forward, and texts equal to the engine's plain greedy."""
     columns = ["method", "tokens / forward"]
     for t in threads:
         columns += [f"{t} thread{'s' * (t > 1)} tok/s", "x llama.cpp"]
+    columns += [f"{t} threads: x {threads[0]}" for t in threads[1:]]
     columns.append("text = plain greedy")
     rows = []
     for label in results[threads[0]]:
@@ -163,6 +170,7 @@ def table(results: dict[int, dict], threads: list[int], record: dict) -> dict:
         for t in threads:
             r = results[t][label]
             row += [f"{r['median_tokens_per_s']:.1f}", f"{r['median_ratio']:.2f}"]
+        row += [f"{scaling(first, results[t][label]):.2f}" for t in threads[1:]]
         same = [s for t in threads for s in (results[t][label]["same_as_plain"] or [])]
         row.append(f"{sum(same)} of {len(same)}" if results[threads[0]][label]["same_as_plain"] is not None else "")
         rows.append(row)

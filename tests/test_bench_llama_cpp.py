@@ -53,12 +53,19 @@ def test_the_table_has_a_row_per_method_and_a_column_pair_per_thread_count(scrip
               "settings": {"max_new_tokens": 128, "prompts": 1}}
     t = script.table(results, [1, 2], record)
     assert t["columns"] == ["method", "tokens / forward", "1 thread tok/s", "x llama.cpp", "2 threads tok/s", "x llama.cpp",
-                            "text = plain greedy"]
-    assert t["rows"] == [["llama.cpp:plain", "", "50.0", "1.00", "80.0", "1.00", ""],
-                         ["multitoken:ar", "1.00", "25.0", "0.50", "40.0", "0.50", ""],
-                         ["multitoken:lookup", "2.50", "40.0", "0.80", "120.0", "1.50", "1 of 2"]]
+                            "2 threads: x 1", "text = plain greedy"]
+    assert t["rows"] == [["llama.cpp:plain", "", "50.0", "1.00", "80.0", "1.00", "1.60", ""],
+                         ["multitoken:ar", "1.00", "25.0", "0.50", "40.0", "0.50", "1.60", ""],
+                         ["multitoken:lookup", "2.50", "40.0", "0.80", "120.0", "1.50", "3.00", "1 of 2"]]
     assert all(key in t for key in ("id", "machine", "date", "command", "source", "note"))  # what benchmark_tables.py requires
     assert t["machine"].startswith("2-core ") and "128 new tokens" in t["note"]
+
+
+def test_what_a_second_thread_gives_is_paired_per_prompt(script):
+    one = script.paired({"llama.cpp:plain": [_run(50, "a"), _run(100, "b"), _run(10, "c")]}, "llama.cpp:plain")
+    two = script.paired({"llama.cpp:plain": [_run(60, "a"), _run(300, "b"), _run(30, "c")]}, "llama.cpp:plain")
+    # per prompt 1.2, 3.0, 3.0: the median of those, not the ratio of the medians (60 / 50)
+    assert script.scaling(one["llama.cpp:plain"], two["llama.cpp:plain"]) == pytest.approx(3.0)
 
 
 def test_smoke_is_one_prompt_sixteen_tokens_one_thread(script):
