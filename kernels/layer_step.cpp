@@ -235,12 +235,15 @@ at::Tensor llama_row(const at::Tensor& hidden, at::TensorList weights, const c10
 
 // L layers one after the other (each layer's arguments of layer_row, concatenated in layer
 // order; one cache buffer pair per layer, all with ``past`` slots filled) # -> the outputs of
-// the layers listed in ``keep`` (indices, ascending), each [1, T, H].
+// the layers listed in ``keep`` (indices, ascending), each [1, T, H], then, given the model's
+// final RMSNorm (its weight [H] and eps), the last layer's output through it (LlamaRMSNorm's bits,
+// as the layers' own norms): the step's last torch ops run here, not after it in Python.
 std::vector<at::Tensor> llama_rows(const at::Tensor& hidden, at::TensorList weights,
                                    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sizes,
                                    at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& sin,
                                    const at::Tensor& signed_sin, at::TensorList k_bufs, at::TensorList v_bufs, int64_t past,
-                                   const std::optional<at::Tensor>& mask, bool gqa, at::IntArrayRef keep) {
+                                   const std::optional<at::Tensor>& mask, bool gqa, at::IntArrayRef keep,
+                                   const std::optional<at::Tensor>& norm, double norm_eps) {
     const int64_t L = (int64_t)k_bufs.size();
     TORCH_CHECK(L > 0 && (int64_t)v_bufs.size() == L && (int64_t)weights.size() == ROW_WEIGHTS * L &&
                 (int64_t)biases.size() == ROW_WEIGHTS * L && (int64_t)sizes.size() == ROW_SIZES * L &&
@@ -260,6 +263,7 @@ std::vector<at::Tensor> llama_rows(const at::Tensor& hidden, at::TensorList weig
         }
     }
     TORCH_CHECK(next == keep.size(), "llama_rows: keep must list layer indices below ", L, " in ascending order");
+    if (norm.has_value()) out.push_back(rms_norm(h, *norm, norm_eps));
     return out;
 }
 

@@ -160,7 +160,7 @@ MT_DEFINE(MT_NAMESPACE, m) {
           "Tensor sin, Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
     m.def("llama_rows(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
           "Tensor sin, Tensor signed_sin, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int past, Tensor? mask, bool gqa, "
-          "int[] keep) -> Tensor[]");
+          "int[] keep, Tensor? norm, float norm_eps) -> Tensor[]");
 }
 
 MT_IMPL(MT_NAMESPACE, m) {

@@ -228,19 +228,24 @@ class LeanLayers:
             plan = self.plans[id(layer)] = self.lean.plan(layer)
         return plan
 
-    def run_rows(self, layers, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
+    def run_rows(self, layers, hidden: torch.Tensor, ctx, cache, every: bool,
+                 norm: nn.Module | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
         """``layers`` (two or more) on the rows ``hidden`` [1, T, H] of one sequence in one op
-        (lean_rows.Stack) where each layer's row op applies # -> each layer's output (``every``)
-        or the last two's; None: run them one by one."""
+        (lean_rows.Stack) where each layer's row op applies # -> (each layer's output (``every``)
+        or the last two's, the last one through ``norm`` where the op applies it, else None);
+        None: run them one by one."""
         if self.lean is None or torch.is_grad_enabled() or len(layers) < 2 or not fits(hidden, ctx, cache):
             return None
         kind = self.config._attn_implementation
         stack = self.stack
-        if stack is None or not stack.current(layers, kind, cache):
+        if stack is None or not stack.current(layers, kind, cache, norm):
             plans = [self.plan(layer, ctx) for layer in layers]
             rows = [None if p is None else p.row for p in plans]
-            stack = self.stack = Stack.of(layers, rows, kind)
-        return None if stack.op is None else stack.run(hidden, ctx, cache, every)
+            stack = self.stack = Stack.of(layers, rows, kind, norm)
+        outs = None if stack.op is None else stack.run(hidden, ctx, cache, every)
+        if outs is None:
+            return None
+        return (outs[:-1], outs[-1]) if stack.norm_args[0] is not None else (outs, None)
 
     def runs_on(self, device: torch.device) -> bool:
         """Whether a decoding run on ``device`` takes the lean forward (inference on the CPU, an

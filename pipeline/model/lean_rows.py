@@ -211,12 +211,15 @@ class Stack:
     half: int = 0
     seen: tuple = ()  # (_MOVES, FALLBACKS) when ``current`` last compared the places in full
     checked: weakref.ref | None = None  # the cache it compared them for
+    norm: nn.Module | None = None  # the final norm it was made with (the caller's, applied or not)
+    norm_args: tuple = (None, 0.0)  # its weight and eps where the op applies it (``_final_norm``)
 
     @staticmethod
-    def of(layers, rows: list[Row | None], kind: str) -> "Stack":
-        """The stack of ``layers`` whose rows are ``rows`` (None where a layer has none)."""
+    def of(layers, rows: list[Row | None], kind: str, norm: nn.Module | None = None) -> "Stack":
+        """The stack of ``layers`` whose rows are ``rows`` (None where a layer has none), and
+        ``norm`` after them where the op reproduces it."""
         layers = tuple(layers)
-        stack = Stack(layers, _places(layers), kind)
+        stack = Stack(layers, _places(layers), kind, norm=norm)
         if any(row is None for row in rows) or len({row.sizes[15] for row in rows}) != 1:
             return stack  # kept while its modules are: a linear packed or put in place is a new module
         stack.linears = tuple(m for layer in layers for m in reads(layer)[:LINEARS])  # packed, each with its fallback's ``dense``
@@ -226,17 +229,18 @@ class Stack:
         stack.biases = [b for row in rows for b in row.biases]
         stack.sizes = [n for row in rows for n in row.sizes]
         stack.scalars = [x for row in rows for x in row.scalars]
+        stack.norm_args = _final_norm(norm, rows[-1].weights[0])
         return stack
 
-    def current(self, layers, kind: str, cache) -> bool:
+    def current(self, layers, kind: str, cache, norm: nn.Module | None = None) -> bool:
         """Whether ``layers`` are the ones it was made from, reading the same modules from the same
         places, no linear on its fallback, under the same attention kind, none training. Every
         step asks: the places are compared in full on a new ``cache`` (a new run) or after any
         submodule was set or any packed linear fell back anywhere; otherwise that nothing moved
         answers for them (touching some 400 modules, cold in the cache after a step, is a visible share
         of a small model's step)."""
-        if (kind != self.kind or len(layers) != len(self.layers) or not all(map(is_, layers, self.layers))
-                or any(map(_TRAINING, layers))):
+        if (kind != self.kind or norm is not self.norm or len(layers) != len(self.layers)
+                or not all(map(is_, layers, self.layers)) or any(map(_TRAINING, layers))):
             return False
         seen = (_MOVES[0], cpu_linear.FALLBACKS[0])
         if seen == self.seen and self.checked is not None and self.checked() is cache:
@@ -250,7 +254,8 @@ class Stack:
 
     def run(self, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
         """Every layer's step of the rows ``hidden`` [1, T, H] # -> each layer's output (``every``) or
-        the last two layers' [1, T, H]; None where the cache or the rotary do not suit it."""
+        the last two layers' [1, T, H], then the final norm's where it applies it (``norm_args``);
+        None where the cache or the rotary do not suit it."""
         n, rows = len(self.layers), hidden.shape[1]
         layers = cache.layers
         if len(layers) < n:
@@ -264,10 +269,22 @@ class Stack:
         cos, sin, signed, gqa = tables
         keep = list(range(n)) if every else [n - 2, n - 1]
         outs = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, sin, signed,
-                       [s[0] for s in slots], [s[1] for s in slots], past, ctx.mask, gqa, keep)
+                       [s[0] for s in slots], [s[1] for s in slots], past, ctx.mask, gqa, keep, *self.norm_args)
         for layer in layers[:n]:
             layer.filled(past + rows)
         return outs
+
+
+def _final_norm(norm: nn.Module | None, like: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+    """(weight, eps) of a final norm the op applies as transformers' LlamaRMSNorm (its class, a
+    float32 weight like the layers' norm weight ``like``), else (None, 0.0): the caller's."""
+    if norm is None or type(norm).__name__ != "LlamaRMSNorm":
+        return None, 0.0
+    weight = norm._parameters.get("weight")
+    if (weight is None or weight.dtype != torch.float32 or weight.shape != like.shape or weight.device != like.device
+            or not weight.is_contiguous()):
+        return None, 0.0
+    return weight, float(norm.variance_epsilon)
 
 
 def _none(rows: int):

@@ -227,8 +227,11 @@ def _run_backbone(model, hidden: torch.Tensor, ctx, caches: DecodeCaches) -> Fea
     """The backbone's layers and final norm over the new positions # -> Features."""
     bb, states = model.backbone, []
     every = model.heads.needs_layer_states
-    if (outs := bb.lean.run_rows(bb.layers, hidden, ctx, caches.backbone, every)) is not None:  # one op, one sequence
-        return Features(trunk=outs[-2], base=bb.final_norm(outs[-1]), layer_states=tuple(outs[:-1]) if every else (), ctx=ctx)
+    norm = bb.final_norm
+    if (ran := bb.lean.run_rows(bb.layers, hidden, ctx, caches.backbone, every, norm)) is not None:  # one op, one sequence
+        outs, base = ran  # base: the final norm's output where the op applied it
+        return Features(trunk=outs[-2], base=norm(outs[-1]) if base is None else base,
+                        layer_states=tuple(outs[:-1]) if every else (), ctx=ctx)
     for layer in bb.layers[:-1]:
         hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)
         if model.heads.needs_layer_states:

@@ -155,8 +155,9 @@ def test_a_module_replaced_between_steps_is_the_one_read(tiny_llama_q_dir, monke
 def test_the_stack_sees_a_module_moved_mid_run_between_runs_and_a_fallback(tiny_llama_q_dir):
     """The stack compares every module it reads once per run; within a run, that no submodule was
     set anywhere and no packed linear fell back stands in for it. A norm set mid-run (the hook
-    sees it), one put straight into ``_modules`` between runs (no hook: the new run's compare
-    sees it), and a linear on its fallback each make the next step build a new stack."""
+    sees it), a final norm set mid-run (the op applies it: its output is the layers' own), one
+    put straight into ``_modules`` between runs (no hook: the new run's compare sees it), and a
+    linear on its fallback each make the next step build a new stack."""
     model = _model(str(tiny_llama_q_dir))
     if not gemv_rows.available():
         pytest.skip("needs the compiled kernels")
@@ -167,6 +168,7 @@ def test_the_stack_sees_a_module_moved_mid_run_between_runs_and_a_fallback(tiny_
     model.step(ids[:, 9:10], caches)
     stack = bb.lean.stack
     assert stack is not None and stack.op is not None and stack.checked() is caches.backbone
+    assert stack.norm_args[0] is bb.final_norm.weight  # the final norm runs in the op too
     model.step(ids[:, 10:11], caches)
     assert bb.lean.stack is stack  # nothing moved: the same stack
 
@@ -179,6 +181,16 @@ def test_the_stack_sees_a_module_moved_mid_run_between_runs_and_a_fallback(tiny_
     layer.post_attention_layernorm = moved_norm(layer)  # mid-run, through setattr
     model.step(ids[:, 11:12], caches)
     assert bb.lean.stack is not stack and any(w is layer.post_attention_layernorm.weight for w in bb.lean.stack.weights)
+    final = copy.deepcopy(bb.final_norm)
+    final.weight.data.mul_(0.5)
+    setattr(bb.decoder, bb.spec.final_norm, final)
+    start = caches.length
+    out = model.step(ids[:, 11:12], caches)
+    assert bb.lean.stack.norm is final and bb.lean.stack.norm_args[0] is final.weight
+    caches.keep(start, [[]])
+    bb.lean.lean = None  # the layers' own forward
+    assert torch.equal(_bits(model.step(ids[:, 11:12], caches).feats.base), _bits(out.feats.base))
+    bb.lean.lean = LEAN[bb.model_type]
     stack = bb.lean.stack
     layer._modules["post_attention_layernorm"] = moved_norm(layer)  # no hook runs
     caches = model.new_caches()
