@@ -34,7 +34,6 @@ or after ``train()``.
 from __future__ import annotations
 
 import copy
-import ctypes
 import sys
 from typing import Callable, Protocol, runtime_checkable
 
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multitoken.base.progress import status
-from multitoken.kernels import cpu_features, gemv_rows, gguf_codes, pack_cache
+from multitoken.kernels import cpu_features, gemv_rows, gguf_codes, host_memory, pack_cache
 from multitoken.kernels.format_table import CODES, FORMATS, INT8_ACTIVATIONS, Spec
 from multitoken.kernels.formats import Format
 
@@ -306,37 +305,6 @@ def _weight_counts(root: nn.Module) -> dict[int, int]:
     return counts
 
 
-def _file_maps() -> list[tuple[int, int]]:
-    """Address ranges of this process's file-backed memory maps (Linux; none elsewhere)."""
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    fields = [line.split() for line in lines]
-    return [tuple(int(a, 16) for a in f[0].split("-")) for f in fields if len(f) >= 6 and f[4] != "0"]
-
-
-def _own_copies(root: nn.Module, maps: list[tuple[int, int]]) -> None:
-    """Copy every parameter and buffer under ``root`` that lives in a file map into memory of
-    its own. transformers may load a checkpoint as one copy-on-write map of its file, which
-    stays (and stays resident once the packing read it) while any tensor points into it: the
-    released dense weights would free nothing."""
-    for t in [*root.parameters(), *root.buffers()]:
-        ptr = t.data_ptr() if t.numel() else 0
-        if any(a <= ptr < b for a, b in maps):
-            t.data = t.data.clone()
-
-
-def _trim_heap() -> None:
-    """Give the released dense weights' pages back to the OS: glibc keeps freed heap memory
-    mapped (and counted in RSS) below live allocations, such as the packed copies made after."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
-        return
-
-
 class _Cached:
     """One ``pack`` call's compiled-format layers on disk (pack_cache.py): read back where an entry
     holds them all, else stored once packed. Off below ``pack_cache.MIN_CACHED`` weights, for
@@ -377,7 +345,7 @@ def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int
     found = [(parent, name, child) for parent, name, child in _children(root)
              if type(child) is nn.Linear and _packable(child) and _formats_for(child.weight.dtype, mode)]
     counts = _weight_counts(root) if found else {}
-    maps = _file_maps() if found else []
+    maps = host_memory.file_maps() if found else []
     mapped = any(any(a <= child.weight.data_ptr() < b for a, b in maps) for _, _, child in found)
     if found:
         status(f"preparing {len(found)} linears")  # read back from the cache, else packed (said next)
@@ -395,9 +363,9 @@ def pack(root: nn.Module, mode: str = PACKED, codes: Codes | None = None) -> int
         setattr(parent, name, swapped[id(child)])
     cache.store(swapped)
     if mapped:
-        _own_copies(root, maps)
+        host_memory.own_copies(root, maps)
     if swapped:
-        _trim_heap()
+        host_memory.trim_heap()
     return len(swapped)
 
 

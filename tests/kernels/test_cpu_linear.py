@@ -14,7 +14,7 @@ from torch import nn
 
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
-from multitoken.kernels import cpu_features, cpu_linear, format_table
+from multitoken.kernels import cpu_features, cpu_linear, format_table, host_memory
 from multitoken.pipeline.model.loading import BackboneConfig, LoraSpec, load_backbone
 from multitoken.kernels.cpu_linear import PackedLinear
 from multitoken.pipeline.model.model import MultiTokenModel
@@ -214,7 +214,7 @@ def test_a_tied_unembedding_keeps_the_embedding_dense_and_decodes_as_transformer
            for mode in ("ar", "speculative")}
     assert isinstance(bb.unembedding, PackedLinear) and bb.unembedding.shared
     assert torch.equal(bb.embeddings.weight, emb) and bb.embeddings.weight.data_ptr() == bb.unembedding.stock.weight.data_ptr()
-    maps = cpu_linear._file_maps()  # nothing left in a map of the checkpoint file: the packed copies replace it
+    maps = host_memory.file_maps()  # nothing left in a map of the checkpoint file: the packed copies replace it
     assert not any(a <= p.data_ptr() < b for p in model.parameters() for a, b in maps)
     assert got["ar"] == ref and got["speculative"] == ref and hf() == ref  # transformers on the packed kernels too
     copied = copy.deepcopy(model)
