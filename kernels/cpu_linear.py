@@ -85,6 +85,7 @@ def is_argmax_head(module: nn.Module) -> bool:
         _ARGMAX_HEADS[kind] = isinstance(module, ArgmaxHead)
     return _ARGMAX_HEADS[kind]
 
+
 def grids_on() -> bool:
     """Whether the rows layout can keep weights in a narrow format here (gguf_codes.py: exact,
     so ``rows`` does; ``rows-f32`` keeps float32 blocks, to measure)."""

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from multitoken.kernels.fused_linear import FusedLinear, fusable
-from multitoken.pipeline.model.lean_rows import Row, Stack, fits, rotary_tables
+from multitoken.pipeline.model.lean_rows import Row, Stack, fits, llama_rms_norm, rotary_tables
 
 ATTENTION_KINDS = ("sdpa", "eager")  # attention kernels that read only (q, k, v, mask, scaling)
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -106,7 +106,6 @@ def llama_plan(layer: nn.Module) -> Plan:
     modeling = sys.modules[type(layer.self_attn).__module__]
     linears, kind = _linears(layer), layer.self_attn.config._attn_implementation
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(kind, modeling.eager_attention_forward)
-    norms = {type(layer.input_layernorm).__name__, type(layer.post_attention_layernorm).__name__}
     rotate_half = modeling.rotate_half
 
     def rotary_one(x, ctx):  # apply_rotary_pos_emb's formula on one tensor
@@ -115,7 +114,8 @@ def llama_plan(layer: nn.Module) -> Plan:
         return (x * cos) + (rotate_half(x) * sin)
 
     plan = Plan(layer, _fused(linears[:3], QKV), _fused(linears[3:], GATE_UP),
-                _rms_norm if norms == {"LlamaRMSNorm"} else _module_norm,
+                _rms_norm if llama_rms_norm(layer.input_layernorm) and llama_rms_norm(layer.post_attention_layernorm)
+                else _module_norm,
                 modeling.apply_rotary_pos_emb, _rolled_rotary if _halves_swapped(rotate_half) else rotary_one,
                 attention, kind, linears)
     plan.row = Row.of(plan) if plan.norm is _rms_norm and plan.rotary_one is _rolled_rotary else None
@@ -242,6 +242,7 @@ class LeanLayers:
             plans = [self.plan(layer, ctx) for layer in layers]
             rows = [None if p is None else p.row for p in plans]
             stack = self.stack = Stack.of(layers, rows, kind, norm)
+            stack.compared(cache)  # made from the modules just now: the next compare is a move's
         outs = None if stack.op is None else stack.run(hidden, ctx, cache, every)
         if outs is None:
             return None

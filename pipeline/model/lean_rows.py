@@ -56,6 +56,12 @@ def rotary_tables(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     return tables
 
 
+def llama_rms_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is transformers' LlamaRMSNorm, whose ops the lean forward and the row ops
+    reproduce (by class name: each family's modeling module defines its own class)."""
+    return type(norm).__name__ == "LlamaRMSNorm"
+
+
 def _compiled(linear: nn.Module) -> bool:
     """Whether ``linear`` is packed in a compiled format and reads it (not on its fallback)."""
     return isinstance(linear, PackedLinear) and linear.spec.code is not None and linear.dense is None
@@ -249,8 +255,12 @@ class Stack:
         if not (all(map(is_, map(_MODULES, owners), dicts)) and all(map(is_, map(dict.get, dicts, names), held))
                 and all(map(is_, map(_DENSE, self.linears), repeat(None)))):
             return False
-        self.seen, self.checked = seen, weakref.ref(cache)
+        self.compared(cache)
         return True
+
+    def compared(self, cache) -> None:
+        """Its places are the modules' now (compared, or just made from them), for ``cache``'s run."""
+        self.seen, self.checked = (_MOVES[0], cpu_linear.FALLBACKS[0]), weakref.ref(cache)
 
     def run(self, hidden: torch.Tensor, ctx, cache, every: bool) -> list[torch.Tensor] | None:
         """Every layer's step of the rows ``hidden`` [1, T, H] # -> each layer's output (``every``) or
@@ -278,7 +288,7 @@ class Stack:
 def _final_norm(norm: nn.Module | None, like: torch.Tensor) -> tuple[torch.Tensor | None, float]:
     """(weight, eps) of a final norm the op applies as transformers' LlamaRMSNorm (its class, a
     float32 weight like the layers' norm weight ``like``), else (None, 0.0): the caller's."""
-    if norm is None or type(norm).__name__ != "LlamaRMSNorm":
+    if norm is None or not llama_rms_norm(norm):
         return None, 0.0
     weight = norm._parameters.get("weight")
     if (weight is None or weight.dtype != torch.float32 or weight.shape != like.shape or weight.device != like.device

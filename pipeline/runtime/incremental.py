@@ -236,7 +236,7 @@ def _run_backbone(model, hidden: torch.Tensor, ctx, caches: DecodeCaches) -> Fea
         hidden = bb.run_layer(layer, hidden, ctx, caches.backbone)
         if model.heads.needs_layer_states:
             states.append(hidden)
-    base = bb.final_norm(bb.run_layer(bb.layers[-1], hidden, ctx, caches.backbone))  # [B, T, H]
+    base = norm(bb.run_layer(bb.layers[-1], hidden, ctx, caches.backbone))  # [B, T, H]
     return Features(trunk=hidden, base=base, layer_states=tuple(states), ctx=ctx)
 
 
