@@ -162,6 +162,15 @@ def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown:
     return UsageError(f"unknown flag {word}", fix)
 
 
+def _leave_process_group() -> None:
+    """torchrun's process group, left once a command has done its work: a gloo group still
+    alive at interpreter exit can abort the process (``terminate called``) after its output is
+    written. Only after success: leaving while other ranks wait in a collective could hang."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_dependencies()
@@ -180,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             raise _unknown(parser, args, unknown)
         _packaged_folders(args)
         args.func(args)
+        _leave_process_group()
     except MultitokenError as err:
         print(f"multitoken {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code

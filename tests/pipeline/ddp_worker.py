@@ -29,6 +29,8 @@ def run(heads: str, data: str, out: str, dump: str, mode: str, batch: str, accum
     train(cfg, DataConfig(data=data), model=model)
     state = {n: p.detach().contiguous() for n, p in model.named_parameters() if "lora_" in n or n.startswith("heads.")}
     save_file(state, f"{dump}-rank{dist.rank}.safetensors")
+    if dist.world > 1:  # as every torchrun script should: a gloo group alive at exit can abort the rank
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

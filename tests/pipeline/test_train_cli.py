@@ -47,6 +47,24 @@ def test_attach_then_train_from_the_cli(tiny_llama_dir, corpus, tmp_path, capsys
     assert "--resume" in capsys.readouterr().err
 
 
+def test_a_command_that_succeeds_leaves_the_process_group_one_that_fails_keeps_it(tiny_llama_dir, tmp_path, capsys):
+    """A gloo group alive at interpreter exit can abort a torchrun rank after its work is done
+    (``terminate called without an active exception``): main leaves it once a command succeeds,
+    and not after an error, where other ranks may still wait in a collective."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert main(["attach", "--base", str(tiny_llama_dir), "--head", "medusa", "--n", "2", "--out", str(tmp_path / "a")]) == 0
+        assert not tdist.is_initialized()
+        tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
+        assert main(["attach", "--base", str(tiny_llama_dir), "--head", "medusa", "--n", "2", "--out", str(tmp_path / "a")]) != 0
+        assert "already holds a heads dir" in capsys.readouterr().err and tdist.is_initialized()
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
 def test_resume_needs_a_checkpoint_to_continue_finished_heads(heads_dir, corpus, tmp_path, capsys):
     import shutil
 
