@@ -62,10 +62,16 @@ void rotate_and_cache(const float* heads, const float* cos, const float* sin, in
     for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
         const float* x = heads + h * d;
         float* out = h < q_heads ? q_out + h * d : k_buf + ((h - q_heads) * capacity + past) * d;
-        for (int64_t i = 0; i < d; ++i) {
-            const float rolled = x[(i - half + d) % d];
+        // roll(x, half)[i] is x[i - half + d] below ``half`` and x[i - half] from it: two loops
+        // without a division per element, which the compiler vectorises
+        for (int64_t i = 0; i < half; ++i) {
             const float a = x[i] * cos[i];
-            const float b = rolled * sin[i];
+            const float b = x[i - half + d] * sin[i];
+            out[i] = a + b;
+        }
+        for (int64_t i = half; i < d; ++i) {
+            const float a = x[i] * cos[i];
+            const float b = x[i - half] * sin[i];
             out[i] = a + b;
         }
     }
