@@ -42,7 +42,7 @@ import multitoken.base.progress as progress
 stages = []
 progress.status = lambda text: stages.append([time.perf_counter() - t0, text])
 from multitoken.pipeline.cli import main
-code = main(sys.argv[1:])
+code = main()  # as the installed command calls it: the process is the command's (base/collector.py)
 print("STARTUP " + json.dumps({"code": code, "end_s": time.perf_counter() - t0, "stages": stages}), file=sys.stderr)
 sys.exit(code)
 """

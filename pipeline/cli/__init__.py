@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from multitoken.base import collector
 from multitoken.base.errors import MultitokenError, UsageError
 from multitoken.base.progress import status, status_on
 from multitoken.base.quiet import quiet_dependencies  # the scripts use the same switch
@@ -172,6 +173,11 @@ def _leave_process_group() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``multitoken`` command; ``argv`` None: the program's own arguments, and the process
+    is this command's (its garbage collector tuned for that: base/collector.py)."""
+    as_program = argv is None
+    if as_program:
+        collector.start_up()
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_dependencies()
     command = next((a for a in argv if not a.startswith("-")), None)  # no option takes a value before it
@@ -198,5 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         status_on(False)  # erased, and off for whatever the process runs after main
+        collector.exiting(as_program)
     return 0
 

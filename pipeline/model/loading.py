@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from multitoken.base import collector
 from multitoken.embedded import BASE_FORMS, default_base, portable_base, resolve_base
 from multitoken.base.errors import CheckpointError, UsageError
 from multitoken.base.hub import check_no_custom_code, custom_code_error, locate, source_gguf, source_sha256
@@ -195,6 +196,7 @@ def load_backbone(
     backbone.source_gguf = source_gguf(base, hub_kwargs)
     if qlayers is not None:
         backbone.float_layers = dict(qlayers.left_float)
+    collector.model_loaded()  # the CLI's start-up ends here (base/collector.py)
     return backbone
 
 
