@@ -25,7 +25,8 @@ namespace {
 // no product and sum are fused into one rounding where torch's separate ops round twice.
 
 // LlamaRMSNorm on float32 rows x [1, T, H] (its casts are no-ops there): w * (x * rsqrt(mean(x^2)
-// + eps)). The mean stays torch's (its sum order is its kernel's); the rest, one element at a time.
+// + eps)). The mean's sum stays torch's (its order is its kernel's); at::mean is that sum divided
+// in place by the count (a float division), done here; the rest, one element at a time.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     const int64_t H = x.size(-1), T = x.numel() / H;
     TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H, "llama_row: a norm's weight must be float32 [H]");
@@ -33,13 +34,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     at::Tensor squares = at::empty_like(x);  // torch's pow(x, 2) is x * x
     float* sp = squares.data_ptr<float>();
     for (int64_t i = 0; i < T * H; ++i) sp[i] = xp[i] * xp[i];
-    const at::Tensor mean = squares.mean({-1}, true);  // [1, T, 1]
-    const float* variance = mean.data_ptr<float>();
+    const at::Tensor sums = squares.sum({-1}, true);  // [1, T, 1]
+    const float* sum = sums.data_ptr<float>();
     at::Tensor out = at::empty_like(x);
     const float* wp = w.data_ptr<float>();
     float* op = out.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
-        const float r = 1.0f / std::sqrt(variance[t] + static_cast<float>(eps));  // torch: add (eps as float), rsqrt
+        const float variance = sum[t] / static_cast<float>(H);
+        const float r = 1.0f / std::sqrt(variance + static_cast<float>(eps));  // torch: add (eps as float), rsqrt
         for (int64_t i = 0; i < H; ++i) op[t * H + i] = wp[i] * (xp[t * H + i] * r);
     }
     return out;
