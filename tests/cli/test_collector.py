@@ -1,5 +1,5 @@
 """The garbage collector of a process that is the ``multitoken`` command (base/collector.py):
-rare collections while it starts, what is loaded frozen, everything frozen at its end; a
+no collections while it starts, what is loaded frozen, everything frozen at its end; a
 library user's or a test's collector untouched. Each case runs in its own interpreter, so that
 this one's collector is never frozen."""
 
@@ -39,11 +39,11 @@ def _probe(how: str, *args: str) -> dict:
     return json.loads(lines[-1][len("PROBE "):])
 
 
-def test_the_program_starts_with_rare_collections_then_freezes_what_it_loaded_and_all_at_its_end(tmp_path):
+def test_the_program_starts_without_collections_then_freezes_what_it_loaded_and_all_at_its_end(tmp_path):
     seen = _probe("program", "attach", "--head", "medusa", "--n", "2", "--out", str(tmp_path / "heads"))
     assert seen["code"] == 0
     default = seen["before"]
-    assert seen["loading"][0] > default[0] and seen["loading"][1:] == default[1:]  # start-up: rarer, not none
+    assert seen["loading"][0] > default[0] and seen["loading"][1:] == default[1:]  # start-up: a bound above its objects
     assert seen["loaded"] == [default, True]  # the usual thresholds for the work, the loaded objects frozen
     assert seen["after"][0] == default and seen["after"][1] > 0
 
