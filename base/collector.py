@@ -17,7 +17,8 @@ test calling ``main``):
   process wrote are closed by then (outputs are written through context managers) and the
   standard streams are flushed by the interpreter as always.
 
-Only the CLI's ``main``, called as the program, calls these: a library user's collector is never touched.
+A library user's collector is never touched: ``model_loaded`` (every model load calls it) does
+nothing unless the CLI's ``main``, called as the program, ran ``start_up``.
 """
 
 from __future__ import annotations
