@@ -11,7 +11,6 @@
 // a KV cache buffer with room for the rows) and keeps the cache's length.
 #include <ATen/record_function.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/silu.h>
 
@@ -55,36 +54,39 @@ void add_into(at::Tensor& a, const at::Tensor& b) {
     for (int64_t i = 0, n = a.numel(); i < n; ++i) ap[i] = bp[i] + ap[i];
 }
 
-// The rotary of one row's q and k heads and the cache's writes: for heads [q + 2 kv, d] (the
+// The rotary of T rows' q and k heads and the cache's writes: for heads [T, q + 2 kv, d] (the
 // fused q|k|v output), q and k rotated as x * cos + roll(x, half) * signed_sin (torch's mul,
-// roll, mul and add per element), q to ``q_out`` [q, d], k to slot ``past`` of ``k_buf`` and v
-// copied to that slot of ``v_buf`` ([kv, capacity, d] each, contiguous).
-void rotate_and_cache(const float* heads, const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads,
-                      int64_t d, int64_t half, float* q_out, float* k_buf, float* v_buf, int64_t capacity, int64_t past) {
-    for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
-        const float* x = heads + h * d;
-        float* out = h < q_heads ? q_out + h * d : k_buf + ((h - q_heads) * capacity + past) * d;
-        // roll(x, half)[i] is x[i - half + d] below ``half`` and x[i - half] from it: two loops
-        // without a division per element, which the compiler vectorises
-        for (int64_t i = 0; i < half; ++i) {
-            const float a = x[i] * cos[i];
-            const float b = x[i - half + d] * sin[i];
-            out[i] = a + b;
+// roll, mul and add per element; half = d / 2, so roll(x, half) * signed_sin is rotate_half(x) *
+// sin: a product's sign is its factors'), row t's with its tables cos / signed_sin [T, d]: q to
+// ``q_out`` [T, q, d], k to slot past + t of ``k_buf`` and v copied to that slot of ``v_buf``
+// ([kv, capacity, d] each, contiguous).
+void rotate_and_cache(const float* heads, const float* cos, const float* signed_sin, int64_t T, int64_t q_heads,
+                      int64_t kv_heads, int64_t d, int64_t half, float* q_out, float* k_buf, float* v_buf,
+                      int64_t capacity, int64_t past) {
+    const int64_t width = (q_heads + 2 * kv_heads) * d;
+    for (int64_t t = 0; t < T; ++t) {
+        const float* row = heads + t * width;
+        const float* c = cos + t * d;
+        const float* s = signed_sin + t * d;
+        for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
+            const float* x = row + h * d;
+            float* out = h < q_heads ? q_out + (t * q_heads + h) * d : k_buf + ((h - q_heads) * capacity + past + t) * d;
+            // roll(x, half)[i] is x[i - half + d] below ``half`` and x[i - half] from it: two loops
+            // without a division per element, which the compiler vectorises
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x[i] * c[i];
+                const float b = x[i - half + d] * s[i];
+                out[i] = a + b;
+            }
+            for (int64_t i = half; i < d; ++i) {
+                const float a = x[i] * c[i];
+                const float b = x[i - half] * s[i];
+                out[i] = a + b;
+            }
         }
-        for (int64_t i = half; i < d; ++i) {
-            const float a = x[i] * cos[i];
-            const float b = x[i - half] * sin[i];
-            out[i] = a + b;
-        }
+        for (int64_t h = 0; h < kv_heads; ++h)
+            std::memcpy(v_buf + (h * capacity + past + t) * d, row + (q_heads + kv_heads + h) * d, d * sizeof(float));
     }
-    for (int64_t h = 0; h < kv_heads; ++h)
-        std::memcpy(v_buf + (h * capacity + past) * d, heads + (q_heads + kv_heads + h) * d, d * sizeof(float));
-}
-
-// transformers' Llama rotary on several rows, its ops in its order: x * cos + rotate_half(x) * sin.
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t half) {
-    const at::Tensor rotated = at::cat({x.narrow(-1, half, x.size(-1) - half).neg(), x.narrow(-1, 0, half)}, -1);
-    return x.mul(cos).add(rotated.mul(sin));  // (x * cos) + (rotated * sin): mul, mul, add
 }
 
 // transformers' repeat_kv: [1, kv, S, d] -> [1, kv * n, S, d], each kv head n times.
@@ -132,19 +134,19 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_buf, const at:
 }
 
 // Its attention block on T > 1 rows after the norm, x [1, T, H] # -> the attention's output
-// [1, T, heads x d] before o_proj: lean_layers.py's multi-row path, its torch ops in its order on the
-// same views (SDPA reads their strides): q / k / v split from one call, transformers' rotary, the
-// rows written to slots past.. of the cache buffers, SDPA under ``mask`` with grouped kv heads read
-// in place (``gqa``: transformers' choice) or repeated.
+// [1, T, heads x d] before o_proj: lean_layers.py's multi-row path: q / k / v from one call, the
+// rotary and the cache's writes as one row's (rotate_and_cache), q laid out as torch's rotary
+// leaves it on the rows' views ([1, heads, T, d] over [1, T, heads, d] memory: SDPA reads those
+// strides), SDPA under ``mask`` with grouped kv heads read in place (``gqa``: transformers'
+// choice) or repeated.
 at::Tensor attention_rows(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>* biases,
-                          at::IntArrayRef sizes, double scaling, const at::Tensor& cos, const at::Tensor& sin,
+                          at::IntArrayRef sizes, double scaling, const at::Tensor& cos, const at::Tensor& signed_sin,
                           const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past, const at::Tensor& mask, bool gqa) {
     const int64_t T = x.size(1), q_heads = sizes[12], kv_heads = sizes[13], d = sizes[14], half = sizes[15];
-    const auto parts = linear(x, weights, biases, sizes, 1).split_with_sizes({q_heads * d, kv_heads * d, kv_heads * d}, -1);
-    const at::Tensor q = rotary(parts[0].view({1, T, -1, d}).transpose(1, 2), cos, sin, half);  // [1, heads, T, d]
-    const at::Tensor k = rotary(parts[1].view({1, T, -1, d}).transpose(1, 2), cos, sin, half);
-    k_buf.narrow(2, past, T).copy_(k);
-    v_buf.narrow(2, past, T).copy_(parts[2].view({1, T, -1, d}).transpose(1, 2));
+    const at::Tensor heads = linear(x, weights, biases, sizes, 1);  // [1, T, q + 2 kv heads x d]
+    const at::Tensor q = at::empty({1, T, q_heads, d}, x.options()).transpose(1, 2);  // [1, heads, T, d]
+    rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), T, q_heads, kv_heads,
+                     d, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), k_buf.size(2), past);
     if (sizes[0] == PER_ROW) return row_attention(q[0].transpose(0, 1).contiguous(), k_buf, v_buf, past, mask, scaling);
     at::Tensor keys = k_buf.narrow(2, 0, past + T), values = v_buf.narrow(2, 0, past + T);
     const bool grouped = q_heads != kv_heads;
@@ -164,7 +166,7 @@ at::Tensor attention_rows(const at::Tensor& x, at::TensorList weights, const std
 //          attention: SDPA (transformers' bits) or PER_ROW (row_attention.cpp: a row's bits whatever
 //          the rows beside it; the int8 setting's);
 //   scalars: the two norms' eps, the attention's scaling;
-//   cos / sin / signed_sin: the pass's rotary tables [1, 1, T, d] (signed: lean_layers._rolled_rotary's);
+//   cos / signed_sin: the pass's rotary tables [1, 1, T, d] (signed: lean_layers._rolled_rotary's);
 //   k_buf / v_buf: the layer's cache buffers [1, kv heads, capacity, d], ``past`` slots filled:
 //   the rows' keys and values go to slots past.. (the caller moves the cache's length);
 //   mask: none for one row (it sees every slot), [1, 1, T, past + T] bool for T > 1 (True: attend);
@@ -172,7 +174,7 @@ at::Tensor attention_rows(const at::Tensor& x, at::TensorList weights, const std
 // One row takes lean_layers.py's one-row path, q and k rotated by a loop as one tensor, k and v
 // written to their slot directly; several rows its multi-row path (attention_rows).
 at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std::optional<at::Tensor>* biases,
-                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& sin,
+                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos,
                      const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past,
                      const std::optional<at::Tensor>& mask, bool gqa) {
     const char* op = "llama_row";
@@ -184,13 +186,13 @@ at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std
                 k_buf.size(3) == head_dim && v_buf.sizes() == k_buf.sizes() && past >= 0 && past + T <= k_buf.size(2),
                 op, ": the cache buffers must be [1, ", kv_heads, ", >= ", past + T, ", ", head_dim, "]");
     const int64_t width = (q_heads + 2 * kv_heads) * head_dim;
-    for (const at::Tensor* table : {&cos, &sin, &signed_sin})
+    for (const at::Tensor* table : {&cos, &signed_sin})
         TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 4 &&
                     table->size(2) == T && table->size(3) == head_dim && table->numel() == T * head_dim, op,
                     ": the rotary tables must be contiguous float32 [1, 1, ", T, ", ", head_dim, "]");
     TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
                 v_buf.is_contiguous(), op, ": the cache buffers must be contiguous float32");
-    TORCH_CHECK(half >= 0 && half < head_dim && sizes[3] == width && q_heads % kv_heads == 0, op,
+    TORCH_CHECK(2 * half == head_dim && sizes[3] == width && q_heads % kv_heads == 0, op,
                 ": the fused q|k|v must give ", width, " outputs");
     TORCH_CHECK(sizes[0] == SDPA || sizes[0] == PER_ROW, op, ": sizes[0] (the attention) must be ", SDPA, " or ", PER_ROW);
     TORCH_CHECK(T == 1 ? !mask.has_value() : (mask.has_value() && mask->scalar_type() == at::kBool && mask->dim() == 4 &&
@@ -202,7 +204,7 @@ at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std
     if (T == 1) {
         const at::Tensor heads = linear(x, weights, biases, sizes, 1);  // [1, 1, q + 2 kv heads x d]
         const at::Tensor q = at::empty({1, q_heads, 1, head_dim}, hidden.options());
-        rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), q_heads, kv_heads,
+        rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), 1, q_heads, kv_heads,
                          head_dim, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(),
                          k_buf.size(2), past);
         attn = sizes[0] == PER_ROW ? row_attention(q.view({1, q_heads, head_dim}), k_buf, v_buf, past, std::nullopt, scalars[2])
@@ -210,7 +212,7 @@ at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std
                                                   std::nullopt, 0.0, false, scalars[2], q_heads != kv_heads)  // [1, q, 1, d]
                      .transpose(1, 2).contiguous().view({1, 1, -1});
     } else {
-        attn = attention_rows(x, weights, biases, sizes, scalars[2], cos, sin, k_buf, v_buf, past, *mask, gqa);
+        attn = attention_rows(x, weights, biases, sizes, scalars[2], cos, signed_sin, k_buf, v_buf, past, *mask, gqa);
     }
     at::Tensor h = linear(attn, weights, biases, sizes, 2);
     add_into(h, hidden);
@@ -231,14 +233,14 @@ std::vector<std::optional<at::Tensor>> optionals(const c10::List<std::optional<a
 
 // One layer (layer_row's arguments).
 at::Tensor llama_row(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& sin,
+                     at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos,
                      const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past,
                      const std::optional<at::Tensor>& mask, bool gqa) {
     TORCH_CHECK((int64_t)weights.size() == ROW_WEIGHTS && (int64_t)biases.size() == ROW_WEIGHTS &&
                 (int64_t)sizes.size() == ROW_SIZES && (int64_t)scalars.size() == ROW_SCALARS,
                 "llama_row: takes 6 weights, 6 biases, 19 sizes and 3 scalars");
     const auto b = optionals(biases);
-    return layer_row(hidden, weights, b.data(), sizes, scalars, cos, sin, signed_sin, k_buf, v_buf, past, mask, gqa);
+    return layer_row(hidden, weights, b.data(), sizes, scalars, cos, signed_sin, k_buf, v_buf, past, mask, gqa);
 }
 
 // L layers one after the other (each layer's arguments of layer_row, concatenated in layer
@@ -248,7 +250,7 @@ at::Tensor llama_row(const at::Tensor& hidden, at::TensorList weights, const c10
 // as the layers' own norms): the step's last torch ops run here, not after it in Python.
 std::vector<at::Tensor> llama_rows(const at::Tensor& hidden, at::TensorList weights,
                                    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sizes,
-                                   at::ArrayRef<double> scalars, const at::Tensor& cos, const at::Tensor& sin,
+                                   at::ArrayRef<double> scalars, const at::Tensor& cos,
                                    const at::Tensor& signed_sin, at::TensorList k_bufs, at::TensorList v_bufs, int64_t past,
                                    const std::optional<at::Tensor>& mask, bool gqa, at::IntArrayRef keep,
                                    const std::optional<at::Tensor>& norm, double norm_eps) {
@@ -263,7 +265,7 @@ std::vector<at::Tensor> llama_rows(const at::Tensor& hidden, at::TensorList weig
     size_t next = 0;
     for (int64_t i = 0; i < L; ++i) {
         h = layer_row(h, weights.slice(ROW_WEIGHTS * i, ROW_WEIGHTS), b.data() + ROW_WEIGHTS * i,
-                      sizes.slice(ROW_SIZES * i, ROW_SIZES), scalars.slice(ROW_SCALARS * i, ROW_SCALARS), cos, sin,
+                      sizes.slice(ROW_SIZES * i, ROW_SIZES), scalars.slice(ROW_SCALARS * i, ROW_SCALARS), cos,
                       signed_sin, k_bufs[i], v_bufs[i], past, mask, gqa);
         if (next < keep.size() && keep[next] == i) {
             out.push_back(h);

@@ -157,9 +157,9 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("q8_argmax(Tensor x, Tensor w, Tensor l1, int n) -> (Tensor, int)");
     m.def("row_attention(Tensor q, Tensor k_buf, Tensor v_buf, int past, Tensor? mask, float scale) -> Tensor");
     m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
-          "Tensor sin, Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
+          "Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
     m.def("llama_rows(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
-          "Tensor sin, Tensor signed_sin, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int past, Tensor? mask, bool gqa, "
+          "Tensor signed_sin, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int past, Tensor? mask, bool gqa, "
           "int[] keep, Tensor? norm, float norm_eps) -> Tensor[]");
 }
 

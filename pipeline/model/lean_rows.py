@@ -103,15 +103,15 @@ def fits(hidden: torch.Tensor, ctx, cache) -> bool:
 
 
 def _tables(ctx, half: int, past: int, rows: int):
-    """(cos, sin, signed sin, whether grouped kv heads are read in place) for a step of ``rows``
+    """(cos, signed sin, whether grouped kv heads are read in place) for a step of ``rows``
     after ``past`` slots, or None where the tables or the mask do not suit the ops."""
     cos, sin, signed, have = rotary_tables(ctx)
-    if have != half or not (cos.is_contiguous() and sin.is_contiguous()) or cos.shape[0] != 1:
+    if have != half or not (cos.is_contiguous() and signed.is_contiguous()) or cos.shape[0] != 1:
         return None
     mask = ctx.mask
     if mask is not None and mask.shape[-1] != past + rows:
         return None
-    return cos, sin, signed, mask is not None and use_gqa_in_sdpa(mask, None, None)
+    return cos, signed, mask is not None and use_gqa_in_sdpa(mask, None, None)
 
 
 @dataclass
@@ -169,8 +169,8 @@ class Row:
         if tables is None:
             return None
         k, v, n = slot
-        cos, sin, signed, gqa = tables
-        out = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, sin, signed, k, v, n, ctx.mask, gqa)
+        cos, signed, gqa = tables
+        out = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, signed, k, v, n, ctx.mask, gqa)
         layers[index].filled(n + rows)
         return out
 
@@ -276,9 +276,9 @@ class Stack:
         past = slots[0][2]
         if (tables := _tables(ctx, self.half, past, rows)) is None:
             return None
-        cos, sin, signed, gqa = tables
+        cos, signed, gqa = tables
         keep = list(range(n)) if every else [n - 2, n - 1]
-        outs = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, sin, signed,
+        outs = self.op(hidden, self.weights, self.biases, self.sizes, self.scalars, cos, signed,
                        [s[0] for s in slots], [s[1] for s in slots], past, ctx.mask, gqa, keep, *self.norm_args)
         for layer in layers[:n]:
             layer.filled(past + rows)
