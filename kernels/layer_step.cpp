@@ -3,10 +3,10 @@
 // order, called from C++.
 //
 // Why: a one-token decoding step of a small model is mostly the Python between ~40 small ops per
-// layer (docs/benchmarks/profile.md). Here those ops are the same ATen ops on the same tensors
-// (the dispatcher picks the same kernels), and the linears the same ``gemv`` calls, so every
-// output is the Python path's, bit for bit (tests/pipeline/test_lean_layers.py); only the
-// interpreter between them is gone. lean_rows.py decides where this applies (one sequence of up to
+// layer (docs/benchmarks/profile.md). Here those with an order of their own are the same ATen ops
+// on the same tensors (the dispatcher picks the same kernels), the element-wise ones loops of the
+// same roundings (below), and the linears the same ``gemv`` calls, so every output is the Python
+// path's, bit for bit (tests/pipeline/test_lean_layers.py); only the interpreter is gone. lean_rows.py decides where this applies (one sequence of up to
 // MAX_ROWS rows, float32, SDPA attention, RMSNorm, SiLU, every linear packed in a compiled format,
 // a KV cache buffer with room for the rows) and keeps the cache's length.
 #include <ATen/record_function.h>
