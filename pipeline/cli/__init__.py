@@ -163,13 +163,18 @@ def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown:
     return UsageError(f"unknown flag {word}", fix)
 
 
-def _leave_process_group() -> None:
-    """torchrun's process group, left once a command has done its work: a gloo group still
-    alive at interpreter exit can abort the process (``terminate called``) after its output is
-    written. Only after success: leaving while other ranks wait in a collective could hang."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def _in_process_group() -> bool:
+    dist = sys.modules.get("torch.distributed")  # never imported here: only a command imports torch
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _leave_process_group(joined_before: bool) -> None:
+    """torchrun's process group, left once the command that joined it has done its work: a gloo
+    group still alive at interpreter exit can abort the process (``terminate called``) after its
+    output is written. Only after success (leaving while other ranks wait in a collective could
+    hang), and never a group the caller had joined before ``main``."""
+    if not joined_before and _in_process_group():
+        sys.modules["torch.distributed"].destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise _unknown(parser, args, unknown)
         _packaged_folders(args)
+        joined = _in_process_group()
         args.func(args)
-        _leave_process_group()
+        _leave_process_group(joined)
     except MultitokenError as err:
         print(f"multitoken {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -47,19 +47,34 @@ def test_attach_then_train_from_the_cli(tiny_llama_dir, corpus, tmp_path, capsys
     assert "--resume" in capsys.readouterr().err
 
 
-def test_a_command_that_succeeds_leaves_the_process_group_one_that_fails_keeps_it(tiny_llama_dir, tmp_path, capsys):
+@pytest.mark.parametrize("fails", [False, True])
+def test_main_leaves_the_process_group_its_command_joined_once_it_succeeds(tiny_llama_dir, tmp_path, capsys, monkeypatch,
+                                                                          fails):
     """A gloo group alive at interpreter exit can abort a torchrun rank after its work is done
-    (``terminate called without an active exception``): main leaves it once a command succeeds,
-    and not after an error, where other ranks may still wait in a collective."""
+    (``terminate called without an active exception``): main leaves the group its command joined
+    once the command succeeds; not after an error (other ranks may still wait in a collective),
+    and never a group its caller had joined."""
     import torch.distributed as tdist
 
-    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    from multitoken.base.errors import UsageError
+    from multitoken.pipeline.cli import cmd_attach
+
+    def joins(args):  # a command that joins a group of one, as torchrun's commands do
+        tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        if fails:
+            raise UsageError("planted", "none")
+
+    real = cmd_attach.run
+    monkeypatch.setattr(cmd_attach, "run", joins)
     try:
-        assert main(["attach", "--base", str(tiny_llama_dir), "--head", "medusa", "--n", "2", "--out", str(tmp_path / "a")]) == 0
-        assert not tdist.is_initialized()
-        tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
-        assert main(["attach", "--base", str(tiny_llama_dir), "--head", "medusa", "--n", "2", "--out", str(tmp_path / "a")]) != 0
-        assert "already holds a heads dir" in capsys.readouterr().err and tdist.is_initialized()
+        assert (main(["attach", "--out", str(tmp_path / "a")]) != 0) == fails
+        assert tdist.is_initialized() == fails
+        if fails:
+            tdist.destroy_process_group()
+        monkeypatch.setattr(cmd_attach, "run", real)
+        tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)  # the caller's
+        assert main(["attach", "--base", str(tiny_llama_dir), "--head", "medusa", "--n", "2", "--out", str(tmp_path / "b")]) == 0
+        assert tdist.is_initialized()
     finally:
         if tdist.is_initialized():
             tdist.destroy_process_group()
