@@ -6,9 +6,10 @@
 // layer (docs/benchmarks/profile.md). Here those with an order of their own are the same ATen ops
 // on the same tensors (the dispatcher picks the same kernels), the element-wise ones loops of the
 // same roundings (below), and the linears the same ``gemv`` calls, so every output is the Python
-// path's, bit for bit (tests/pipeline/test_lean_layers.py); only the interpreter is gone. lean_rows.py decides where this applies (one sequence of up to
-// MAX_ROWS rows, float32, SDPA attention, RMSNorm, SiLU, every linear packed in a compiled format,
-// a KV cache buffer with room for the rows) and keeps the cache's length.
+// path's, bit for bit (tests/pipeline/test_lean_layers.py); only the interpreter is gone.
+// lean_rows.py decides where this applies (one sequence of up to MAX_ROWS rows, float32, SDPA
+// attention, RMSNorm, SiLU, every linear packed in a compiled format, a KV cache buffer with room
+// for the rows) and keeps the cache's length.
 #include <ATen/record_function.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/empty_like.h>
@@ -133,20 +134,26 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_buf, const at:
     return out;
 }
 
-// Its attention block on T > 1 rows after the norm, x [1, T, H] # -> the attention's output
-// [1, T, heads x d] before o_proj: lean_layers.py's multi-row path: q / k / v from one call, the
-// rotary and the cache's writes as one row's (rotate_and_cache), q laid out as torch's rotary
-// leaves it on the rows' views ([1, heads, T, d] over [1, T, heads, d] memory: SDPA reads those
-// strides), SDPA under ``mask`` with grouped kv heads read in place (``gqa``: transformers'
-// choice) or repeated.
-at::Tensor attention_rows(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>* biases,
-                          at::IntArrayRef sizes, double scaling, const at::Tensor& cos, const at::Tensor& signed_sin,
-                          const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past, const at::Tensor& mask, bool gqa) {
+// q / k / v of the rows x [1, T, H] (after the norm) from one call, q and k rotated and k and v
+// written to slots past.. of the cache buffers (rotate_and_cache) # -> q [1, heads, T, d], laid out
+// as torch's rotary leaves it on the rows' views ([1, T, heads, d] memory: SDPA reads those strides).
+at::Tensor rotated_q(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>* biases,
+                     at::IntArrayRef sizes, const at::Tensor& cos, const at::Tensor& signed_sin, const at::Tensor& k_buf,
+                     const at::Tensor& v_buf, int64_t past) {
     const int64_t T = x.size(1), q_heads = sizes[12], kv_heads = sizes[13], d = sizes[14], half = sizes[15];
     const at::Tensor heads = linear(x, weights, biases, sizes, 1);  // [1, T, q + 2 kv heads x d]
     const at::Tensor q = at::empty({1, T, q_heads, d}, x.options()).transpose(1, 2);  // [1, heads, T, d]
     rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), T, q_heads, kv_heads,
                      d, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), k_buf.size(2), past);
+    return q;
+}
+
+// The attention of T > 1 rows q [1, heads, T, d] (rotated_q's) # -> [1, T, heads x d] before
+// o_proj: lean_layers.py's multi-row path, SDPA under ``mask`` with grouped kv heads read in place
+// (``gqa``: transformers' choice) or repeated.
+at::Tensor attention_rows(const at::Tensor& q, at::IntArrayRef sizes, double scaling, const at::Tensor& k_buf,
+                          const at::Tensor& v_buf, int64_t past, const at::Tensor& mask, bool gqa) {
+    const int64_t T = q.size(2), q_heads = sizes[12], kv_heads = sizes[13], d = sizes[14];
     if (sizes[0] == PER_ROW) return row_attention(q[0].transpose(0, 1).contiguous(), k_buf, v_buf, past, mask, scaling);
     at::Tensor keys = k_buf.narrow(2, 0, past + T), values = v_buf.narrow(2, 0, past + T);
     const bool grouped = q_heads != kv_heads;
@@ -171,8 +178,9 @@ at::Tensor attention_rows(const at::Tensor& x, at::TensorList weights, const std
 //   the rows' keys and values go to slots past.. (the caller moves the cache's length);
 //   mask: none for one row (it sees every slot), [1, 1, T, past + T] bool for T > 1 (True: attend);
 //   gqa: for T > 1, whether SDPA reads grouped kv heads in place (transformers' use_gqa_in_sdpa).
-// One row takes lean_layers.py's one-row path, q and k rotated by a loop as one tensor, k and v
-// written to their slot directly; several rows its multi-row path (attention_rows).
+// Every row's q and k are rotated by one loop, k and v written to their slots directly
+// (rotated_q); one row takes lean_layers.py's one-row attention, several rows its multi-row
+// path (attention_rows).
 at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std::optional<at::Tensor>* biases,
                      at::IntArrayRef sizes, at::ArrayRef<double> scalars, const at::Tensor& cos,
                      const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t past,
@@ -200,19 +208,15 @@ at::Tensor layer_row(const at::Tensor& hidden, at::TensorList weights, const std
                 ": one row takes no mask, T rows a bool mask [.., T, past + T]");
     // attention block: norm, q / k / v in one call, rotary, the cache's writes, SDPA, o_proj
     const at::Tensor x = rms_norm(hidden, weights[0], scalars[0]);
+    const at::Tensor q = rotated_q(x, weights, biases, sizes, cos, signed_sin, k_buf, v_buf, past);  // [1, q, T, d]
     at::Tensor attn;
     if (T == 1) {
-        const at::Tensor heads = linear(x, weights, biases, sizes, 1);  // [1, 1, q + 2 kv heads x d]
-        const at::Tensor q = at::empty({1, q_heads, 1, head_dim}, hidden.options());
-        rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), 1, q_heads, kv_heads,
-                         head_dim, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(),
-                         k_buf.size(2), past);
         attn = sizes[0] == PER_ROW ? row_attention(q.view({1, q_heads, head_dim}), k_buf, v_buf, past, std::nullopt, scalars[2])
                : at::scaled_dot_product_attention(q, k_buf.narrow(2, 0, past + 1), v_buf.narrow(2, 0, past + 1),
                                                   std::nullopt, 0.0, false, scalars[2], q_heads != kv_heads)  // [1, q, 1, d]
                      .transpose(1, 2).contiguous().view({1, 1, -1});
     } else {
-        attn = attention_rows(x, weights, biases, sizes, scalars[2], cos, signed_sin, k_buf, v_buf, past, *mask, gqa);
+        attn = attention_rows(q, sizes, scalars[2], k_buf, v_buf, past, *mask, gqa);
     }
     at::Tensor h = linear(attn, weights, biases, sizes, 2);
     add_into(h, hidden);
