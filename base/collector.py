@@ -50,5 +50,4 @@ def model_loaded() -> None:
 def exiting(as_program: bool) -> None:
     """The program ends next: nothing alive is walked again (see the module doc)."""
     if as_program:
-        model_loaded()
         gc.freeze()
