@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         if args.prompts else heldout_prompts(base_dir, args.num_prompts)
     bench = Bench("llama_cpp", args, base=str(base_dir), gguf=str(ggufs[0]), drafter=drafter, prompts=len(prompts),
                   max_new_tokens=args.max_new_tokens, threads=args.threads, lookup=args.lookup, reps=args.reps)
-    tools = llama_cpp.build(jobs=args.jobs, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    tools = llama_cpp.usable_build(ggufs[0], jobs=args.jobs, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     bench.record.update(llama_cpp_build=tools, prompt_texts=prompts)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-llama-cpp-"))
     work.mkdir(parents=True, exist_ok=True)

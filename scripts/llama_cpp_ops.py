@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     ggufs = sorted(base.glob("*.gguf"))
     if len(ggufs) != 1:
         raise SystemExit(f"error: no single GGUF in {base}; run `multitoken fetch smollm2`")
-    tools = llama_cpp.build(log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    tools = llama_cpp.usable_build(ggufs[0], log=lambda msg: print(msg, file=sys.stderr, flush=True))
     argv_tool = llama_cpp.tool_argv(tools["bin"], "plain", ggufs[0], args.prompt, args.max_new_tokens, args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "perf.data"

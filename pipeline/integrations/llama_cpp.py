@@ -8,6 +8,8 @@ drafts, ``llama-speculative-simple`` for a drafter GGUF such as ``--spec-type dr
 with CMake (``-DGGML_NATIVE=ON``: the instructions of the CPU it runs on; no network, tests or
 server), into ``tools-<source hash>-<CPU flags hash>/``: ``bin/`` and ``build.json`` (the
 commands, how long they took). A finished build is reused; a CPU with other flags gets its own.
+``amx=False`` builds without ggml's AMX kernels (``tools-...-noamx/``), for a machine whose CPU
+names AMX but where those kernels stop on an illegal instruction (``usable_build``).
 
 The tools print their decoding speed themselves (start-up and the prompt left out):
 ``parse_timings`` reads it, ``continuation`` the text generated after the echoed prompt.
@@ -20,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -38,6 +41,9 @@ TOOLS = {"completion": "llama-completion", "lookup": "llama-lookup", "speculativ
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",  # static: bin/ stands alone
                  "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
                  "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=ON")
+# Compiler flags that keep ggml's AMX kernels out of a native build (GCC and Clang: an explicit
+# -mno-<isa> wins over what -march=native turns on, whatever their order)
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 RECORD = "build.json"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # llama-speculative-simple colours accepted drafts
 
@@ -81,43 +87,50 @@ def build_key(tree: Path, flags: str | None = None) -> str:
     return f"{src.hexdigest()[:12]}-{cpu[:8]}"
 
 
-def cmake_commands(tree: Path, build_dir: Path, jobs: int, nice: int) -> list[list[str]]:
-    """Configure, then build only ``TOOLS``' targets, ``jobs`` at a time at ``nice`` priority."""
+def cmake_commands(tree: Path, build_dir: Path, jobs: int, nice: int, amx: bool = True) -> list[list[str]]:
+    """Configure, then build only ``TOOLS``' targets, ``jobs`` at a time at ``nice`` priority;
+    without ggml's AMX kernels where ``amx`` is False."""
     low = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
-    return [[*low, "cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_OPTIONS],
+    no_amx = [] if amx else [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    return [[*low, "cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_OPTIONS, *no_amx],
             [*low, "cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
              "--target", *TOOLS.values()]]
 
 
-def built(root: Path | None = None, tree: Path | None = None) -> dict | None:
+def _folder(root: Path, tree: Path, amx: bool) -> Path:
+    return root / f"tools-{build_key(tree)}{'' if amx else '-noamx'}"
+
+
+def built(root: Path | None = None, tree: Path | None = None, amx: bool = True) -> dict | None:
     """The cached build's record (with ``bin``) for this source and CPU, or None where there is none."""
     tree = tree or source(root)
     if tree is None:
         return None
-    folder = (root or cache_root()) / f"tools-{build_key(tree)}"
+    folder = _folder(root or cache_root(), tree, amx)
     record = folder / RECORD
     if not record.is_file() or not all((folder / "bin" / name).is_file() for name in TOOLS.values()):
         return None
     return {**json.loads(record.read_text()), "bin": str(folder / "bin"), "reused": True}
 
 
-def build(root: Path | None = None, jobs: int = 2, nice: int = 19, log=lambda msg: None) -> dict:
-    """llama.cpp's tools for this source and CPU: the cached build, else one made now (its CMake
-    tree beside ``bin/``; the record says how long configuring and building took)."""
+def build(root: Path | None = None, jobs: int = 2, nice: int = 19, log=lambda msg: None, amx: bool = True) -> dict:
+    """llama.cpp's tools for this source and CPU (without ggml's AMX kernels where ``amx`` is
+    False): the cached build, else one made now (its CMake tree beside ``bin/``; the record says
+    how long configuring and building took)."""
     root = root or cache_root()
     tree = source(root)
     if tree is None:
         raise missing_source(root)
-    done = built(root, tree)
+    done = built(root, tree, amx)
     if done is not None:
         return done
     if shutil.which("cmake") is None:
         raise UsageError("building llama.cpp needs cmake, which is not on PATH", "install cmake (and a C++ compiler)")
-    folder = root / f"tools-{build_key(tree)}"
+    folder = _folder(root, tree, amx)
     work = folder.with_name(folder.name + ".cmake")  # the CMake tree: kept, so an interrupted build goes on
-    record = {"source": str(tree), "key": folder.name.removeprefix("tools-"), "jobs": jobs, "nice": nice,
+    record = {"source": str(tree), "key": folder.name.removeprefix("tools-"), "jobs": jobs, "nice": nice, "amx": amx,
               "cpu_flags": sorted(cpu_features.cpu_flags().split(":", 1)[-1].split()), "commands": [], "seconds": []}
-    for argv in cmake_commands(tree, work, jobs, nice):
+    for argv in cmake_commands(tree, work, jobs, nice, amx):
         log("llama.cpp: " + " ".join(argv))
         start = time.perf_counter()
         run = subprocess.run(argv, capture_output=True, text=True)
@@ -135,6 +148,33 @@ def build(root: Path | None = None, jobs: int = 2, nice: int = 19, log=lambda ms
 
 
 # Running the tools -----------------------------------------------------------------------------
+class ToolFailed(RuntimeError):
+    """A tool exited non-zero (``returncode``: negative where a signal ended it)."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def usable_build(model: str | Path, jobs: int = 2, log=lambda msg: None) -> dict:
+    """``build``'s tools once they have run ``model`` for a few tokens. Where the CPU names AMX
+    but ggml's AMX kernels stop on an illegal instruction (seen on a virtual machine whose plain
+    AMX test program runs), the tools built without them (``amx=False``), the fault recorded
+    under ``amx_fault``: a comparison takes the fastest path that runs, not none."""
+    tools = build(jobs=jobs, log=log)
+    try:
+        run_tool(tool_argv(tools["bin"], "plain", model, "Hello", 2, 1), "plain", "Hello")
+        return tools
+    except ToolFailed as err:
+        if err.returncode != -signal.SIGILL or tools.get("amx") is False or "amx_tile" not in cpu_features.cpu_flags().split():
+            raise
+        fault = f"{str(err).split(':')[0]} (SIGILL)"
+    log(f"llama.cpp: its AMX kernels stopped on an illegal instruction ({fault}); building it without them")
+    tools = build(jobs=jobs, log=log, amx=False)
+    run_tool(tool_argv(tools["bin"], "plain", model, "Hello", 2, 1), "plain", "Hello")
+    return {**tools, "amx_fault": fault}
+
+
 def tool_argv(bin_dir: str | Path, method: str, model: str | Path, prompt: str, new_tokens: int, threads: int,
               drafts: int = 8, drafter: str | Path | None = None) -> list[str]:
     """One greedy run of ``method`` (``plain``, ``lookup`` or ``eagle3``) on ``prompt``: ``new_tokens``
@@ -164,7 +204,7 @@ def run_tool(argv: list[str], method: str, prompt: str, timeout: float = 600, at
         done = subprocess.run(argv, capture_output=True, encoding="utf-8", errors="replace", timeout=timeout,
                               stdin=subprocess.DEVNULL)
         if done.returncode != 0:
-            raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}: {done.stderr[-1500:]}")
+            raise ToolFailed(f"{Path(argv[0]).name} exited {done.returncode}: {done.stderr[-1500:]}", done.returncode)
         whole = (_EVAL if method == "plain" else _DECODED).search(done.stderr) is not None
         if whole or attempt == attempts:  # the last attempt's missing line is parse_timings' error
             return {**parse_timings(method, done.stderr), "text": continuation(method, done.stdout, prompt), "attempts": attempt}

@@ -124,6 +124,10 @@ def test_the_build_makes_only_the_tools_natively_at_low_priority(tmp_path):
     assert "-DLLAMA_OPENSSL=OFF" in configure and "-DLLAMA_BUILD_SERVER=OFF" in configure
     assert compile_[compile_.index("-j") + 1] == "2"
     assert compile_[compile_.index("--target") + 1:] == ["llama-completion", "llama-lookup", "llama-speculative-simple"]
+    assert not any("amx" in arg for arg in configure)  # the native build keeps what the CPU has
+    no_amx, _ = llama_cpp.cmake_commands(tmp_path / "src", tmp_path / "b", jobs=2, nice=19, amx=False)
+    assert no_amx[:len(configure)] == configure
+    assert no_amx[len(configure):] == [f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" for lang in ("C", "CXX")]
 
 
 FAKE_CMAKE = """#!/bin/sh
@@ -159,6 +163,44 @@ def test_a_build_is_made_once_per_source_and_cpu_then_reused(tmp_path, monkeypat
     again = llama_cpp.build(jobs=2)
     assert again["reused"] and again["bin"] == first["bin"] and again["build_s"] == first["build_s"]
     assert len(calls.read_text().splitlines()) == 2  # nothing rebuilt
+    plain = llama_cpp.build(jobs=2, amx=False)  # a build of its own, beside the native one
+    assert not plain["reused"] and plain["amx"] is False and Path(plain["bin"]).parent.name == folder.name + "-noamx"
+    assert "-mno-amx-tile" in calls.read_text().splitlines()[2] and llama_cpp.built(amx=False)["reused"]
+
+
+FAKE_TOOL = """#!/bin/sh
+# {faults}: dies of SIGILL as ggml's AMX kernels do where they fault; else a greedy run's closing line
+if [ "{faults}" = "1" ]; then kill -ILL $$; fi
+echo "common_perf_print:        eval time =      10.00 ms /     1 runs" >&2
+"""
+
+
+@pytest.mark.parametrize("flags, faults", [("fpu amx_tile avx512f", True), ("fpu amx_tile avx512f", False),
+                                           ("fpu avx512f", True)])
+def test_a_build_whose_amx_kernels_fault_is_made_again_without_them(tmp_path, monkeypatch, flags, faults):
+    builds = []
+
+    def build(jobs=2, log=None, amx=True):  # an AMX build whose tool dies of SIGILL where ``faults``
+        folder = tmp_path / f"tools{'' if amx else '-noamx'}" / "bin"
+        folder.mkdir(parents=True, exist_ok=True)
+        tool = folder / llama_cpp.TOOLS["completion"]
+        tool.write_text(FAKE_TOOL.format(faults=int(faults and amx)))
+        tool.chmod(0o755)
+        builds.append(amx)
+        return {"bin": str(folder), "amx": amx}
+
+    monkeypatch.setattr(llama_cpp, "build", build)
+    monkeypatch.setattr(llama_cpp.cpu_features, "cpu_flags", lambda: f"flags : {flags}")
+    if faults and "amx_tile" not in flags:  # not AMX's fault: said, not worked around
+        with pytest.raises(llama_cpp.ToolFailed, match="exited -4") as err:
+            llama_cpp.usable_build(tmp_path / "model.gguf")
+        assert err.value.returncode == -4 and builds == [True]
+        return
+    tools = llama_cpp.usable_build(tmp_path / "model.gguf")
+    assert builds == ([True, False] if faults else [True])
+    assert tools["amx"] is not faults and ("amx_fault" in tools) is faults
+    if faults:
+        assert tools["amx_fault"] == "llama-completion exited -4 (SIGILL)"
 
 
 def test_the_source_is_unpacked_once_from_the_sdist_and_its_absence_named(tmp_path, monkeypatch):
