@@ -161,18 +161,18 @@ def usable_build(model: str | Path, jobs: int = 2, log=lambda msg: None) -> dict
     but ggml's AMX kernels stop on an illegal instruction (seen on a virtual machine whose plain
     AMX test program runs), the tools built without them (``amx=False``), the fault recorded
     under ``amx_fault``: a comparison takes the fastest path that runs, not none."""
-    tools = build(jobs=jobs, log=log)
-    try:
+    def probe(tools: dict) -> dict:
         run_tool(tool_argv(tools["bin"], "plain", model, "Hello", 2, 1), "plain", "Hello")
         return tools
+
+    try:
+        return probe(build(jobs=jobs, log=log))
     except ToolFailed as err:
-        if err.returncode != -signal.SIGILL or tools.get("amx") is False or "amx_tile" not in cpu_features.cpu_flags().split():
+        if err.returncode != -signal.SIGILL or "amx_tile" not in cpu_features.cpu_flags().split():
             raise
-        fault = f"{str(err).split(':')[0]} (SIGILL)"
+        fault = f"{TOOLS['completion']} exited {err.returncode} (SIGILL)"
     log(f"llama.cpp: its AMX kernels stopped on an illegal instruction ({fault}); building it without them")
-    tools = build(jobs=jobs, log=log, amx=False)
-    run_tool(tool_argv(tools["bin"], "plain", model, "Hello", 2, 1), "plain", "Hello")
-    return {**tools, "amx_fault": fault}
+    return {**probe(build(jobs=jobs, log=log, amx=False)), "amx_fault": fault}
 
 
 def tool_argv(bin_dir: str | Path, method: str, model: str | Path, prompt: str, new_tokens: int, threads: int,
