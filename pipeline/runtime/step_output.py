@@ -22,7 +22,11 @@ def unembed(bb, rows: torch.Tensor) -> torch.Tensor:
     head = bb.unembedding
     flat = rows.reshape(-1, rows.shape[-1])  # [B * R, H]
     if costs_for(head, flat).form(flat.shape[0]) == LINEAR:
-        return head(rows)  # the module itself, as transformers computes logits
+        if flat.shape[0] == 1:
+            return head(rows)  # the module itself, as transformers computes logits
+        # 2-D: matmul folds a contiguous [B, R, H] into this one product, but a batch's slice of
+        # positions into a bmm against the weight expanded B times (copied)
+        return head(flat).reshape(*rows.shape[:-1], -1)
     return apply(head, flat, TRANSPOSED).reshape(*rows.shape[:-1], -1)
 
 
@@ -88,7 +92,9 @@ class StepOutput:
             if self._logits is None:
                 self._argmax = self._screen(self.model.backbone.unembedding, self.feats.base[:, self.first:])
             if self._argmax is None:
-                self._argmax = self.base_logits().argmax(-1)
+                # max's indices are argmax's (the first maximum; NaN where a row has one) and its CPU
+                # reduction runs several times faster than argmax's, the most in 16-bit logits
+                self._argmax = self.base_logits().max(-1).indices
         return self._argmax
 
     def _screen(self, unembedding: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:

@@ -99,7 +99,9 @@ def fixed_costs(fast_rows: int) -> UnembedCosts:
 def apply(head: torch.nn.Module, x: torch.Tensor, form: str) -> torch.Tensor:
     """Logits of ``x`` [N, H] # -> [N, V] by ``form``."""
     if form == TRANSPOSED:
-        return (head.weight @ x.T).T
+        # row-major as F.linear's, the copy inside the form's measured time: every reader (argmax,
+        # log-softmax, top-k) reduces over V, several times slower across a [V, N] layout's stride
+        return (head.weight @ x.T).T.contiguous()
     return head(x)
 
 
