@@ -9,9 +9,11 @@ Each repetition runs ``multitoken build-heads`` once per recipe, interleaved (ol
 - held-out accuracy of every head type (top-1 / top-5 per head, measured in float32 either way),
   on held-out continuations that are greedy, so the same text for both recipes.
 
-``old`` is by default this checkout with the first recipe's choices (``--distill-engine
-transformers --compute-dtype float32``); ``--old-multitoken`` runs another checkout's command
-instead (its flags: ``--old-flags``), e.g. a worktree of the commit before the change. The
+``old`` is by default this checkout with the first recipe's choices (``OLD_FLAGS``: transformers'
+``generate`` in float32, 64 rows per batch, float32 training); ``new`` takes build-heads' own
+defaults unless a flag below is given. ``--old-multitoken`` runs another checkout's command
+instead (pass its flags with ``--old-flags``: an older checkout lacks ``--distill-dtype``), e.g. a
+worktree of the commit before the change. The
 record keeps every run, the load average around each, the medians and the new / old ratios.
 On a shared machine compare the CPU-time rates (``cpu_*``); the wall clock measures neighbours.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from multitoken.pipeline.eval.benchmark import Bench, add_out, fixture, load_average
 
-OLD_FLAGS = "--distill-engine transformers --compute-dtype float32"
+OLD_FLAGS = "--distill-engine transformers --distill-dtype float32 --distill-batch 64 --compute-dtype float32"
 RATES = ("distill_tokens_per_s", "distill_cpu_tokens_per_s", "train_tokens_per_s", "train_cpu_tokens_per_s")
 
 
@@ -45,7 +47,8 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=8192, help="new tokens distilled for training")
     p.add_argument("--heldout-prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--distill-batch", type=int, default=64)
+    p.add_argument("--distill-batch", type=int, default=None, help="rows continued at once (default: build-heads' own; "
+                   "the old recipe's flags set 64)")
     p.add_argument("--batch-rows", type=int, default=16)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of every run")
@@ -63,8 +66,8 @@ def build_args(args, out: Path) -> list[str]:
     held = args.heldout or [str(fixture("wikitext2_tokens") / "test.txt")]
     return ["build-heads", "--base", args.base, "--data", *data, "--heldout", *held, "--heads", *args.heads,
             "--tokens", str(args.tokens), "--heldout-prompts", str(args.heldout_prompts), "--new-tokens", str(args.new_tokens),
-            "--distill-batch", str(args.distill_batch), "--batch-rows", str(args.batch_rows), "--epochs", str(args.epochs),
-            "--threads", str(args.threads), "--out", str(out)]
+            "--batch-rows", str(args.batch_rows), "--epochs", str(args.epochs), "--threads", str(args.threads), "--out", str(out),
+            *(["--distill-batch", str(args.distill_batch)] if args.distill_batch else [])]
 
 
 def run_build(command: list[str], args, out: Path, flags: str) -> dict:
@@ -83,7 +86,7 @@ def figures(report: dict, before: list, after: list) -> dict:
     out = {"distill_new_tokens": new, "distill_s": distill["seconds"], "distill_cpu_s": distill.get("cpu_seconds"),
            "train_tokens": train["tokens_seen"], "train_steps": train["steps"], "train_s": train["seconds"],
            "train_cpu_s": train.get("cpu_seconds"), "compute_dtype": train.get("compute_dtype", "float32"),
-           "engine": distill.get("engine", "transformers"), "heldout": report["heldout"], "load_before": before,
+           "engine": distill.get("engine", "transformers"), "distill_dtype": distill.get("dtype", "float32"), "heldout": report["heldout"], "load_before": before,
            "load_after": after}
     for kind, tokens, key in (("distill", new, "distill"), ("train", train["tokens_seen"], "train")):
         out[f"{kind}_tokens_per_s"] = round(tokens / max(out[f"{key}_s"], 1e-9), 1)
@@ -103,12 +106,12 @@ def summary(runs: dict[str, list[dict]]) -> dict:
 def table(runs: dict[str, list[dict]], heads: list[str]) -> dict:
     """The figures as a docs table's columns and rows (docs/benchmarks/results format)."""
     med = summary(runs)["median"]
-    columns = ["recipe", "distill tok/s (CPU)", "train tok/s (CPU)", "train dtype",
+    columns = ["recipe", "distillation", "distill tok/s (CPU)", "train tok/s (CPU)", "train dtype",
                *[f"{k} t+2 / t+3 top-1" for k in heads]]
     rows = []
     for name, rs in runs.items():
         held = rs[0]["heldout"]
-        rows.append([name, med[name]["distill_cpu_tokens_per_s"], med[name]["train_cpu_tokens_per_s"], rs[0]["compute_dtype"],
+        rows.append([name, f"{rs[0]['engine']}, {rs[0]['distill_dtype']}", med[name]["distill_cpu_tokens_per_s"], med[name]["train_cpu_tokens_per_s"], rs[0]["compute_dtype"],
                      *[f"{held[k]['head2/top1']:.3f} / {held[k]['head3/top1']:.3f}" for k in heads]])
     return {"columns": columns, "rows": rows}
 
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
             for name in ("old", "new"):
                 got = run_build(commands[name], args, Path(work) / f"{name}-{rep}", flags[name])
                 runs[name].append(got)
-                print(name, {k: got[k] for k in (*RATES, "compute_dtype", "engine")}, flush=True)
+                print(name, {k: got[k] for k in (*RATES, "compute_dtype", "engine", "distill_dtype")}, flush=True)
                 bench["runs"] = runs
                 bench.save()  # a long run stopped keeps what it measured
     bench["summary"] = summary(runs)

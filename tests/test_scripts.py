@@ -340,7 +340,7 @@ def test_the_build_bench_pairs_old_and_new_rates_from_their_reports():
     def report(distill_s, train_cpu_s, top1):
         held = {"head2/top1": top1, "head3/top1": top1 / 2}
         return {"stages": {"distill": {"train": {"new_tokens_this_run": 1000, "seconds": distill_s, "cpu_seconds": distill_s / 2,
-                                                 "engine": "multitoken"}},
+                                                 "engine": "multitoken", "dtype": "bfloat16"}},
                            "train": {"tokens_seen": 600, "steps": 3, "seconds": 3.0, "cpu_seconds": train_cpu_s,
                                      "compute_dtype": "bfloat16"}},
                 "heldout": {"eagle3": held}}
@@ -353,7 +353,13 @@ def test_the_build_bench_pairs_old_and_new_rates_from_their_reports():
     assert got["median"]["old"]["distill_tokens_per_s"] == 75.0 and got["new_over_old"]["distill_tokens_per_s"] == 5.0
     assert got["new_over_old"]["train_cpu_tokens_per_s"] == 3.0
     rows = bench.table({"old": old, "new": new}, ["eagle3"])["rows"]
-    assert rows[1] == ["new", 750.0, 300.0, "bfloat16", "0.500 / 0.250"]
+    assert rows[1] == ["new", "multitoken, bfloat16", 750.0, 300.0, "bfloat16", "0.500 / 0.250"]
+    old_report = report(1.0, 1.0, 0.5)
+    del old_report["stages"]["distill"]["train"]["dtype"]  # a report from before distillation had a dtype
+    assert bench.figures(old_report, [], [])["distill_dtype"] == "float32"
+    args = bench.arguments(["--tokens", "64"])
+    assert "--distill-batch" not in bench.build_args(args, REPO)  # new: build-heads' own default; old: its flags'
+    assert "--distill-batch 64" in bench.OLD_FLAGS and "--distill-dtype float32" in bench.OLD_FLAGS
 
 
 # gpu/split_heads, gpu/import_heads ------------------------------------------------------------

@@ -66,7 +66,7 @@ def _same_build(out: Path, cfg: RecipeConfig, bb_cfg: BackboneConfig) -> None:
     old = json.loads(path.read_text())
     new = json.loads(resolved_config_text("build-heads", cfg, bb_cfg))
     shaping = ("data", "heldout", "heldout_prompts", "prompt_len", "prompt_stride", "new_tokens", "sample_every",
-               "shard_rows", "distill_batch", "distill_engine", "seed", "n_future", "draft_vocab")  # draft_vocab: eagle3's lm_head
+               "shard_rows", "distill_batch", "distill_engine", "distill_dtype", "seed", "n_future", "draft_vocab")  # draft_vocab: eagle3's lm_head
     changed = [k for k in shaping if old.get("RecipeConfig", {}).get(k) != new.get("RecipeConfig", {}).get(k)]
     if old.get("BackboneConfig", {}).get("base") != new.get("BackboneConfig", {}).get("base"):
         changed.insert(0, "base")

@@ -16,6 +16,8 @@ an accelerator costs less than reading them back from disk.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,9 +27,11 @@ from pathlib import Path
 
 import torch
 
-from multitoken.base.errors import DataError
+from multitoken.base.errors import DataError, UsageError
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import eos_ids, generate_batch
+from multitoken.kernels import cpu_features, cpu_linear
+from multitoken.pipeline.model.backbone import Backbone
 from multitoken.pipeline.model.model import MultiTokenModel
 
 SHARD = "shard-{:05d}.safetensors"
@@ -109,6 +113,7 @@ def _distinct_shuffled(rows, exclude, seed: int, empty: DataError) -> torch.Tens
 
 # Continuations ----------------------------------------------------------------------------
 ENGINES = ("multitoken", "transformers")  # who continues the prompts: our batched engine, or transformers' generate
+DTYPES = ("auto", "float32", "bfloat16")  # the continuing model's arithmetic (resolve_dtype)
 SAMPLED = dict(temperature=0.7, top_k=50)  # the sampled rows' distribution (no repetition penalty), either engine
 
 
@@ -121,6 +126,31 @@ def resolve_engine(name: str, device: torch.device) -> str:
     return "multitoken" if device.type == "cpu" else "transformers"
 
 
+def resolve_dtype(name: str, backbone) -> str:
+    """``auto`` -> bfloat16 on a CPU with bf16 dot products in hardware (AVX512-BF16, AMX:
+    cpu_features.py), where oneDNN's bf16 matmuls of a batch's rows run several times faster than
+    float32's, for a float backbone; float32 elsewhere (an emulating CPU gains nothing; a GPU's
+    recipe keeps its float32 path). The others as given (bfloat16 refused on a quantized base)."""
+    if name == "bfloat16" and backbone.is_quantized:
+        raise UsageError("--distill-dtype bfloat16 needs a float base, not a quantized one", "pass --distill-dtype float32")
+    if name != "auto":
+        return name
+    native = backbone.device.type == "cpu" and cpu_features.features().native_bf16
+    return "bfloat16" if native and not backbone.is_quantized else "float32"
+
+
+def bfloat16_copy(backbone) -> Backbone:
+    """A copy of ``backbone`` in bfloat16 on torch's own linears (oneDNN's bf16 matmuls); the
+    original is left as it is. Packed layers go back to ``nn.Linear`` first (their exact weights)."""
+    model = copy.deepcopy(backbone.model)
+    cpu_linear.unpack(model)
+    model.to(torch.bfloat16)
+    cfg = backbone.load_config
+    if dataclasses.is_dataclass(cfg):
+        cfg = dataclasses.replace(cfg, dtype="bfloat16", cpu_linear=cpu_linear.STOCK)
+    return Backbone(model, backbone.tokenizer, backbone.name, cfg)
+
+
 class Continuer:
     """Continues prompts with the base, greedy or sampled (``SAMPLED``), each row to its first
     EOS or ``new_tokens`` (the rest padded, never a target).
@@ -129,11 +159,18 @@ class Continuer:
     forward pass per token on our CPU linears (the GGUF's own codes), each row seeded by its own
     seed, so a row is the same whatever rows share its call; greedy rows equal transformers'.
     ``transformers``: its ``generate`` on torch's linears, a batch seeded through torch's global
-    generator (the recipe's first path, kept to measure against)."""
+    generator (the recipe's first path, kept to measure against).
+    ``dtype`` bfloat16: either engine runs a bfloat16 copy of the base (``bfloat16_copy``): its
+    text is the bf16 model's, and a row's logits may round differently with the rows beside it."""
 
-    def __init__(self, backbone, engine: str = "multitoken"):
+    def __init__(self, backbone, engine: str = "multitoken", dtype: str = "float32"):
         if engine not in ENGINES:
             raise ValueError(f"unknown distillation engine {engine!r}: one of {', '.join(ENGINES)}")
+        if dtype not in DTYPES[1:]:
+            raise ValueError(f"unknown distillation dtype {dtype!r}: one of {', '.join(DTYPES[1:])}")
+        self.dtype = dtype
+        if dtype == "bfloat16":
+            backbone = bfloat16_copy(backbone)
         self.backbone, self.engine = backbone, engine
         # a base with no draft heads: the engine's ar mode reads head 1 (the base) only
         self.model = MultiTokenModel.attach(backbone, {"head_type": "medusa", "n_future": 1})
@@ -236,7 +273,7 @@ def distill_shards(continuer: Continuer, prompts: torch.Tensor, folder: Path, ne
                 shown = time.time()
                 log(f"distill {folder.name}: shard {k + 1}/{n_shards}, {at + len(got[0]):,}/{len(part):,} rows")
         write_shard(path, torch.cat(ids), torch.cat(valid), {"shard": k, "seed": seed, "new_tokens": new_tokens,
-                                                             "engine": continuer.engine})
+                                                             "engine": continuer.engine, "dtype": continuer.dtype})
         made += 1
         tokens += len(part) * new_tokens
         rate = tokens / max(time.time() - started, 1e-9)
@@ -245,4 +282,4 @@ def distill_shards(continuer: Continuer, prompts: torch.Tensor, folder: Path, ne
             f"ETA {left * rows * new_tokens / max(rate, 1e-9):.0f} s")
     done = sorted(folder.glob("shard-*.safetensors"))
     return {"shards": len(done), "of": n_shards, "new_tokens_this_run": tokens, "seconds": round(time.time() - started, 1),
-            "cpu_seconds": round(time.process_time() - cpu, 2), "engine": continuer.engine}
+            "cpu_seconds": round(time.process_time() - cpu, 2), "engine": continuer.engine, "dtype": continuer.dtype}

@@ -135,3 +135,45 @@ def test_the_frozen_trunk_is_held_in_bfloat16_while_training_and_restored_exactl
         raise RuntimeError("mid-run")  # a failed step restores them too
     after = dict(bb.model.named_parameters())
     assert all(after[n].dtype == torch.float32 and torch.equal(after[n], p) for n, p in before.items())
+
+
+def test_distillation_runs_in_bfloat16_only_where_the_cpu_has_it_natively(monkeypatch, stories_dir, pythia_mini_dir):
+    """``--distill-dtype auto``: bfloat16 on a CPU with AVX512-BF16 / AMX, float32 on one that
+    would emulate it; a dtype given is kept; a quantized base cannot be copied into bfloat16."""
+    from types import SimpleNamespace
+
+    from multitoken.base.errors import UsageError
+    from multitoken.kernels import cpu_features
+
+    bb = backbone("stories", stories_dir, pythia_mini_dir)
+    native = cpu_features.features().native_bf16
+    assert recipe_data.resolve_dtype("auto", bb) == ("bfloat16" if native else "float32")
+    for level in ("avx512", "avx2"):
+        monkeypatch.setenv(cpu_features.ENV, level)
+        assert recipe_data.resolve_dtype("auto", bb) == "float32" and recipe_data.resolve_dtype("bfloat16", bb) == "bfloat16"
+    monkeypatch.delenv(cpu_features.ENV)
+    quantized = SimpleNamespace(is_quantized=True, device=torch.device("cpu"))
+    assert recipe_data.resolve_dtype("auto", quantized) == "float32"
+    with pytest.raises(UsageError, match="quantized"):
+        recipe_data.resolve_dtype("bfloat16", quantized)
+
+
+@pytest.mark.parametrize("name", ["stories", "pythia-mini"])
+def test_a_bfloat16_continuer_runs_a_bf16_copy_and_leaves_the_base_as_it_was(name, stories_dir, pythia_mini_dir):
+    """The bf16 continuer decodes a bfloat16 copy of the base: the base keeps its float32 weights
+    bit for bit (it still decodes its own text after), and the copy's greedy rows through our
+    engine are transformers' greedy rows of the same bf16 copy, token for token."""
+    bb = backbone(name, stories_dir, pythia_mini_dir)
+    p = prompts(bb, 12)
+    exact = Continuer(bb)(p, 24, False, [0] * len(p))[0]
+    before = {n: t.detach().clone() for n, t in bb.model.state_dict().items()}
+    fast = Continuer(bb, "multitoken", "bfloat16")
+    assert fast.dtype == "bfloat16" and fast.backbone is not bb
+    assert all(t.dtype == torch.bfloat16 for t in fast.backbone.model.parameters())
+    ours = fast(p, 24, False, [0] * len(p))[0]
+    theirs = Continuer(bb, "transformers", "bfloat16")(p, 24, False, [0])[0]
+    assert torch.equal(ours, theirs)
+    after = bb.model.state_dict()
+    assert all(after[n].dtype == t.dtype and torch.equal(after[n], t) for n, t in before.items())
+    assert torch.equal(Continuer(bb)(p, 24, False, [0] * len(p))[0], exact)
+    assert (ours[:, 8:] == exact[:, 8:]).float().mean() > 0.5  # bf16 rounding moves some greedy picks, not most
