@@ -53,22 +53,34 @@ def trunk_features(backbone, ids: torch.Tensor, collect: bool) -> Features:
 
 @contextmanager
 def trunk_in(backbone, dtype: str):
-    """The frozen decoder layers' linear weights held in bfloat16 while training runs under
-    bfloat16 autocast (which would cast each of them again at every call: a copy of the whole
-    trunk per step), restored exactly after (the float32 tensors are kept); float32: as they are.
-    Only the layers: the embedding and unembedding the heads share keep their own dtype."""
+    """The frozen decoder layers' linear weights and the frozen unembedding held in bfloat16 while
+    training runs under bfloat16 autocast (which would cast each of them again at every call: a
+    copy of the whole trunk per step, and of the [V, H] unembedding per head and chunk), restored
+    exactly after (the float32 tensors are kept); float32: as they are. An unembedding tied to the
+    embedding gets a bf16 Parameter of its own for the while: the embedding's lookups keep float32."""
     if dtype != "bfloat16":
         yield
         return
     kept = [(m.weight, m.weight.data) for layer in backbone.layers for m in layer.modules()
             if type(m) is torch.nn.Linear and not m.weight.requires_grad and m.weight.dtype == torch.float32]
+    head = backbone.unembedding
+    own = type(head) is torch.nn.Linear and not head.weight.requires_grad and head.weight.dtype == torch.float32
+    tied = own and any(p is head.weight for p in backbone.embeddings.parameters())
+    original = head.weight
     try:
         for weight, data in kept:
             weight.data = data.to(torch.bfloat16)
+        if tied:
+            head.weight = torch.nn.Parameter(original.detach().to(torch.bfloat16), requires_grad=False)
+        elif own:
+            kept.append((original, original.data))
+            original.data = original.data.to(torch.bfloat16)
         yield
     finally:
         for weight, data in kept:
             weight.data = data
+        if tied:
+            head.weight = original
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:

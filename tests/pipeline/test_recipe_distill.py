@@ -121,20 +121,30 @@ def test_training_runs_in_bfloat16_only_where_the_cpu_has_it_natively(monkeypatc
     assert x.dtype == (torch.bfloat16 if native else torch.float32)
 
 
-def test_the_frozen_trunk_is_held_in_bfloat16_while_training_and_restored_exactly(stories_dir, pythia_mini_dir):
+@pytest.mark.parametrize("name", ["stories", "pythia-mini"])  # an unembedding tied to the embedding, one of its own
+def test_the_frozen_trunk_is_held_in_bfloat16_while_training_and_restored_exactly(name, stories_dir, pythia_mini_dir):
+    """Under ``trunk_in(bfloat16)`` the decoder's linears and the unembedding hold bf16 weights
+    (autocast's casts, made once); the embedding's lookups keep float32 (a tied weight is untied
+    for the while); after, every parameter is the float32 one it was, ties included."""
     from multitoken.pipeline.train.recipe_train import trunk_in
 
-    bb = backbone("pythia-mini", stories_dir, pythia_mini_dir)
+    bb = backbone(name, stories_dir, pythia_mini_dir)
+    tied = bb.unembedding.weight is bb.embeddings.weight
+    assert tied == (name == "stories")
     before = {n: p.detach().clone() for n, p in bb.model.named_parameters()}
+    unembedding = bb.unembedding.weight.detach().clone()
     linears = [m for layer in bb.layers for m in layer.modules() if type(m) is torch.nn.Linear]
     with trunk_in(bb, "float32"):
         assert all(m.weight.dtype == torch.float32 for m in linears)
     with pytest.raises(RuntimeError, match="mid-run"), trunk_in(bb, "bfloat16"):
         assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
-        assert bb.unembedding.weight.dtype == torch.float32  # shared with the heads: untouched
+        assert bb.unembedding.weight.dtype == torch.bfloat16 and not bb.unembedding.weight.requires_grad
+        assert torch.equal(bb.unembedding.weight, unembedding.to(torch.bfloat16))
+        assert bb.embeddings.weight.dtype == torch.float32
         raise RuntimeError("mid-run")  # a failed step restores them too
     after = dict(bb.model.named_parameters())
     assert all(after[n].dtype == torch.float32 and torch.equal(after[n], p) for n, p in before.items())
+    assert (bb.unembedding.weight is bb.embeddings.weight) == tied
 
 
 def test_distillation_runs_in_bfloat16_only_where_the_cpu_has_it_natively(monkeypatch, stories_dir, pythia_mini_dir):
