@@ -58,8 +58,9 @@ class RecipeConfig:
     prompt_stride: int = field(default=4, metadata={"help": "tokens between two training prompts' starts"})
     new_tokens: int = field(default=64, metadata={"help": "tokens the base adds to each prompt"})
     sample_every: int = field(default=2, metadata={"help": "every N-th batch sampled (temperature 0.7, top-k 50); 0: all greedy"})
-    distill_batch: int = field(default=256, metadata={"help": "prompts continued at once (bf16 matmuls need >= 128 rows "
-                                                              "to reach AMX's rate)"})
+    distill_batch: int = field(default=0, metadata={"help": "prompts continued at once; 0: 256 in bfloat16 (oneDNN's bf16 "
+                                                            "matmuls reach AMX's rate past ~128 rows), else 64 (the rows "
+                                                            "kernel's rows per call)"})
     shard_rows: int = field(default=1024, metadata={"help": "continuations per shard (the unit of resumption)"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the distilled text"})
     batch_rows: int = field(default=16, metadata={"help": "continuations per training step (shared by torchrun's processes)"})
@@ -94,8 +95,9 @@ def validate(cfg: RecipeConfig) -> None:
     unknown = [h for h in cfg.heads if h not in registered_heads()]
     if unknown:
         raise UsageError(f"unknown head type {unknown[0]!r}", f"use some of: {', '.join(registered_heads())}")
-    if cfg.n_future < 2 or cfg.tokens < 1 or cfg.new_tokens < 1 or cfg.prompt_len < 2 or cfg.batch_rows < 1:
-        raise UsageError("--n-future must be >= 2, and --tokens, --new-tokens, --batch-rows >= 1, --prompt-len >= 2")
+    if cfg.n_future < 2 or cfg.tokens < 1 or cfg.new_tokens < 1 or cfg.prompt_len < 2 or cfg.batch_rows < 1 or cfg.distill_batch < 0:
+        raise UsageError("--n-future must be >= 2, and --tokens, --new-tokens, --batch-rows >= 1, --prompt-len >= 2, "
+                         "--distill-batch >= 0 (0: its dtype's default)")
 
 
 def machine() -> dict:
@@ -130,9 +132,9 @@ def distill_stage(backbone, cfg: RecipeConfig, out: Path, ranks: rtrain.Ranks, l
     fast = rdata.Continuer(backbone, engine, dtype) if dtype != "float32" else None
     exact = rdata.Continuer(backbone, engine)  # held-out text: the base's own greedy text, what accuracy is measured on
     held_rec = rdata.distill_shards(exact, held, out / "distill" / "heldout", cfg.new_tokens, cfg.shard_rows,
-                                    cfg.distill_batch, 0, cfg.seed + 1, **share)
+                                    cfg.distill_batch or rdata.BATCH["float32"], 0, cfg.seed + 1, **share)
     train_rec = rdata.distill_shards(fast or exact, train, out / "distill" / "train", cfg.new_tokens, cfg.shard_rows,
-                                     cfg.distill_batch, cfg.sample_every, cfg.seed, seconds=budget, **share)
+                                     cfg.distill_batch or rdata.BATCH[dtype], cfg.sample_every, cfg.seed, seconds=budget, **share)
     return {"heldout": held_rec, "train": train_rec, "prompts_available": int(len(train))}
 
 

@@ -114,6 +114,9 @@ def _distinct_shuffled(rows, exclude, seed: int, empty: DataError) -> torch.Tens
 # Continuations ----------------------------------------------------------------------------
 ENGINES = ("multitoken", "transformers")  # who continues the prompts: our batched engine, or transformers' generate
 DTYPES = ("auto", "float32", "bfloat16")  # the continuing model's arithmetic (resolve_dtype)
+# rows continued at once by default: oneDNN's bf16 matmuls reach AMX's rate past ~128 rows; the
+# rows kernel takes 64 per call (gemv_rows.MAX_ROWS), a float32 base's rows past it another matmul
+BATCH = {"bfloat16": 256, "float32": 64}
 SAMPLED = dict(temperature=0.7, top_k=50)  # the sampled rows' distribution (no repetition penalty), either engine
 
 

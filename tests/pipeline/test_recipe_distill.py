@@ -187,3 +187,17 @@ def test_a_bfloat16_continuer_runs_a_bf16_copy_and_leaves_the_base_as_it_was(nam
     assert all(after[n].dtype == t.dtype and torch.equal(after[n], t) for n, t in before.items())
     assert torch.equal(Continuer(bb)(p, 24, False, [0] * len(p))[0], exact)
     assert (ours[:, 8:] == exact[:, 8:]).float().mean() > 0.5  # bf16 rounding moves some greedy picks, not most
+
+
+def test_the_distill_batch_defaults_by_dtype_and_a_negative_one_is_refused(tmp_path):
+    """``--distill-batch 0`` takes the dtype's default: float32's is the rows kernel's rows per call
+    (a float32 base's rows past it would take another matmul, and its rounding), bf16's is larger."""
+    from multitoken.base.errors import UsageError
+    from multitoken.kernels import gemv_rows
+    from multitoken.pipeline.train.recipe import RecipeConfig, validate
+
+    assert recipe_data.BATCH["float32"] == gemv_rows.MAX_ROWS < recipe_data.BATCH["bfloat16"]
+    text = str(fixture("tinyshakespeare", "input.txt"))
+    validate(RecipeConfig(data=(text,), heldout=(text,), out=str(tmp_path)))
+    with pytest.raises(UsageError, match="--distill-batch >= 0"):
+        validate(RecipeConfig(data=(text,), heldout=(text,), out=str(tmp_path), distill_batch=-1))
