@@ -23,6 +23,7 @@ from multitoken.pipeline.model.loading import BackboneConfig
 from multitoken.pipeline.train.recipe import RecipeConfig
 
 CONFIG = "report/build_config.json"
+BEFORE = {"distill_dtype": "float32"}  # what a build recorded before a setting existed did (its resume passes it)
 
 
 def register(sub) -> None:
@@ -67,7 +68,8 @@ def _same_build(out: Path, cfg: RecipeConfig, bb_cfg: BackboneConfig) -> None:
     new = json.loads(resolved_config_text("build-heads", cfg, bb_cfg))
     shaping = ("data", "heldout", "heldout_prompts", "prompt_len", "prompt_stride", "new_tokens", "sample_every",
                "shard_rows", "distill_batch", "distill_engine", "distill_dtype", "seed", "n_future", "draft_vocab")  # draft_vocab: eagle3's lm_head
-    changed = [k for k in shaping if old.get("RecipeConfig", {}).get(k) != new.get("RecipeConfig", {}).get(k)]
+    recorded = {**BEFORE, **old.get("RecipeConfig", {})}
+    changed = [k for k in shaping if recorded.get(k) != new.get("RecipeConfig", {}).get(k)]
     if old.get("BackboneConfig", {}).get("base") != new.get("BackboneConfig", {}).get("base"):
         changed.insert(0, "base")
     if changed:

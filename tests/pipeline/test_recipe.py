@@ -146,6 +146,8 @@ def test_a_resume_with_other_settings_or_a_foreign_folder_is_refused(built, text
     assert "holds a build with another seed" in capsys.readouterr().err
     assert build(texts, out, "--distill-engine", "transformers") != 0  # its sampled rows draw otherwise
     assert "holds a build with another distill_engine" in capsys.readouterr().err
+    assert build(texts, out, "--distill-dtype", "float32") != 0  # auto's text may be bf16's
+    assert "holds a build with another distill_dtype" in capsys.readouterr().err
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -223,3 +225,25 @@ def test_a_time_budget_is_planned_from_the_pace_after_the_first_steps(monkeypatc
         if step >= total:
             break
     assert abs(total - (100 + (budget - (6.5 + 80 * 0.05)) / 0.05)) <= 1 and abs(clock["now"] - budget) < 0.1
+
+
+def test_a_build_recorded_before_distill_dtype_existed_resumes_as_float32(tmp_path):
+    """A build whose record predates ``--distill-dtype`` distilled in float32: resuming it with
+    ``--distill-dtype float32`` (and its recorded batch) is the same build; auto is another."""
+    import dataclasses
+    import json
+
+    from multitoken.base.config_io import resolved_config_text
+    from multitoken.base.errors import UsageError
+    from multitoken.pipeline.cli.cmd_build_heads import CONFIG, _same_build
+    from multitoken.pipeline.model.loading import BackboneConfig
+    from multitoken.pipeline.train.recipe import RecipeConfig
+
+    cfg, bb = RecipeConfig(data=("a.txt",), heldout=("b.txt",), out=str(tmp_path), distill_batch=64), BackboneConfig()
+    record = json.loads(resolved_config_text("build-heads", cfg, bb))
+    del record["RecipeConfig"]["distill_dtype"]
+    (tmp_path / CONFIG).parent.mkdir()
+    (tmp_path / CONFIG).write_text(json.dumps(record))
+    _same_build(tmp_path, dataclasses.replace(cfg, distill_dtype="float32"), bb)
+    with pytest.raises(UsageError, match="another distill_dtype"):
+        _same_build(tmp_path, cfg, bb)
