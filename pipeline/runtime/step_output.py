@@ -22,10 +22,9 @@ def unembed(bb, rows: torch.Tensor) -> torch.Tensor:
     head = bb.unembedding
     flat = rows.reshape(-1, rows.shape[-1])  # [B * R, H]
     if costs_for(head, flat).form(flat.shape[0]) == LINEAR:
-        if flat.shape[0] == 1:
-            return head(rows)  # the module itself, as transformers computes logits
-        # 2-D: matmul folds a contiguous [B, R, H] into this one product, but a batch's slice of
-        # positions into a bmm against the weight expanded B times (copied)
+        # the module itself, as transformers computes logits, on the rows flattened: matmul folds
+        # contiguous rows into this same product, but a batch's slice of positions into a bmm
+        # against the weight expanded (copied) once per batch row
         return head(flat).reshape(*rows.shape[:-1], -1)
     return apply(head, flat, TRANSPOSED).reshape(*rows.shape[:-1], -1)
 
