@@ -30,9 +30,10 @@ import torch
 from multitoken.base.errors import DataError, UsageError
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import eos_ids, generate_batch
-from multitoken.kernels import cpu_features, cpu_linear
+from multitoken.kernels import cpu_linear
 from multitoken.pipeline.model.backbone import Backbone
 from multitoken.pipeline.model.model import MultiTokenModel
+from multitoken.pipeline.train import recipe_train as rtrain
 
 SHARD = "shard-{:05d}.safetensors"
 
@@ -130,15 +131,15 @@ def resolve_engine(name: str, device: torch.device) -> str:
 
 
 def resolve_dtype(name: str, backbone) -> str:
-    """``auto`` -> bfloat16 on a CPU with bf16 dot products in hardware (AVX512-BF16, AMX:
-    cpu_features.py), where oneDNN's bf16 matmuls of a batch's rows run several times faster than
-    float32's, for a float backbone; float32 elsewhere (an emulating CPU gains nothing; a GPU's
-    recipe keeps its float32 path). The others as given (bfloat16 refused on a quantized base)."""
+    """``auto`` -> bfloat16 on a CPU where training's ``auto`` takes it (bf16 dot products in
+    hardware: AVX512-BF16, AMX), where oneDNN's bf16 matmuls of a batch's rows run several times
+    faster than float32's, for a float backbone; float32 elsewhere (an emulating CPU gains
+    nothing; a GPU's recipe keeps its float32 path). The others as given (bfloat16 refused on a quantized base)."""
     if name == "bfloat16" and backbone.is_quantized:
         raise UsageError("--distill-dtype bfloat16 needs a float base, not a quantized one", "pass --distill-dtype float32")
     if name != "auto":
         return name
-    native = backbone.device.type == "cpu" and cpu_features.features().native_bf16
+    native = backbone.device.type == "cpu" and rtrain.resolve_dtype(backbone.device, "auto") == "bfloat16"
     return "bfloat16" if native and not backbone.is_quantized else "float32"
 
 

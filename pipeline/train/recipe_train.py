@@ -63,18 +63,16 @@ def trunk_in(backbone, dtype: str):
         return
     kept = [(m.weight, m.weight.data) for layer in backbone.layers for m in layer.modules()
             if type(m) is torch.nn.Linear and not m.weight.requires_grad and m.weight.dtype == torch.float32]
-    head = backbone.unembedding
-    own = type(head) is torch.nn.Linear and not head.weight.requires_grad and head.weight.dtype == torch.float32
-    tied = own and any(p is head.weight for p in backbone.embeddings.parameters())
-    original = head.weight
+    head, original = backbone.unembedding, backbone.unembedding.weight
+    frozen = type(head) is torch.nn.Linear and not original.requires_grad and original.dtype == torch.float32
+    tied = frozen and any(p is original for p in backbone.embeddings.parameters())
+    if frozen and not tied:
+        kept.append((original, original.data))  # cast and restored with the layers' weights
     try:
         for weight, data in kept:
             weight.data = data.to(torch.bfloat16)
         if tied:
             head.weight = torch.nn.Parameter(original.detach().to(torch.bfloat16), requires_grad=False)
-        elif own:
-            kept.append((original, original.data))
-            original.data = original.data.to(torch.bfloat16)
         yield
     finally:
         for weight, data in kept:
