@@ -86,8 +86,8 @@ def figures(report: dict, before: list, after: list) -> dict:
     out = {"distill_new_tokens": new, "distill_s": distill["seconds"], "distill_cpu_s": distill.get("cpu_seconds"),
            "train_tokens": train["tokens_seen"], "train_steps": train["steps"], "train_s": train["seconds"],
            "train_cpu_s": train.get("cpu_seconds"), "compute_dtype": train.get("compute_dtype", "float32"),
-           "engine": distill.get("engine", "transformers"), "distill_dtype": distill.get("dtype", "float32"), "heldout": report["heldout"], "load_before": before,
-           "load_after": after}
+           "engine": distill.get("engine", "transformers"), "distill_dtype": distill.get("dtype", "float32"),
+           "heldout": report["heldout"], "load_before": before, "load_after": after}
     for kind, tokens, key in (("distill", new, "distill"), ("train", train["tokens_seen"], "train")):
         out[f"{kind}_tokens_per_s"] = round(tokens / max(out[f"{key}_s"], 1e-9), 1)
         cpu = out[f"{key}_cpu_s"]
@@ -111,8 +111,8 @@ def table(runs: dict[str, list[dict]], heads: list[str]) -> dict:
     rows = []
     for name, rs in runs.items():
         held = rs[0]["heldout"]
-        rows.append([name, f"{rs[0]['engine']}, {rs[0]['distill_dtype']}", med[name]["distill_cpu_tokens_per_s"], med[name]["train_cpu_tokens_per_s"], rs[0]["compute_dtype"],
-                     *[f"{held[k]['head2/top1']:.3f} / {held[k]['head3/top1']:.3f}" for k in heads]])
+        rows.append([name, f"{rs[0]['engine']}, {rs[0]['distill_dtype']}", med[name]["distill_cpu_tokens_per_s"],
+                     med[name]["train_cpu_tokens_per_s"], rs[0]["compute_dtype"], *[f"{held[k]['head2/top1']:.3f} / {held[k]['head3/top1']:.3f}" for k in heads]])
     return {"columns": columns, "rows": rows}
 
 
