@@ -144,14 +144,16 @@ def resolve_dtype(name: str, backbone) -> str:
 
 
 def bfloat16_copy(backbone) -> Backbone:
-    """A copy of ``backbone`` in bfloat16 on torch's own linears (oneDNN's bf16 matmuls); the
-    original is left as it is. Packed layers go back to ``nn.Linear`` first (their exact weights)."""
+    """A copy of ``backbone`` in bfloat16 whose decoding packs its linears in oneDNN's layout
+    (``--cpu-linear packed``: each weight reordered once, not at every matmul as torch's
+    ``F.linear`` does); the original is left as it is. Packed layers go back to ``nn.Linear``
+    first (their exact weights)."""
     model = copy.deepcopy(backbone.model)
     cpu_linear.unpack(model)
     model.to(torch.bfloat16)
     cfg = backbone.load_config
     if dataclasses.is_dataclass(cfg):
-        cfg = dataclasses.replace(cfg, dtype="bfloat16", cpu_linear=cpu_linear.STOCK)
+        cfg = dataclasses.replace(cfg, dtype="bfloat16", cpu_linear=cpu_linear.PACKED)
     return Backbone(model, backbone.tokenizer, backbone.name, cfg)
 
 

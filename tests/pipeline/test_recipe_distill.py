@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from scipy.stats import chisquare
 
+from multitoken.kernels import cpu_linear
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.train import recipe_data
 from multitoken.pipeline.train.recipe_data import SAMPLED, Continuer, distill_shards, row_seed
@@ -170,7 +171,8 @@ def test_distillation_runs_in_bfloat16_only_where_the_cpu_has_it_natively(monkey
 
 @pytest.mark.parametrize("name", ["stories", "pythia-mini"])
 def test_a_bfloat16_continuer_runs_a_bf16_copy_and_leaves_the_base_as_it_was(name, stories_dir, pythia_mini_dir):
-    """The bf16 continuer decodes a bfloat16 copy of the base: the base keeps its float32 weights
+    """The bf16 continuer decodes a bfloat16 copy of the base, its large linears packed where
+    oneDNN's bf16 ops run (pythia-mini's unembedding; stories260K has none): the base keeps its float32 weights
     bit for bit (it still decodes its own text after), and the copy's greedy rows through our
     engine are transformers' greedy rows of the same bf16 copy, token for token."""
     bb = backbone(name, stories_dir, pythia_mini_dir)
@@ -181,6 +183,10 @@ def test_a_bfloat16_continuer_runs_a_bf16_copy_and_leaves_the_base_as_it_was(nam
     assert fast.dtype == "bfloat16" and fast.backbone is not bb
     assert all(t.dtype == torch.bfloat16 for t in fast.backbone.model.parameters())
     ours = fast(p, 24, False, [0] * len(p))[0]
+    big = [m for m in fast.backbone.model.modules() if getattr(m, "weight", None) is not None
+           and m.weight.dim() == 2 and m.weight.numel() >= cpu_linear.MIN_WEIGHTS]
+    if cpu_linear.usable(torch.bfloat16):  # its large linears decode on oneDNN's packed layout
+        assert all(cpu_linear.format_of(m) == cpu_linear.ONEDNN for m in big if not isinstance(m, torch.nn.Embedding))
     theirs = Continuer(bb, "transformers", "bfloat16")(p, 24, False, [0])[0]
     assert torch.equal(ours, theirs)
     after = bb.model.state_dict()
