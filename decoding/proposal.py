@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import penalised_logits, with_tokens
+from .sampling import penalised_logits, sample_rows, with_tokens
 from .trees import Shape, Tree
 
 
@@ -144,12 +144,13 @@ def at_anchors(out, x: torch.Tensor, need: list[int], anchors: tuple[int, ...]) 
 
 def next_tokens(out, rows, need: list[int], anchors: tuple[int, ...], plan) -> list[int]:
     """A token from the base's target after each row's anchor: greedy takes every row's argmax
-    in one call; sampling draws per row from its own generator. One host read either way."""
+    in one call; sampling cuts every row's top-k at once and draws per row from its own
+    generator. One host read either way."""
     if plan.argmax_only:  # the argmax alone (no logits where the model screens it)
         return at_anchors(out, out.base_argmax(), need, anchors).tolist()
     scores = at_anchors(out, out.base_logits(), need, anchors)  # the base's own (not a WHS head 1) # [R, V]
+    seen = torch.stack([rows[j].seen for j in need]) if plan.penalised else None  # [R, V]
     if plan.greedy:
-        seen = torch.stack([rows[j].seen for j in need]) if plan.penalised else None
         return penalised_logits(scores, seen, plan.penalty).argmax(-1).tolist()
-    return torch.stack([rows[j].sampler.sample(scores[s], rows[j].seen) for s, j in enumerate(need)]).tolist()
+    return sample_rows([rows[j].sampler for j in need], scores, seen).tolist()
 

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from multitoken.decoding.config import DecodeConfig
 from multitoken.decoding.engine import generate
 from multitoken.decoding.proposal import Drafts
-from multitoken.decoding.sampling import Sampler, top_probs
+from multitoken.decoding.sampling import Sampler, sample_rows, top_probs
 
 from .conftest import attach
 from .test_exactness import merge_small_cells
@@ -205,6 +205,28 @@ def test_sampler_draft_q_is_the_distribution_drawn_from():
     torch.testing.assert_close(q, torch.cat([p / p.sum(), torch.zeros(1)]))
     counts = np.bincount([t for t, _ in draws], minlength=3)
     assert counts[2] == 0 and chisquare(counts[:2], q[:2].numpy() * 2000).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k,penalty", [(50, 1.0), (50, 1.3), (0, 1.0), (0, 1.3)])
+def test_rows_sampled_at_once_are_each_rows_own_draws(dtype, top_k, penalty):
+    """``sample_rows`` over [R, V] draws, token for token and step after step, what each row's own
+    sampler draws from its row alone (its generator advanced alike), top-k cut or not, penalised
+    or not, in either dtype; rows with other settings are drawn one by one, as alone."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(12, 3000, generator=g) * 3).to(dtype)  # [R, V]
+    logits[:, :5] = logits[:, :1]  # ties at the top
+    seen = torch.rand(12, 3000, generator=g) < 0.1
+    def samplers():
+        return [Sampler(False, 0.7, top_k, seed=r, penalty=penalty) for r in range(12)]
+    alone, together = samplers(), samplers()
+    for _ in range(3):
+        one = [s.sample(logits[r], seen[r]) for r, s in enumerate(alone)]
+        assert sample_rows(together, logits, seen).tolist() == [int(t) for t in one]
+    mixed = samplers()[:11] + [Sampler(False, 1.0, 7, seed=11, penalty=penalty)]
+    assert sample_rows(mixed, logits, seen).tolist() == [int(t) for t in (
+        [s.sample(logits[r], seen[r]) for r, s in enumerate(samplers()[:11])]
+        + [Sampler(False, 1.0, 7, seed=11, penalty=penalty).sample(logits[11], seen[11])])]
 
 
 def test_typical_mode_passes_its_rule_the_whole_vocabulary_rows(tiny_backbones):
