@@ -65,7 +65,8 @@ def chunked_cross_entropy(unembed: nn.Module, hidden: torch.Tensor, target: torc
     """Mean CE of ``unembed(hidden)`` against ``target``, never holding more than ``chunk``
     rows of logits (see ``unembed.target_log_probs``).
 
-    hidden [B, T, H], target [B, T] -> (mean loss [], {"top1", "top5", "count"}).
+    hidden [B, T, H], target [B, T] -> (mean loss [], {"top1", "top5", "count"}; no rates when
+    hits are not counted: ``unembed.hits_counted``).
     """
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     t = target.reshape(-1)  # [N]
@@ -73,8 +74,13 @@ def chunked_cross_entropy(unembed: nn.Module, hidden: torch.Tensor, target: torc
     h, t = h.index_select(0, keep), t.index_select(0, keep)  # only real targets cost an unembedding
     logp, hits = target_log_probs(unembed, h, t, chunk)
     count = max(int(t.shape[0]), 1)
-    top1, top5 = (hits.float() / count).tolist()
-    return -logp.sum() / count, {"top1": top1, "top5": top5, "count": int(t.shape[0])}
+    rates = {} if hits is None else dict(zip(("top1", "top5"), (hits.float() / count).tolist()))
+    return -logp.sum() / count, {**rates, "count": int(t.shape[0])}
+
+
+def head_metrics(head: int, loss: torch.Tensor, m: dict) -> dict[str, float]:
+    """``head{i}/loss`` and, where hits were counted, ``head{i}/top1`` / ``top5``."""
+    return {f"head{head}/loss": loss.item(), **{f"head{head}/{k}": m[k] for k in ("top1", "top5") if k in m}}
 
 
 class HeadAdapter(nn.Module):
@@ -140,7 +146,7 @@ class HeadAdapter(nn.Module):
             tgt = shifted_targets(input_ids, valid, i + 1)  # [B, T]
             ce, m = chunked_cross_entropy(self.backbone.unembedding, hidden, tgt, chunk)
             per_head.append(ce)
-            metrics.update({f"head{i + 1}/loss": ce.item(), f"head{i + 1}/top1": m["top1"], f"head{i + 1}/top5": m["top5"]})
+            metrics.update(head_metrics(i + 1, ce, m))
         return LossOutput(per_head=per_head, aux=None, metrics=metrics)
 
 

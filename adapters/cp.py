@@ -22,7 +22,7 @@ from torch import nn
 
 from .base import IGNORE, Features, HeadAdapter, LossOutput, head_dtype, shifted_targets
 from .registry import register_head
-from .unembed import target_log_probs
+from .unembed import counting, target_log_probs
 from multitoken.base.errors import UsageError
 
 
@@ -125,7 +125,7 @@ class CPHeads(HeadAdapter):
         aux, metrics = self._balance(log_w)
         metrics["cp/joint_nll"] = (-prefix[:, -1].sum() / count).item()
         metrics.update({f"head{s + 1}/loss": per_head[s].item() for s in range(n)})
-        if not self.training:
+        if not self.training and counting():
             metrics.update(self._accuracy(e, x, log_w, c, chunk))
         return LossOutput(per_head=per_head, aux=aux, metrics=metrics)
 

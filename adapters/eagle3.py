@@ -26,9 +26,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .base import Features, HeadAdapter, LossOutput, chunked_cross_entropy, head_dtype, shifted_targets
+from .base import Features, HeadAdapter, LossOutput, chunked_cross_entropy, head_dtype, head_metrics, shifted_targets
 from .eagle3_layer import DraftCache, Eagle3Layer, LayerShape, RMSNorm, Rotary
 from .registry import register_head
+from .unembed import counting
 from multitoken.base.errors import UsageError
 
 TARGETS = ("distill", "argmax")
@@ -226,7 +227,7 @@ class Eagle3Drafter(HeadAdapter):
         if not (skip_constant and torch.is_grad_enabled() and not feats.base.requires_grad):
             ce, m = chunked_cross_entropy(self.backbone.unembedding, feats.base, shifted_targets(input_ids, valid, 1), chunk)
             per_head[0] = ce
-            metrics.update({"head1/loss": ce.item(), "head1/top1": m["top1"], "head1/top5": m["top5"]})
+            metrics.update(head_metrics(1, ce, m))
         T = input_ids.shape[1]
 
         def tokens_at(i, _prev):  # the text's token t+i (positions past the end draw no loss)
@@ -240,7 +241,7 @@ class Eagle3Drafter(HeadAdapter):
             rows = torch.cat([where[:, i:], where[:, :min(i, T)]], dim=1)[:, :T][ok]  # the base's rows at t+i
             loss, m = self._draft_loss(out[ok], best[rows], logq[rows], chunk)
             per_head.append(loss)
-            metrics.update({f"head{i + 1}/loss": loss.item(), f"head{i + 1}/top1": m[0], f"head{i + 1}/top5": m[1]})
+            metrics.update(head_metrics(i + 1, loss, m))
         return LossOutput(per_head=per_head, aux=None, metrics=metrics)
 
     @torch.no_grad()
@@ -267,8 +268,8 @@ class Eagle3Drafter(HeadAdapter):
     def _draft_loss(self, rows: torch.Tensor, best: torch.Tensor, logq: torch.Tensor, chunk: int):
         """Mean loss of draft rows [N, H] against the base's targets there (``best`` [N], its
         argmax; ``logq`` [N, Vd], its log-distribution over the draft vocabulary), chunk by chunk
-        (each chunk's [C, Vd] logits recomputed in backward, not kept), and top-1 / top-5 rates
-        of the base's argmax among the drafts' guesses."""
+        (each chunk's [C, Vd] logits recomputed in backward, not kept), and {top1, top5}: the
+        rates of the base's argmax among the drafts' guesses (none when hits are not counted)."""
         total, hits = rows.new_zeros((), dtype=torch.float32), torch.zeros(2, dtype=torch.long, device=rows.device)
         for s in range(0, rows.shape[0], chunk):
             args = (rows[s:s + chunk], best[s:s + chunk], logq[s:s + chunk])
@@ -276,7 +277,7 @@ class Eagle3Drafter(HeadAdapter):
             part, h = checkpoint(self._chunk_loss, *args, use_reentrant=False) if grad else self._chunk_loss(*args)
             total, hits = total + part, hits + h
         n = max(rows.shape[0], 1)
-        return total / n, (hits.float() / n).tolist()
+        return total / n, dict(zip(("top1", "top5"), (hits.float() / n).tolist())) if counting() else {}
 
     def _chunk_loss(self, rows: torch.Tensor, best: torch.Tensor, logq: torch.Tensor):
         """Summed loss and [top-1, top-5] hit counts # rows [C, H], best [C], logq [C, Vd]."""
@@ -286,6 +287,8 @@ class Eagle3Drafter(HeadAdapter):
         else:  # the base's argmax where the draft vocabulary holds it
             inside = self.t2d[best]
             loss = -logp.gather(-1, logq.argmax(-1, keepdim=True)).squeeze(-1)[inside].sum()
+        if not counting():
+            return loss, torch.zeros(2, dtype=torch.long, device=rows.device)
         with torch.no_grad():
             top = self.to_target(logp.topk(min(5, logp.shape[-1]), dim=-1).indices) == best[:, None]  # [C, 5]
             hits = torch.stack([top[:, 0].sum(), top.any(-1).sum()])

@@ -5,9 +5,16 @@ only gradient the backward pass needs is d/dh = (onehot(x) - softmax(U h)) U. ``
 computes it in the forward pass, while the chunk's [C, V] logits exist anyway, and keeps only
 that [C, H] result: two matmuls per chunk, no [C, V] tensor kept for backward and nothing
 recomputed. If U is trainable (or not a plain Linear) the chunk is checkpointed instead.
+
+The top-1 / top-5 hit counts take a top-k over every chunk's [C, V] logits, a good part of a
+step: ``hits_counted(False)`` leaves them out (hits None, no rates in the metrics) on steps
+whose metrics nobody reads; every head type's loss honours it.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +22,27 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 TOPK = 5
+_COUNTING = contextvars.ContextVar("multitoken_hits_counted", default=True)
+
+
+@contextlib.contextmanager
+def hits_counted(on: bool):
+    """Within: whether losses count top-1 / top-5 hits (``counting()``)."""
+    token = _COUNTING.set(on)
+    try:
+        yield
+    finally:
+        _COUNTING.reset(token)
+
+
+def counting() -> bool:
+    return _COUNTING.get()
 
 
 def _hits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[top-1 hits, top-5 hits] # logits [C, V], target [C] -> [2]."""
+    """[top-1 hits, top-5 hits] # logits [C, V], target [C] -> [2] (zeros when not counting)."""
+    if not counting():
+        return torch.zeros(2, dtype=torch.long, device=logits.device)
     top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices == target[:, None]  # [C, 5]
     return torch.stack([top[:, 0].sum(), top.any(-1).sum()])
 
@@ -65,13 +89,15 @@ def _chunk(unembed: nn.Module, h: torch.Tensor, target: torch.Tensor):
 def target_log_probs(unembed: nn.Module, h: torch.Tensor, target: torch.Tensor, chunk: int):
     """log softmax(U h)[target] per row, and top-1/top-5 hit counts.
 
-    h [N, H], target [N] (all real tokens) -> (logp [N] float32, hits [2] long).
+    h [N, H], target [N] (all real tokens) -> (logp [N] float32, hits [2] long | None when not
+    ``counting()``).
     """
     parts, hits = [], torch.zeros(2, dtype=torch.long, device=h.device)
     for start in range(0, h.shape[0], chunk):
         logp, chunk_hits = _chunk(unembed, h[start:start + chunk], target[start:start + chunk])
         parts.append(logp)
         hits = hits + chunk_hits
+    hits = hits if counting() else None
     if not parts:
         return h.new_zeros(0, dtype=torch.float32), hits
     return torch.cat(parts), hits

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from multitoken.adapters.base import Features, HeadAdapter
+from multitoken.adapters.unembed import hits_counted
 from multitoken.kernels import cpu_features
 
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+LOG_EVERY = 50  # steps between two progress records (the last step makes one too)
 
 
 def resolve_dtype(device: torch.device, dtype: str) -> str:
@@ -174,7 +176,8 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
                 rows = mine[part::micro_batches]
                 ids = data["ids"][rows].to(device, non_blocking=True)  # [b, T]
                 valid = data["valid"][rows].to(device, non_blocking=True)
-                with autocast(device, dtype):
+                logged = (step + 1) % LOG_EVERY == 0 or step + 1 == total  # else no [C, V] top-k for hit rates
+                with autocast(device, dtype), hits_counted(logged):
                     feats = trunk_features(backbone, ids, collect)
                     metrics = {s.name: s.backward(feats, ids, valid, chunk, 1.0 / micro_batches) for s in sets}
             factor = lr_factor(step, total, warmup)
@@ -183,7 +186,7 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
             step += 1
             if seconds is not None:
                 total, mark = _fit(step, mark, started, seconds, planned, total, ranks)
-            if step % 50 == 0 or step == total:
+            if step % LOG_EVERY == 0 or step == total:
                 elapsed = time.time() - started
                 rec = {"step": step, "of": total, "seconds": round(elapsed, 1), "eta_s": round(elapsed / step * (total - step)),
                        **{f"{name}/{k}": v for name, m in metrics.items() for k, v in m.items()}}

@@ -109,3 +109,28 @@ def test_declared_capabilities_match_the_methods(tiny_backbone, head_type):
     assert "cache" in inspect.signature(type(heads).hidden).parameters
     assert type(heads).supports_sequential_drafts == hasattr(heads, "conditional_log_probs")
     assert type(heads).supports_sequential_drafts == (head_type == "cp")
+
+
+def test_uncounted_hits_leave_losses_and_gradients_as_they_are(tiny_backbone, head_type):
+    """``hits_counted(False)`` (a trainer's unlogged steps) drops the top-1 / top-5 rates from the
+    metrics and nothing else: the same losses, bit for bit, and the same head gradients; in
+    training and in eval mode."""
+    from multitoken.adapters.unembed import hits_counted
+
+    ids = random_ids(tiny_backbone, seed=5)
+    for train in (True, False):
+        runs = []
+        for on in (True, False):
+            model = _model(tiny_backbone, head_type)
+            model.train(train)
+            with hits_counted(on):
+                out = model.compute_loss(ids)
+                (out.total + (out.aux if out.aux is not None else 0)).backward()
+            runs.append((out, [p.grad for p in model.head_parameters()]))
+        (counted, g1), (uncounted, g2) = runs
+        rates = {k for k in counted.metrics if k.endswith(("/top1", "/top5"))}
+        assert "head2/top1" in rates or (head_type == "cp" and train)  # cp rates its heads in eval only
+        assert not rates & set(uncounted.metrics)
+        assert set(counted.metrics) - rates == set(uncounted.metrics)
+        assert all(torch.equal(a, b) for a, b in zip(counted.per_head, uncounted.per_head))
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2))

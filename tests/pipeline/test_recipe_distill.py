@@ -207,3 +207,31 @@ def test_the_distill_batch_defaults_by_dtype_and_a_negative_one_is_refused(tmp_p
     validate(RecipeConfig(data=(text,), heldout=(text,), out=str(tmp_path)))
     with pytest.raises(UsageError, match="--distill-batch >= 0"):
         validate(RecipeConfig(data=(text,), heldout=(text,), out=str(tmp_path), distill_batch=-1))
+
+
+def test_training_counts_hit_rates_only_on_the_steps_it_logs(monkeypatch, stories_dir):
+    """The recipe's training takes the [C, V] top-k of hit rates only on the steps whose metrics
+    it logs (every ``LOG_EVERY`` and the last); those records carry every head's rates."""
+    from multitoken.adapters.unembed import hits_counted
+    from multitoken.pipeline.model.model import MultiTokenModel
+    from multitoken.pipeline.train import recipe_train
+
+    asked = []
+
+    def recording(on):
+        asked.append(on)
+        return hits_counted(on)
+
+    monkeypatch.setattr(recipe_train, "hits_counted", recording)
+    bb = load_backbone(BackboneConfig(base=str(stories_dir), threads=1))
+    torch.manual_seed(0)
+    sets = [recipe_train.HeadSet(t, MultiTokenModel.attach(bb, {"head_type": t, "n_future": 3}), 1e-3)
+            for t in ("medusa", "eagle3")]
+    ids = torch.randint(3, bb.vocab_size, (8, 12), generator=torch.Generator().manual_seed(1))
+    data = {"ids": ids, "valid": torch.ones_like(ids, dtype=torch.bool)}
+    out = recipe_train.train_sets(bb, sets, data, epochs=62 / 4, batch_rows=2, warmup=2, seconds=None,
+                                  dtype="float32", chunk=64, log=lambda rec: None)
+    assert out["steps"] == 62 and asked == [s in (50, 62) for s in range(1, 63)]
+    assert [r["step"] for r in out["history"]] == [50, 62]
+    for rec in out["history"]:
+        assert {f"{t}/head{h}/top{k}" for t in ("medusa", "eagle3") for h in (2, 3) for k in (1, 5)} <= set(rec)
