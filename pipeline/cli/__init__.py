@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from multitoken.base import collector
+from multitoken.base import collector, huge_pages
 from multitoken.base.errors import MultitokenError, UsageError
 from multitoken.base.progress import status, status_on
 from multitoken.base.quiet import quiet_dependencies  # the scripts use the same switch
@@ -179,10 +179,12 @@ def _leave_process_group(joined_before: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``multitoken`` command; ``argv`` None: the program's own arguments, and the process
-    is this command's (its garbage collector tuned for that: base/collector.py)."""
+    is this command's (its garbage collector tuned for that: base/collector.py; torch's large
+    buffers on huge pages: base/huge_pages.py)."""
     as_program = argv is None
     if as_program:
         collector.start_up()
+        huge_pages.enable()  # before anything imports torch
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_dependencies()
     command = next((a for a in argv if not a.startswith("-")), None)  # no option takes a value before it
