@@ -153,8 +153,7 @@ def sample_rows(samplers: list[Sampler], logits: torch.Tensor, seen: torch.Tenso
     one softmax over all rows (each row's values as alone), then each row's draw from its own
     generator, so a row's token does not depend on the rows beside it."""
     first = samplers[0]
-    if first.greedy or any((s.greedy, s.temperature, s.top_k, s.penalty) != (first.greedy, first.temperature,
-                                                                              first.top_k, first.penalty) for s in samplers):
+    if first.greedy or len({(s.greedy, s.temperature, s.top_k, s.penalty) for s in samplers}) > 1:
         return torch.stack([s.sample(logits[r], None if seen is None else seen[r]) for r, s in enumerate(samplers)])
     ids, probs = top_probs(logits, first.temperature, first.top_k, seen, first.penalty)  # [R, k] each
     picks = torch.stack([torch.multinomial(probs[r], 1, generator=s.gen) for r, s in enumerate(samplers)])  # [R, 1]

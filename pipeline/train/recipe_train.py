@@ -172,12 +172,14 @@ def train_sets(backbone, sets: list[HeadSet], data: dict, *, epochs: float, batc
                 order, at = torch.randperm(n_rows, generator=g), 0
             mine = ranks.slice(order[at:at + batch_rows])
             at += batch_rows
+            logged = (step + 1) % LOG_EVERY == 0 or step + 1 == total
             for part in range(micro_batches):
                 rows = mine[part::micro_batches]
                 ids = data["ids"][rows].to(device, non_blocking=True)  # [b, T]
                 valid = data["valid"][rows].to(device, non_blocking=True)
-                logged = (step + 1) % LOG_EVERY == 0 or step + 1 == total  # else no [C, V] top-k for hit rates
-                with autocast(device, dtype), hits_counted(logged):
+                # hit rates (a [C, V] top-k per chunk) only where the record reads them: a logged
+                # step's last part, whose metrics it keeps
+                with autocast(device, dtype), hits_counted(logged and part == micro_batches - 1):
                     feats = trunk_features(backbone, ids, collect)
                     metrics = {s.name: s.backward(feats, ids, valid, chunk, 1.0 / micro_batches) for s in sets}
             factor = lr_factor(step, total, warmup)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PROBE = """
-import json, os, sys
+import json, os, re, sys
 from multitoken.pipeline.cli import main
 from multitoken.base import huge_pages
 if sys.argv[1] == "program":
@@ -31,8 +31,8 @@ else:  # a library call of the command, then torch
         pass
 import torch
 x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, every page touched
-kib = sum(int(m) for m in __import__("re").findall(r"AnonHugePages:\\s+(\\d+) kB", open("/proc/self/smaps").read())) \
-    if os.path.exists("/proc/self/smaps") else -1
+smaps = open("/proc/self/smaps").read() if os.path.exists("/proc/self/smaps") else None
+kib = -1 if smaps is None else sum(int(m) for m in re.findall(r"AnonHugePages:\\s+(\\d+) kB", smaps))
 print("PROBE " + json.dumps({"env": os.environ.get(huge_pages.VARIABLE), "huge_kib": kib,
                              "late": huge_pages.enable()}))
 """

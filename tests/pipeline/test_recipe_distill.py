@@ -211,7 +211,8 @@ def test_the_distill_batch_defaults_by_dtype_and_a_negative_one_is_refused(tmp_p
 
 def test_training_counts_hit_rates_only_on_the_steps_it_logs(monkeypatch, stories_dir):
     """The recipe's training takes the [C, V] top-k of hit rates only on the steps whose metrics
-    it logs (every ``LOG_EVERY`` and the last); those records carry every head's rates."""
+    it logs (every ``LOG_EVERY`` and the last; in micro-batches, their last part); those records
+    carry every head's rates."""
     from multitoken.adapters.unembed import hits_counted
     from multitoken.pipeline.model.model import MultiTokenModel
     from multitoken.pipeline.train import recipe_train
@@ -235,3 +236,8 @@ def test_training_counts_hit_rates_only_on_the_steps_it_logs(monkeypatch, storie
     assert [r["step"] for r in out["history"]] == [50, 62]
     for rec in out["history"]:
         assert {f"{t}/head{h}/top{k}" for t in ("medusa", "eagle3") for h in (2, 3) for k in (1, 5)} <= set(rec)
+    asked.clear()  # in parts: only a logged step's last part, whose metrics the record keeps
+    out = recipe_train.train_sets(bb, sets, data, epochs=50 / 4, batch_rows=2, warmup=2, seconds=None,
+                                  dtype="float32", chunk=64, micro_batches=2, log=lambda rec: None)
+    assert out["steps"] == 50 and asked == [i == 99 for i in range(100)]
+    assert {"medusa/head2/top1", "eagle3/head2/top1"} <= set(out["history"][-1])
