@@ -4,7 +4,10 @@ Every head ends in ``log_softmax(U h)[x]``. U is the base model's frozen output 
 only gradient the backward pass needs is d/dh = (onehot(x) - softmax(U h)) U. ``FrozenUnembed``
 computes it in the forward pass, while the chunk's [C, V] logits exist anyway, and keeps only
 that [C, H] result: two matmuls per chunk, no [C, V] tensor kept for backward and nothing
-recomputed. If U is trainable (or not a plain Linear) the chunk is checkpointed instead.
+recomputed. If U is trainable (or not a plain Linear) the chunk is checkpointed instead. The
+softmax's element-wise passes (max, exp, sum, scale, less the one-hot) run in float32 on a few
+rows at a time, written back over the logits in their own dtype: each block's passes stay in
+the core's cache, and no [C, V] float32 tensor is made.
 
 The top-1 / top-5 hit counts take a top-k over every chunk's [C, V] logits, a good part of a
 step: ``hits_counted(False)`` leaves them out (hits None, no rates in the metrics) on steps
@@ -22,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 TOPK = 5
+BLOCK_ROWS = 4  # a CPU block of the softmax: 4 x V float32 fits a core's L2 for the vocabularies we meet
 _COUNTING = contextvars.ContextVar("multitoken_hits_counted", default=True)
 
 
@@ -47,16 +51,45 @@ def _hits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.stack([top[:, 0].sum(), top.any(-1).sum()])
 
 
+def block_rows(device: torch.device) -> int:
+    """Rows per block of the softmax's element-wise passes: on a CPU a few, whose float32 copy
+    (a few x V x 4 bytes) stays in the core's cache through every pass instead of streaming a
+    [C, V] float32 tensor from memory once per pass; elsewhere the whole chunk (one launch per op)."""
+    return BLOCK_ROWS if device.type == "cpu" else 1 << 62
+
+
+def softmax_less_onehot(logits: torch.Tensor, target: torch.Tensor, dtype: torch.dtype, rows: int):
+    """log softmax(logits)[target] in float32 and softmax - onehot(target) in ``dtype``, the
+    softmax taken in float32 ``rows`` rows at a time # logits [C, V], target [C] -> (logp [C],
+    [C, V]; written over ``logits`` where the dtypes agree)."""
+    C, V = logits.shape
+    out = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
+    logp = logits.new_empty(C, dtype=torch.float32)
+    n = min(rows, C)
+    buf = None if logits.dtype == torch.float32 else logits.new_empty(n, V, dtype=torch.float32)
+    minus_one = logits.new_full((n, 1), -1.0, dtype=torch.float32)
+    for s in range(0, C, n):
+        e = min(s + n, C)
+        block = logits[s:e] if buf is None else buf[:e - s].copy_(logits[s:e])  # [b, V] float32
+        at = target[s:e, None]
+        top = block.amax(-1, keepdim=True)  # [b, 1]
+        picked = block.gather(-1, at)
+        block.sub_(top).exp_()
+        total = block.sum(-1, keepdim=True)
+        logp[s:e] = (picked - top - total.log()).squeeze(-1)
+        block.div_(total).scatter_add_(-1, at, minus_one[:e - s])
+        if buf is not None or out is not logits:
+            out[s:e].copy_(block)
+    return logp, out
+
+
 class FrozenUnembed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, target, weight, bias):
-        logits = F.linear(h, weight, bias).float()  # [C, V]
+        logits = F.linear(h, weight, bias)  # [C, V]
         hits = _hits(logits, target)
-        lse = logits.logsumexp(-1)  # [C]
-        logp = logits.gather(-1, target[:, None]).squeeze(-1) - lse  # [C]
-        probs = logits.sub_(lse[:, None]).exp_()  # reuse the logits buffer: softmax [C, V]
-        probs.scatter_add_(-1, target[:, None], torch.full_like(probs[:, :1], -1.0))  # p - onehot
-        ctx.save_for_backward(-(probs.to(weight.dtype) @ weight))  # d logp / dh  [C, H]
+        logp, less = softmax_less_onehot(logits, target, weight.dtype, block_rows(h.device))  # p - onehot
+        ctx.save_for_backward(-(less @ weight))  # d logp / dh  [C, H]
         ctx.mark_non_differentiable(hits)
         return logp, hits
 
