@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -239,7 +240,7 @@ class Eagle3Drafter(HeadAdapter):
             if i < T:
                 ok[:, :T - i] = valid[:, :T - i] & valid[:, i:]
             rows = torch.cat([where[:, i:], where[:, :min(i, T)]], dim=1)[:, :T][ok]  # the base's rows at t+i
-            loss, m = self._draft_loss(out[ok], best[rows], logq[rows], chunk)
+            loss, m = self._draft_loss(out[ok], None if best is None else best[rows], logq[rows], chunk)
             per_head.append(loss)
             metrics.update(head_metrics(i + 1, loss, m))
         return LossOutput(per_head=per_head, aux=None, metrics=metrics)
@@ -247,39 +248,46 @@ class Eagle3Drafter(HeadAdapter):
     @torch.no_grad()
     def _base_targets(self, base: torch.Tensor, valid: torch.Tensor, chunk: int):
         """The base's targets at every valid position, once per batch: each draft step's are
-        these shifted, so the whole-vocabulary unembedding runs once per position (not once per
-        step, nor again when a checkpointed chunk recomputes) # base [B, T, H], valid [B, T] ->
-        (where [B, T] long: a position's row, best [N] long: the base's argmax over the whole
-        vocabulary, logq [N, Vd] float32: its log-distribution over the draft vocabulary)."""
+        these shifted, so the unembedding runs once per position (not once per step, nor again
+        when a checkpointed chunk recomputes) # base [B, T, H], valid [B, T] -> (where [B, T]
+        long: a position's row, best [N] long | None: the base's argmax over the whole
+        vocabulary, logq [N, Vd] float32: its log-distribution over the draft vocabulary).
+        ``best`` is None where nothing reads it (distillation targets, hits not counted). A plain
+        unembedding's draft-vocabulary rows give ``logq`` alone (the same values either way);
+        the whole vocabulary's logits are made only for ``best``."""
         where = valid.long().flatten().cumsum(0).sub(1).view(valid.shape)  # a valid position's row
         rows = base[valid]  # [N, H]
         ids = self.to_target(torch.arange(self.draft_head.out_features, device=base.device))
+        unembed = self.backbone.unembedding
+        part = _rows_of(unembed, ids) if type(unembed) is nn.Linear else None
+        argmax = part is None or counting() or self.config.targets != "distill"
         best, logq = [], []
         for s in range(0, rows.shape[0], chunk):
-            full = self.backbone.logits(rows[s:s + chunk])  # [C, V] (bf16 under autocast)
-            # max's indices are argmax's (the first maximum), several times faster on the CPU; a
-            # float copy of the draft vocabulary's columns only (exact either way)
-            best.append(full.max(-1).indices)
-            logq.append(torch.log_softmax(full.index_select(-1, ids).float(), dim=-1))
+            if argmax:
+                full = self.backbone.logits(rows[s:s + chunk])  # [C, V] (bf16 under autocast)
+                # max's indices are argmax's (the first maximum), several times faster on the CPU
+                best.append(full.max(-1).indices)
+            draft = full.index_select(-1, ids) if part is None else part(rows[s:s + chunk])  # [C, Vd]
+            logq.append(torch.log_softmax(draft.float(), dim=-1))
         Vd = self.draft_head.out_features
-        return (where.clamp(min=0), torch.cat(best) if best else valid.new_zeros(0, dtype=torch.long),
-                torch.cat(logq) if logq else base.new_zeros(0, Vd, dtype=torch.float32))
+        best = (torch.cat(best) if best else valid.new_zeros(0, dtype=torch.long)) if argmax else None
+        return where.clamp(min=0), best, torch.cat(logq) if logq else base.new_zeros(0, Vd, dtype=torch.float32)
 
-    def _draft_loss(self, rows: torch.Tensor, best: torch.Tensor, logq: torch.Tensor, chunk: int):
+    def _draft_loss(self, rows: torch.Tensor, best: torch.Tensor | None, logq: torch.Tensor, chunk: int):
         """Mean loss of draft rows [N, H] against the base's targets there (``best`` [N], its
-        argmax; ``logq`` [N, Vd], its log-distribution over the draft vocabulary), chunk by chunk
+        argmax, None where nothing reads it; ``logq`` [N, Vd], its log-distribution over the draft vocabulary), chunk by chunk
         (each chunk's [C, Vd] logits recomputed in backward, not kept), and {top1, top5}: the
         rates of the base's argmax among the drafts' guesses (none when hits are not counted)."""
         total, hits = rows.new_zeros((), dtype=torch.float32), torch.zeros(2, dtype=torch.long, device=rows.device)
         for s in range(0, rows.shape[0], chunk):
-            args = (rows[s:s + chunk], best[s:s + chunk], logq[s:s + chunk])
+            args = (rows[s:s + chunk], None if best is None else best[s:s + chunk], logq[s:s + chunk])
             grad = torch.is_grad_enabled() and rows.requires_grad
             part, h = checkpoint(self._chunk_loss, *args, use_reentrant=False) if grad else self._chunk_loss(*args)
             total, hits = total + part, hits + h
         n = max(rows.shape[0], 1)
         return total / n, dict(zip(("top1", "top5"), (hits.float() / n).tolist())) if counting() else {}
 
-    def _chunk_loss(self, rows: torch.Tensor, best: torch.Tensor, logq: torch.Tensor):
+    def _chunk_loss(self, rows: torch.Tensor, best: torch.Tensor | None, logq: torch.Tensor):
         """Summed loss and [top-1, top-5] hit counts # rows [C, H], best [C], logq [C, Vd]."""
         logp = torch.log_softmax(self.draft_head(self.norm(rows)).float(), dim=-1)  # [C, Vd]
         if self.config.targets == "distill":  # KL(base || draft): the cross-entropy less the base's entropy, 0 at a match
@@ -287,12 +295,19 @@ class Eagle3Drafter(HeadAdapter):
         else:  # the base's argmax where the draft vocabulary holds it
             inside = self.t2d[best]
             loss = -logp.gather(-1, logq.argmax(-1, keepdim=True)).squeeze(-1)[inside].sum()
-        if not counting():
+        if best is None or not counting():  # no argmax taken: no hits to count
             return loss, torch.zeros(2, dtype=torch.long, device=rows.device)
         with torch.no_grad():
             top = self.to_target(logp.topk(min(5, logp.shape[-1]), dim=-1).indices) == best[:, None]  # [C, 5]
             hits = torch.stack([top[:, 0].sum(), top.any(-1).sum()])
         return loss, hits
+
+
+def _rows_of(unembed: nn.Linear, ids: torch.Tensor):
+    """The unembedding's rows ``ids`` alone, as a function # [..., H] -> [..., len(ids)]."""
+    weight = unembed.weight.detach().index_select(0, ids)  # [Vd, H]
+    bias = None if unembed.bias is None else unembed.bias.detach().index_select(0, ids)
+    return lambda rows: F.linear(rows, weight, bias)
 
 
 def _check_served(layer_states, num_layers: int) -> None:

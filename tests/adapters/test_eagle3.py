@@ -130,3 +130,36 @@ def test_a_draft_step_has_no_hidden_state_for_the_base_unembedding(tiny_backbone
     model = _model(tiny_backbone, n_future=3)
     with pytest.raises(UsageError, match="own draft_head"):
         model.heads.hidden(1, model.features(random_ids(tiny_backbone)))
+
+
+def test_uncounted_distillation_targets_skip_the_whole_vocabulary(tiny_backbone):
+    """Distillation targets with hits not counted: no argmax, the unembedding's draft rows alone
+    (its whole-vocabulary forward never runs), and the same log-distribution over the draft
+    vocabulary, bit for bit, as when the argmax is taken; argmax targets always take it."""
+    from multitoken.adapters.unembed import hits_counted
+
+    model = _model(tiny_backbone, draft_vocab_size=40)
+    model.heads.set_draft_vocab(torch.arange(2, 82, 2))
+    ids = random_ids(tiny_backbone, seed=3)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[0, :2] = False
+    base = tiny_backbone.final_norm(tiny_backbone.run_trunk(ids).hidden)  # [B, T, H]
+    calls = []
+    hook = tiny_backbone.unembedding.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        runs = {}
+        for on in (True, False):
+            with hits_counted(on):
+                runs[on] = model.heads._base_targets(base, valid, chunk=5)
+            runs[on] = (*runs[on], len(calls))
+            calls.clear()
+        model.heads.config.targets = "argmax"
+        with hits_counted(False):
+            argmax = model.heads._base_targets(base, valid, chunk=5)
+    finally:
+        hook.remove()
+    (where1, best1, logq1, n1), (where0, best0, logq0, n0) = runs[True], runs[False]
+    assert n1 > 0 and n0 == 0 and best0 is None and torch.equal(where0, where1) and torch.equal(logq0, logq1)
+    full = tiny_backbone.logits(base[valid])
+    assert torch.equal(best1, full.argmax(-1)) and torch.equal(argmax[1], best1)
+    torch.testing.assert_close(logq1, torch.log_softmax(full[:, model.heads.to_target(torch.arange(40))], -1))
