@@ -253,8 +253,8 @@ class Eagle3Drafter(HeadAdapter):
         long: a position's row, best [N] long | None: the base's argmax over the whole
         vocabulary, logq [N, Vd] float32: its log-distribution over the draft vocabulary).
         ``best`` is None where nothing reads it (distillation targets, hits not counted). A plain
-        unembedding's draft-vocabulary rows give ``logq`` alone (the same values either way);
-        the whole vocabulary's logits are made only for ``best``."""
+        unembedding gives ``logq`` from its draft-vocabulary rows alone, whether ``best`` is
+        taken or not; the whole vocabulary's logits are made only for ``best``."""
         where = valid.long().flatten().cumsum(0).sub(1).view(valid.shape)  # a valid position's row
         rows = base[valid]  # [N, H]
         ids = self.to_target(torch.arange(self.draft_head.out_features, device=base.device))
@@ -275,9 +275,10 @@ class Eagle3Drafter(HeadAdapter):
 
     def _draft_loss(self, rows: torch.Tensor, best: torch.Tensor | None, logq: torch.Tensor, chunk: int):
         """Mean loss of draft rows [N, H] against the base's targets there (``best`` [N], its
-        argmax, None where nothing reads it; ``logq`` [N, Vd], its log-distribution over the draft vocabulary), chunk by chunk
-        (each chunk's [C, Vd] logits recomputed in backward, not kept), and {top1, top5}: the
-        rates of the base's argmax among the drafts' guesses (none when hits are not counted)."""
+        argmax, or None; ``logq`` [N, Vd], its log-distribution over the draft vocabulary), chunk
+        by chunk (each chunk's [C, Vd] logits recomputed in backward, not kept), and {top1, top5}:
+        the rates of the base's argmax among the drafts' guesses (none when hits are not counted
+        or ``best`` is None)."""
         total, hits = rows.new_zeros((), dtype=torch.float32), torch.zeros(2, dtype=torch.long, device=rows.device)
         for s in range(0, rows.shape[0], chunk):
             args = (rows[s:s + chunk], None if best is None else best[s:s + chunk], logq[s:s + chunk])

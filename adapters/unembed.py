@@ -65,7 +65,7 @@ def softmax_less_onehot(logits: torch.Tensor, target: torch.Tensor, dtype: torch
     C, V = logits.shape
     out = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
     logp = logits.new_empty(C, dtype=torch.float32)
-    n = min(rows, C)
+    n = max(min(rows, C), 1)
     buf = None if logits.dtype == torch.float32 else logits.new_empty(n, V, dtype=torch.float32)
     minus_one = logits.new_full((n, 1), -1.0, dtype=torch.float32)
     for s in range(0, C, n):

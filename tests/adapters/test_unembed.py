@@ -93,3 +93,8 @@ def test_bf16_logits_get_the_float32_softmax_rounded_once_to_bf16():
     torch.testing.assert_close(less.double(), ref_less, rtol=2 ** -8 + 1e-6, atol=1e-30)
     _, widened = softmax_less_onehot(logits.clone(), target, torch.float32, 4)  # a float32 weight's gradient
     torch.testing.assert_close(widened.double(), ref_less, rtol=1e-6, atol=1e-9)
+
+
+def test_an_empty_chunk_gives_empty_results():
+    logp, less = softmax_less_onehot(torch.empty(0, 7), torch.empty(0, dtype=torch.long), torch.float32, 4)
+    assert logp.shape == (0,) and less.shape == (0, 7)
