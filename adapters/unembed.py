@@ -25,7 +25,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 TOPK = 5
-BLOCK_ROWS = 4  # a CPU block of the softmax: 4 x V float32 fits a core's L2 for the vocabularies we meet
+# Rows per block of the softmax on a CPU: their float32 copy (4 x V x 4 bytes) stays in a core's
+# cache through every pass, instead of a [C, V] tensor streamed from memory once per pass; on a
+# GPU the whole chunk is one block (one launch per op)
+BLOCK_ROWS = 4
 _COUNTING = contextvars.ContextVar("multitoken_hits_counted", default=True)
 
 
@@ -49,13 +52,6 @@ def _hits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.zeros(2, dtype=torch.long, device=logits.device)
     top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices == target[:, None]  # [C, 5]
     return torch.stack([top[:, 0].sum(), top.any(-1).sum()])
-
-
-def block_rows(device: torch.device) -> int:
-    """Rows per block of the softmax's element-wise passes: on a CPU a few, whose float32 copy
-    (a few x V x 4 bytes) stays in the core's cache through every pass instead of streaming a
-    [C, V] float32 tensor from memory once per pass; elsewhere the whole chunk (one launch per op)."""
-    return BLOCK_ROWS if device.type == "cpu" else 1 << 62
 
 
 def softmax_less_onehot(logits: torch.Tensor, target: torch.Tensor, dtype: torch.dtype, rows: int):
@@ -88,7 +84,8 @@ class FrozenUnembed(torch.autograd.Function):
     def forward(ctx, h, target, weight, bias):
         logits = F.linear(h, weight, bias)  # [C, V]
         hits = _hits(logits, target)
-        logp, less = softmax_less_onehot(logits, target, weight.dtype, block_rows(h.device))  # p - onehot
+        rows = BLOCK_ROWS if h.device.type == "cpu" else h.shape[0]
+        logp, less = softmax_less_onehot(logits, target, weight.dtype, rows)  # less: p - onehot [C, V]
         ctx.save_for_backward(-(less @ weight))  # d logp / dh  [C, H]
         ctx.mark_non_differentiable(hits)
         return logp, hits
