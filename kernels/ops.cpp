@@ -141,6 +141,7 @@ std::tuple<at::Tensor, int64_t> q8_argmax_op(const at::Tensor& x, const at::Tens
 }  // namespace
 
 #include "row_attention.cpp"
+#include "decode_attention.cpp"
 #include "layer_step.cpp"
 
 // The namespace is the build's (MT_NAMESPACE, one per CPU-feature level): two levels' builds can
@@ -156,6 +157,7 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("rows_argmax(Tensor x, Tensor q, Tensor scale, Tensor err, Tensor w, int n) -> (Tensor, int)");
     m.def("q8_argmax(Tensor x, Tensor w, Tensor l1, int n) -> (Tensor, int)");
     m.def("row_attention(Tensor q, Tensor k_buf, Tensor v_buf, int past, Tensor? mask, float scale) -> Tensor");
+    m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
     m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
           "Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
     m.def("llama_rows(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
@@ -169,6 +171,7 @@ MT_IMPL(MT_NAMESPACE, m) {
     m.impl("rows_argmax", &rows_argmax_op);
     m.impl("q8_argmax", &q8_argmax_op);
     m.impl("row_attention", &row_attention);
+    m.impl("decode_attention", &decode_attention);
     m.impl("llama_row", &llama_row);
     m.impl("llama_rows", &llama_rows);
 }

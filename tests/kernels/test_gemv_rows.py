@@ -150,6 +150,11 @@ q[..., 0] = 127  # each block's largest code: d is found from it
 found = gguf_codes.find_codes((q * d).reshape(40, 64))
 packed = gguf_codes.pack(*found)
 assert gguf_codes.q8_argmax(torch.randn(3, 64), packed, 40, gguf_codes.l1_norms(packed, 40)) is None  # no VNNI: declines
+for d in (64, 8):  # the batch's one-token attention on bf16 caches: the exact softmax within one bf16 rounding
+    q, k, v = (torch.randn(3, heads, slots, d, generator=gen).bfloat16() for heads, slots in ((6, 1), (2, 21), (2, 21)))
+    got = rk.library().decode_attention(q, k, v, None, 0.3).double()
+    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3, enable_gqa=True).transpose(1, 2)
+    assert bool(((got - exact).abs() <= 2.0 ** -8 * exact.abs() + 2.0 ** -16 * float(v.abs().max())).all()), d
 torch.save(int8_activations(), sys.argv[2])  # Q4_1 and Q8_0 codes against int8 rows: the parent compares them with its build's
 print(" ".join(rk._flags()), rk.lanes())
 """
@@ -179,7 +184,8 @@ def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, level, flags):
     """The builds ``MULTITOKEN_CPU_FEATURES`` asks for (AVX512 without VNNI, AVX2, plain loops),
     built here with those instruction sets turned off, each into a cache entry of its own: the
     probe says what the build has (lanes, no screen), logits within fp32 rounding, the screen's
-    argmax the exact one, grid codes decoded to the float blocks' logits."""
+    argmax the exact one, grid codes decoded to the float blocks' logits, the bf16 decoding
+    attention within one bf16 rounding of the exact one."""
     env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path), cpu_features.ENV: level}
     code, saved = INT8_ACTIVATIONS + ISA_CHECK, tmp_path / "int8.pt"
     done = subprocess.run([sys.executable, "-c", code, level, str(saved)], env=env, capture_output=True, text=True, timeout=300)
