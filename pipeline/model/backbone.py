@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from multitoken.base.errors import UnsupportedModelError, UsageError
+from multitoken.pipeline.model.attention import SDPA_MASKED, takes_sdpa_masks
 from multitoken.pipeline.model.lean_layers import LeanLayers
 
 
@@ -185,7 +186,7 @@ class Backbone:
         boolean mask as it is, eager attention an additive one (0 / dtype minimum); other
         kernels take no arbitrary mask through the layer's interface."""
         kind = self.config._attn_implementation
-        if kind == "sdpa":
+        if kind in SDPA_MASKED:
             mask = attend[None, None]  # [1, 1, T, S]
         elif kind == "eager":
             mask = torch.zeros(attend.shape, dtype=hidden.dtype, device=hidden.device)
@@ -206,7 +207,7 @@ class Backbone:
         torch 2.5 (no ``enable_gqa``)."""
         kv = getattr(self.config, "num_key_value_heads", None)
         if (ctx.mask is None or device.type != "cpu" or not _SDPA_GQA or kv is None
-                or kv == self.config.num_attention_heads or self.config._attn_implementation != "sdpa"):
+                or kv == self.config.num_attention_heads or not takes_sdpa_masks(self.config)):
             return contextlib.nullcontext()
         return _env(GQA_SETTING, "1")
 

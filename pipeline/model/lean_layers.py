@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from multitoken.kernels.fused_linear import FusedLinear, fusable
+from multitoken.pipeline.model.attention import SDPA_MASKED
 from multitoken.pipeline.model.lean_rows import Row, Stack, fits, llama_rms_norm, rotary_tables
 
-ATTENTION_KINDS = ("sdpa", "eager")  # attention kernels that read only (q, k, v, mask, scaling)
+ATTENTION_KINDS = (*SDPA_MASKED, "eager")  # attention kernels that read only (q, k, v, mask, scaling)
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from multitoken.adapters.base import Features
+from multitoken.pipeline.model.attention import takes_sdpa_masks
 from multitoken.pipeline.model.backbone import LayerContext
 from multitoken.pipeline.runtime import ragged
 from multitoken.pipeline.runtime.kv_cache import GrowingCache
@@ -212,7 +213,7 @@ def _layer_context(bb, hidden: torch.Tensor, caches: DecodeCaches, lengths: list
     past, t = caches.length, hidden.shape[1]
     if caches.valid is not None or (lengths is not None and min(lengths) < t):
         return ragged.ragged_context(bb, hidden, caches.valid, past, ragged.step_valid(lengths or [t] * hidden.shape[0], t))
-    if t > 1 and bb.config._attn_implementation != "sdpa":
+    if t > 1 and not takes_sdpa_masks(bb.config):
         return bb.layer_context(hidden, None, caches.backbone)
     position_ids = torch.arange(past, past + t, device=hidden.device).unsqueeze(0)  # [1, T]
     mask = None

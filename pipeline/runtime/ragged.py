@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from multitoken.pipeline.model.attention import takes_sdpa_masks
 from multitoken.pipeline.model.backbone import LayerContext
 
 # Compact when holes make the slot axis longer than the longest row by this share of it (and by
@@ -73,7 +74,7 @@ def ragged_context(bb, hidden: torch.Tensor, past_valid: np.ndarray | None, past
     own = keys[None, :] == (past + torch.arange(t, device=device))[:, None]
     mask = (torch.from_numpy(valid).to(device)[:, None, :] & causal) | own  # [B, T, past + T]
     mask = mask[:, None]
-    if bb.config._attn_implementation != "sdpa":
+    if not takes_sdpa_masks(bb.config):
         mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=device).masked_fill_(~mask, torch.finfo(hidden.dtype).min)
     position_ids = torch.from_numpy(positions).to(device)
     return LayerContext(mask=mask, position_ids=position_ids, position_embeddings=bb.rotary_emb(hidden, position_ids=position_ids))
@@ -96,7 +97,7 @@ def tree_context(bb, hidden: torch.Tensor, past_valid: np.ndarray | None, past: 
     own = torch.eye(t, dtype=torch.bool, device=device)
     among = (attend.to(device) & real[:, :, None] & real[:, None, :]) | own  # [B, T, T]
     mask = torch.cat([seen_past, among], dim=2)[:, None]  # [B, 1, T, past + T]
-    if bb.config._attn_implementation != "sdpa":
+    if not takes_sdpa_masks(bb.config):
         mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=device).masked_fill_(~mask, torch.finfo(hidden.dtype).min)
     before = torch.from_numpy(past_valid.sum(1)).to(device)  # [B] the row's logical length
     position_ids = torch.where(real, before[:, None] + offsets.to(device), 0)  # [B, T]
