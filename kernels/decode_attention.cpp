@@ -86,8 +86,17 @@ static void bf16_values(const float* p, const bool* mask, int64_t ms, const bf16
             const __m512 pi = _mm512_set1_ps(p[i]);
             for (int e = 0; e < d / 16; ++e) acc[e] = _mm512_fmadd_ps(pi, widen16(v + i * vs + 16 * e), acc[e]);
         }
-        for (int e = 0; e < d / 16; ++e) _mm512_storeu_ps(scratch + 16 * e, _mm512_div_ps(acc[e], _mm512_set1_ps(l)));
+        for (int e = 0; e < d / 16; ++e) {
+            const __m512 x = _mm512_div_ps(acc[e], _mm512_set1_ps(l));
+#if defined(__AVX512BF16__)
+            _mm256_storeu_si256((__m256i*)(out + 16 * e), (__m256i)_mm512_cvtneps_pbh(x));  // nearest even, as c10's
+#else
+            _mm512_storeu_ps(scratch + 16 * e, x);
+#endif
+        }
+#if !defined(__AVX512BF16__)
         for (int e = 0; e < d; ++e) out[e] = bf16(scratch[e]);  // c10's rounding: nearest even
+#endif
         return;
     }
 #endif
