@@ -47,6 +47,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     return out;
 }
 
+// LlamaRMSNorm on bfloat16 rows x [..., H] with its bfloat16 weight, each step rounded as the
+// module's: h = float(x); the mean of h * h as above (torch's sum, then a float division);
+// r = 1 / sqrt(variance + eps); out = bf16(float(w) * float(bf16(h * r))) (the cast back to the
+// input's dtype, then the weight's product in bfloat16: exact in float32, rounded once).
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+    const int64_t H = x.size(-1), T = x.numel() / H;
+    const c10::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    at::Tensor squares = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+    float* sp = squares.data_ptr<float>();
+    for (int64_t i = 0; i < T * H; ++i) {
+        const float h = static_cast<float>(xp[i]);
+        sp[i] = h * h;
+    }
+    const at::Tensor sums = squares.sum({-1}, true);
+    const float* sum = sums.data_ptr<float>();
+    at::Tensor out = at::empty_like(x);
+    const c10::BFloat16* wp = w.data_ptr<at::BFloat16>();
+    c10::BFloat16* op = out.data_ptr<at::BFloat16>();
+    for (int64_t t = 0; t < T; ++t) {
+        const float variance = sum[t] / static_cast<float>(H);
+        const float r = 1.0f / std::sqrt(variance + static_cast<float>(eps));
+        for (int64_t i = 0; i < H; ++i) {
+            const c10::BFloat16 normed(static_cast<float>(xp[t * H + i]) * r);
+            op[t * H + i] = c10::BFloat16(static_cast<float>(wp[i]) * static_cast<float>(normed));
+        }
+    }
+    return out;
+}
+
 // a += b element-wise over contiguous float32 tensors of one size (a residual add into the
 // linear's own fresh output: b + a rounds as a + b).
 void add_into(at::Tensor& a, const at::Tensor& b) {
@@ -279,6 +308,16 @@ std::vector<at::Tensor> llama_rows(const at::Tensor& hidden, at::TensorList weig
     TORCH_CHECK(next == keep.size(), "llama_rows: keep must list layer indices below ", L, " in ascending order");
     if (norm.has_value()) out.push_back(rms_norm(h, *norm, norm_eps));
     return out;
+}
+
+// LlamaRMSNorm's forward as one op, its bits (x [..., H] contiguous and its weight [H], both
+// float32 or both bfloat16; lean_layers.py's norm where its kernels are built).
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
+    TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous() && w.is_contiguous() &&
+                w.dim() == 1 && w.numel() == x.size(-1) && w.scalar_type() == x.scalar_type() &&
+                (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "rms_norm: x [..., H] and the weight [H] "
+                "must be contiguous CPU tensors, both float32 or both bfloat16");
+    return x.scalar_type() == at::kFloat ? rms_norm(x, w, eps) : rms_norm_bf16(x, w, eps);
 }
 
 }  // namespace

@@ -158,6 +158,7 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("q8_argmax(Tensor x, Tensor w, Tensor l1, int n) -> (Tensor, int)");
     m.def("row_attention(Tensor q, Tensor k_buf, Tensor v_buf, int past, Tensor? mask, float scale) -> Tensor");
     m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+    m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
     m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
           "Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
     m.def("llama_rows(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
@@ -172,6 +173,7 @@ MT_IMPL(MT_NAMESPACE, m) {
     m.impl("q8_argmax", &q8_argmax_op);
     m.impl("row_attention", &row_attention);
     m.impl("decode_attention", &decode_attention);
+    m.impl("rms_norm", &rms_norm_op);
     m.impl("llama_row", &llama_row);
     m.impl("llama_rows", &llama_rows);
 }

@@ -9,8 +9,9 @@ for the model's ``_attn_implementation``), its cache's ``update``, its activatio
 tensors in and out, so every output is the layer's, bit for bit
 (tests/pipeline/test_lean_layers.py). What changes: q / k / v, and the MLP's gate / up, each
 take one kernel call where they are packed linears of one compiled format
-(kernels/fused_linear.py: each output is the separate call's); RMSNorm's two casts, no-ops on
-float32, are left out; a one-row step rotates q and k as one tensor (element-wise ops: each
+(kernels/fused_linear.py: each output is the separate call's); on the CPU, RMSNorm's eight ops
+are one op of the same roundings (layer_step.cpp's ``rms_norm``; elsewhere its two casts, no-ops
+on float32, are left out); a one-row step rotates q and k as one tensor (element-wise ops: each
 element as apart), ``rotate_half(x) * sin`` as ``roll(x) * signed sin`` (``_rolled_rotary``); the
 module calls of the attention and MLP blocks are gone. On the CPU the caches it extends are
 written in place (pipeline/runtime/kv_cache.py), and where a step is one sequence of packed
@@ -32,6 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from multitoken.kernels import gemv_rows
 from multitoken.kernels.fused_linear import FusedLinear, fusable
 from multitoken.pipeline.model.attention import SDPA_MASKED
 from multitoken.pipeline.model.lean_rows import Row, Stack, fits, llama_rms_norm, rotary_tables
@@ -94,7 +96,11 @@ def _module_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``LlamaRMSNorm.forward``'s ops on float32 ``x``, less its two casts to float32 (no-ops there)."""
+    """``LlamaRMSNorm.forward``'s bits: on the CPU the kernels' ``rms_norm`` op (its eight ops as
+    one, float32 or bfloat16 rows and weight; layer_step.cpp), else its ops on float32 ``x``, less
+    its two casts to float32 (no-ops there)."""
+    if x.device.type == "cpu" and x.dtype == norm.weight.dtype and x.is_contiguous() and (lib := gemv_rows.library()) is not None:
+        return lib.rms_norm(x, norm.weight, norm.variance_epsilon)
     if x.dtype != torch.float32:
         return norm(x)
     variance = x.pow(2).mean(-1, keepdim=True)

@@ -14,7 +14,7 @@ from torch import nn
 
 from multitoken.kernels import gemv_rows
 from multitoken.kernels.cpu_linear import PackedLinear
-from multitoken.pipeline.model import lean_layers, lean_rows
+from multitoken.pipeline.model import attention, lean_layers, lean_rows
 from multitoken.pipeline.model.lean_layers import LEAN
 from multitoken.pipeline.model.loading import BackboneConfig, load_backbone
 from multitoken.pipeline.model.model import MultiTokenModel
@@ -57,10 +57,12 @@ def _run(model: MultiTokenModel) -> list[torch.Tensor]:
     return seen
 
 
-def _model(base: str, linears: str = "rows", eager: bool = False) -> MultiTokenModel:
-    bb = load_backbone(BackboneConfig(base=base, cpu_linear=linears))
+def _model(base: str, linears: str = "rows", eager: bool = False, dtype: str = "float32") -> MultiTokenModel:
+    bb = load_backbone(BackboneConfig(base=base, cpu_linear=linears, dtype=dtype))
     if eager:
         bb.causal_lm.set_attn_implementation("eager")
+    elif dtype == "bfloat16":
+        attention.use(bb.causal_lm)  # as the recipe's bf16 copy: one-token steps through our op
     torch.manual_seed(0)
     model = MultiTokenModel.attach(bb, {"head_type": "replicated", "n_future": 3, "init": "copy"})
     model.prepare_linears()
@@ -136,6 +138,14 @@ def test_lean_steps_are_the_layers_bits_with_stock_linears(tiny_llama_dir, eager
     model = _model(str(tiny_llama_dir), linears="stock", eager=eager)
     _same_as_the_layers(model, monkeypatch)
     assert not model.backbone.lean.fused()  # nothing packed: each linear called alone
+
+
+def test_lean_steps_are_the_layers_bits_in_bfloat16_through_our_attention(tiny_llama_dir, monkeypatch):
+    """A bf16 model on oneDNN's packed linears, set to our attention (the recipe's bf16 copy): the
+    lean forward (its one-op norms included) is the layers' own, bit for bit."""
+    model = _model(str(tiny_llama_dir), "packed", dtype="bfloat16")
+    assert model.backbone.config._attn_implementation == attention.NAME
+    _same_as_the_layers(model, monkeypatch)
 
 
 def test_a_module_replaced_between_steps_is_the_one_read(tiny_llama_q_dir, monkeypatch):
@@ -224,14 +234,22 @@ def test_repacking_replans_and_training_keeps_the_layers_forward(tiny_llama_dir)
 
 
 @torch.no_grad()
-def test_the_lean_rms_norm_is_the_modules_bits():
-    """The norm's ops less its casts: the module's bits on every row width and scale."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_the_lean_rms_norm_is_the_modules_bits(dtype, kernels, monkeypatch):
+    """The kernels' one op (float32 and bfloat16), or without them the norm's ops less its casts:
+    the module's bits on every row width and scale."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+    if kernels and gemv_rows.library() is None:
+        pytest.skip("needs the compiled kernels: an x86-64 CPU and a C++ compiler with OpenMP")
+    if not kernels:
+        monkeypatch.setattr(lean_layers.gemv_rows, "library", lambda: None)
     gen = torch.Generator().manual_seed(3)
-    for width, rows in ((64, 1), (576, 1), (576, 7), (960, 3)):
+    for width, rows in ((64, 1), (576, 1), (576, 7), (960, 3), (576, 256)):
         norm = LlamaRMSNorm(width, eps=1e-5)
         norm.weight.data = torch.randn(width, generator=gen)
+        norm.to(dtype)
         for scale in (1e-3, 1.0, 40.0):
-            x = torch.randn(2, rows, width, generator=gen) * scale
+            x = (torch.randn(2, rows, width, generator=gen) * scale).to(dtype)
             assert torch.equal(_bits(lean_layers._rms_norm(norm, x)), _bits(norm(x)))
