@@ -91,7 +91,7 @@ bench-llama-cpp: smollm2 llama-cpp-source
 CPU_TESTS = tests/kernels/test_cpu_features.py tests/kernels/test_cpu_linear.py tests/kernels/test_gemv_rows.py \
 	tests/kernels/test_gguf_codes.py tests/kernels/test_format_table.py tests/pipeline/test_draft_vocab.py \
 	tests/kernels/test_gemv_int8.py tests/kernels/test_row_attention.py tests/kernels/test_decode_attention.py \
-	tests/pipeline/test_lean_layers.py
+	tests/kernels/test_rows_max.py tests/pipeline/test_lean_layers.py
 test-avx2: $(STAMP)
 	MULTITOKEN_CPU_FEATURES=avx2 $(VENV)/bin/python -m pytest -q $(CPU_TESTS)
 

@@ -9,6 +9,7 @@ from collections import Counter
 import torch
 
 from multitoken.adapters.base import Features
+from multitoken.kernels import gemv_rows
 from multitoken.kernels.cpu_linear import is_argmax_head
 from multitoken.pipeline.runtime.unembed_costs import LINEAR, TRANSPOSED, apply, costs_for
 
@@ -91,9 +92,7 @@ class StepOutput:
             if self._logits is None:
                 self._argmax = self._screen(self.model.backbone.unembedding, self.feats.base[:, self.first:])
             if self._argmax is None:
-                # max's indices are argmax's (the first maximum; NaN where a row has one) and its CPU
-                # reduction runs several times faster than argmax's, the most in 16-bit logits
-                self._argmax = self.base_logits().max(-1).indices
+                self._argmax = _first_max(self.base_logits())
         return self._argmax
 
     def _screen(self, unembedding: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
@@ -235,3 +234,14 @@ class StepOutput:
             out = self.model.heads.log_probs(index, sliced)[:, 0]
         self.model_s += self.clock() - start
         return out
+
+
+def _first_max(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax # [..., V] -> [...] long: max's indices (argmax's: the first maximum, a row's
+    first NaN where it has one; its CPU reduction runs several times faster than argmax's), through
+    the kernels' ``rows_max_index`` where they take the logits (the same indices, each row read
+    once in vectors: kernels/rows_max.cpp)."""
+    if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.is_contiguous()
+            and logits.numel() and (lib := gemv_rows.library()) is not None):
+        return lib.rows_max_index(logits)
+    return logits.max(-1).indices

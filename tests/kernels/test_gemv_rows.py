@@ -155,6 +155,11 @@ for d in (64, 8):  # the batch's one-token attention on bf16 caches: the exact s
     got = rk.library().decode_attention(q, k, v, None, 0.3).double()
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3, enable_gqa=True).transpose(1, 2)
     assert bool(((got - exact).abs() <= 2.0 ** -8 * exact.abs() + 2.0 ** -16 * float(v.abs().max())).all()), d
+logits = torch.randn(5, 1001, generator=gen).bfloat16()
+logits[1, 500:] = float("nan")
+logits[2] = logits[2].round()
+for x in (logits, logits.float()):  # each row's first maximum: max's indices
+    assert torch.equal(rk.library().rows_max_index(x), x.max(-1).indices)
 torch.save(int8_activations(), sys.argv[2])  # Q4_1 and Q8_0 codes against int8 rows: the parent compares them with its build's
 print(" ".join(rk._flags()), rk.lanes())
 """
@@ -185,7 +190,7 @@ def test_the_kernel_built_for_smaller_cpus_agrees(tmp_path, level, flags):
     built here with those instruction sets turned off, each into a cache entry of its own: the
     probe says what the build has (lanes, no screen), logits within fp32 rounding, the screen's
     argmax the exact one, grid codes decoded to the float blocks' logits, the bf16 decoding
-    attention within one bf16 rounding of the exact one."""
+    attention within one bf16 rounding of the exact one, each row's first maximum max's."""
     env = {**os.environ, "MULTITOKEN_CACHE": str(tmp_path), cpu_features.ENV: level}
     code, saved = INT8_ACTIVATIONS + ISA_CHECK, tmp_path / "int8.pt"
     done = subprocess.run([sys.executable, "-c", code, level, str(saved)], env=env, capture_output=True, text=True, timeout=300)
