@@ -27,7 +27,7 @@ from multitoken.adapters.base import Features
 from multitoken.pipeline.model.attention import takes_sdpa_masks
 from multitoken.pipeline.model.backbone import LayerContext
 from multitoken.pipeline.runtime import ragged
-from multitoken.pipeline.runtime.kv_cache import GrowingCache
+from multitoken.pipeline.runtime.kv_cache import GrowingCache, GrowingLayer
 from multitoken.pipeline.runtime.step_output import StepOutput
 
 
@@ -104,7 +104,11 @@ class DecodeCaches:
         device = next((layer.keys.device for layer in self.backbone.layers if getattr(layer, "keys", None) is not None), "cpu")
         index = torch.tensor(rows, dtype=torch.long).to(device)  # one copy to the device for every layer
         for cache in (self.backbone, *self.heads):
-            ragged.map_layers(cache, lambda x: x.index_select(0, index))
+            for layer in cache.layers:  # a growing layer keeps its rows in place; others take a gather
+                if isinstance(layer, GrowingLayer):
+                    layer.keep_rows(rows)
+                elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                    layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
         if self.valid is not None:
             self.valid = self.valid[rows]
             lead = ragged.leading_holes(self.valid)  # left pads only the dropped rows needed

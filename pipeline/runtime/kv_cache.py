@@ -16,7 +16,8 @@ crops, kept paths and row selection).
 Everything else that handles a cache keeps working unchanged: a layer's ``keys`` / ``values`` read
 as the filled views, and assigning a tensor to them (``crop``, ``ragged.map_layers``, the kept
 paths of ``incremental.DecodeCaches``) either moves the length (a prefix view of the buffer: a
-crop) or copies the tensor into a buffer of its own (a gather, a row selection: new values).
+crop) or copies the tensor into a buffer of its own (a gather: new values). The rows still
+decoding are kept in place (``GrowingLayer.keep_rows``): the later rows move up within the buffers.
 """
 
 from __future__ import annotations
@@ -116,6 +117,23 @@ class GrowingLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of slots to remove, not {tokens_to_remove}")
         self._nk = self._nv = max(self._nk + tokens_to_remove, 0)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep batch rows ``rows`` (ascending, distinct) in place: row rows[i] moves to row i of
+        the same buffers, which then show their first len(rows) rows. Only the rows after the first
+        one left behind move, and only their filled slots; no buffer is made (a batch whose rows
+        end one by one would otherwise copy its whole cache, into fresh memory, at every end)."""
+        if any(b <= a for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"keep_rows takes ascending distinct rows, not {rows}")
+        first = next((i for i, r in enumerate(rows) if r != i), len(rows))
+        for name, n in (("_k", self._nk), ("_v", self._nv)):
+            buffer = getattr(self, name)
+            if buffer is None:
+                continue
+            if first < len(rows) and n:
+                moved = torch.tensor(rows[first:], dtype=torch.long, device=buffer.device)
+                buffer[first:len(rows), :, :n] = buffer[:, :, :n].index_select(0, moved)  # a copy: rows may overlap
+            setattr(self, name, buffer[:len(rows)])
 
     def reset(self) -> None:
         self._k = self._v = None

@@ -127,6 +127,25 @@ def test_a_step_writes_in_place_and_crops_move_the_length():
     assert layer.keys is None and layer.get_seq_length() == 0 and not layer.is_initialized
 
 
+def test_rows_kept_move_in_place_and_the_cache_goes_on():
+    """Rows kept stay in the same buffers (no new one), each its own keys and values; steps after
+    write the kept rows' next slots and grow the buffers as before."""
+    layer = GrowingLayer()
+    k, v = torch.randn(5, 2, 7, 4), torch.randn(5, 2, 7, 4)
+    layer.update(k, v)
+    buffer = layer._k
+    layer.keep_rows([0, 1, 3])
+    assert layer._k.data_ptr() == buffer.data_ptr() and layer.keys.shape == (3, 2, 7, 4)
+    assert torch.equal(layer.keys, k[[0, 1, 3]]) and torch.equal(layer.values, v[[0, 1, 3]])
+    layer.keep_rows([1, 2])  # the first row leaves: both others move
+    assert torch.equal(layer.keys, k[[1, 3]]) and torch.equal(layer.values, v[[1, 3]])
+    more_k, more_v = torch.randn(2, 2, 2 * MIN_CAPACITY, 4), torch.randn(2, 2, 2 * MIN_CAPACITY, 4)
+    out_k, out_v = layer.update(more_k, more_v)  # past the capacity: regrown with the kept rows
+    assert torch.equal(out_k, torch.cat([k[[1, 3]], more_k], 2)) and torch.equal(out_v, torch.cat([v[[1, 3]], more_v], 2))
+    with pytest.raises(ValueError, match="ascending"):
+        layer.keep_rows([1, 0])
+
+
 def test_the_buffers_double_and_keep_their_prefix():
     layer = GrowingLayer()
     seq = torch.randn(1, 2, 3 * MIN_CAPACITY, 4)
