@@ -135,6 +135,18 @@ static void bf16_head(const bf16* qb, const bf16* k, int64_t ks, const bf16* v, 
     bf16_values(s.data(), mask, ms, v, vs, n, d, lanes[0], scratch.data(), out);
 }
 
+// Asks the caches for row b's kv head h: its L slots of keys and of values [L, d] (cache lines).
+static void prefetch_slots(const bf16* kp, const bf16* vp, const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h,
+                           int64_t L, int64_t d) {
+    const bf16* kh = kp + b * k.stride(0) + h * k.stride(1);
+    const bf16* vh = vp + b * v.stride(0) + h * v.stride(1);
+    for (int64_t i = 0; i < L; ++i)
+        for (int64_t e = 0; e < d; e += 32) {  // 64 bytes a line
+            __builtin_prefetch(kh + i * k.stride(2) + e);
+            __builtin_prefetch(vh + i * v.stride(2) + e);
+        }
+}
+
 // q [B, q heads, 1, d], k / v [B, kv heads, L, d] (features contiguous; any other strides), mask
 // [B or 1, 1, 1, L] bool or none # -> out [B, 1, q heads, d] bf16 (transformers' attention layout).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -173,6 +185,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; ++i) {
             const int64_t b = i / Hk, h = i % Hk;
+            if (i + 1 < count)  // the next kv head's slots, fetched while this one computes: they lie
+                prefetch_slots(kp, vp, k, v, (i + 1) / Hk, (i + 1) % Hk, L, d);  // pages apart, past the hardware's streams
             for (int64_t j = 0; j < G; ++j) {
                 const int64_t head = h * G + j;
                 bf16_head(qp + b * q.stride(0) + head * q.stride(1), kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
