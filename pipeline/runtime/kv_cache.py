@@ -126,12 +126,12 @@ class GrowingLayer(DynamicLayer):
         if any(b <= a for a, b in zip(rows, rows[1:])):
             raise ValueError(f"keep_rows takes ascending distinct rows, not {rows}")
         first = next((i for i, r in enumerate(rows) if r != i), len(rows))
+        if self._k is None:
+            return
+        moved = torch.tensor(rows[first:], dtype=torch.long, device=self._k.device)
         for name, n in (("_k", self._nk), ("_v", self._nv)):
             buffer = getattr(self, name)
-            if buffer is None:
-                continue
             if first < len(rows) and n:
-                moved = torch.tensor(rows[first:], dtype=torch.long, device=buffer.device)
                 buffer[first:len(rows), :, :n] = buffer[:, :, :n].index_select(0, moved)  # a copy: rows may overlap
             setattr(self, name, buffer[:len(rows)])
 
