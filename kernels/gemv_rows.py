@@ -53,7 +53,7 @@ MAX_ROWS = 64  # rows per kernel call (handed to ops.cpp); the float32 blocks ta
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("ops.cpp", "gemv_rows.cpp", "argmax_prefilter.cpp", "gemv_int8.cpp", "row_attention.cpp", "decode_attention.cpp", "rows_max.cpp", "layer_step.cpp"))
 REQUIRE = "MULTITOKEN_REQUIRE_KERNELS"  # =1: a kernel that cannot be built is an error, not a fallback
-OPS = ("lanes", "prefilter_built", "gemv", "screened", "rows_argmax", "q8_argmax", "row_attention", "decode_attention", "rms_norm", "rows_max_index", "llama_row", "llama_rows")
+OPS = ("lanes", "prefilter_built", "gemv", "screened", "rows_argmax", "q8_argmax", "row_attention", "decode_attention", "rms_norm", "rotary_step", "rows_max_index", "llama_row", "llama_rows")
 DIGEST_SUFFIX = ".sha256"  # beside each library: the sha256 of the bytes this process family built
 
 _STATE: dict = {"loaded": False, "lib": None, "why": None}

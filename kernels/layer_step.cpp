@@ -119,6 +119,62 @@ void rotate_and_cache(const float* heads, const float* cos, const float* signed_
     }
 }
 
+// Element-wise arithmetic in a tensor's dtype as torch's ops round it: float32 directly; bfloat16
+// in float32, then rounded to bfloat16 (nearest even), once per op.
+inline float mul_in(float a, float b) { return a * b; }
+inline float add_in(float a, float b) { return a + b; }
+inline c10::BFloat16 mul_in(c10::BFloat16 a, c10::BFloat16 b) { return c10::BFloat16(static_cast<float>(a) * static_cast<float>(b)); }
+inline c10::BFloat16 add_in(c10::BFloat16 a, c10::BFloat16 b) { return c10::BFloat16(static_cast<float>(a) + static_cast<float>(b)); }
+
+// transformers' apply_rotary_pos_emb on a one-token step's heads x [B, heads, 1, d] (features
+// contiguous, any other strides), row b's with its tables cos / sin (row 0's where they have one
+// row): (x * cos) + (rotate_half(x) * sin), rotate_half(x) = cat(-x2, x1) of x's halves, each
+// product and the sum rounded as torch's ops round them # -> out [B, heads, 1, d], contiguous.
+template <typename T>
+void rotate_step(const T* x, int64_t xb, int64_t xh, int64_t B, int64_t H, int64_t d, const T* cos, const T* sin,
+                 int64_t tb, T* out) {
+    const int64_t half = d / 2;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h) {
+            const T* r = x + b * xb + h * xh;
+            const T* c = cos + b * tb;
+            const T* s = sin + b * tb;
+            T* o = out + (b * H + h) * d;
+            for (int64_t i = 0; i < half; ++i) o[i] = add_in(mul_in(r[i], c[i]), mul_in(-r[i + half], s[i]));
+            for (int64_t i = half; i < d; ++i) o[i] = add_in(mul_in(r[i], c[i]), mul_in(r[i - half], s[i]));
+        }
+}
+
+at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t B = x.size(0), H = x.size(1), d = x.size(3);
+    at::Tensor out = at::empty({B, H, 1, d}, x.options());
+    const int64_t tb = cos.size(0) == 1 ? 0 : cos.stride(0);
+    if (x.scalar_type() == at::kFloat)
+        rotate_step(x.data_ptr<float>(), x.stride(0), x.stride(1), B, H, d, cos.data_ptr<float>(), sin.data_ptr<float>(), tb,
+                    out.data_ptr<float>());
+    else
+        rotate_step(x.data_ptr<at::BFloat16>(), x.stride(0), x.stride(1), B, H, d, cos.data_ptr<at::BFloat16>(),
+                    sin.data_ptr<at::BFloat16>(), tb, out.data_ptr<at::BFloat16>());
+    return out;
+}
+
+// q and k [B, heads, 1, d] of a one-token step rotated (rotate_step) by the step's tables cos /
+// sin [B or 1, 1, d] (the same strides) # -> (q, k) rotated.
+std::tuple<at::Tensor, at::Tensor> rotary_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+    const auto dtype = q.scalar_type();
+    const int64_t B = q.dim() == 4 ? q.size(0) : -1, d = q.dim() == 4 ? q.size(3) : -1;
+    bool ok = (dtype == at::kFloat || dtype == at::kBFloat16) && d > 0 && d % 2 == 0;
+    for (const at::Tensor* x : {&q, &k})
+        ok = ok && x->device().is_cpu() && x->scalar_type() == dtype && x->dim() == 4 && x->size(0) == B && x->size(2) == 1 &&
+             x->size(3) == d && x->stride(3) == 1;
+    for (const at::Tensor* t : {&cos, &sin})
+        ok = ok && t->device().is_cpu() && t->scalar_type() == dtype && t->dim() == 3 && (t->size(0) == B || t->size(0) == 1) &&
+             t->size(0) == cos.size(0) && t->size(1) == 1 && t->size(2) == d && t->stride(2) == 1 && t->stride(0) == cos.stride(0);
+    TORCH_CHECK(ok, "rotary_step: q and k must be [B, heads, 1, d] (d even, features contiguous) and cos / sin [B or 1, 1, d], "
+                "all float32 or all bfloat16 CPU tensors");
+    return {rotated(q, cos, sin), rotated(k, cos, sin)};
+}
+
 // transformers' repeat_kv: [1, kv, S, d] -> [1, kv * n, S, d], each kv head n times.
 at::Tensor repeat_kv(const at::Tensor& x, int64_t n) {
     return x.unsqueeze(2).expand({x.size(0), x.size(1), n, x.size(2), x.size(3)}).reshape({x.size(0), x.size(1) * n, x.size(2), x.size(3)});

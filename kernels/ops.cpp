@@ -160,6 +160,7 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("row_attention(Tensor q, Tensor k_buf, Tensor v_buf, int past, Tensor? mask, float scale) -> Tensor");
     m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+    m.def("rotary_step(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
     m.def("rows_max_index(Tensor x) -> Tensor");
     m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
           "Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
@@ -176,6 +177,7 @@ MT_IMPL(MT_NAMESPACE, m) {
     m.impl("row_attention", &row_attention);
     m.impl("decode_attention", &decode_attention);
     m.impl("rms_norm", &rms_norm_op);
+    m.impl("rotary_step", &rotary_step);
     m.impl("rows_max_index", &rows_max_index);
     m.impl("llama_row", &llama_row);
     m.impl("llama_rows", &llama_rows);

@@ -12,8 +12,9 @@ take one kernel call where they are packed linears of one compiled format
 (kernels/fused_linear.py: each output is the separate call's); on the CPU, RMSNorm's eight ops
 are one op of the same roundings (layer_step.cpp's ``rms_norm``; elsewhere its two casts, no-ops
 on float32, are left out); a one-row step rotates q and k as one tensor (element-wise ops: each
-element as apart), ``rotate_half(x) * sin`` as ``roll(x) * signed sin`` (``_rolled_rotary``); the
-module calls of the attention and MLP blocks are gone. On the CPU the caches it extends are
+element as apart), ``rotate_half(x) * sin`` as ``roll(x) * signed sin`` (``_rolled_rotary``), and
+on the CPU a one-token step of several rows rotates them in one op (layer_step.cpp's
+``rotary_step``: the formula's ten ops, each rounded as torch's); the module calls of the attention and MLP blocks are gone. On the CPU the caches it extends are
 written in place (pipeline/runtime/kv_cache.py), and where a step is one sequence of packed
 layers the same ops run from C++, one op per layer or per step (lean_rows.py).
 
@@ -162,8 +163,20 @@ def _qkv(plan: Plan, x: torch.Tensor, ctx, cache) -> tuple[torch.Tensor, torch.T
     else:
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
-    q, k = plan.rotary(q, k, cos, sin)
+    if x.shape[1] == 1 and plan.rotary_one is _rolled_rotary and (lib := _step_rotary(q, cos)) is not None:
+        q, k = lib.rotary_step(q, k, cos, sin)  # one token a row: its ten ops as one, their bits
+    else:
+        q, k = plan.rotary(q, k, cos, sin)
     return q, k, v
+
+
+def _step_rotary(q: torch.Tensor, cos: torch.Tensor):
+    """The kernels where their ``rotary_step`` takes a one-token step's q [B, heads, 1, d] and
+    tables [B or 1, 1, d] (layer_step.cpp: transformers' formula, each op rounded as torch's), else None."""
+    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != q.dtype
+            or cos.dim() != 3 or cos.stride(-1) != 1 or q.stride(-1) != 1 or q.shape[-1] % 2):
+        return None
+    return gemv_rows.library()
 
 
 def _attention(plan: Plan, x: torch.Tensor, ctx, cache) -> torch.Tensor:

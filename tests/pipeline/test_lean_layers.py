@@ -235,6 +235,31 @@ def test_repacking_replans_and_training_keeps_the_layers_forward(tiny_llama_dir)
 
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_token_steps_rotary_op_is_the_formulas_bits(dtype):
+    """``rotary_step`` on q / k as the layer's views leave them (rows apart by all heads), tables for
+    every row or one for all: transformers' ``apply_rotary_pos_emb``, bit for bit; bad shapes refused."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    op = gemv_rows.library()
+    if op is None:
+        pytest.skip("needs the compiled kernels: an x86-64 CPU and a C++ compiler with OpenMP")
+    gen = torch.Generator().manual_seed(4)
+    for rows, heads, d in ((1, 9, 64), (5, 4, 8), (256, 3, 64)):
+        q = (torch.randn(rows, 1, heads * d, generator=gen) * 3).to(dtype).view(rows, 1, heads, d).transpose(1, 2)
+        k = (torch.randn(rows, 1, 2 * d, generator=gen) * 3).to(dtype).view(rows, 1, 2, d).transpose(1, 2)
+        angles = torch.rand(rows, 1, d, generator=gen) * 40
+        for cos, sin in ((angles.cos().to(dtype), angles.sin().to(dtype)), (angles[:1].cos().to(dtype), angles[:1].sin().to(dtype))):
+            got = op.rotary_step(q, k, cos, sin)
+            want = apply_rotary_pos_emb(q, k, cos, sin)
+            assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)), (rows, heads, d)
+    with pytest.raises(RuntimeError, match="rotary_step"):
+        op.rotary_step(q, k, cos.float() if dtype == torch.bfloat16 else cos.bfloat16(), sin)
+    with pytest.raises(RuntimeError, match="rotary_step"):
+        op.rotary_step(torch.cat([q, q], 2), k, cos, sin)  # two tokens a row
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernels", [True, False])
 def test_the_lean_rms_norm_is_the_modules_bits(dtype, kernels, monkeypatch):
     """The kernels' one op (float32 and bfloat16), or without them the norm's ops less its casts:
