@@ -100,7 +100,8 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``LlamaRMSNorm.forward``'s bits: on the CPU the kernels' ``rms_norm`` op (its eight ops as
     one, float32 or bfloat16 rows and weight; layer_step.cpp), else its ops on float32 ``x``, less
     its two casts to float32 (no-ops there)."""
-    if x.device.type == "cpu" and x.dtype == norm.weight.dtype and x.is_contiguous() and (lib := gemv_rows.library()) is not None:
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dtype == norm.weight.dtype
+            and x.is_contiguous() and (lib := gemv_rows.library()) is not None):
         return lib.rms_norm(x, norm.weight, norm.variance_epsilon)
     if x.dtype != torch.float32:
         return norm(x)

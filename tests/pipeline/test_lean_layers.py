@@ -259,7 +259,7 @@ def test_a_one_token_steps_rotary_op_is_the_formulas_bits(dtype):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # float16: the module's own
 @pytest.mark.parametrize("kernels", [True, False])
 def test_the_lean_rms_norm_is_the_modules_bits(dtype, kernels, monkeypatch):
     """The kernels' one op (float32 and bfloat16), or without them the norm's ops less its casts:
