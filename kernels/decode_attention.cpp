@@ -1,5 +1,5 @@
 // Attention of a batch's one-token decoding step on bfloat16 KV caches, as one op (ops.cpp includes
-// this after row_attention.cpp, whose ``sums16``, ``exps`` and ``MT_AW`` it uses).
+// this after row_attention.cpp, whose ``sums16``, ``exp_sum`` and ``MT_AW`` it uses).
 //
 // Why: SDPA's CPU kernel runs such a step as B x q heads separate products of one query row, each
 // with its own setup; at a distillation batch (hundreds of rows) that costs several times what it
@@ -10,7 +10,7 @@
 //   s_i = (q . k_i) * scale over the slots the mask leaves (all where there is none): float32 sums
 //   of the bfloat16 inputs' products, which are exact in float32 (AVX512-BF16: VDPBF16PS, two
 //   features a lane; other builds: one fused multiply-add per feature), then the lanes' fixed sum;
-//   m = max s; p_i = exp(s_i - m) (row_attention.cpp's exps); l = sum p_i;
+//   m = max s; p_i = exp(s_i - m) and l = sum p_i (row_attention.cpp's exp_sum);
 //   out = (sum_i p_i v_i, slots in order, one fused multiply-add each) / l, rounded once to
 //   bfloat16 (nearest even). A row that sees no slot gives NaN (a softmax over nothing).
 // A (row, kv head) is computed whole by one thread: the bits do not depend on the thread count nor
@@ -126,13 +126,7 @@ static void bf16_head(const bf16* qb, const bf16* k, int64_t ks, const bf16* v, 
         std::fill(out, out + d, bf16(std::numeric_limits<float>::quiet_NaN()));
         return;
     }
-    exps(s.data(), padded, m);
-    float lanes[MT_AW] = {};
-    for (int i = 0; i < padded; i += MT_AW)
-        for (int j = 0; j < MT_AW; ++j) lanes[j] += s[i + j];
-    for (int w = MT_AW / 2; w >= 1; w /= 2)
-        for (int j = 0; j < w; ++j) lanes[j] = lanes[j] + lanes[j + w];
-    bf16_values(s.data(), mask, ms, v, vs, n, d, lanes[0], scratch.data(), out);
+    bf16_values(s.data(), mask, ms, v, vs, n, d, exp_sum(s.data(), padded, m), scratch.data(), out);
 }
 
 // Asks the caches for row b's kv head h: its L slots of keys and of values [L, d] (cache lines).

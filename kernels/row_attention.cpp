@@ -108,6 +108,18 @@ static void scores(const float* q, const float* kh, const int64_t* slots, int n,
     }
 }
 
+// p[i] = exp(s[i] - m) in place over n values padded to a multiple of MT_AW (the pad: -inf) #
+// -> their sum: lane i % MT_AW of MT_AW partial sums, then a fixed tree.
+static float exp_sum(float* s, int n, float m) {
+    exps(s, n, m);
+    float lanes[MT_AW] = {};
+    for (int i = 0; i < n; i += MT_AW)
+        for (int j = 0; j < MT_AW; ++j) lanes[j] += s[i + j];
+    for (int w = MT_AW / 2; w >= 1; w /= 2)
+        for (int j = 0; j < w; ++j) lanes[j] = lanes[j] + lanes[j + w];
+    return lanes[0];
+}
+
 // One row's head: its visible ``slots`` of the kv head's buffers [cap, d] # -> out [d]; s: scratch.
 static void attend_head(const float* q, const float* kh, const float* vh, const std::vector<int64_t>& slots, int d,
                         float scale, std::vector<float>& s, float* __restrict out) {
@@ -116,12 +128,7 @@ static void attend_head(const float* q, const float* kh, const float* vh, const 
     scores(q, kh, slots.data(), n, d, scale, s.data());
     float m = -std::numeric_limits<float>::infinity();
     for (int i = 0; i < n; ++i) m = std::max(m, s[i]);
-    exps(s.data(), padded, m);
-    float lanes[MT_AW] = {};
-    for (int i = 0; i < padded; i += MT_AW)
-        for (int j = 0; j < MT_AW; ++j) lanes[j] += s[i + j];
-    for (int w = MT_AW / 2; w >= 1; w /= 2)
-        for (int j = 0; j < w; ++j) lanes[j] = lanes[j] + lanes[j + w];
+    const float l = exp_sum(s.data(), padded, m);
 #if MT_AW == 16
     if (d % 16 == 0 && d <= 256) {  // the same fused multiply-adds, the sums in registers
         __m512 acc[16];
@@ -132,7 +139,7 @@ static void attend_head(const float* q, const float* kh, const float* vh, const 
             const float* v = vh + slots[i] * d;
             for (int e = 0; e < w; ++e) acc[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * e), acc[e]);
         }
-        for (int e = 0; e < w; ++e) _mm512_storeu_ps(out + 16 * e, _mm512_div_ps(acc[e], _mm512_set1_ps(lanes[0])));
+        for (int e = 0; e < w; ++e) _mm512_storeu_ps(out + 16 * e, _mm512_div_ps(acc[e], _mm512_set1_ps(l)));
         return;
     }
 #endif
@@ -142,7 +149,7 @@ static void attend_head(const float* q, const float* kh, const float* vh, const 
         const float* __restrict v = vh + slots[i] * d;
         for (int e = 0; e < d; ++e) out[e] = madd(p, v[e], out[e]);
     }
-    for (int e = 0; e < d; ++e) out[e] = out[e] / lanes[0];
+    for (int e = 0; e < d; ++e) out[e] = out[e] / l;
 }
 
 // Rows q [T, q_heads, d] against the cache buffers [kv_heads, cap, d] # -> out [T, q_heads, d].
