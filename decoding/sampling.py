@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from multitoken.kernels import gemv_rows
+
 
 def processed_probs(logp: torch.Tensor, temperature: float, top_k: int, seen: torch.Tensor | None = None,
                     penalty: float = 1.0) -> torch.Tensor:
@@ -44,7 +46,7 @@ def top_probs(logits: torch.Tensor, temperature: float, top_k: int, seen: torch.
     vocabulary (probs then [..., V]). Softmax shift invariance: logits and log-probs agree."""
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
-        vals, ids = torch.topk(logits, top_k, dim=-1)  # [..., k] the cut comes first: the rest is k-sized
+        vals, ids = top_k_rows(logits, top_k)  # [..., k] the cut comes first: the rest is k-sized
         scaled = vals.float() / temperature
         if seen is not None and penalty != 1:
             scaled = scaled - math.log(penalty) * seen.expand(logits.shape).gather(-1, ids)
@@ -53,6 +55,28 @@ def top_probs(logits: torch.Tensor, temperature: float, top_k: int, seen: torch.
     if seen is not None and penalty != 1:
         scaled = scaled - math.log(penalty) * seen
     return None, torch.softmax(scaled, dim=-1)
+
+
+def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest logits, largest first, equal values by lower index first (NaNs first,
+    as larger than any value) # [..., V] -> (values [..., k], ids [..., k]). torch's ``topk``
+    leaves ties in its partial sort's order, and bfloat16 logits tie often: this rule makes a
+    seeded draw the same whoever computes the cut. On the CPU the kernels' ``rows_topk`` (one read
+    of a row); without them torch's ops give the same values and ids."""
+    if logits.device.type == "cpu" and logits.dim() >= 1:
+        if logits.dtype in (torch.float32, torch.bfloat16) and (lib := gemv_rows.library()) is not None:
+            return lib.rows_topk(logits.contiguous(), k)
+        vals = torch.topk(logits, k, dim=-1).values  # [..., k]: its k-th value does not depend on the order of ties
+        if not torch.isnan(vals).any():
+            floor = vals[..., -1:]  # [..., 1]
+            above, level = logits > floor, logits == floor
+            keep = above | (level & (level.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # the first equal values fill up to k
+            ids = keep.nonzero()[:, -1].reshape(*logits.shape[:-1], k)  # [..., k] in index order
+            vals = logits.gather(-1, ids)
+            order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # equal values keep index order
+            return vals.gather(-1, order), ids.gather(-1, order)
+    vals, ids = torch.sort(logits, dim=-1, descending=True, stable=True)  # no host read: a device's own sort
+    return vals[..., :k], ids[..., :k]
 
 
 def penalised_logits(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:

@@ -162,6 +162,7 @@ MT_DEFINE(MT_NAMESPACE, m) {
     m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
     m.def("rotary_step(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
     m.def("rows_max_index(Tensor x) -> Tensor");
+    m.def("rows_topk(Tensor x, int k) -> (Tensor, Tensor)");
     m.def("llama_row(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
           "Tensor signed_sin, Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, bool gqa) -> Tensor");
     m.def("llama_rows(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] scalars, Tensor cos, "
@@ -179,6 +180,7 @@ MT_IMPL(MT_NAMESPACE, m) {
     m.impl("rms_norm", &rms_norm_op);
     m.impl("rotary_step", &rotary_step);
     m.impl("rows_max_index", &rows_max_index);
+    m.impl("rows_topk", &rows_topk);
     m.impl("llama_row", &llama_row);
     m.impl("llama_rows", &llama_rows);
 }
