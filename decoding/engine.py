@@ -14,7 +14,7 @@ step (``pipeline/runtime/ragged.py``: positions count a row's own tokens, holes 
 Everything a row decides it decides alone, with its own context mask, ``torch.Generator`` and
 numpy generator seeded with its seed, so every row equals its run alone; the host reads are
 made once per step for the whole batch (the committed ids, the verdicts, DynaMo's top-k). A
-finished row leaves the batch before the next pass.
+finished row leaves the batch before the next pass, the batch's last rows taking the places left.
 """
 
 from __future__ import annotations
@@ -237,6 +237,18 @@ def generate_batch(model, prompts, cfg: DecodeConfig | None = None, *, seeds=Non
                          row.trace, row.prompt) for row in rows]
 
 
+def _fill_places(kept: list[int]) -> list[int]:
+    """The batch positions ``kept`` (ascending) in their order after the others leave: each row
+    before len(kept) stays where it is, and the last rows fill the places left, so a cache moves
+    as many rows as ended rather than every row after the first that ended."""
+    n, stay = len(kept), set(kept)
+    order, tail = list(range(n)), iter(j for j in kept if j >= n)
+    for place in range(n):
+        if place not in stay:
+            order[place] = next(tail)
+    return order
+
+
 def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) -> None:
     """Decode every row to its end (see the module doc)."""
     model, plan, timer = run.model, run.plan, Timer(run.clock, [row.trace for row in rows])
@@ -271,10 +283,13 @@ def _loop(run: Run, rows: list[Row], propose, verify, eos: set[int], on_tokens) 
         if not keep:
             break
         if len(keep) < len(batch):
-            caches.keep_rows([live[s] for s in keep])  # finished rows leave before the next pass
-            batch = [batch[live[s]] for s in keep]
-            if len(keep) < len(live):
-                proposal = proposal.select(keep)
+            order = _fill_places([live[s] for s in keep])
+            caches.keep_rows(order)  # finished rows leave before the next pass
+            batch = [batch[j] for j in order]
+            at = {j: s for s, j in enumerate(live)}
+            slots = [at[j] for j in order]  # the proposal's rows are the live rows'
+            if slots != list(range(len(live))):
+                proposal = proposal.select(slots)
         start, width = caches.length, proposal.width
         for row, n, commit in zip(batch, proposal.lengths, proposal.commits):
             row.anchor = width - n + len(commit) - 1  # its last committed token: the root of its candidates

@@ -28,7 +28,7 @@ class Caches(Protocol):
         others of the step are forgotten."""
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only these batch rows (finished rows leave)."""
+        """Keep only these batch rows, in this order (finished rows leave)."""
 
 
 @runtime_checkable

@@ -100,7 +100,7 @@ class DecodeCaches:
         self._settle()
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only batch rows ``rows`` (finished rows leave: they cost nothing afterwards)."""
+        """Keep only batch rows ``rows``, in that order (finished rows leave: they cost nothing afterwards)."""
         device = next((layer.keys.device for layer in self.backbone.layers if getattr(layer, "keys", None) is not None), "cpu")
         index = torch.tensor(rows, dtype=torch.long).to(device)  # one copy to the device for every layer
         for cache in (self.backbone, *self.heads):

@@ -17,7 +17,7 @@ Everything else that handles a cache keeps working unchanged: a layer's ``keys``
 as the filled views, and assigning a tensor to them (``crop``, ``ragged.map_layers``, the kept
 paths of ``incremental.DecodeCaches``) either moves the length (a prefix view of the buffer: a
 crop) or copies the tensor into a buffer of its own (a gather: new values). The rows still
-decoding are kept in place (``GrowingLayer.keep_rows``): the later rows move up within the buffers.
+decoding are kept in place (``GrowingLayer.keep_rows``): the last rows move into the places of those that left.
 """
 
 from __future__ import annotations
@@ -119,20 +119,21 @@ class GrowingLayer(DynamicLayer):
         self._nk = self._nv = max(self._nk + tokens_to_remove, 0)
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep batch rows ``rows`` (ascending, distinct) in place: row rows[i] moves to row i of
-        the same buffers, which then show their first len(rows) rows. Only the rows after the first
-        one left behind move, and only their filled slots; no buffer is made (a batch whose rows
+        """Keep batch rows ``rows`` (distinct) in place, in that order: row rows[i] moves to row i of
+        the same buffers, which then show their first len(rows) rows. Only the rows not already
+        in their place move, and only their filled slots; no buffer is made (a batch whose rows
         end one by one would otherwise copy its whole cache, into fresh memory, at every end)."""
-        if any(b <= a for a, b in zip(rows, rows[1:])):
-            raise ValueError(f"keep_rows takes ascending distinct rows, not {rows}")
-        first = next((i for i, r in enumerate(rows) if r != i), len(rows))
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"keep_rows takes distinct rows, not {rows}")
         if self._k is None:
             return
-        moved = torch.tensor(rows[first:], dtype=torch.long, device=self._k.device)
+        moved = [i for i, r in enumerate(rows) if r != i]
+        to = torch.tensor(moved, dtype=torch.long, device=self._k.device)
+        fro = torch.tensor([rows[i] for i in moved], dtype=torch.long, device=self._k.device)
         for name, n in (("_k", self._nk), ("_v", self._nv)):
             buffer = getattr(self, name)
-            if first < len(rows) and n:
-                buffer[first:len(rows), :, :n] = buffer[:, :, :n].index_select(0, moved)  # a copy: rows may overlap
+            if moved and n:  # gathered first: a row may move into a place another leaves
+                buffer[:, :, :n].index_copy_(0, to, buffer[:, :, :n].index_select(0, fro))
             setattr(self, name, buffer[:len(rows)])
 
     def reset(self) -> None:

@@ -142,8 +142,12 @@ def test_rows_kept_move_in_place_and_the_cache_goes_on():
     more_k, more_v = torch.randn(2, 2, 2 * MIN_CAPACITY, 4), torch.randn(2, 2, 2 * MIN_CAPACITY, 4)
     out_k, out_v = layer.update(more_k, more_v)  # past the capacity: regrown with the kept rows
     assert torch.equal(out_k, torch.cat([k[[1, 3]], more_k], 2)) and torch.equal(out_v, torch.cat([v[[1, 3]], more_v], 2))
-    with pytest.raises(ValueError, match="ascending"):
-        layer.keep_rows([1, 0])
+    layer.keep_rows([1, 0])  # any order: the two swap
+    assert torch.equal(layer.keys, torch.cat([k[[3, 1]], more_k[[1, 0]]], 2))
+    layer.keep_rows([1])  # the last row into the first's place
+    assert torch.equal(layer.values, torch.cat([v[[1]], more_v[[0]]], 2)) and layer.keys.shape[0] == 1
+    with pytest.raises(ValueError, match="distinct"):
+        layer.keep_rows([0, 0])
 
 
 def test_the_buffers_double_and_keep_their_prefix():
