@@ -61,7 +61,7 @@ def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """Each row's k largest logits, largest first, equal values by lower index first (NaNs first,
     as larger than any value) # [..., V] -> (values [..., k], ids [..., k]). torch's ``topk``
     leaves ties in its partial sort's order, and bfloat16 logits tie often: this rule makes a
-    seeded draw the same whoever computes the cut. On the CPU the kernels' ``rows_topk`` (one read
+    seeded draw the same whoever computes the cut. On the CPU the kernels' ``rows_topk`` (two reads
     of a row); without them torch's ops give the same values and ids."""
     if logits.device.type == "cpu" and logits.dim() >= 1:
         if logits.dtype in (torch.float32, torch.bfloat16) and (lib := gemv_rows.library()) is not None:
