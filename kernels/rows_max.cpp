@@ -11,7 +11,7 @@
 // Sampling's top-k reads a row's k largest values; torch's CPU top-k copies every (value, index)
 // pair of the row and partial-sorts them. Here a row is read twice in vectors (block maxima, then
 // the values at or above a floor they give) and only those few values are ranked.
-// The rule (decoding/sampling.py's ``top_k``, whose torch fallback computes the same): the k
+// The rule (decoding/sampling.py's ``top_k_rows``, whose torch fallback computes the same): the k
 // largest, largest first, equal values by lower index first (torch orders ties as its partial
 // sort leaves them); a row with a NaN ranks its NaNs first, by index, as larger than any value.
 #include <c10/util/BFloat16.h>
