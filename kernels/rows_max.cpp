@@ -64,6 +64,43 @@ int64_t first_max(const T* x, int64_t n) {
     const __mmask16 holders = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ);
     return _mm512_mask_reduce_min_epi32(holders, at);
 }
+#elif MT_AW == 8
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// The same rule in 8 lanes over the whole vectors, the row's last values one by one after them.
+template <typename T>
+int64_t first_max(const T* x, int64_t n) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    __m256i at = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int nan = 0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = load8(x + i);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m256 larger = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+        top = _mm256_blendv_ps(top, v, larger);
+        at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), larger));
+        idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+    }
+    if (nan) return first_max_plain(x, n);  // its first NaN
+    alignas(32) float tops[8];
+    alignas(32) int32_t ats[8];
+    _mm256_store_ps(tops, top);
+    _mm256_store_si256((__m256i*)ats, at);
+    float best = -INFINITY;
+    int64_t where = 0;  // a row of -inf only: its first
+    for (int j = 0; j < 8; ++j)
+        if (tops[j] > best || (tops[j] == best && tops[j] > -INFINITY && ats[j] < where)) best = tops[j], where = ats[j];
+    for (; i < n; ++i) {
+        const float v = static_cast<float>(x[i]);
+        if (std::isnan(v)) return i;
+        if (v > best) best = v, where = i;
+    }
+    return where;
+}
 #else
 template <typename T>
 int64_t first_max(const T* x, int64_t n) { return first_max_plain(x, n); }
@@ -96,13 +133,6 @@ static inline uint64_t rank_key(float v, int64_t i) {
     else u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
     return (uint64_t)u << 32 | (uint32_t)~(uint32_t)i;
 }
-
-#if MT_AW == 8
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const c10::BFloat16* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-#endif
 
 // The largest value of x[lo, hi), NaNs left out (-inf where there is none).
 template <typename T>
