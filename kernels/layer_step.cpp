@@ -84,14 +84,33 @@ void add_into(at::Tensor& a, const at::Tensor& b) {
     for (int64_t i = 0, n = a.numel(); i < n; ++i) ap[i] = bp[i] + ap[i];
 }
 
+// Element-wise arithmetic in a tensor's dtype as torch's ops round it: float32 directly; bfloat16
+// in float32, then rounded to bfloat16 (nearest even), once per op.
+inline float mul_in(float a, float b) { return a * b; }
+inline float add_in(float a, float b) { return a + b; }
+inline c10::BFloat16 mul_in(c10::BFloat16 a, c10::BFloat16 b) { return c10::BFloat16(static_cast<float>(a) * static_cast<float>(b)); }
+inline c10::BFloat16 add_in(c10::BFloat16 a, c10::BFloat16 b) { return c10::BFloat16(static_cast<float>(a) + static_cast<float>(b)); }
+
+// One head x [d] rotated into out [d]: (x * cos) + (rotate_half(x) * sin), rotate_half(x) =
+// cat(-x2, x1) of x's halves, each product and the sum rounded as torch's ops round them. NEG:
+// ``s`` is sin and the rolled first half is negated; else ``s`` is the signed sin cat(-sin1, sin2)
+// (a product's sign is its factors': the same values). roll(x, half)[i] is x[i + half] below
+// ``half`` and x[i - half] from it: two loops without a division per element, which the compiler
+// vectorises.
+template <typename T, bool NEG>
+inline void rotate_head(const T* x, const T* c, const T* s, T* out, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; ++i) out[i] = add_in(mul_in(x[i], c[i]), mul_in(NEG ? -x[i + half] : x[i + half], s[i]));
+    for (int64_t i = half; i < d; ++i) out[i] = add_in(mul_in(x[i], c[i]), mul_in(x[i - half], s[i]));
+}
+
 // The rotary of T rows' q and k heads and the cache's writes: for heads [T, q + 2 kv, d] (the
-// fused q|k|v output), q and k rotated as x * cos + roll(x, half) * signed_sin (torch's mul,
-// roll, mul and add per element; half = d / 2, so roll(x, half) * signed_sin is rotate_half(x) *
-// sin: a product's sign is its factors'), row t's with its tables cos / signed_sin [T, d]: q to
+// fused q|k|v output), q and k rotated (``rotate_head`` on the signed sin: torch's mul, roll, mul
+// and add per element), row t's with its tables cos / signed_sin [T, d]: q to
 // ``q_out`` [T, q, d], k to slot past + t of ``k_buf`` and v copied to that slot of ``v_buf``
 // ([kv, capacity, d] each, contiguous).
 void rotate_and_cache(const float* heads, const float* cos, const float* signed_sin, int64_t T, int64_t q_heads,
-                      int64_t kv_heads, int64_t d, int64_t half, float* q_out, float* k_buf, float* v_buf,
+                      int64_t kv_heads, int64_t d, float* q_out, float* k_buf, float* v_buf,
                       int64_t capacity, int64_t past) {
     const int64_t width = (q_heads + 2 * kv_heads) * d;
     for (int64_t t = 0; t < T; ++t) {
@@ -101,48 +120,21 @@ void rotate_and_cache(const float* heads, const float* cos, const float* signed_
         for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
             const float* x = row + h * d;
             float* out = h < q_heads ? q_out + (t * q_heads + h) * d : k_buf + ((h - q_heads) * capacity + past + t) * d;
-            // roll(x, half)[i] is x[i - half + d] below ``half`` and x[i - half] from it: two loops
-            // without a division per element, which the compiler vectorises
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = x[i] * c[i];
-                const float b = x[i - half + d] * s[i];
-                out[i] = a + b;
-            }
-            for (int64_t i = half; i < d; ++i) {
-                const float a = x[i] * c[i];
-                const float b = x[i - half] * s[i];
-                out[i] = a + b;
-            }
+            rotate_head<float, false>(x, c, s, out, d);
         }
         for (int64_t h = 0; h < kv_heads; ++h)
             std::memcpy(v_buf + (h * capacity + past + t) * d, row + (q_heads + kv_heads + h) * d, d * sizeof(float));
     }
 }
 
-// Element-wise arithmetic in a tensor's dtype as torch's ops round it: float32 directly; bfloat16
-// in float32, then rounded to bfloat16 (nearest even), once per op.
-inline float mul_in(float a, float b) { return a * b; }
-inline float add_in(float a, float b) { return a + b; }
-inline c10::BFloat16 mul_in(c10::BFloat16 a, c10::BFloat16 b) { return c10::BFloat16(static_cast<float>(a) * static_cast<float>(b)); }
-inline c10::BFloat16 add_in(c10::BFloat16 a, c10::BFloat16 b) { return c10::BFloat16(static_cast<float>(a) + static_cast<float>(b)); }
-
 // transformers' apply_rotary_pos_emb on a one-token step's heads x [B, heads, 1, d] (features
 // contiguous, any other strides), row b's with its tables cos / sin (row 0's where they have one
-// row): (x * cos) + (rotate_half(x) * sin), rotate_half(x) = cat(-x2, x1) of x's halves, each
-// product and the sum rounded as torch's ops round them # -> out [B, heads, 1, d], contiguous.
+// row), each head by ``rotate_head`` # -> out [B, heads, 1, d], contiguous.
 template <typename T>
 void rotate_step(const T* x, int64_t xb, int64_t xh, int64_t B, int64_t H, int64_t d, const T* cos, const T* sin,
                  int64_t tb, T* out) {
-    const int64_t half = d / 2;
     for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h) {
-            const T* r = x + b * xb + h * xh;
-            const T* c = cos + b * tb;
-            const T* s = sin + b * tb;
-            T* o = out + (b * H + h) * d;
-            for (int64_t i = 0; i < half; ++i) o[i] = add_in(mul_in(r[i], c[i]), mul_in(-r[i + half], s[i]));
-            for (int64_t i = half; i < d; ++i) o[i] = add_in(mul_in(r[i], c[i]), mul_in(r[i - half], s[i]));
-        }
+        for (int64_t h = 0; h < H; ++h) rotate_head<T, true>(x + b * xb + h * xh, cos + b * tb, sin + b * tb, out + (b * H + h) * d, d);
 }
 
 at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -225,11 +217,11 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_buf, const at:
 at::Tensor rotated_q(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>* biases,
                      at::IntArrayRef sizes, const at::Tensor& cos, const at::Tensor& signed_sin, const at::Tensor& k_buf,
                      const at::Tensor& v_buf, int64_t past) {
-    const int64_t T = x.size(1), q_heads = sizes[12], kv_heads = sizes[13], d = sizes[14], half = sizes[15];
+    const int64_t T = x.size(1), q_heads = sizes[12], kv_heads = sizes[13], d = sizes[14];
     const at::Tensor heads = linear(x, weights, biases, sizes, 1);  // [1, T, q + 2 kv heads x d]
     const at::Tensor q = at::empty({1, T, q_heads, d}, x.options()).transpose(1, 2);  // [1, heads, T, d]
     rotate_and_cache(heads.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), T, q_heads, kv_heads,
-                     d, half, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), k_buf.size(2), past);
+                     d, q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), k_buf.size(2), past);
     return q;
 }
 
