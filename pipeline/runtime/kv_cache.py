@@ -128,8 +128,9 @@ class GrowingLayer(DynamicLayer):
         if self._k is None:
             return
         moved = [i for i, r in enumerate(rows) if r != i]
-        to = torch.tensor(moved, dtype=torch.long, device=self._k.device)
-        fro = torch.tensor([rows[i] for i in moved], dtype=torch.long, device=self._k.device)
+        if moved:
+            to = torch.tensor(moved, dtype=torch.long, device=self._k.device)
+            fro = torch.tensor([rows[i] for i in moved], dtype=torch.long, device=self._k.device)
         for name, n in (("_k", self._nk), ("_v", self._nv)):
             buffer = getattr(self, name)
             if moved and n:  # gathered first: a row may move into a place another leaves
