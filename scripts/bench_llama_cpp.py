@@ -29,6 +29,12 @@ shuffled with seed 1, the first ``--num-prompts``.
     make bench-llama-cpp                                   # the full table (6 prompts, 128 tokens, 1 and 2 threads)
     python scripts/bench_llama_cpp.py --drafter DIR --out llama_cpp.json
     python scripts/bench_llama_cpp.py --smoke --drafter DIR    # 1 prompt, 16 tokens, 1 thread: it runs end to end
+    python scripts/bench_llama_cpp.py --isa avx2 --out llama_cpp_avx2.json  # both engines at the AVX2 level
+
+``--isa avx2`` runs an AVX2 CPU's code on a bigger one: llama.cpp built at ggml's AVX2 level
+(``-DGGML_NATIVE=OFF``: AVX2, FMA, F16C, no AVX512) and ours with ``MULTITOKEN_CPU_FEATURES=avx2``
+(our kernels' AVX2 build) and ``ATEN_CPU_CAPABILITY=avx2`` (torch's own ops on their AVX2 code).
+The instructions are an AVX2 CPU's; the caches, memory and clock stay this machine's.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -75,6 +82,8 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=1, help="repetitions of every method (the fastest kept)")
     p.add_argument("--methods", nargs="+", default=None, help="only these rows, e.g. llama.cpp:plain multitoken:ar")
     p.add_argument("--jobs", type=int, default=2, help="llama.cpp build: parallel compile jobs")
+    p.add_argument("--isa", choices=list(llama_cpp.ISAS), default="native",
+                   help="instruction level of both engines: native (this CPU's), or avx2 (an AVX2 CPU's code, module doc)")
     p.add_argument("--work", default=None, help="folder for the drafter's export, GGUF and our generations (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="1 prompt, 16 tokens, 1 thread: proves the pipeline, no figures")
     add_out(p, None)
@@ -112,6 +121,13 @@ def decode_rate(trace: dict) -> tuple[int, float]:
     return trace["new_tokens"] - 1, trace["wall_s"] - trace["prefill_s"]
 
 
+def ours_env(isa: str) -> dict:
+    """Our processes' environment at the instruction level ``isa`` (native: as it is)."""
+    if isa == "native":
+        return dict(os.environ)
+    return {**os.environ, "MULTITOKEN_CPU_FEATURES": isa, "ATEN_CPU_CAPABILITY": isa}
+
+
 def ours(method: str, args, base: str, prompts_file: Path, threads: int, work: Path, drafter: str | None, rep: list) -> list[dict]:
     """One ``multitoken generate --prompts`` process: the warm-up prompt's row dropped."""
     rep[0] += 1
@@ -120,7 +136,7 @@ def ours(method: str, args, base: str, prompts_file: Path, threads: int, work: P
     argv = [sys.executable, "-m", "multitoken.pipeline.cli", "generate", "--base", base, "--prompts", str(prompts_file),
             "--out", str(out), "--batch-size", "1", "--greedy", "--threads", str(threads),
             "--max-new-tokens", str(args.max_new_tokens), *flags]
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, capture_output=True, text=True, env=ours_env(args.isa))
     if done.returncode != 0:
         raise RuntimeError(f"multitoken generate ({method}) exited {done.returncode}: {done.stderr[-1500:]}")
     runs = []
@@ -179,7 +195,9 @@ def table(results: dict[int, dict], threads: list[int], record: dict) -> dict:
             "date": datetime.date.today().isoformat(), "command": record["command"], "source": "the --out record",
             "columns": columns, "rows": rows,
             "note": f"Greedy, {record['settings']['max_new_tokens']} new tokens, {record['settings']['prompts']} held-out "
-                    "prompts, start-up and prompt excluded; medians over prompts of per-prompt ratios to llama.cpp plain."}
+                    "prompts, start-up and prompt excluded; medians over prompts of per-prompt ratios to llama.cpp plain."
+                    + (" Both engines at the AVX2 level on this CPU (llama.cpp -DGGML_NATIVE=OFF; ours MULTITOKEN_CPU_FEATURES=avx2, "
+                       "ATEN_CPU_CAPABILITY=avx2)." if record["settings"].get("isa", "native") != "native" else "")}
 
 
 def main(argv=None) -> int:
@@ -192,8 +210,8 @@ def main(argv=None) -> int:
     prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()][:args.num_prompts] \
         if args.prompts else heldout_prompts(base_dir, args.num_prompts)
     bench = Bench("llama_cpp", args, base=str(base_dir), gguf=str(ggufs[0]), drafter=drafter, prompts=len(prompts),
-                  max_new_tokens=args.max_new_tokens, threads=args.threads, lookup=args.lookup, reps=args.reps)
-    tools = llama_cpp.usable_build(ggufs[0], jobs=args.jobs, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                  max_new_tokens=args.max_new_tokens, threads=args.threads, lookup=args.lookup, reps=args.reps, isa=args.isa)
+    tools = llama_cpp.usable_build(ggufs[0], jobs=args.jobs, log=lambda msg: print(msg, file=sys.stderr, flush=True), isa=args.isa)
     bench.record.update(llama_cpp_build=tools, prompt_texts=prompts)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-llama-cpp-"))
     work.mkdir(parents=True, exist_ok=True)

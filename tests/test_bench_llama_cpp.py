@@ -85,3 +85,20 @@ def test_the_int8_rows_are_checked_against_their_own_ar(script):
     assert got["multitoken:lookup-q8"]["same_as_plain"] == [True, True] and got["multitoken:ar-q8"]["same_as_plain"] is None
     assert got["multitoken:lookup"]["same_as_plain"] == [True, True]
     assert script.OURS["lookup-q8"][-2:] == ["--cpu-linear", "rows-q8"] and script.plain_of("multitoken:eagle3-q8") == "multitoken:ar-q8"
+
+
+def test_the_avx2_level_runs_both_engines_on_an_avx2_cpus_code(script, monkeypatch):
+    monkeypatch.delenv("MULTITOKEN_CPU_FEATURES", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    native = script.ours_env("native")
+    assert "MULTITOKEN_CPU_FEATURES" not in native and "ATEN_CPU_CAPABILITY" not in native
+    avx2 = script.ours_env("avx2")  # our kernels' AVX2 build and torch's AVX2 ops
+    assert avx2["MULTITOKEN_CPU_FEATURES"] == "avx2" and avx2["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert script.arguments(["--isa", "avx2"]).isa == "avx2" and script.arguments([]).isa == "native"
+    with pytest.raises(SystemExit):
+        script.arguments(["--isa", "avx512"])  # llama.cpp has no build for it here
+    results = {1: script.paired({"llama.cpp:plain": [_run(50, "a")]}, "llama.cpp:plain")}
+    record = {"machine": {"cores": 2}, "command": "c", "settings": {"max_new_tokens": 8, "prompts": 1, "isa": "avx2"}}
+    assert "AVX2 level" in script.table(results, [1], record)["note"]
+    record["settings"]["isa"] = "native"
+    assert "AVX2" not in script.table(results, [1], record)["note"]

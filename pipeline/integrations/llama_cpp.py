@@ -10,6 +10,9 @@ server), into ``tools-<source hash>-<CPU flags hash>/``: ``bin/`` and ``build.js
 commands, how long they took). A finished build is reused; a CPU with other flags gets its own.
 ``amx=False`` builds without ggml's AMX kernels (``tools-...-noamx/``), for a machine whose CPU
 names AMX but where those kernels stop on an illegal instruction (``usable_build``).
+``isa="avx2"`` builds ggml's AVX2 level instead of the native one (``-DGGML_NATIVE=OFF``: AVX,
+AVX2, FMA, F16C and BMI2, no AVX512; ``tools-...-avx2/``), so that a bigger CPU runs what an AVX2
+one would, beside our kernels forced to the same level (``MULTITOKEN_CPU_FEATURES=avx2``).
 
 The tools print their decoding speed themselves (start-up and the prompt left out):
 ``parse_timings`` reads it, ``continuation`` the text generated after the echoed prompt.
@@ -38,12 +41,15 @@ SDIST = "llama_cpp_python-0.3.36"  # the registry's llama-cpp-python sdist, whic
 PIP_DOWNLOAD = "pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36"
 # What each comparison runs: our name -> the CMake target (= the binary's name)
 TOOLS = {"completion": "llama-completion", "lookup": "llama-lookup", "speculative": "llama-speculative-simple"}
-CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",  # static: bin/ stands alone
+CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",  # static: bin/ stands alone
                  "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
                  "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=ON")
 # Compiler flags that keep ggml's AMX kernels out of a native build (GCC and Clang: an explicit
 # -mno-<isa> wins over what -march=native turns on, whatever their order)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# The instruction level a build targets: this CPU's, or ggml's default list without it (AVX2, FMA,
+# F16C, BMI2 on; AVX512 and AMX off)
+ISAS = {"native": "-DGGML_NATIVE=ON", "avx2": "-DGGML_NATIVE=OFF"}
 RECORD = "build.json"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # llama-speculative-simple colours accepted drafts
 
@@ -87,50 +93,53 @@ def build_key(tree: Path, flags: str | None = None) -> str:
     return f"{src.hexdigest()[:12]}-{cpu[:8]}"
 
 
-def cmake_commands(tree: Path, build_dir: Path, jobs: int, nice: int, amx: bool = True) -> list[list[str]]:
+def cmake_commands(tree: Path, build_dir: Path, jobs: int, nice: int, amx: bool = True, isa: str = "native") -> list[list[str]]:
     """Configure, then build only ``TOOLS``' targets, ``jobs`` at a time at ``nice`` priority;
-    without ggml's AMX kernels where ``amx`` is False."""
+    without ggml's AMX kernels where ``amx`` is False; for ``isa``'s instructions (``ISAS``)."""
     low = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
     no_amx = [] if amx else [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
-    return [[*low, "cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_OPTIONS, *no_amx],
+    return [[*low, "cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_OPTIONS, ISAS[isa], *no_amx],
             [*low, "cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
              "--target", *TOOLS.values()]]
 
 
-def _folder(root: Path, tree: Path, amx: bool) -> Path:
-    return root / f"tools-{build_key(tree)}{'' if amx else '-noamx'}"
+def _folder(root: Path, tree: Path, amx: bool, isa: str = "native") -> Path:
+    return root / f"tools-{build_key(tree)}{'' if isa == 'native' else '-' + isa}{'' if amx else '-noamx'}"
 
 
-def built(root: Path | None = None, tree: Path | None = None, amx: bool = True) -> dict | None:
-    """The cached build's record (with ``bin``) for this source and CPU, or None where there is none."""
+def built(root: Path | None = None, tree: Path | None = None, amx: bool = True, isa: str = "native") -> dict | None:
+    """The cached build's record (with ``bin``) for this source, CPU and level, or None where there is none."""
     tree = tree or source(root)
     if tree is None:
         return None
-    folder = _folder(root or cache_root(), tree, amx)
+    folder = _folder(root or cache_root(), tree, amx, isa)
     record = folder / RECORD
     if not record.is_file() or not all((folder / "bin" / name).is_file() for name in TOOLS.values()):
         return None
     return {**json.loads(record.read_text()), "bin": str(folder / "bin"), "reused": True}
 
 
-def build(root: Path | None = None, jobs: int = 2, nice: int = 19, log=lambda msg: None, amx: bool = True) -> dict:
+def build(root: Path | None = None, jobs: int = 2, nice: int = 19, log=lambda msg: None, amx: bool = True,
+          isa: str = "native") -> dict:
     """llama.cpp's tools for this source and CPU (without ggml's AMX kernels where ``amx`` is
-    False): the cached build, else one made now (its CMake tree beside ``bin/``; the record says
-    how long configuring and building took)."""
+    False; at ``isa``'s level): the cached build, else one made now (its CMake tree beside
+    ``bin/``; the record says how long configuring and building took)."""
+    if isa not in ISAS:
+        raise UsageError(f"unknown instruction level {isa!r} for llama.cpp", f"use one of {', '.join(ISAS)}")
     root = root or cache_root()
     tree = source(root)
     if tree is None:
         raise missing_source(root)
-    done = built(root, tree, amx)
+    done = built(root, tree, amx, isa)
     if done is not None:
         return done
     if shutil.which("cmake") is None:
         raise UsageError("building llama.cpp needs cmake, which is not on PATH", "install cmake (and a C++ compiler)")
-    folder = _folder(root, tree, amx)
+    folder = _folder(root, tree, amx, isa)
     work = folder.with_name(folder.name + ".cmake")  # the CMake tree: kept, so an interrupted build goes on
-    record = {"source": str(tree), "key": folder.name.removeprefix("tools-"), "jobs": jobs, "nice": nice, "amx": amx,
+    record = {"source": str(tree), "key": folder.name.removeprefix("tools-"), "jobs": jobs, "nice": nice, "amx": amx, "isa": isa,
               "cpu_flags": sorted(cpu_features.cpu_flags().split(":", 1)[-1].split()), "commands": [], "seconds": []}
-    for argv in cmake_commands(tree, work, jobs, nice, amx):
+    for argv in cmake_commands(tree, work, jobs, nice, amx, isa):
         log("llama.cpp: " + " ".join(argv))
         start = time.perf_counter()
         run = subprocess.run(argv, capture_output=True, text=True)
@@ -156,15 +165,17 @@ class ToolFailed(RuntimeError):
         self.returncode = returncode
 
 
-def usable_build(model: str | Path, jobs: int = 2, log=lambda msg: None) -> dict:
-    """``build``'s tools once they have run ``model`` for a few tokens. Where the CPU names AMX
-    but ggml's AMX kernels stop on an illegal instruction (seen on a virtual machine whose plain
-    AMX test program runs), the tools built without them (``amx=False``), the fault recorded
-    under ``amx_fault``: a comparison takes the fastest path that runs, not none."""
+def usable_build(model: str | Path, jobs: int = 2, log=lambda msg: None, isa: str = "native") -> dict:
+    """``build``'s tools (at ``isa``'s level) once they have run ``model`` for a few tokens. Where
+    the CPU names AMX but ggml's AMX kernels stop on an illegal instruction (seen on a virtual
+    machine whose plain AMX test program runs), the tools built without them (``amx=False``), the
+    fault recorded under ``amx_fault``: a comparison takes the fastest path that runs, not none."""
     def probe(tools: dict) -> dict:
         run_tool(tool_argv(tools["bin"], "plain", model, "Hello", 2, 1), "plain", "Hello")
         return tools
 
+    if isa != "native":  # below the native level: no AMX kernels to fall back from
+        return probe(build(jobs=jobs, log=log, isa=isa))
     try:
         return probe(build(jobs=jobs, log=log))
     except ToolFailed as err:

@@ -128,6 +128,10 @@ def test_the_build_makes_only_the_tools_natively_at_low_priority(tmp_path):
     no_amx, _ = llama_cpp.cmake_commands(tmp_path / "src", tmp_path / "b", jobs=2, nice=19, amx=False)
     assert no_amx[:len(configure)] == configure
     assert no_amx[len(configure):] == [f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" for lang in ("C", "CXX")]
+    avx2, _ = llama_cpp.cmake_commands(tmp_path / "src", tmp_path / "b", jobs=2, nice=19, isa="avx2")
+    # ggml's default list without -march=native: AVX2, FMA, F16C, BMI2 and no AVX512, whatever the CPU has
+    assert "-DGGML_NATIVE=OFF" in avx2 and "-DGGML_NATIVE=ON" not in avx2
+    assert [a for a in avx2 if "NATIVE" not in a] == [a for a in configure if "NATIVE" not in a]
 
 
 FAKE_CMAKE = """#!/bin/sh
@@ -166,6 +170,12 @@ def test_a_build_is_made_once_per_source_and_cpu_then_reused(tmp_path, monkeypat
     plain = llama_cpp.build(jobs=2, amx=False)  # a build of its own, beside the native one
     assert not plain["reused"] and plain["amx"] is False and Path(plain["bin"]).parent.name == folder.name + "-noamx"
     assert "-mno-amx-tile" in calls.read_text().splitlines()[2] and llama_cpp.built(amx=False)["reused"]
+    avx2 = llama_cpp.build(jobs=2, isa="avx2")  # the AVX2 level: a third build of its own
+    assert not avx2["reused"] and avx2["isa"] == "avx2" and Path(avx2["bin"]).parent.name == folder.name + "-avx2"
+    assert "-DGGML_NATIVE=OFF" in calls.read_text().splitlines()[4] and llama_cpp.built(isa="avx2")["reused"]
+    assert llama_cpp.built()["bin"] == first["bin"]  # the native build is left as it was
+    with pytest.raises(UsageError, match="unknown instruction level 'avx-2'"):
+        llama_cpp.build(jobs=2, isa="avx-2")
 
 
 FAKE_TOOL = """#!/bin/sh
@@ -180,7 +190,7 @@ echo "common_perf_print:        eval time =      10.00 ms /     1 runs" >&2
 def test_a_build_whose_amx_kernels_fault_is_made_again_without_them(tmp_path, monkeypatch, flags, faults):
     builds = []
 
-    def build(jobs=2, log=None, amx=True):  # an AMX build whose tool dies of SIGILL where ``faults``
+    def build(jobs=2, log=None, amx=True, isa="native"):  # an AMX build whose tool dies of SIGILL where ``faults``
         folder = tmp_path / f"tools{'' if amx else '-noamx'}" / "bin"
         folder.mkdir(parents=True, exist_ok=True)
         tool = folder / llama_cpp.TOOLS["completion"]
