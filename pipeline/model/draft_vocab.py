@@ -134,12 +134,11 @@ class DraftUnembedding(nn.Module):
             raise UsageError("a draft vocabulary needs a float unembedding (this one is quantized)", "pass --draft-vocab 0")
         bias = getattr(unembedding, "bias", None)
         ids = ids.to(device=weight.device, dtype=torch.long)
-        self.proj = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            self.proj.weight.copy_(weight.detach().index_select(0, ids))
-            if bias is not None:
-                self.proj.bias.copy_(bias.detach().index_select(0, ids))
-        self.proj.requires_grad_(False)
+        # made on "meta" (no random init of a [N, H] matrix about to be replaced), then given the rows
+        self.proj = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device="meta", dtype=weight.dtype)
+        self.proj.weight = nn.Parameter(weight.detach().index_select(0, ids), requires_grad=False)
+        if bias is not None:
+            self.proj.bias = nn.Parameter(bias.detach().index_select(0, ids), requires_grad=False)
         self.register_buffer("ids", ids, persistent=False)
         self.vocab_size = vocab_size
 
