@@ -51,6 +51,23 @@ static void exps(float* s, int n, float m) {
         const __m512 e = _mm512_scalef_ps(p, nn);
         _mm512_storeu_ps(s + i, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), e, _mm512_setzero_ps()));
     }
+#elif MT_AW == 8
+    for (int i = 0; i < n; i += MT_AW) {  // exp_le0's operations on 8 lanes
+        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(m));
+        const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+        const __m256 nn = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 r = _mm256_fmadd_ps(nn, _mm256_set1_ps(-0.693359375f), xc);
+        r = _mm256_fmadd_ps(nn, _mm256_set1_ps(2.12194440e-4f), r);
+        __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+        for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+        // times 2^n, n in [-126, 0]: the power's bits made directly (a normal float), one rounding
+        // of the exact product as ldexp's
+        const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nn), _mm256_set1_epi32(127)), 23);
+        const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+        _mm256_storeu_ps(s + i, _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ)));
+    }
 #else
     for (int i = 0; i < n; ++i) s[i] = exp_le0(s[i] - m);
 #endif
@@ -68,6 +85,13 @@ static inline __m512 sums16(__m512 (&a)[16]) {
     for (int i = 0; i < 2; ++i)  // 128-bit lanes paired: (0 + 1), (2 + 3) of each vector
         e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));  // in order
+}
+#elif MT_AW == 8
+// The lane loops' tree on 8 lanes: lanes j + 4, then j + 2, then j + 1 added to lane j.
+static inline float lanes8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 #endif
 
@@ -96,6 +120,16 @@ static void scores(const float* q, const float* kh, const int64_t* slots, int n,
         }
         return;
     }
+#elif MT_AW == 8
+    if (d % 8 == 0) {  // the lane loop below in registers: 8 lanes, then its tree (4, 2, 1 apart)
+        for (; i < n; ++i) {
+            const float* k = kh + slots[i] * d;
+            __m256 acc = _mm256_setzero_ps();
+            for (int e = 0; e < d; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), _mm256_loadu_ps(k + e), acc);
+            s[i] = lanes8(acc) * scale;
+        }
+        return;
+    }
 #endif
     for (; i < n; ++i) {
         const float* k = kh + slots[i] * d;
@@ -112,12 +146,18 @@ static void scores(const float* q, const float* kh, const int64_t* slots, int n,
 // -> their sum: lane i % MT_AW of MT_AW partial sums, then a fixed tree.
 static float exp_sum(float* s, int n, float m) {
     exps(s, n, m);
+#if MT_AW == 8
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += MT_AW) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + i));
+    return lanes8(acc);
+#else
     float lanes[MT_AW] = {};
     for (int i = 0; i < n; i += MT_AW)
         for (int j = 0; j < MT_AW; ++j) lanes[j] += s[i + j];
     for (int w = MT_AW / 2; w >= 1; w /= 2)
         for (int j = 0; j < w; ++j) lanes[j] = lanes[j] + lanes[j + w];
     return lanes[0];
+#endif
 }
 
 // One row's head: its visible ``slots`` of the kv head's buffers [cap, d] # -> out [d]; s: scratch.
@@ -140,6 +180,19 @@ static void attend_head(const float* q, const float* kh, const float* vh, const 
             for (int e = 0; e < w; ++e) acc[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * e), acc[e]);
         }
         for (int e = 0; e < w; ++e) _mm512_storeu_ps(out + 16 * e, _mm512_div_ps(acc[e], _mm512_set1_ps(l)));
+        return;
+    }
+#elif MT_AW == 8
+    if (d % 8 == 0 && d <= 128) {  // as the loop below, the sums in registers
+        __m256 acc[16];
+        const int w = d / 8;
+        for (int e = 0; e < w; ++e) acc[e] = _mm256_setzero_ps();
+        for (int i = 0; i < n; ++i) {
+            const __m256 p = _mm256_set1_ps(s[i]);
+            const float* v = vh + slots[i] * d;
+            for (int e = 0; e < w; ++e) acc[e] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * e), acc[e]);
+        }
+        for (int e = 0; e < w; ++e) _mm256_storeu_ps(out + 8 * e, _mm256_div_ps(acc[e], _mm256_set1_ps(l)));
         return;
     }
 #endif
