@@ -71,3 +71,27 @@ def test_bad_arguments_are_refused():
         op(q[:1].contiguous(), k, v, CAP, None, 0.3)
     with pytest.raises(RuntimeError, match="q must be"):
         op(q[:1].double(), k, v, PAST, None, 0.3)
+
+
+def test_the_vector_paths_are_the_lane_loops_bit_for_bit():
+    """Head sizes the vector paths take (a multiple of the lanes) give, zero-padded from one they
+    do not, the lane loops' bits: padding adds exact zeros to each lane and leaves the other
+    features' sums alone. Scales up to 40 put scores below exp's -87 cut and near its subnormal
+    range; 300 past slots, several vectors of exps per head. (The AVX512 build sums 16 slots'
+    lanes at once in another fixed order than its lane loops; `make test-avx2` runs this.)"""
+    if gemv_rows.lanes() != 16:
+        pytest.skip("checks the 8-lane (AVX2) build's vectors against its loops; this build has 16-lane vectors")
+    lanes = 8
+    gen = torch.Generator().manual_seed(3)
+    op = gemv_rows.library().row_attention
+    for d in (lanes - 4, 2 * lanes - 4):  # the lane loops, then the same features padded to the vectors' size
+        pad = d + 4
+        k, v = (torch.randn(1, 3, 320, d, generator=gen) * 3 for _ in range(2))
+        q = torch.randn(4, 9, d, generator=gen)
+        wide = [torch.nn.functional.pad(t, (0, 4)).contiguous() for t in (k, v, q)]
+        mask = torch.ones(1, 1, 4, 304, dtype=torch.bool).tril(300)
+        for scale in (0.3, 5.0, 40.0):
+            for rows, m in ((1, None), (4, mask)):
+                got = op(q[:rows].contiguous(), k, v, 300, m, scale).reshape(rows, 9, d)
+                ref = op(wide[2][:rows].contiguous(), wide[0], wide[1], 300, m, scale).reshape(rows, 9, pad)
+                assert torch.equal(got, ref[..., :d]), (d, scale, rows)
