@@ -233,6 +233,44 @@ static inline void grid_block(const float* __restrict x, const uint8_t* __restri
     write_rows<R>(sums, out, N, n0);
 }
 
+#if defined(GRID_VECTORS) && !defined(__AVX512F__)
+// AVX2, one row of Q4 codes: two column blocks side by side (``stride`` bytes apart), each output's
+// chain grid_block's (one fused multiply-add per feature, in order). One block's two chains leave
+// the fused multiply-adds waiting on each other's latency; four keep them busy.
+static inline void q4_pair(const float* __restrict x, const uint8_t* __restrict wb, int64_t stride,
+                           float* __restrict out, int K, int N, int n0) {
+    constexpr int H = L / 2;
+    vec acc[2][2] = {{zero(), zero()}, {zero(), zero()}};
+    for (int t = 0; t < K / QK; ++t) {
+        vec d[2][2], mn[2][2];
+        const uint8_t* codes[2];
+        for (int c = 0; c < 2; ++c) {
+            const uint8_t* ch = wb + c * stride + t * chunk_bytes<Q4>();
+            d[c][0] = halves(ch), d[c][1] = halves(ch + H * 2);
+            mn[c][0] = halves(ch + L * 2), mn[c][1] = halves(ch + L * 2 + H * 2);
+            codes[c] = ch + 4 * L;
+        }
+        for (int i = 0; i < QK; ++i) {
+            const vec xv = bcast(x[t * QK + i]);
+            for (int c = 0; c < 2; ++c) {
+                const uint8_t* q = codes[c] + i * H;
+                __builtin_prefetch((const char*)q + PREFETCH, 0, 3);
+                vec w0, w1;
+                nibbles(q, w0, w1);
+                acc[c][0] = vfma(xv, vfma(w0, d[c][0], mn[c][0]), acc[c][0]);
+                acc[c][1] = vfma(xv, vfma(w1, d[c][1], mn[c][1]), acc[c][1]);
+            }
+        }
+    }
+    for (int c = 0; c < 2; ++c) {
+        float sums[1][L];
+        store(sums[0], acc[c][0]), store(sums[0] + H, acc[c][1]);
+        write_rows<1>(sums, out, N, n0 + c * L);
+    }
+}
+#define Q4_PAIRS 1
+#endif
+
 template <int R>
 static inline void q8_block(const float* __restrict x, const int8_t* __restrict wb, const float* __restrict scale,
                             float* __restrict out, int K, int N, int n0) {
@@ -330,6 +368,20 @@ static void column_block(const float* x, const W* wb, const float* scale, float*
 template <typename W>
 static void blocks(const float* x, const W* wp, const float* scale, float* out, int M, int K, int N) {
     const int count = (N + L - 1) / L;
+#ifdef Q4_PAIRS
+    if constexpr (std::is_same<W, Q4>::value) {
+        if (M == 1) {  // a one-token step: the blocks in pairs (q4_pair), an odd last one alone
+            const int64_t stride = column_bytes<W>(K);
+            const int pairs = count / 2, threads = std::min(omp_get_max_threads(), std::max(pairs, 1));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+            for (int b = 0; b < pairs; ++b)
+                q4_pair(x, (const uint8_t*)wp + 2 * b * stride, stride, out, K, N, 2 * b * L);
+            if (count % 2)
+                column_block<W>(x, (const W*)((const char*)wp + (count - 1) * stride), scale, out, M, K, N, (count - 1) * L);
+            return;
+        }
+    }
+#endif
     const int threads = std::min(omp_get_max_threads(), count);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int b = 0; b < count; ++b)

@@ -78,6 +78,11 @@ def test_grid_codes_give_the_float_blocks_logits_bit_for_bit(kind, grid, size):
         x = torch.randn(rows, 96, generator=gen)
         got = gguf_codes.linear(x, packed, kind, 1000, None)
         assert torch.equal(_bits(got), _bits(gemv_rows.linear(x, blocked, 1000, None))), rows
+    # one row over an even count of column blocks, the last partial (AVX2 Q4 rows: in pairs)
+    n = 1000 - gemv_rows.lanes()
+    x = torch.randn(1, 96, generator=gen)
+    got = gguf_codes.linear(x, gguf_codes.pack(*gguf_codes.find_codes(w[:n])), kind, n, None)
+    assert torch.equal(_bits(got), _bits(gemv_rows.linear(x, gemv_rows.block_weight(w[:n]), n, None)))
     bias = torch.randn(1000, generator=gen)
     assert torch.equal(_bits(gguf_codes.linear(x, packed, kind, 1000, bias)), _bits(gemv_rows.linear(x, blocked, 1000, bias)))
     x = torch.randn(2 * gemv_rows.MAX_ROWS + 3, 96, generator=gen)  # a prompt's pass: 64 rows per call
