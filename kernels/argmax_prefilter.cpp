@@ -12,6 +12,8 @@
 //   4. only the outputs whose approx + bound reaches the best approx - bound are recomputed by the
 //      grid kernel's chain (d q exact, one fused multiply-add per feature in order): the argmax,
 //      the first on ties, is that of the logits the gemv op returns for Q8_0, bit for bit.
+// At the end, the same for float32 weights (``rows_argmax``): gemv_rows.cpp's int8 screen copy
+// gives approximate logits, and the outputs within its bound are recounted by the float chain.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // rows per pass over the weight: 2 zmm of int sums each (the float sums, updated once per chunk,
 // live in L1); fewer rows per pass than the float kernel's 12 keep those sums in registers
@@ -151,4 +153,49 @@ static bool prefilter_built() {
 #else
     return false;
 #endif
+}
+
+// The float32 blocks' screened argmax (gemv_rows.cpp's int8 screen copy, then exact recounts).
+// The exact kernel's logit of output v for row x [K]: the same chain, one product per feature in order.
+static inline float exact_at(const float* x, const float* wp, int K, int v) {
+    const float* w = wp + (int64_t)(v / L) * K * L + v % L;
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) acc = madd(x[k], w[(int64_t)k * L], acc);
+    return acc;
+}
+
+// The exact kernel's argmax over N outputs of each row of x [M, K] (the first on ties), reading the
+// int8 copy q [ceil(N / L), K, L] (times scale [N]) in full and the fp32 blocks wp only at the
+// outputs whose screened value, within err[n] * |x|_1 of its exact one, can reach the best.
+// approx [M, N]: scratch. Returns how many outputs were computed exactly, or -1 if x is not finite.
+static int64_t rows_argmax(const float* x, const int8_t* q, const float* scale, const float* err,
+                               const float* wp, float* approx, int64_t* best, int M, int K, int N) {
+    blocks<int8_t>(x, q, scale, approx, M, K, N);
+    int64_t picked = 0;
+    for (int m = 0; m < M; ++m) {
+        const float* xr = x + (int64_t)m * K;
+        const float* a = approx + (int64_t)m * N;
+        double l1 = 0.0;
+        for (int k = 0; k < K; ++k) l1 += std::fabs((double)xr[k]);
+        const float s = (float)(l1 * (1.0 + 4.0 * FLT_EPSILON));  // |x|_1, rounded up
+        float lo = -INFINITY, big = 0.0f;  // lo: the best screened value less its bound; no exact maximum lies below it
+#pragma omp simd reduction(max : lo, big)
+        for (int v = 0; v < N; ++v) {
+            lo = std::max(lo, a[v] - s * err[v]);
+            big = std::max(big, std::fabs(a[v]) + s * err[v]);
+        }
+        if (!std::isfinite(s) || !std::isfinite(big)) return -1;
+        const float floor = lo - 4.0f * FLT_EPSILON * big;  // both sides' float rounding (each <= 2 eps big) with room
+        float top = 0.0f;
+        int64_t at = -1;
+        for (int v = 0; v < N; ++v) {
+            if (a[v] + s * err[v] < floor) continue;
+            const float e = exact_at(xr, wp, K, v);
+            if (std::isnan(e)) return -1;
+            ++picked;
+            if (at < 0 || e > top) top = e, at = v;
+        }
+        best[m] = at;
+    }
+    return picked;
 }
