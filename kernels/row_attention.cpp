@@ -1,5 +1,6 @@
 // Attention one row at a time, each row's arithmetic fixed by the keys it sees (ops.cpp includes
-// this before layer_step.cpp, which calls it where a layer's sizes ask: the int8 setting).
+// this after gemv_rows.cpp, whose vector helpers it uses, and before layer_step.cpp, which calls it
+// where a layer's sizes ask: the int8 setting).
 //
 // Why: SDPA's result for a row depends on the rows beside it and on masked keys (its blocking), by
 // an ulp or so. On exact weights that is an ulp; on int8 activations (gemv_int8.cpp) an ulp can move
@@ -17,8 +18,10 @@
 
 #if defined(__AVX512F__)
 #define MT_AW 16  // floats per vector (a macro: the code below asks the preprocessor)
+static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MT_AW 8
+static inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
 #else
 #define MT_AW 1
 #endif
@@ -169,30 +172,17 @@ static void attend_head(const float* q, const float* kh, const float* vh, const 
     float m = -std::numeric_limits<float>::infinity();
     for (int i = 0; i < n; ++i) m = std::max(m, s[i]);
     const float l = exp_sum(s.data(), padded, m);
-#if MT_AW == 16
-    if (d % 16 == 0 && d <= 256) {  // the same fused multiply-adds, the sums in registers
-        __m512 acc[16];
-        const int w = d / 16;
-        for (int e = 0; e < w; ++e) acc[e] = _mm512_setzero_ps();
+#if MT_AW > 1  // gemv_rows.cpp's vec: MT_AW floats
+    if (d % MT_AW == 0 && d <= 16 * MT_AW) {  // the loop below's fused multiply-adds, the sums in registers
+        vec acc[16];
+        const int w = d / MT_AW;
+        for (int e = 0; e < w; ++e) acc[e] = zero();
         for (int i = 0; i < n; ++i) {
-            const __m512 p = _mm512_set1_ps(s[i]);
+            const vec p = bcast(s[i]);
             const float* v = vh + slots[i] * d;
-            for (int e = 0; e < w; ++e) acc[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * e), acc[e]);
+            for (int e = 0; e < w; ++e) acc[e] = vfma(p, load(v + MT_AW * e), acc[e]);
         }
-        for (int e = 0; e < w; ++e) _mm512_storeu_ps(out + 16 * e, _mm512_div_ps(acc[e], _mm512_set1_ps(l)));
-        return;
-    }
-#elif MT_AW == 8
-    if (d % 8 == 0 && d <= 128) {  // as the loop below, the sums in registers
-        __m256 acc[16];
-        const int w = d / 8;
-        for (int e = 0; e < w; ++e) acc[e] = _mm256_setzero_ps();
-        for (int i = 0; i < n; ++i) {
-            const __m256 p = _mm256_set1_ps(s[i]);
-            const float* v = vh + slots[i] * d;
-            for (int e = 0; e < w; ++e) acc[e] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * e), acc[e]);
-        }
-        for (int e = 0; e < w; ++e) _mm256_storeu_ps(out + 8 * e, _mm256_div_ps(acc[e], _mm256_set1_ps(l)));
+        for (int e = 0; e < w; ++e) store(out + MT_AW * e, vdiv(acc[e], bcast(l)));
         return;
     }
 #endif
